@@ -1,0 +1,176 @@
+"""Reference dispatch/combine over ``torch.distributed.all_to_all_single`` (gloo on CPU, nccl on GPU).
+
+This is the specification the NVSHMEM transport is tested against: the same rows, bytes and order.
+Each token is sent once per destination rank (not once per expert) with its (local expert, weight) pairs;
+the receiver expands rows into expert-sorted order. Reductions run in a fixed order (top-k slot order on the
+expert side, rank order on the source side), so results are bitwise deterministic.
+
+The reference needs split sizes on the host for ``all_to_all_single``; those reads are marked
+``# NOTE: host sync`` (the CUDA transport keeps them on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import mxfp8
+from .handle import EPHandle
+
+
+def _all_to_all(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of the rows of ``t`` ([S, ...] any dtype) -> [sum(recv_splits), ...] same dtype.
+
+    Sent as raw bytes, so dtypes gloo lacks (fp8, int16) travel unchanged.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return t.clone()
+    tail = t.shape[1:]
+    width = t.element_size()
+    for s in tail:
+        width *= s
+    raw = t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+    out = torch.empty(sum(recv_splits), width, dtype=torch.uint8, device=t.device)
+    dist.all_to_all_single(out, raw, recv_splits, send_splits, group=group)
+    return out.view(t.dtype).reshape(-1, *tail)
+
+
+def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None) -> EPHandle:
+    """Routing layout: which rows go where, and the expert-sorted expansion on the receiver.
+
+    topk_idx: [T, top_k] int (global expert ids, distinct per token) -> EPHandle.
+
+    Example (ep_size 2, 2 local experts each, T=2, top_k=2): topk_idx [[0, 3], [1, 0]] ->
+    token 0 goes to ranks 0 and 1, token 1 to rank 0 only; send_token [0, 1, 0], send_splits [2, 1];
+    rank 0 receives rows (t0: slots e0), (t1: e1, e0) and expands them to experts [0, 0, 1] = rows [0, 1, 1].
+    """
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be [num_tokens, top_k], got shape {tuple(topk_idx.shape)}")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
+    ep_size = dist.get_world_size(group) if group is not None else 1
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts {num_experts} is not divisible by the EP size {ep_size}")
+    num_local = num_experts // ep_size
+    num_tokens, top_k = topk_idx.shape
+    device = topk_idx.device
+    idx = topk_idx.to(torch.int64)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_experts):  # NOTE: host sync (reference)
+        raise ValueError(f"expert index out of range [0, {num_experts}): min {int(idx.min())}, max {int(idx.max())}")
+
+    topk_rank = idx // num_local
+    goes = torch.zeros(num_tokens, ep_size, dtype=torch.bool, device=device)
+    goes.scatter_(1, topk_rank, True)
+    rank_of_row, token_of_row = goes.t().nonzero(as_tuple=True)  # sorted by (rank, token)
+    send_row_of = torch.full((num_tokens, ep_size), -1, dtype=torch.int64, device=device)
+    send_row_of[token_of_row, rank_of_row] = torch.arange(token_of_row.numel(), device=device)
+    send_counts = goes.sum(0)
+    recv_counts = _all_to_all(send_counts, [1] * ep_size, [1] * ep_size, group) if ep_size > 1 else send_counts
+    send_splits = send_counts.tolist()  # NOTE: host sync (reference transport needs host splits)
+    recv_splits = recv_counts.tolist()  # NOTE: host sync
+
+    # (local expert | -1) of each slot, for each sent row; it travels with the row.
+    local = torch.where(topk_rank[token_of_row] == rank_of_row[:, None], idx[token_of_row] % num_local, -1)
+    recv_local = _all_to_all(local, send_splits, recv_splits, group)
+    expand_row, expand_slot, group_sizes = expand_layout(recv_local, num_local)
+    return EPHandle(
+        num_tokens=num_tokens,
+        top_k=top_k,
+        ep_size=ep_size,
+        num_local_experts=num_local,
+        send_token=token_of_row,
+        send_row_of=send_row_of,
+        topk_rank=topk_rank,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        send_local=local,
+        recv_local=recv_local,
+        expand_row=expand_row,
+        expand_slot=expand_slot,
+        group_sizes=group_sizes.to(torch.int32),
+        group_sizes_host=group_sizes.tolist(),  # NOTE: host sync (reference expert loop)
+        group=group,
+    )
+
+
+def expand_layout(recv_local: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-sorted expansion of received rows.
+
+    recv_local: [R, top_k] int64 local expert per slot (-1: not for this rank) ->
+    (expand_row [N] int64, expand_slot [N] int64, group_sizes [num_local] int64).
+
+    Example: recv_local [[1, -1], [0, 1]] -> rows [1, 0, 1], slots [0, 0, 1], group_sizes [1, 2].
+    """
+    rows, top_k = recv_local.shape
+    flat = recv_local.reshape(-1)
+    valid = (flat >= 0).nonzero(as_tuple=True)[0]
+    # position in (row, slot) order breaks ties, so the sort is unique and deterministic
+    key = flat[valid] * (rows * top_k) + valid
+    order = torch.argsort(key)
+    pos = valid[order]
+    group_sizes = torch.bincount(flat[valid], minlength=num_local)
+    return pos // top_k, pos % top_k, group_sizes
+
+
+@dataclass
+class RecvBuffers:
+    """What a rank receives in dispatch, before expansion (the transport contract, byte for byte).
+
+    data:  [R, H] e4m3 (quantize=True) or the input dtype;  scale: [R, H//32] uint8 or None;
+    local: [R, top_k] int64 local expert per slot (-1 none); weight: [R, top_k] fp32 (0 where local is -1).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    local: torch.Tensor
+    weight: torch.Tensor
+
+
+def send_rows(x: torch.Tensor, handle: EPHandle, quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize each token once and send it once per destination rank.
+
+    x: [T, H] bf16/fp32 -> (data [R, H] e4m3 or x.dtype, scale [R, H//32] uint8 or None) on the receiver.
+    """
+    grp, ss, rs, tok = handle.group, handle.send_splits, handle.recv_splits, handle.send_token
+    if not quantize:
+        return _all_to_all(x[tok], ss, rs, grp), None
+    q = mxfp8.quantize(x, axis=-1)
+    return _all_to_all(q.data[tok], ss, rs, grp), _all_to_all(q.scale[tok], ss, rs, grp)
+
+
+def dispatch_send(x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize: bool) -> RecvBuffers:
+    """Rows plus their top-k weights: x [T, H], topk_w [T, top_k] fp32 -> RecvBuffers on the receiver.
+
+    The (local expert) ids already travelled in :func:`build_layout`, which needed them to size the expansion.
+    """
+    data, scale = send_rows(x, handle, quantize)
+    weight = torch.where(handle.send_local >= 0, topk_w[handle.send_token].to(torch.float32), 0.0)
+    recv_w = _all_to_all(weight, handle.send_splits, handle.recv_splits, handle.group)
+    return RecvBuffers(data, scale, handle.recv_local, recv_w)
+
+
+def slot_reduce(vals: torch.Tensor, handle: EPHandle, num_rows: int) -> torch.Tensor:
+    """Sum expanded rows into their received row in top-k slot order (deterministic), in fp32.
+
+    vals: [N, H] float -> [num_rows, H] fp32.
+    """
+    out = torch.zeros(num_rows, vals.shape[1], dtype=torch.float32, device=vals.device)
+    for j in range(handle.top_k):
+        sel = (handle.expand_slot == j).nonzero(as_tuple=True)[0]
+        out[handle.expand_row[sel]] += vals[sel].to(torch.float32)  # rows are unique within one slot
+    return out
+
+
+def rank_reduce(rows: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+    """Sum the rows returned by each rank into their source token, in rank order, in fp32.
+
+    rows: [S, H] float (sent-row order) -> [T, H] fp32.
+    """
+    out = torch.zeros(handle.num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    for r in range(handle.ep_size):
+        row = handle.send_row_of[:, r]
+        has = (row >= 0).nonzero(as_tuple=True)[0]
+        out[has] += rows[row[has]].to(torch.float32)
+    return out

@@ -1,0 +1,50 @@
+"""MoE layer configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "reference", "cuda")
+
+
+@dataclass
+class MoEConfig:
+    """Configuration of one expert-parallel MoE layer.
+
+    hidden:              model width H (multiple of 32 when quantizing).
+    ffn_hidden:          expert MLP width F (SwiGLU: up-projection to 2F, down-projection to H).
+    num_experts:         global expert count E (divisible by the EP size).
+    top_k:               experts per token.
+    max_tokens_per_rank: the most tokens one rank may pass to forward; sizes the receive buffers
+                         (a token is sent at most once per destination rank).
+    renormalize:         renormalize the top-k gate weights to sum to 1.
+    aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e).
+    quantize:            MXFP8 at the dispatch payload, the SwiGLU output, the dy payload and the grouped-GEMM
+                         operands (the recipe); False gives the pure-bf16 baseline of the same module.
+    backend:             "auto" (CUDA kernels when on GPU and available, else reference), "reference", "cuda".
+    """
+
+    hidden: int
+    ffn_hidden: int
+    num_experts: int
+    top_k: int
+    max_tokens_per_rank: int = 4096
+    renormalize: bool = True
+    aux_loss_coef: float = 1e-2
+    quantize: bool = True
+    backend: str = "auto"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn_hidden", "num_experts", "top_k", "max_tokens_per_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if self.quantize and (self.hidden % 32 or self.ffn_hidden % 32):
+            raise ValueError(
+                f"MXFP8 needs hidden and ffn_hidden to be multiples of 32, got {self.hidden} and {self.ffn_hidden}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -1,0 +1,161 @@
+"""Expert MLP on expert-sorted rows: grouped GEMMs, SwiGLU, and the MXFP8 recipe (reference backend).
+
+Per local expert e with rows X_e [n_e, H] (expert-sorted, groups contiguous, sizes may be 0):
+  forward   A = X_e @ W13_e^T                 [n_e, 2F], kept in the input dtype (the GEMM's output dtype)
+            h = silu(A[:, :F]) * A[:, F:]      fp32
+            O = h @ W2_e^T                     [n_e, H]
+  backward  dh = dO @ W2_e,  dW2_e = dO^T @ h,  dA = swiglu_bwd(A, dh),  dX = dA @ W13_e,  dW13_e = dA^T @ X_e
+
+With ``quantize=True`` every GEMM operand is MXFP8 along its reduction axis, as the Hopper/Blackwell kernels
+will consume it (the recipe: E4M3 everywhere, RCEIL scales):
+  fprop  X row-wise over H (the dispatch payload, so requantizing is the identity), W13 over H; h row-wise
+         over F, W2 over F.
+  dgrad  dO row-wise over H with W2 over H; dA row-wise over 2F with W13 over 2F.
+  wgrad  dO, h, dA, X column-wise over the rows of each expert's group: 32x1 blocks start at the group's
+         first row; a group's last block may be short (it is padded with zeros, which never change amax).
+Products are fp32 sums of exactly dequantized operands; the kernels must match within summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import mxfp8
+
+
+def _fq(t: torch.Tensor, axis: int, on: bool) -> torch.Tensor:
+    return mxfp8.fake_quantize(t, axis) if on else t
+
+
+def fake_quantize_grouped_cols(t: torch.Tensor, group_sizes: list[int], on: bool = True) -> torch.Tensor:
+    """Column-wise (32x1) MXFP8 round trip within each row group; blocks never straddle two groups.
+
+    t: [M, N] float, group_sizes: host ints summing to M -> [M, N] t.dtype.
+
+    Example: sizes [40, 8]: rows 0-31 and 32-39 (+24 zero rows) form group 0's blocks, rows 40-47 group 1's.
+    """
+    if not on:
+        return t
+    out = torch.empty_like(t)
+    start = 0
+    for n in group_sizes:
+        if n:
+            pad = (-n) % mxfp8.BLOCK
+            seg = torch.cat([t[start : start + n], t.new_zeros(pad, t.shape[1])]) if pad else t[start : start + n]
+            out[start : start + n] = mxfp8.fake_quantize(seg, axis=0)[:n]
+        start += n
+    return out
+
+
+def grouped_mm_torch(a: torch.Tensor, b: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+    """Reference grouped GEMM (2-D x 3-D): rows of group g times ``b[g]^T``, fp32 accumulation.
+
+    a: [M, K] float, b: [G, N, K] float, group_sizes: G host ints summing to M -> [M, N] fp32.
+    """
+    out = a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32)
+    start = 0
+    for g, n in enumerate(group_sizes):
+        out[start : start + n] = a[start : start + n].to(torch.float32) @ b[g].to(torch.float32).t()
+        start += n
+    return out
+
+
+def grouped_wgrad_torch(a: torch.Tensor, b: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+    """Reference grouped GEMM (2-D x 2-D, groups along the reduction): ``a_g^T @ b_g`` per group.
+
+    a: [M, N] float, b: [M, K] float, group_sizes: G host ints summing to M -> [G, N, K] fp32 (zeros for empty
+    groups).
+    """
+    out = a.new_zeros(len(group_sizes), a.shape[1], b.shape[1], dtype=torch.float32)
+    start = 0
+    for g, n in enumerate(group_sizes):
+        if n:
+            out[g] = a[start : start + n].to(torch.float32).t() @ b[start : start + n].to(torch.float32)
+        start += n
+    return out
+
+
+def swiglu(a: torch.Tensor) -> torch.Tensor:
+    """a: [M, 2F] (gate | up) -> [M, F] fp32 ``silu(gate) * up``."""
+    f = a.shape[-1] // 2
+    g, u = a[..., :f].to(torch.float32), a[..., f:].to(torch.float32)
+    return torch.nn.functional.silu(g) * u
+
+
+def swiglu_bwd(a: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """a: [M, 2F], dh: [M, F] -> dA [M, 2F] fp32."""
+    f = a.shape[-1] // 2
+    g, u = a[..., :f].to(torch.float32), a[..., f:].to(torch.float32)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dg = dh * u * (sig * (1.0 + g * (1.0 - sig)))
+    return torch.cat([dg, dh * silu], dim=-1)
+
+
+def expert_mlp_fwd(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_sizes: list[int], quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, H], w13: [E, 2F, H], w2: [E, H, F] -> (out [M, H] x.dtype, A [M, 2F] x.dtype saved for bwd)."""
+    a = grouped_mm_torch(_fq(x, -1, quantize), _fq(w13, -1, quantize), group_sizes).to(x.dtype)
+    h = _fq(swiglu(a), -1, quantize)
+    out = grouped_mm_torch(h, _fq(w2, -1, quantize), group_sizes).to(x.dtype)
+    return out, a
+
+
+def expert_mlp_bwd(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    group_sizes: list[int],
+    quantize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dout: [M, H] -> (dx [M, H] x.dtype, dw13 [E, 2F, H] w13.dtype, dw2 [E, H, F] w2.dtype)."""
+    q = quantize
+    h = swiglu(a)
+    # dgrad reduces over the weights' output axis: quantize W along it (axis -2), dO along H
+    dh = grouped_mm_torch(_fq(dout, -1, q), _fq(w2, -2, q).transpose(1, 2), group_sizes)
+    dw2 = grouped_wgrad_torch(
+        fake_quantize_grouped_cols(dout, group_sizes, q), fake_quantize_grouped_cols(h, group_sizes, q), group_sizes
+    )
+    da = swiglu_bwd(a, dh)
+    dx = grouped_mm_torch(_fq(da, -1, q), _fq(w13, -2, q).transpose(1, 2), group_sizes).to(x.dtype)
+    dw13 = grouped_wgrad_torch(
+        fake_quantize_grouped_cols(da, group_sizes, q), fake_quantize_grouped_cols(x, group_sizes, q), group_sizes
+    )
+    return dx, dw13.to(w13.dtype), dw2.to(w2.dtype)
+
+
+class _ExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, w2, group_sizes, quantize):
+        out, a = expert_mlp_fwd(x, w13, w2, group_sizes, quantize)
+        ctx.save_for_backward(x, a, w13, w2)
+        ctx.group_sizes, ctx.quantize = group_sizes, quantize
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, a, w13, w2 = ctx.saved_tensors
+        dx, dw13, dw2 = expert_mlp_bwd(dout.contiguous(), x, a, w13, w2, ctx.group_sizes, ctx.quantize)
+        return dx, dw13, dw2, None, None
+
+
+def expert_mlp(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_sizes: list[int], quantize: bool = True
+) -> torch.Tensor:
+    """SwiGLU expert MLP over expert-sorted rows.
+
+    x: [M, H] bf16/fp32 (groups contiguous), w13: [E, 2F, H] (gate rows then up rows), w2: [E, H, F],
+    group_sizes: E host ints summing to M -> [M, H] x.dtype. Differentiable in x, w13, w2.
+    """
+    e, f2, hdim = w13.shape
+    if x.dim() != 2 or x.shape[1] != hdim or w2.shape != (e, hdim, f2 // 2) or len(group_sizes) != e:
+        raise ValueError(
+            f"expert_mlp shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
+            f"{len(group_sizes)} groups"
+        )
+    if sum(group_sizes) != x.shape[0]:
+        raise ValueError(f"group sizes sum to {sum(group_sizes)}, x has {x.shape[0]} rows")
+    return _ExpertMLP.apply(x, w13, w2, list(group_sizes), quantize)

@@ -1,0 +1,117 @@
+"""The expert-parallel MoE module."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .comm import EPHandle, combine, dispatch
+from .config import MoEConfig
+from .gemm import expert_mlp
+from .router import Router
+
+
+class Experts(nn.Module):
+    """This rank's experts. w13: [E_local, 2F, H] (gate rows, then up rows); w2: [E_local, H, F]."""
+
+    def __init__(self, num_local: int, hidden: int, ffn_hidden: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * ffn_hidden, hidden, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, group_sizes: list[int], quantize: bool) -> torch.Tensor:
+        """x: [N, H] expert-sorted rows, group_sizes: E_local host ints -> [N, H] x.dtype."""
+        return expert_mlp(x, self.w13, self.w2, group_sizes, quantize)
+
+
+def _resolve_backend(requested: str, device: torch.device) -> str:
+    if requested == "reference":
+        return "reference"
+    if requested == "auto":
+        # The CUDA transport (NVSHMEM) and grouped GEMMs are not built yet: auto means the reference.
+        return "reference"
+    missing = [m for m in ("cupy", "nvshmem") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"backend='cuda' needs {', '.join(missing)}: install the GPU extra, pip install 'moe_ep[gpu]'"
+        )
+    if device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs CUDA tensors, got {device}")
+    raise NotImplementedError("backend='cuda' (NVSHMEM dispatch/combine, MXFP8 grouped GEMMs) is not built yet")
+
+
+class MoE(nn.Module):
+    """Expert-parallel MoE layer: router -> MXFP8 dispatch -> SwiGLU experts -> combine.
+
+    cfg: MoEConfig; mesh: a ("dp", "ep") DeviceMesh from :func:`moe_ep.init_ep`, or None for one process
+    owning every expert. This rank owns global experts [ep_rank * E_local, (ep_rank + 1) * E_local).
+    forward(x: [..., H] bf16/fp32) -> (y: same shape and dtype, aux_loss: scalar fp32, already weighted by
+    cfg.aux_loss_coef). Nothing is kept on the module between calls: the dispatch handle lives in autograd.
+    """
+
+    def __init__(self, cfg: MoEConfig, mesh: DeviceMesh | None = None, device=None, dtype=None,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        if mesh is not None and mesh.mesh_dim_names and "ep" in mesh.mesh_dim_names:
+            ep_mesh = mesh["ep"]
+            self.ep_size, self.ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+            self.ep_group = ep_mesh.get_group() if self.ep_size > 1 else None
+        elif mesh is not None:
+            raise ValueError(f"mesh must have an 'ep' dimension, got dims {mesh.mesh_dim_names}")
+        else:
+            self.ep_size, self.ep_rank, self.ep_group = 1, 0, None
+        if cfg.num_experts % self.ep_size:
+            raise ValueError(f"num_experts {cfg.num_experts} is not divisible by the EP size {self.ep_size}")
+        self.num_local_experts = cfg.num_experts // self.ep_size
+        self.router = Router(cfg.hidden, cfg.num_experts, cfg.top_k, cfg.renormalize, device=device, dtype=dtype)
+        self.experts = Experts(self.num_local_experts, cfg.hidden, cfg.ffn_hidden, device=device, dtype=dtype)
+        self.reset_parameters(seed)
+
+    @property
+    def first_expert(self) -> int:
+        return self.ep_rank * self.num_local_experts
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Normal(0, init_std) weights drawn per global expert, so any EP size gives the same global model."""
+        if self.router.weight.device.type == "meta":
+            return
+        std = self.cfg.init_std
+        gen = torch.Generator().manual_seed(seed)
+        self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=gen) * std)
+        for i in range(self.num_local_experts):
+            gen.manual_seed(seed + 1 + self.first_expert + i)
+            self.experts.w13[i].copy_(torch.randn(self.experts.w13[i].shape, generator=gen) * std)
+            self.experts.w2[i].copy_(torch.randn(self.experts.w2[i].shape, generator=gen) * std)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        if x.shape[-1] != cfg.hidden:
+            raise ValueError(f"x has hidden size {x.shape[-1]}, the layer expects {cfg.hidden}")
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
+        _resolve_backend(cfg.backend, x.device)
+        shape = x.shape
+        x2 = x.reshape(-1, cfg.hidden)
+        if x2.shape[0] > cfg.max_tokens_per_rank:
+            raise ValueError(
+                f"{x2.shape[0]} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank} (it sizes the "
+                "receive buffers); raise it in MoEConfig"
+            )
+        r = self.router(x2)
+        rows, w, handle = dispatch(x2, r.topk_idx, r.topk_w, cfg.num_experts, self.ep_group, cfg.quantize)
+        out = self.experts(rows, handle.group_sizes_host, cfg.quantize)
+        y = combine(out, w, handle, cfg.quantize)
+        return y.reshape(shape), r.aux_loss * cfg.aux_loss_coef
+
+    def forward_with_handle(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
+        """Like forward on x: [T, H], also returning the dispatch handle (for tests and inspection)."""
+        cfg = self.cfg
+        r = self.router(x)
+        rows, w, handle = dispatch(x, r.topk_idx, r.topk_w, cfg.num_experts, self.ep_group, cfg.quantize)
+        y = combine(self.experts(rows, handle.group_sizes_host, cfg.quantize), w, handle, cfg.quantize)
+        return y, r.aux_loss * cfg.aux_loss_coef, handle

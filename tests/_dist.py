@@ -1,0 +1,66 @@
+"""The one helper for multi-process CPU tests: spawn ``world_size`` gloo ranks, run ``fn`` on each.
+
+Every rank reports its status through a queue; the caller fails with every rank's traceback if any rank
+failed, so all ranks end with the same verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+        dist.barrier()
+        queue.put((rank, None))
+    except BaseException:  # noqa: BLE001  (report everything, including assertion failures)
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise if any rank failed.
+
+    ``fn`` must be a module-level function (it is pickled into the spawned processes).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, str | None] = {}
+    try:
+        for _ in range(world_size):
+            rank, err = queue.get(timeout=timeout)
+            results[rank] = err
+    except Exception as e:  # queue.Empty: a rank hung or died without reporting
+        results.setdefault(-1, f"timed out / died after {timeout}s waiting for ranks: {e!r}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    failed = {r: e for r, e in results.items() if e}
+    missing = set(range(world_size)) - set(results)
+    if failed or missing:
+        msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(failed.items()))
+        raise AssertionError(f"distributed test failed (missing ranks: {sorted(missing)})\n{msg}")
