@@ -49,7 +49,7 @@ CASES = [
 ]
 
 
-def _pipeline(rank: int, world: int) -> None:
+def _pipeline(rank: int, world: int, device: str = "cpu") -> None:
     group = dist.group.WORLD if world > 1 else None
     for case, counts_all, num_experts, top_k, dtype in CASES:
         counts = [counts_all[i % 4] for i in range(world)]
@@ -59,6 +59,8 @@ def _pipeline(rank: int, world: int) -> None:
         w13 = (torch.randn(num_experts, 2 * F, H, generator=gen) * 0.1).to(dtype)
         w2 = (torch.randn(num_experts, H, F, generator=gen) * 0.1).to(dtype)
         dys = [torch.randn(n, H, generator=gen).to(dtype) for n in counts]
+        xs, dys, w13, w2 = [t.to(device) for t in xs], [t.to(device) for t in dys], w13.to(device), w2.to(device)
+        routes = [(i.to(device), w.to(device)) for i, w in routes]
         nl = num_experts // world
         mine = slice(rank * nl, (rank + 1) * nl)
 
@@ -92,16 +94,16 @@ def _pipeline(rank: int, world: int) -> None:
             assert rank not in (1, 3) or handle.num_expanded == 0  # these ranks' experts get no token
 
 
-def _layer(rank: int, world: int, ep: int, top_k: int) -> None:
+def _layer(rank: int, world: int, ep: int, top_k: int, device: str = "cpu") -> None:
     mesh = init_ep(ep_size=ep)
     cfg = MoEConfig(hidden=H, ffn_hidden=F, num_experts=8, top_k=top_k, max_tokens_per_rank=64)
-    moe = MoE(cfg, mesh=mesh, seed=7)
-    dense = MoE(cfg, mesh=None, seed=7)  # the same global weights (drawn per global expert)
+    moe = MoE(cfg, mesh=mesh, seed=7).to(device)
+    dense = MoE(cfg, mesh=None, seed=7).to(device)  # the same global weights (drawn per global expert)
     ep_rank, dp_rank = mesh["ep"].get_local_rank(), mesh["dp"].get_local_rank()
     counts = [11 + 5 * ((dp_rank + i) % 3) for i in range(ep)]  # differ per rank and per EP group
     gen = torch.Generator().manual_seed(1000 + dp_rank)
-    xs = [torch.randn(n, H, generator=gen) for n in counts]
-    dys = [torch.randn(n, H, generator=gen) for n in counts]
+    xs = [torch.randn(n, H, generator=gen).to(device) for n in counts]
+    dys = [torch.randn(n, H, generator=gen).to(device) for n in counts]
 
     x = xs[ep_rank].clone().requires_grad_()
     y, aux = moe(x)

@@ -1,0 +1,55 @@
+"""torchrun script: the CPU layer tests (tests/test_layer.py) on GPUs over nccl, reference backend.
+
+    torchrun --standalone --nproc-per-node=N tests/multigpu/ep_reference.py
+
+Every rank runs every case; ranks agree on the verdict through an all-reduce, and rank 0 prints
+``N passed, N failed``. Exit code 1 when any case failed on any rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.test_layer import _layer, _pipeline  # noqa: E402
+
+
+def main() -> int:
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{local}"
+    cases = [("pipeline", lambda: _pipeline(rank, world, device))]
+    for ep in sorted({world, max(1, world // 2)}):
+        for top_k in (1, 2, 8):
+            cases.append((f"layer ep={ep} top_k={top_k}", lambda ep=ep, k=top_k: _layer(rank, world, ep, k, device)))
+    passed = failed = 0
+    for name, fn in cases:
+        try:
+            fn()
+            ok = 1
+        except Exception:  # noqa: BLE001
+            ok = 0
+            print(f"[rank {rank}] FAILED {name}\n{traceback.format_exc()}", flush=True)
+        flag = torch.tensor([ok], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item():
+            passed += 1
+        else:
+            failed += 1
+        if rank == 0:
+            print(f"{'PASS' if flag.item() else 'FAIL'} {name} (world={world})", flush=True)
+    if rank == 0:
+        print(f"{passed} passed, {failed} failed")
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
