@@ -6,6 +6,7 @@ Steps (each a subprocess with its own timeout; a failing step does not stop the 
   env          GPU, driver, torch / CuPy / nvshmem4py versions
   gpu_tests    pytest -m gpu (single-GPU kernel tests vs the reference; skip markers on CPU)
   ep_reference torchrun over all GPUs: the EP layer tests over nccl, reference backend
+  ep_nvshmem_N torchrun on 2 and on all GPUs: the NVSHMEM transport vs the reference transport
   train        torchrun launch/train.py for --train-steps steps (tokens/sec/GPU)
   bench_*      every benchmarks/bench_*.py with --json (each checks correctness before timing)
 The summary holds each step's status, seconds, the last lines of its output and any JSON it wrote.
@@ -43,6 +44,7 @@ def _num_gpus() -> int:
 def _steps(args, out: Path, ngpu: int) -> list[tuple[str, list[str], dict, int, Path | None]]:
     py = sys.executable
     trun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ngpu}"]
+    trun2 = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env_ref = {"MOE_EP_FORCE_REFERENCE": "1"}
     steps = [
         ("env", [py, "-c", (
@@ -51,9 +53,16 @@ def _steps(args, out: Path, ngpu: int) -> list[tuple[str, list[str], dict, int, 
             "print({m: u.find_spec(m) is not None for m in ('cupy','nvshmem','triton')})")], {}, 120, None),
         ("gpu_tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"], {}, 900, None),
         ("ep_reference", [*trun, "tests/multigpu/ep_reference.py"], env_ref, 900, None),
+        ("ep_nvshmem_2", [*trun2, "tests/multigpu/ep_nvshmem.py"], {}, 600, None),
+        (f"ep_nvshmem_{ngpu}", [*trun, "tests/multigpu/ep_nvshmem.py"], {}, 600, None),
         ("train", [*trun, "launch/train.py", "--steps", str(args.train_steps), "--preset", "small",
                    "--log-json", str(out / "train.json")], {}, 1200, out / "train.json"),
     ]
+    if ngpu < 2:
+        steps = [s for s in steps if not s[0].startswith(("ep_", "train"))]
+    elif ngpu == 2:  # both ep_nvshmem entries are named ep_nvshmem_2: keep one
+        names: set[str] = set()
+        steps = [s for s in steps if not (s[0] in names or names.add(s[0]))]
     for bench in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         js = out / f"{bench.stem}.json"
         steps.append((bench.stem, [py, str(bench.relative_to(ROOT)), "--json", str(js)], {}, 1200, js))
@@ -66,6 +75,7 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated step names to run")
     p.add_argument("--skip", default="", help="comma-separated step names to skip")
     p.add_argument("--train-steps", type=int, default=50)
+    p.add_argument("--max-step-s", type=int, default=0, help="cap every step's timeout (0: per-step defaults)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +91,8 @@ def main() -> int:
                 continue
             log.write(f"\n===== {name}: {' '.join(cmd)}\n")
             log.flush()
+            if args.max_step_s:
+                timeout = min(timeout, args.max_step_s)
             t0 = time.time()
             try:
                 r = subprocess.run(cmd, cwd=ROOT, env={**env_base, **extra_env}, stdout=subprocess.PIPE,

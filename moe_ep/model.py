@@ -9,7 +9,7 @@ to every MoE layer; FSDP wrapping is a separate step (:func:`moe_ep.parallel.app
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +66,6 @@ class ModelConfig:
             aux_loss_coef=self.aux_loss_coef, quantize=self.quantize, backend=self.backend,
             init_std=self.init_std,
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class RMSNorm(nn.Module):
@@ -164,8 +161,10 @@ class MoETransformer(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for every non-expert matrix; residual output projections scaled down.
 
-        Expert and router weights are left as the MoE layer initialized them (see
-        :meth:`init_expert_weights` for a layout-independent expert init).
+        Router weights are re-drawn here too (from the global RNG, so seed it identically on every rank):
+        the layer's own init uses the same seed for every MoE instance, which would give every block the
+        same router. Expert weights are left to the layer (see :meth:`init_expert_weights` to make them
+        differ per block).
         """
         std = self.cfg.init_std
         nn.init.normal_(self.embed.weight, std=std)
@@ -173,6 +172,7 @@ class MoETransformer(nn.Module):
         for blk in self.blocks:
             nn.init.normal_(blk.attn.qkv.weight, std=std)
             nn.init.normal_(blk.attn.out.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+            nn.init.normal_(blk.moe.router.weight, std=std)
 
     @torch.no_grad()
     def init_expert_weights(self, seed: int) -> None:
@@ -189,8 +189,8 @@ class MoETransformer(nn.Module):
             for i in range(e_local):
                 e = self.ep_rank * e_local + i
                 g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + e)
-                w13[i].copy_(torch.randn(w13.shape[1:], generator=g) * self.cfg.init_std)
-                w2[i].copy_(torch.randn(w2.shape[1:], generator=g) * self.cfg.init_std)
+                w13[i].copy_(torch.randn(w13.shape[1:], generator=g, device="cpu") * self.cfg.init_std)
+                w2[i].copy_(torch.randn(w2.shape[1:], generator=g, device="cpu") * self.cfg.init_std)
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None

@@ -1,0 +1,248 @@
+"""Benchmark the MXFP8 grouped GEMMs (moe_ep.gemm_cuda) against torch's grouped GEMMs on the same shapes.
+
+For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgrad, wgrad) it first checks the
+kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median) and
+reports TFLOP/s (2*M*N*K / time) for:
+  mxfp8         our kernel (MOE_EP_GEMM_IMPL selects the family; wgrad writes bf16 here, fp32 as "mxfp8_f32")
+  bf16          torch._grouped_mm on bf16 operands (offs = cumsum int32) -- the reference point for ratios
+  deq+bf16      dequantize the MXFP8 operands to bf16, then torch._grouped_mm
+  fp8_rowwise   torch._scaled_grouped_mm with fp8 e4m3 operands and per-row fp32 scales (errors recorded)
+
+Usage: python benchmarks/bench_gemm.py [--quick] [--json PATH] [--shapes dsv3_up,small] [--no-check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moe_ep import gemm_cuda, mxfp8  # noqa: E402
+
+SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
+    "dsv3_up": (32768, 7168, 4096, 32),
+    "dsv3_down": (32768, 2048, 7168, 32),
+    "small": (32768, 2048, 1536, 16),
+    "llama4": (16384, 5120, 8192, 4),
+}
+
+
+def uneven_sizes(m: int, g: int, seed: int) -> list[int]:
+    """Random group sizes summing to m (TMA-adaptive FP8 grouped GEMM paper, appendix C.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randint(0, 2 * (m // g) + 1, (g,), generator=gen).double()
+    v = (v * (m / max(v.sum().item(), 1.0))).floor().long()
+    v[-1] += m - int(v.sum())
+    return [int(x) for x in v]
+
+
+def time_ms(fn, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    evs = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        evs.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in evs)
+
+
+def dequant(t: mxfp8.MXFP8Tensor) -> torch.Tensor:
+    try:
+        return mxfp8.dequantize(t, torch.bfloat16)
+    except ImportError:  # CUDA quantization kernels not available: torch ops
+        return mxfp8.dequantize_torch(t, torch.bfloat16)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 e4m3 quantization for the fp8 rowwise baseline: (data, fp32 scales [rows])."""
+    amax = t.float().abs().amax(dim=-1).clamp_min(1e-12)
+    s = amax / 448.0
+    return (t.float() / s.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn), s.float()
+
+
+def run_shape(name, m, k, n, g, args, out_rows):
+    dev = "cuda"
+    sizes = uneven_sizes(m, g, seed=sum(map(ord, name)))
+    sz = torch.tensor(sizes, dtype=torch.int32, device=dev)
+    offs = torch.cumsum(sz, 0, dtype=torch.int32)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
+    dy = torch.randn(m, n, generator=gen, device=dev).bfloat16()
+    w = (torch.randn(g, n, k, generator=gen, device=dev) * 0.02).bfloat16()
+
+    # MXFP8 operands (reference converters; they also give the plain MXFP8 tensors for the baselines)
+    xq, dyq, wq = mxfp8.quantize_torch(x, -1), mxfp8.quantize_torch(dy, -1), mxfp8.quantize_torch(w, -1)
+    wtq = mxfp8.quantize_torch(w.transpose(1, 2).contiguous(), -1)
+    xs = mxfp8.to_blocked_grouped(xq.scale, sz, "m")
+    dys = mxfp8.to_blocked_grouped(dyq.scale, sz, "m")
+    ws, wts = mxfp8.to_blocked(wq.scale), mxfp8.to_blocked(wtq.scale)
+    dyc, dycs = gemm_cuda.colwise_operand_ref(dy, sizes)
+    xc, xcs = gemm_cuda.colwise_operand_ref(x, sizes)
+    flops = 2.0 * m * n * k
+    res = {"M": m, "K": k, "N": n, "G": g, "group_sizes": sizes, "variants": {}}
+
+    ours = {
+        "fprop": lambda: gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz),
+        "dgrad": lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz),
+        "wgrad": lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16),
+    }
+
+    # ---- correctness on a subsample before timing
+    if not args.no_check:
+        starts = [0] + torch.cumsum(torch.tensor(sizes), 0).tolist()[:-1]
+        nonempty = [i for i in range(g) if sizes[i]]
+        pick = sorted({nonempty[0], nonempty[-1], max(nonempty, key=lambda i: sizes[i])})
+        o_f, o_d = ours["fprop"](), ours["dgrad"]()
+        xf, dyf = mxfp8.dequantize_torch(xq, torch.float32), mxfp8.dequantize_torch(dyq, torch.float32)
+        wf = mxfp8.dequantize_torch(wq, torch.float32)
+        wtf = mxfp8.dequantize_torch(wtq, torch.float32)
+        errs = {}
+        for gi in pick:
+            r = slice(starts[gi], starts[gi] + min(sizes[gi], 64))
+            errs[f"fprop_g{gi}"] = rel_err(o_f[r], xf[r] @ wf[gi].t())
+            errs[f"dgrad_g{gi}"] = rel_err(o_d[r], dyf[r] @ wtf[gi].t())
+        o_w = gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+        dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
+        xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
+        for gi in pick[:2]:
+            r = slice(starts[gi], starts[gi] + sizes[gi])
+            errs[f"wgrad_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
+        del o_f, o_d, o_w, xf, dyf, wf, wtf, dcf, xcf
+        res["check_rel_err"] = errs
+        limit = {"fprop": 5e-3, "dgrad": 5e-3, "wgrad": 1e-5}  # bf16 outputs: one bf16 rounding; wgrad fp32
+        bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
+        res["check_ok"] = not bad
+        summary = ", ".join(f"{kk}={v:.1e}" for kk, v in errs.items())
+        print(f"[{name}] check {'ok' if not bad else 'FAILED'}: {summary}")
+        if bad and not args.keep_going:
+            raise SystemExit(f"{name}: kernel does not match the reference: {bad}")
+        torch.cuda.empty_cache()
+
+    # ---- baselines (each in try/except: torch's private grouped-GEMM APIs change between versions)
+    xb, dyb, wb = x, dy, w
+    dyt = dy.t().contiguous()
+    base = {
+        "fprop": {
+            "bf16": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=offs),
+            "deq+bf16": lambda: torch._grouped_mm(dequant(xq), dequant(wq).transpose(-2, -1), offs=offs),
+        },
+        "dgrad": {
+            "bf16": lambda: torch._grouped_mm(dyb, wb, offs=offs),
+            "deq+bf16": lambda: torch._grouped_mm(dequant(dyq), dequant(wtq).transpose(-2, -1), offs=offs),
+        },
+        "wgrad": {
+            "bf16": lambda: torch._grouped_mm(dyt, xb, offs=offs),  # dY^T [N, M] (K-major) x X [M, K]
+            "deq+bf16": lambda: torch._grouped_mm(
+                gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes).bfloat16().t(),
+                gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes).bfloat16(), offs=offs),
+        },
+    }
+    try:  # fp8 rowwise operands (per-row scales; K-major A, column-major B as torch requires)
+        xf8, xsc = rowwise_fp8(x)
+        wf8, wsc = rowwise_fp8(w)  # [G, N, K], scales [G, N]
+        dyf8, dysc = rowwise_fp8(dy)
+        wtf8, wtsc = rowwise_fp8(w.transpose(1, 2).contiguous())  # [G, K, N]
+        dytf8, dytsc = rowwise_fp8(dyt)  # [N, M]
+        xtf8, xtsc = rowwise_fp8(x.t().contiguous())  # [K, M]
+
+        def sgm(a, b, sa, sb):
+            return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+
+        base["fprop"]["fp8_rowwise"] = lambda: sgm(xf8, wf8.transpose(-2, -1), xsc, wsc)
+        base["dgrad"]["fp8_rowwise"] = lambda: sgm(dyf8, wtf8.transpose(-2, -1), dysc, wtsc)
+        base["wgrad"]["fp8_rowwise"] = lambda: sgm(dytf8, xtf8.t(), dytsc, xtsc)
+    except Exception as e:  # noqa: BLE001
+        res["fp8_rowwise_setup_error"] = f"{type(e).__name__}: {e}"
+
+    for var in ("fprop", "dgrad", "wgrad"):
+        vres = {}
+        impls = {"mxfp8": ours[var], **base[var]}
+        if var == "wgrad":
+            impls["mxfp8_f32"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+        for impl, fn in impls.items():
+            try:
+                ms = time_ms(fn, args.warmup, args.reps)
+                vres[impl] = {"ms": ms, "tflops": flops / ms / 1e9}
+            except Exception as e:  # noqa: BLE001
+                vres[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        ref = vres.get("bf16", {}).get("tflops")
+        for v in vres.values():
+            if ref and "tflops" in v:
+                v["ratio_vs_bf16"] = v["tflops"] / ref
+        res["variants"][var] = vres
+        out_rows.append((name, var, vres))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=str, default=None, help="write results to this JSON file")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--shapes", type=str, default=",".join(SHAPES),
+                    help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    ap.add_argument("--keep-going", action="store_true", help="time even if the check fails")
+    args = ap.parse_args()
+    args.warmup, args.reps = (2, 5) if args.quick else (5, 20)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemm.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    result = {
+        "benchmark": "bench_gemm", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "commit": commit, "impl": gemm_cuda.gemm_impl(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": {"warmup": args.warmup, "reps": args.reps, "quick": args.quick}, "shapes": {},
+    }
+    rows: list = []
+    for name in [s for s in args.shapes.split(",") if s]:
+        m, k, n, g = SHAPES[name]
+        result["shapes"][name] = run_shape(name, m, k, n, g, args, rows)
+        torch.cuda.empty_cache()
+
+    cols = ["mxfp8", "mxfp8_f32", "bf16", "deq+bf16", "fp8_rowwise"]
+    print(f"\n{result['device']}  torch {result['torch']}  impl={result['impl']}  (TFLOP/s, ratio vs torch bf16)")
+    print(f"{'shape':<10} {'var':<6} " + " ".join(f"{c:>18}" for c in cols))
+    for name, var, vres in rows:
+        cells = []
+        for c in cols:
+            v = vres.get(c)
+            if v is None:
+                cells.append(f"{'-':>18}")
+            elif "error" in v:
+                cells.append(f"{'error':>18}")
+            else:
+                cells.append(f"{v['tflops']:8.1f} ({v.get('ratio_vs_bf16', float('nan')):4.2f}x)".rjust(18))
+        print(f"{name:<10} {var:<6} " + " ".join(cells))
+    errors = {f"{n_}/{v_}/{c}": vres[c]["error"] for n_, v_, vres in rows for c in vres if "error" in vres[c]}
+    for key, msg in errors.items():
+        print(f"  {key}: {msg}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Benchmark of the MXFP8 quantization kernels (issue 3) against the device copy bandwidth and torch.compile.
+
+    python benchmarks/bench_quant.py [--quick] [--json PATH] [--reps N] [--compile static|dynamic|off]
+
+For every (variant, M, K): checks the kernel's bytes against the CPU reference on a slice of rows, then times
+kernel and the ``torch.compile``-d reference in the same process with CUDA events (median of ``--reps``; the L2
+is flushed before each rep and a spin kernel keeps the GPU queue ahead of the CPU, so launch overhead is not
+timed). Bytes moved = input read + e4m3 data written + scale bytes written (fused: both outputs).
+Copy bandwidth = a large device-to-device copy, read + write bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe_ep import mxfp8_cuda  # noqa: E402
+from moe_ep.mxfp8 import quantize_torch, to_blocked, to_blocked_grouped  # noqa: E402
+
+TARGETS = {"row_blocked": 0.92, "col_blocked": 0.85, "fused": 0.85}  # fraction of copy bandwidth (H200)
+MIN_RATIO = 1.05  # vs torch.compile
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+class Timer:
+    """Median GPU time (ms) of fn() with a flushed L2 and the CPU kept ahead of the GPU."""
+
+    def __init__(self, reps: int, warmup: int):
+        self.reps, self.warmup = reps, warmup
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for s, e in zip(starts, ends, strict=True):
+            torch.cuda._sleep(200_000)  # ~100 us of spinning: the launches below queue up behind it
+            self.flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    ms = timer(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# variants: (kernel closure, compiled-reference closure or None, bytes, correctness check on a slice)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _ref_row_blocked(x):
+    q = quantize_torch(x, -1)
+    return q.data, to_blocked(q.scale)
+
+
+def _ref_row_plain(x):
+    q = quantize_torch(x, -1)
+    return q.data, q.scale
+
+
+def _ref_col_blocked(x):
+    q = quantize_torch(x.t(), -1)
+    return q.data, to_blocked(q.scale)
+
+
+def _ref_fused(x):
+    q, qt = quantize_torch(x, -1), quantize_torch(x.t(), -1)
+    return q.data, to_blocked(q.scale), qt.data, to_blocked(qt.scale)
+
+
+REFS = {
+    "row_plain": _ref_row_plain,
+    "row_blocked": _ref_row_blocked,
+    "col_blocked": _ref_col_blocked,
+    "fused": _ref_fused,
+}
+
+
+def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
+    """Kernel bytes == reference bytes on the first ``rows`` rows (all columns)."""
+    xs = x[:rows].contiguous()
+    xc = xs.cpu()
+    if variant == "row_plain":
+        return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "plain"), _ref_row_plain(xc)))
+    if variant == "row_blocked":
+        return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "blocked"), _ref_row_blocked(xc)))
+    if variant == "row_grouped":
+        sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
+        d, s = mxfp8_cuda.quantize_rowwise(xs, "grouped", sizes.to(xs.device))
+        q = quantize_torch(xc, -1)
+        return _eq(d, q.data) and _eq(s, to_blocked_grouped(q.scale, sizes, "m"))
+    if variant == "col_blocked":
+        return all(map(_eq, mxfp8_cuda.quantize_colwise(xs, "blocked"), _ref_col_blocked(xc)))
+    if variant == "fused":
+        return all(map(_eq, mxfp8_cuda.quantize_fused(xs, "blocked", "blocked"), _ref_fused(xc)))
+    raise ValueError(variant)
+
+
+def kernel_fn(variant: str, x: torch.Tensor, groups: int):
+    """(closure launching the kernel into preallocated outputs, bytes moved)."""
+    m, k = x.shape
+    dev = x.device
+    read = x.numel() * x.element_size()
+    data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+    if variant in ("row_plain", "row_blocked", "row_grouped"):
+        layout = variant.removeprefix("row_")
+        sizes = None
+        if layout == "grouped":
+            g = torch.Generator().manual_seed(0)
+            cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
+            sizes = (
+                torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
+            )
+        scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, layout, groups), dtype=torch.uint8, device=dev)
+        return (
+            lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, layout, sizes)
+        ), read + m * k + scale.numel()
+    data_t = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev)
+    scale_t = torch.empty(mxfp8_cuda.col_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=dev)
+    if variant == "col_blocked":
+        return (
+            lambda: mxfp8_cuda.quantize_colwise_into(x, data_t, scale_t, "blocked")
+        ), read + m * k + scale_t.numel()
+    scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=dev)
+    fn = lambda: mxfp8_cuda.quantize_fused_into(x, data, scale, data_t, scale_t, "blocked", "blocked")
+    return fn, read + 2 * m * k + scale.numel() + scale_t.numel()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="M=16384 only, fewer reps")
+    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument(
+        "--compile",
+        choices=["static", "dynamic", "off"],
+        default="static",
+        help="torch.compile baseline: static shapes (one compile per shape), dynamic, or none",
+    )
+    ap.add_argument("--variants", default="row_plain,row_blocked,row_grouped,col_blocked,fused")
+    ap.add_argument("--groups", type=int, default=32, help="groups of the row_grouped variant")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_quant.py needs a CUDA GPU")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    ms_list = [16384] if args.quick else [16384, 32768, 131072]
+    ks = [2048, 7168]
+    reps = args.reps or (20 if args.quick else 50)
+    variants = args.variants.split(",")
+    timer = Timer(reps, warmup=3)
+
+    copy_bw = copy_bandwidth(timer)
+    name = torch.cuda.get_device_name()
+    print(
+        f"device: {name}   torch {torch.__version__}   copy bandwidth (read+write): {copy_bw / 1e9:.0f} GB/s",
+        flush=True,
+    )
+    compiled = {}
+    for knob in ("cache_size_limit", "recompile_limit"):  # one static compile per shape must not hit the limit
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    if args.compile != "off":
+        for v in variants:
+            if v in REFS:
+                compiled[v] = torch.compile(REFS[v], dynamic=args.compile == "dynamic")
+
+    rows = []
+    hdr = (
+        f"{'variant':<12} {'M':>7} {'K':>5}  {'ok':>3} {'us':>8} {'GB/s':>7} {'%copy':>6}  "
+        f"{'compile us':>10} {'x vs compile':>12}"
+    )
+    print(hdr)
+    print("-" * len(hdr), flush=True)
+    for m in ms_list:
+        for k in ks:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float32).mul_(4.0).to(dtype)
+            for v in variants:
+                ok = check(v, x)
+                fn, nbytes = kernel_fn(v, x, args.groups)
+                t = timer(fn)
+                tc = None
+                if v in compiled:
+                    try:
+                        f = compiled[v]
+                        tc = timer(lambda f=f, x=x: f(x))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  torch.compile baseline failed for {v}: {type(e).__name__}: {e}", flush=True)
+                bw = nbytes / (t * 1e-3)
+                row = {
+                    "variant": v,
+                    "M": m,
+                    "K": k,
+                    "dtype": args.dtype,
+                    "correct": ok,
+                    "ms": t,
+                    "bytes": nbytes,
+                    "GBps": bw / 1e9,
+                    "pct_copy": 100 * bw / copy_bw,
+                    "compile_ms": tc,
+                    "ratio_vs_compile": (tc / t) if tc else None,
+                }
+                if v in TARGETS:
+                    row["target_pct_copy"] = 100 * TARGETS[v]
+                    row["meets_target"] = bool(
+                        bw >= TARGETS[v] * copy_bw and (tc is None or tc / t >= MIN_RATIO)
+                    )
+                rows.append(row)
+                ctxt = f"{tc * 1e3:10.1f} {tc / t:11.2f}x" if tc else f"{'-':>10} {'-':>12}"
+                print(
+                    f"{v:<12} {m:>7} {k:>5}  {'yes' if ok else 'NO':>3} {t * 1e3:8.1f} {bw / 1e9:7.0f} "
+                    f"{100 * bw / copy_bw:5.1f}%  {ctxt}",
+                    flush=True,
+                )
+                del fn
+            del x
+            torch.cuda.empty_cache()
+
+    bad = [r for r in rows if not r["correct"]]
+    print(
+        f"\ncorrect: {len(rows) - len(bad)}/{len(rows)};  targets met: "
+        f"{sum(1 for r in rows if r.get('meets_target'))}/{sum(1 for r in rows if 'meets_target' in r)}"
+    )
+    if args.json:
+        out = {
+            "device": name,
+            "torch": torch.__version__,
+            "commit": git_commit(),
+            "config": {
+                "quick": args.quick,
+                "reps": reps,
+                "dtype": args.dtype,
+                "compile": args.compile,
+                "variants": variants,
+                "groups": args.groups,
+                "M": ms_list,
+                "K": ks,
+                "copy_bandwidth_GBps": copy_bw / 1e9,
+                "targets_pct_copy": TARGETS,
+                "min_ratio_vs_compile": MIN_RATIO,
+            },
+            "rows": rows,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+    if bad:
+        raise SystemExit(f"{len(bad)} configurations produced wrong bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+// Combine of the NVSHMEM transport (and the dispatch backward, which is the same data movement).
+//
+// ep_combine_send<YT, BWD> (expert side): waits COMB_FREE(u-1) of every rank, then one warp per received row i
+//   (from rank s, index i - recv_off[s] among that rank's rows): acc = 0; for each top-k slot j in order with
+//   expanded row n = recv_pos[i][j]:  acc += y[n] * w[n]  (forward)   or   acc += y[n]  (BWD: dx rows)
+//   in fp32 with separate multiply and add (no FMA contraction: the reference's slot_reduce), then stores one YT
+//   row into rank s's combine buffer at row ret_base[s] + (i - recv_off[s]) -- the row's position in rank s's
+//   sent-row order. BWD also returns the top-k weight gradients of the row ([K] fp32, 0 for other ranks' slots).
+//   The last CTA signals COMB_READY(u).
+// ep_combine_recv<YT, BWD> (source side): waits COMB_READY(u) of every rank, then one warp per token t:
+//   out[t] = YT(sum over ranks r = 0..W-1 in order of row send_row_of[t][r]) in fp32 (the reference's
+//   rank_reduce); BWD: d topk_w[t][j] = returned weight gradient of slot j from the row sent to rank(g_tj).
+//   The last CTA signals COMB_FREE(u).
+// Each lane owns 8 consecutive elements per 256-element step (16-byte bf16 / 32-byte fp32 accesses).
+#include "ep_sync.cuh"
+
+#define YT_F32 0
+#define YT_BF16 1
+#define COMB_THREADS 512
+
+#define I_R 0
+#define I_RECV_OFF 2
+#define I_RET_BASE 11
+
+template <int YT>
+__device__ __forceinline__ void load8(const unsigned char* p, float* v) {
+    if (YT == YT_BF16) {
+        uint4 a = ep_ld16(p);
+        unsigned w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[2 * k] = __uint_as_float(w[k] << 16);
+            v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+        }
+    } else {
+        uint4 a = ep_ld16(p), b = ep_ld16(p + 16);
+        v[0] = __uint_as_float(a.x);
+        v[1] = __uint_as_float(a.y);
+        v[2] = __uint_as_float(a.z);
+        v[3] = __uint_as_float(a.w);
+        v[4] = __uint_as_float(b.x);
+        v[5] = __uint_as_float(b.y);
+        v[6] = __uint_as_float(b.z);
+        v[7] = __uint_as_float(b.w);
+    }
+}
+
+template <int YT>
+__device__ __forceinline__ void store8(unsigned char* p, const float* v) {
+    if (YT == YT_BF16) {
+        ep_st16(p, make_uint4(ep_f2bf(v[0]) | (ep_f2bf(v[1]) << 16), ep_f2bf(v[2]) | (ep_f2bf(v[3]) << 16),
+                              ep_f2bf(v[4]) | (ep_f2bf(v[5]) << 16), ep_f2bf(v[6]) | (ep_f2bf(v[7]) << 16)));
+    } else {
+        ep_st16(p, make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                              __float_as_uint(v[3])));
+        ep_st16(p + 16, make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
+                                   __float_as_uint(v[7])));
+    }
+}
+
+template <int YT, int BWD>
+__global__ void __launch_bounds__(COMB_THREADS) ep_combine_send(
+    const unsigned char* __restrict__ y, const float* __restrict__ w, const int* __restrict__ recv_pos,
+    const int* __restrict__ info, int H, int K, int W, int me, int recv_cap, const ep_u64* __restrict__ peers_g,
+    long long comb_off, long long cmeta_off, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
+    long long timeout_ns) {
+    const EpCtl c{err, herr, ctr, timeout_ns};
+    __shared__ ep_u64 peers[EP_MAX_RANKS];
+    __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
+    if (threadIdx.x < W) {
+        peers[threadIdx.x] = peers_g[threadIdx.x];
+        rbase[threadIdx.x] = info[I_RET_BASE + threadIdx.x];
+    }
+    if (threadIdx.x <= W) roff[threadIdx.x] = info[I_RECV_OFF + threadIdx.x];
+    __syncthreads();
+    ep_cta_wait_all(c, peers[me], F_COMB_FREE, epoch - 1, W, me);
+    const int lane = threadIdx.x & 31;
+    const int nwarps = gridDim.x * (COMB_THREADS / 32);
+    const int es = YT == YT_BF16 ? 2 : 4;
+    const int R = min(info[I_R], recv_cap);
+    for (int i = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); i < R; i += nwarps) {
+        int s = 0;
+        while (s + 1 < W && roff[s + 1] <= i) ++s;
+        const long long dst = rbase[s] + (i - roff[s]);
+        int pos = lane < K ? recv_pos[(long long)i * K + lane] : -1;
+        const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
+        if (BWD && lane < K)
+            reinterpret_cast<float*>(peers[s] + cmeta_off)[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
+        unsigned char* orow = reinterpret_cast<unsigned char*>(peers[s] + comb_off) + dst * H * es;
+        for (int c0 = 0; c0 < H; c0 += 256) {
+            const int e0 = c0 + 8 * lane;
+            float acc[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+            for (unsigned m = vm; m; m &= m - 1) {
+                const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
+                if (e0 < H) {
+                    float v[8];
+                    load8<YT>(y + (n * H + e0) * es, v);
+                    if (BWD) {
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                    } else {
+                        const float wn = w[n];
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(v[k], wn));
+                    }
+                }
+            }
+            if (e0 < H) store8<YT>(orow + (long long)e0 * es, acc);
+        }
+    }
+    ep_grid_signal(c, 2, peers, F_COMB_READY, me, W, epoch);
+}
+
+template <int YT, int BWD>
+__global__ void __launch_bounds__(COMB_THREADS) ep_combine_recv(
+    unsigned char* __restrict__ out, float* __restrict__ dtw, const int* __restrict__ send_row_of,
+    const int* __restrict__ topk, int T, int H, int K, int L, int W, int me, const ep_u64* __restrict__ peers_g,
+    long long comb_off, long long cmeta_off, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
+    long long timeout_ns) {
+    const EpCtl c{err, herr, ctr, timeout_ns};
+    __shared__ ep_u64 peers[EP_MAX_RANKS];
+    if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
+    __syncthreads();
+    const ep_u64 own = peers[me];
+    ep_cta_wait_all(c, own, F_COMB_READY, epoch, W, me);
+    const int lane = threadIdx.x & 31;
+    const int nwarps = gridDim.x * (COMB_THREADS / 32);
+    const int es = YT == YT_BF16 ? 2 : 4;
+    const unsigned char* comb = reinterpret_cast<const unsigned char*>(own + comb_off);
+    const float* cmeta = reinterpret_cast<const float*>(own + cmeta_off);
+    for (int t = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); t < T; t += nwarps) {
+        const int sr = lane < W ? send_row_of[(long long)t * W + lane] : -1;
+        const unsigned hm = __ballot_sync(0xFFFFFFFFu, sr >= 0);
+        if (BWD && lane < K) {
+            const int g = topk[(long long)t * K + lane];
+            float gw = 0.f;
+            if (g >= 0 && g < L * W) {
+                const int row = send_row_of[(long long)t * W + g / L];
+                if (row >= 0) gw = cmeta[(long long)row * K + lane];
+            }
+            dtw[(long long)t * K + lane] = gw;
+        }
+        for (int c0 = 0; c0 < H; c0 += 256) {
+            const int e0 = c0 + 8 * lane;
+            float acc[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+            for (unsigned m = hm; m; m &= m - 1) {
+                const long long row = __shfl_sync(0xFFFFFFFFu, sr, __ffs(m) - 1);
+                if (e0 < H) {
+                    float v[8];
+                    load8<YT>(comb + (row * H + e0) * es, v);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                }
+            }
+            if (e0 < H) store8<YT>(out + ((long long)t * H + e0) * es, acc);
+        }
+    }
+    ep_grid_signal(c, 3, peers, F_COMB_FREE, me, W, epoch);
+}

@@ -1,0 +1,335 @@
+// Fused MXFP8 quantize + dispatch (sender) and expert-sorted expansion (receiver) of the NVSHMEM transport.
+//
+// ep_dispatch<IN, QUANT>: one warp per token (grid-stride). The token's bf16/fp32 row is read once; each lane owns
+//   16 consecutive elements per 512-element step, a lane pair owns one 1x32 MXFP8 block (common.cuh math, bytes
+//   identical to moe_ep.mxfp8.quantize_torch). The 16 e4m3 bytes go with one 16-byte store, the scale byte with a
+//   byte store (16 lanes -> 16 contiguous bytes), straight into every destination rank's receive buffer through
+//   its peer pointer: row tok_dst[t][r] of rank r (each token at most once per rank; rows from rank 0 first, then
+//   rank 1, ...; tokens ascending within a rank: the reference's receive order). With META, lanes j < K also
+//   store the row's metadata [local expert | weight bits | expanded row] (3K int32) for slot j.
+//   QUANT = 0 sends the raw row (row_bytes, any element type). Starts by waiting DISP_FREE(u-1) of every rank;
+//   the last CTA signals DISP_READY(u).
+// ep_expand<MODE, QUANT, OT>: waits DISP_READY(u) of every rank, then one warp per received row:
+//   MODE_MX   e4m3 row -> out[n] (16-byte copies), scale -> per-group blocked layout (to_blocked_grouped "m"),
+//             w_out[n], exp_row[n] = i, exp_slot[n] = j    for every slot j of the row with expanded row n.
+//   MODE_VAL  the row's values in OT (dequantized e4m3 * 2^(s-127) rounded to OT, or the raw OT row) -> out[n].
+//   MODE_BWD  combine-backward: v = values of the received dy row (rounded to OT, as the reference), then
+//             out[n] = OT(v * w_in[n]) and dw[n] = sum_h v * y[n] (fp32; warp-order sum).
+//   Forward modes record recv_pos[i][j] = n (used by combine); MODE_BWD reads it (no metadata is sent).
+//   Rows n in [N, expand_cap) of the small outputs are zeroed, the data rows too when zero_pad. The last CTA
+//   signals DISP_FREE(u).
+#include "common.cuh"
+#include "ep_sync.cuh"
+
+#define IN_F32 0
+#define IN_BF16 1
+
+#define MODE_MX 0
+#define MODE_VAL 1
+#define MODE_BWD 2
+
+#define DISP_THREADS 512
+
+// info[] indices (see layout.cu)
+#define I_R 0
+#define I_N 1
+#define I_GSTART 36
+
+// 16 consecutive input elements of a row -> fp32
+template <int IN>
+__device__ __forceinline__ void load16(const unsigned char* p, float* v) {
+    if (IN == IN_BF16) {
+        uint4 a = ep_ld16(p), b = ep_ld16(p + 16);
+        unsigned w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            v[2 * k] = __uint_as_float(w[k] << 16);
+            v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            uint4 a = ep_ld16(p + 16 * k);
+            v[4 * k] = __uint_as_float(a.x);
+            v[4 * k + 1] = __uint_as_float(a.y);
+            v[4 * k + 2] = __uint_as_float(a.z);
+            v[4 * k + 3] = __uint_as_float(a.w);
+        }
+    }
+}
+
+// 16 fp32 values -> OT (RNE like torch's .to) stored at p (32 bytes bf16, 64 bytes fp32)
+template <int OT>
+__device__ __forceinline__ void store16(unsigned char* p, const float* v) {
+    if (OT == IN_BF16) {
+        unsigned w[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) w[k] = ep_f2bf(v[2 * k]) | (ep_f2bf(v[2 * k + 1]) << 16);
+        ep_st16(p, make_uint4(w[0], w[1], w[2], w[3]));
+        ep_st16(p + 16, make_uint4(w[4], w[5], w[6], w[7]));
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            ep_st16(p + 16 * k, make_uint4(__float_as_uint(v[4 * k]), __float_as_uint(v[4 * k + 1]),
+                                           __float_as_uint(v[4 * k + 2]), __float_as_uint(v[4 * k + 3])));
+    }
+}
+
+template <int OT>
+__device__ __forceinline__ float round_to(float v) {
+    return OT == IN_BF16 ? ep_bf2f(ep_f2bf(v)) : v;
+}
+
+// 16 e4m3 bytes -> fp32 (exact, hardware cvt through f16; 0x7F/0xFF -> NaN)
+__device__ __forceinline__ void e4m3x16_to_f32(uint4 q, float* v) {
+    unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+        for (int hpart = 0; hpart < 2; ++hpart) {
+            unsigned short two = (unsigned short)(w[k] >> (16 * hpart));
+            unsigned h2;
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+            unsigned short lo = (unsigned short)(h2 & 0xFFFFu), hi = (unsigned short)(h2 >> 16);
+            float flo, fhi;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(flo) : "h"(lo));
+            asm("cvt.f32.f16 %0, %1;" : "=f"(fhi) : "h"(hi));
+            v[4 * k + 2 * hpart] = flo;
+            v[4 * k + 2 * hpart + 1] = fhi;
+        }
+    }
+}
+
+// values of the 16 elements of a received row owned by this lane: dequantized (QUANT) or raw OT, rounded to OT
+template <int QUANT, int OT>
+__device__ __forceinline__ void recv_values(const unsigned char* data, const unsigned char* scale, long long i, int H,
+                                            int C, int e0, float* v) {
+    if (QUANT) {
+        uint4 q = ep_ld16(data + i * H + e0);
+        unsigned sb = scale[i * C + (e0 >> 5)];
+        e4m3x16_to_f32(q, v);
+        float m = sb == 0xFFu ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)sb - 127);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) v[k] = round_to<OT>(v[k] * m);
+    } else {
+        load16<OT>(data + (i * H + e0) * (OT == IN_BF16 ? 2 : 4), v);
+    }
+}
+
+template <int IN, int QUANT>
+__global__ void __launch_bounds__(DISP_THREADS) ep_dispatch(
+    const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
+    const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int T, int H, int K, int L, int W, int me,
+    const ep_u64* __restrict__ peers_g, long long data_off, long long scale_off, long long meta_off, int row_bytes,
+    int meta, ep_u64 epoch, int* err, int* herr, unsigned* ctr, long long timeout_ns) {
+    const EpCtl c{err, herr, ctr, timeout_ns};
+    __shared__ ep_u64 peers[EP_MAX_RANKS];
+    if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
+    __syncthreads();
+    ep_cta_wait_all(c, peers[me], F_DISP_FREE, epoch - 1, W, me);
+    const int lane = threadIdx.x & 31;
+    const int nwarps = gridDim.x * (DISP_THREADS / 32);
+    const int C = H >> 5;
+    const int es = IN == IN_BF16 ? 2 : 4;
+    for (int t = blockIdx.x * (DISP_THREADS / 32) + (threadIdx.x >> 5); t < T; t += nwarps) {
+        int d = lane < W ? tok_dst[t * W + lane] : -1;
+        const unsigned dm = __ballot_sync(0xFFFFFFFFu, d >= 0);
+        if (!dm) continue;
+        long long drow[EP_MAX_RANKS];
+#pragma unroll
+        for (int r = 0; r < EP_MAX_RANKS; ++r) drow[r] = __shfl_sync(0xFFFFFFFFu, d, r);
+        if (meta) {
+            int g = -1, p = -1;
+            float wt = 0.f;
+            if (lane < K) {
+                g = topk[t * K + lane];
+                wt = topk_w[t * K + lane];
+                p = slot_pos[t * K + lane];
+            }
+#pragma unroll
+            for (int r = 0; r < EP_MAX_RANKS; ++r) {
+                if (!((dm >> r) & 1u)) continue;
+                if (lane < K) {
+                    const bool mine = g >= 0 && g / L == r;
+                    int* mrow = reinterpret_cast<int*>(peers[r] + meta_off) + drow[r] * 3 * K;
+                    mrow[lane] = mine ? g % L : -1;
+                    mrow[K + lane] = mine ? __float_as_int(wt) : 0;
+                    mrow[2 * K + lane] = mine ? p : -1;
+                }
+            }
+        }
+        if (QUANT) {
+            const unsigned char* xr = x + (long long)t * H * es;
+            for (int c0 = 0; c0 < H; c0 += 512) {
+                const int e0 = c0 + 16 * lane;
+                const bool act = e0 < H;
+                float v[16];
+                unsigned key = 0;
+                if (act) {
+                    load16<IN>(xr + (long long)e0 * es, v);
+#pragma unroll
+                    for (int k = 0; k < 16; ++k) key = max(key, __float_as_uint(v[k]) & 0x7FFFFFFFu);
+                }
+                key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
+                uint4 q;
+                unsigned sb;
+                if (key >= 0x7F800000u) {
+                    q = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+                    sb = MX_SCALE_NAN;
+                } else {
+                    const int e = mx_block_exp(__uint_as_float(key));
+                    const float s = mx_exp2i(-e);
+                    q.x = mx_cvt4_e4m3(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
+                    q.y = mx_cvt4_e4m3(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
+                    q.z = mx_cvt4_e4m3(v[8] * s, v[9] * s, v[10] * s, v[11] * s);
+                    q.w = mx_cvt4_e4m3(v[12] * s, v[13] * s, v[14] * s, v[15] * s);
+                    sb = (unsigned)(e + 127);
+                }
+                if (act) {
+#pragma unroll
+                    for (int r = 0; r < EP_MAX_RANKS; ++r) {
+                        if (!((dm >> r) & 1u)) continue;
+                        ep_st16(reinterpret_cast<unsigned char*>(peers[r] + data_off) + drow[r] * H + e0, q);
+                        if (!(lane & 1))
+                            reinterpret_cast<unsigned char*>(peers[r] + scale_off)[drow[r] * C + (e0 >> 5)] =
+                                (unsigned char)sb;
+                    }
+                }
+            }
+        } else {
+            const unsigned char* xr = x + (long long)t * row_bytes;
+            for (int b0 = 16 * lane; b0 < row_bytes; b0 += 512) {
+                const uint4 val = ep_ld16(xr + b0);
+#pragma unroll
+                for (int r = 0; r < EP_MAX_RANKS; ++r) {
+                    if (!((dm >> r) & 1u)) continue;
+                    ep_st16(reinterpret_cast<unsigned char*>(peers[r] + data_off) + drow[r] * row_bytes + b0, val);
+                }
+            }
+        }
+    }
+    ep_grid_signal(c, 0, peers, F_DISP_READY, me, W, epoch);
+}
+
+template <int MODE, int QUANT, int OT>
+__global__ void __launch_bounds__(DISP_THREADS) ep_expand(
+    const ep_u64* __restrict__ peers_g, int me, int W, long long data_off, long long scale_off, long long meta_off,
+    const int* __restrict__ info, int H, int K, int L, int recv_cap, int expand_cap, int zero_pad,
+    int* __restrict__ recv_pos, unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale,
+    float* __restrict__ w_out, int* __restrict__ exp_row, int* __restrict__ exp_slot,
+    const unsigned char* __restrict__ y, const float* __restrict__ w_in, float* __restrict__ dw, ep_u64 epoch,
+    int* err, int* herr, unsigned* ctr, long long timeout_ns) {
+    const EpCtl c{err, herr, ctr, timeout_ns};
+    __shared__ ep_u64 peers[EP_MAX_RANKS];
+    if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
+    __syncthreads();
+    const ep_u64 own = peers[me];
+    ep_cta_wait_all(c, own, F_DISP_READY, epoch, W, me);
+    const int lane = threadIdx.x & 31;
+    const int gwarp = blockIdx.x * (DISP_THREADS / 32) + (threadIdx.x >> 5);
+    const int nwarps = gridDim.x * (DISP_THREADS / 32);
+    const int C = H >> 5, tpr = (C + 3) >> 2;
+    const int ob = MODE == MODE_MX ? 1 : (OT == IN_BF16 ? 2 : 4);  // output bytes per element
+    const int R = min(info[I_R], recv_cap);
+    const int N = min(info[I_N], expand_cap);
+    const unsigned char* data = reinterpret_cast<const unsigned char*>(own + data_off);
+    const unsigned char* scale = reinterpret_cast<const unsigned char*>(own + scale_off);
+    const int* meta = reinterpret_cast<const int*>(own + meta_off);
+
+    for (int i = gwarp; i < R; i += nwarps) {
+        int pos = -1, loc = -1;
+        float wt = 0.f;
+        if (lane < K) {
+            if (MODE == MODE_BWD) {
+                pos = recv_pos[(long long)i * K + lane];
+            } else {
+                loc = meta[(long long)i * 3 * K + lane];
+                wt = __int_as_float(meta[(long long)i * 3 * K + K + lane]);
+                pos = meta[(long long)i * 3 * K + 2 * K + lane];
+                if (loc < 0 || loc >= L || pos < 0 || pos >= expand_cap) pos = -1;
+                recv_pos[(long long)i * K + lane] = pos;
+                if (pos >= 0) {
+                    if (w_out) w_out[pos] = wt;
+                    if (exp_row) exp_row[pos] = i;
+                    if (exp_slot) exp_slot[pos] = lane;
+                }
+            }
+        }
+        const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
+        if (!vm) continue;
+        if constexpr (MODE == MODE_BWD) {
+            for (unsigned m = vm; m; m &= m - 1) {
+                const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
+                const float wn = w_in[n];
+                float dot = 0.f;
+                for (int e0 = 16 * lane; e0 < H; e0 += 512) {
+                    float v[16], yv[16];
+                    recv_values<QUANT, OT>(data, scale, i, H, C, e0, v);
+                    load16<OT>(y + (n * H + e0) * ob, yv);
+#pragma unroll
+                    for (int k = 0; k < 16; ++k) {
+                        dot = __fadd_rn(dot, __fmul_rn(v[k], yv[k]));
+                        v[k] = __fmul_rn(v[k], wn);
+                    }
+                    store16<OT>(out + (n * H + e0) * ob, v);
+                }
+#pragma unroll
+                for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+                if (lane == 0) dw[n] = dot;
+            }
+        } else {
+            for (int c0 = 0; c0 < H; c0 += 512) {
+                const int e0 = c0 + 16 * lane;
+                const bool act = e0 < H;
+                if (MODE == MODE_MX) {
+                    uint4 q = make_uint4(0, 0, 0, 0);
+                    unsigned sb = 0;
+                    if (act) {
+                        q = ep_ld16(data + (long long)i * H + e0);
+                        sb = scale[(long long)i * C + (e0 >> 5)];
+                    }
+                    for (unsigned m = vm; m; m &= m - 1) {
+                        const int j = __ffs(m) - 1;
+                        const long long n = __shfl_sync(0xFFFFFFFFu, pos, j);
+                        const int e = __shfl_sync(0xFFFFFFFFu, loc, j);
+                        if (act) {
+                            ep_st16(out + n * H + e0, q);
+                            if (!(lane & 1)) {
+                                const long long rb =
+                                    (long long)info[I_GSTART + L + 1 + e] * 128 + (n - info[I_GSTART + e]);
+                                const int cc = e0 >> 5;
+                                const long long off = ((rb >> 7) * tpr + (cc >> 2)) * 512 + (rb & 31) * 16 +
+                                                      ((rb & 127) >> 5) * 4 + (cc & 3);
+                                out_scale[off] = (unsigned char)sb;
+                            }
+                        }
+                    }
+                } else {
+                    float v[16];
+                    if (act) recv_values<QUANT, OT>(data, scale, i, H, C, e0, v);
+                    for (unsigned m = vm; m; m &= m - 1) {
+                        const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
+                        if (act) store16<OT>(out + (n * H + e0) * ob, v);
+                    }
+                }
+            }
+        }
+    }
+    // rows past the expanded count: small outputs always, data rows when zero_pad
+    for (long long n = N + gwarp; n < expand_cap; n += nwarps) {
+        if (lane == 0) {
+            if (MODE == MODE_BWD) {
+                dw[n] = 0.f;
+            } else {
+                if (w_out) w_out[n] = 0.f;
+                if (exp_row) exp_row[n] = -1;
+                if (exp_slot) exp_slot[n] = -1;
+            }
+        }
+        if (zero_pad) {
+            const long long rb = (long long)H * ob;
+            for (long long b = 16 * lane; b < rb; b += 512) ep_st16(out + n * rb + b, make_uint4(0, 0, 0, 0));
+        }
+    }
+    ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch);
+}

@@ -1,0 +1,460 @@
+// Grouped MXFP8 GEMMs for Hopper (sm_90a): dequantize in the mainloop, bf16 tensor cores, fp32 accumulation.
+// moe_ep/gemm.py is the specification; moe_ep/gemm_cuda.py documents the operand formats and launches these.
+//
+// Implementation "mma" (MOE_EP_GEMM_IMPL=mma, the default):
+//   * one CTA (256 threads, 8 warps as 2 x 4) computes one 128 x 128 output tile; BK = 64 (two 32-blocks);
+//   * each k-step every thread loads 2 x 16 e4m3 bytes per operand (and their scales) into registers one step
+//     ahead, converts them to bf16 with the exact power-of-two scale (bit trick + one bf16x2 multiply, see
+//     cvt_pair) and stores them to shared memory (2 stages, padded rows: ldmatrix is conflict-free);
+//   * warps read fragments with ldmatrix (.trans for MN-major operands) and issue mma.m16n8k16 bf16 -> fp32.
+// Every e4m3 value times 2**(s-127) is exactly representable in bf16 unless it falls below 2**-133 (bf16
+// subnormals), so the products are the exact MXFP8 products and only the fp32 summation order differs from
+// the reference.
+//
+// Kernels (OUT = bf16 | f32, the output dtype):
+//   mx_gmm_2d3d_<OUT>   fprop/dgrad: out[M, N] = A[M, K] x B[g][N, K]^T per row group (K-major operands)
+//   mx_gmm_wgrad_<OUT>  wgrad:       out[g][N, K] = A[rows of g, N]^T x B[rows of g, K]  (MN-major operands)
+// Group sizes are an int32 device array [G]; each CTA scans them itself (warp 0, shuffles), so the host never
+// reads them. Negative sizes count as 0; rows past the end of the tensor are clamped (never read/written).
+
+#define GM_THREADS 256
+#define GM_BM 128
+#define GM_BN 128
+#define GM_BK 64
+#define KM_LD 72    // K-major smem tile [128][64 + 8] bf16 (row stride 144 B: ldmatrix conflict-free)
+#define MN_LD 136   // MN-major smem tile [64][128 + 8] bf16 (row stride 272 B)
+#define GM_OPER_BYTES 18432                  // max(128 * 72, 64 * 136) * 2
+#define GM_STAGE_BYTES (2 * GM_OPER_BYTES)   // A then B
+#define GM_SMEM_BYTES (2 * GM_STAGE_BYTES)   // 2 stages = 73728 B (dynamic shared memory)
+
+struct GroupInfo {
+    long long row0;  // first data row of the group
+    int rows;        // rows of the group (clamped to the tensor)
+    int g;           // group index, -1: this CTA has no work
+    int tile;        // 2d3d: this CTA's 128-row tile inside the group
+    int toff;        // sum over earlier groups of ceil(n / 128): the group's first blocked scale row tile
+    int boff;        // sum over earlier groups of ceil(n / 32): the group's first column-wise scale row
+};
+
+// Warp 0 only. by_tile: find the group whose row tiles contain tile `target`; else take group `target`.
+__device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, int G, long long M, int by_tile,
+                                               int target, GroupInfo* gi) {
+    const int lane = threadIdx.x & 31;
+    if (lane == 0) gi->g = -1;
+    __syncwarp();
+    long long crow = 0;
+    int ctile = 0, cblk = 0;
+    for (int base = 0; base < G; base += 32) {
+        const int h = base + lane;
+        int n = h < G ? sizes[h] : 0;
+        n = n > 0 ? n : 0;
+        const int nt = (n + 127) >> 7, nb = (n + 31) >> 5;
+        long long r = n;
+        int t = nt, b = nb;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long r2 = __shfl_up_sync(0xffffffffu, r, o);
+            const int t2 = __shfl_up_sync(0xffffffffu, t, o);
+            const int b2 = __shfl_up_sync(0xffffffffu, b, o);
+            if (lane >= o) {
+                r += r2;
+                t += t2;
+                b += b2;
+            }
+        }
+        const long long r_ex = crow + r - n;
+        const int t_ex = ctile + t - nt, b_ex = cblk + b - nb;
+        const bool hit = h < G && (by_tile ? (n > 0 && target >= t_ex && target < t_ex + nt) : (h == target));
+        if (hit) {
+            long long avail = M - r_ex;
+            avail = avail < 0 ? 0 : (avail > n ? n : avail);
+            gi->row0 = r_ex;
+            gi->rows = (int)avail;
+            gi->g = h;
+            gi->tile = by_tile ? target - t_ex : 0;
+            gi->toff = t_ex;
+            gi->boff = b_ex;
+        }
+        crow += __shfl_sync(0xffffffffu, r, 31);
+        ctile += __shfl_sync(0xffffffffu, t, 31);
+        cblk += __shfl_sync(0xffffffffu, b, 31);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ uint4 ldg16(const unsigned char* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ void sts128(unsigned addr, unsigned a, unsigned b, unsigned c, unsigned d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned hmul2_bf16(unsigned a, unsigned b) {
+    unsigned d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// e4m3 -> bf16 with the block scale
+// ---------------------------------------------------------------------------------------------------------
+// Two e4m3 bytes placed as bf16 bits (sign at bit 15, exponent+mantissa bits (b & 0x7F) << 4) read as
+// v * 2**-120 exactly (normals and e4m3 subnormals alike: the exponent bias moves from 7 to 127). Selector
+// 0x1404 takes bytes 0, 1 of w, 0x3424 bytes 2, 3 (low element in the low half).
+__device__ __forceinline__ unsigned e4m3x2_bits(unsigned w, unsigned sel) {
+    const unsigned d = __byte_perm(w, 0u, sel);  // byte b0 -> bits 8..15, b1 -> bits 24..31
+    return (d & 0x80008000u) | ((d >> 4) & 0x07F007F0u);
+}
+
+// bf16x2 multiplier for scale byte s (both halves): fast path s < 128: 2**(s-7) (so v*2**-120 * 2**(s-7)).
+__device__ __forceinline__ unsigned mult_fast(unsigned s) { return ((s + 120u) << 7) * 0x00010001u; }
+
+// Slow path (s >= 128): v*2**-120 * 2**120 (exact e4m3 value) * 2**(s-127); 0xFF gives NaN.
+__device__ __forceinline__ unsigned mult_slow1(unsigned s) {
+    const unsigned h = s == 0xFFu ? 0x7FC0u : (s == 0u ? 0x0040u : (s << 7));
+    return h;
+}
+#define BF16X2_2P120 0x7B807B80u
+
+// 16 e4m3 bytes sharing scale byte s -> 8 bf16x2 words stored at smem address addr (32 bytes).
+__device__ __forceinline__ void cvt_store16_1s(uint4 raw, unsigned s, unsigned addr) {
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+    unsigned o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        o[2 * j] = e4m3x2_bits(w[j], 0x1404u);
+        o[2 * j + 1] = e4m3x2_bits(w[j], 0x3424u);
+    }
+    if (s < 128u) {
+        const unsigned m = mult_fast(s);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(o[j], m);
+    } else {
+        const unsigned m = mult_slow1(s) * 0x00010001u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m);
+    }
+    sts128(addr, o[0], o[1], o[2], o[3]);
+    sts128(addr + 16, o[4], o[5], o[6], o[7]);
+}
+
+// Per-pair bf16x2 multipliers m[4] for 8 per-column scale bytes (MN-major operands); returns the fast-path flag.
+__device__ __forceinline__ bool pair_mults8(uint2 sv, unsigned* m) {
+    const unsigned w[2] = {sv.x, sv.y};
+    const bool fast = ((sv.x | sv.y) & 0x80808080u) == 0u;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const unsigned lo = __byte_perm(w[j], 0u, 0x4140u);  // s0 | s1 << 16
+        const unsigned hi = __byte_perm(w[j], 0u, 0x4342u);  // s2 | s3 << 16
+        if (fast) {
+            m[2 * j] = (lo + 0x00780078u) << 7;
+            m[2 * j + 1] = (hi + 0x00780078u) << 7;
+        } else {
+            m[2 * j] = mult_slow1(lo & 0xFFu) | (mult_slow1(lo >> 16) << 16);
+            m[2 * j + 1] = mult_slow1(hi & 0xFFu) | (mult_slow1(hi >> 16) << 16);
+        }
+    }
+    return fast;
+}
+
+// 8 e4m3 bytes with per-element-pair multipliers m[4] -> 4 bf16x2 words (16 bytes) at smem address addr.
+__device__ __forceinline__ void cvt_store8_ps(uint2 raw, const unsigned* m, bool fast, unsigned addr) {
+    unsigned o[4] = {e4m3x2_bits(raw.x, 0x1404u), e4m3x2_bits(raw.x, 0x3424u), e4m3x2_bits(raw.y, 0x1404u),
+                     e4m3x2_bits(raw.y, 0x3424u)};
+    if (fast) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = hmul2_bf16(o[j], m[j]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m[j]);
+    }
+    sts128(addr, o[0], o[1], o[2], o[3]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Tile compute: one BK = 64 stage of smem (bf16) -> acc[4][4][4] of this warp's 64 x 32 sub-tile
+// ---------------------------------------------------------------------------------------------------------
+// Warp w: wm = w >> 2 owns tile rows wm*64 .. +63, wn = w & 3 owns tile columns wn*32 .. +31.
+// K-major tiles are [row][k] (KM_LD), MN-major tiles are [k][row] (MN_LD) and use ldmatrix.trans.
+template <bool MN>
+__device__ __forceinline__ void compute_stage(unsigned sa, unsigned sb, float (*acc)[4][4]) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int wm = w >> 2, wn = w & 3;
+    const int i8 = lane >> 3, r8 = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        unsigned af[4][4], bfr[4][2];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            if (MN) {
+                const int k = kk * 16 + r8 + (i8 >> 1) * 8, m = wm * 64 + mi * 16 + (i8 & 1) * 8;
+                ldsm_x4_t(sa + (k * MN_LD + m) * 2, af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
+            } else {
+                const int m = wm * 64 + mi * 16 + (lane & 15), k = kk * 16 + (lane >> 4) * 8;
+                ldsm_x4(sa + (m * KM_LD + k) * 2, af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
+            }
+        }
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            if (MN) {
+                const int k = kk * 16 + r8 + (i8 & 1) * 8, n = wn * 32 + np * 16 + (i8 >> 1) * 8;
+                ldsm_x4_t(sb + (k * MN_LD + n) * 2, bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0],
+                          bfr[2 * np + 1][1]);
+            } else {
+                const int n = wn * 32 + np * 16 + r8 + (i8 >> 1) * 8, k = kk * 16 + (i8 & 1) * 8;
+                ldsm_x4(sb + (n * KM_LD + k) * 2, bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0],
+                        bfr[2 * np + 1][1]);
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) mma_bf16(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+    }
+}
+
+// Store acc to out (row-major, leading dimension ld elements); tile row r valid if r < nrows, tile column c
+// valid if c < ncols. c0,c1 of fragment (mi, ni) sit at (gid, 2*tig .. +1), c2,c3 at (gid + 8, ...).
+template <int OUT_F32>
+__device__ __forceinline__ void store_tile(void* out, long long ld, int nrows, int ncols, float (*acc)[4][4]) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int wm = w >> 2, wn = w & 3, gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wm * 64 + mi * 16 + gid + 8 * h;
+            if (r >= nrows) continue;
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                const int c = wn * 32 + ni * 8 + tig * 2;
+                if (c >= ncols) continue;
+                const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+                if (OUT_F32) {
+                    float2* p = reinterpret_cast<float2*>(static_cast<float*>(out) + r * ld + c);
+                    *p = make_float2(v0, v1);
+                } else {
+                    unsigned pk;
+                    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(v1), "f"(v0));
+                    *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + r * ld + c) = pk;
+                }
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// fprop / dgrad: out[M, N] = A[M, K] x B[g][N, K]^T for the rows of each group g
+// ---------------------------------------------------------------------------------------------------------
+// A: e4m3 [M, K] row-major; As: to_blocked_grouped(scale [M, K/32], sizes, "m") (>= (ceil(M/128)+G) row tiles)
+// B: e4m3 [G, N, K]; Bs: [G, blocked_size(N, K/32)] (to_blocked per group). Grid: (ceil(M/128) + G) * ceil(N/128)
+// CTAs; CTA b takes row tile b / n_tiles (in the concatenation of all groups' tiles) and column tile b % n_tiles.
+template <int OUT_F32>
+__device__ __forceinline__ void gmm_2d3d(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
+                                         const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
+                                         const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
+                                         int N, int K) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ GroupInfo gi;
+    const int n_tiles = (N + GM_BN - 1) / GM_BN;
+    const int m_t = blockIdx.x / n_tiles, n_t = blockIdx.x % n_tiles;
+    if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
+    __syncthreads();
+    if (gi.g < 0) return;
+    const int g = gi.g;
+    const int mrows = min(GM_BM, gi.rows - gi.tile * GM_BM);
+    if (mrows <= 0) return;
+    const long long arow0 = gi.row0 + (long long)gi.tile * GM_BM;
+    const int tpr = ((K >> 5) + 3) >> 2;  // 128x4 scale tiles per 128-row tile
+    const unsigned char* a_sc = As + (long long)(gi.toff + gi.tile) * tpr * 512;
+    const long long bstride = (long long)((N + 127) >> 7) * tpr * 512;
+    const unsigned char* b_sc = Bs + g * bstride + (long long)n_t * tpr * 512;
+    const int n0 = n_t * GM_BN;
+
+    // this thread's two chunks per operand: tile row crow + 64 i, k columns ck .. ck + 15 of each k-step
+    const int tid = threadIdx.x, crow = tid >> 2, ck = (tid & 3) * 16;
+    // rows crow and crow + 64: pointers differ by 64 * K, scale offsets by 8 (= 2 * 4), smem rows by 64 rows
+    const bool aok0 = crow < mrows, aok1 = crow + 64 < mrows;
+    const bool bok0 = n0 + crow < N, bok1 = n0 + crow + 64 < N;
+    const unsigned char* ap = A + (arow0 + (aok0 ? crow : 0)) * (long long)K + ck;
+    const unsigned char* bp = B + ((long long)g * N + (bok0 ? n0 + crow : 0)) * (long long)K + ck;
+    const long long step64 = 64LL * K;
+    const unsigned char* a_so = a_sc + (crow & 31) * 16 + (crow >> 5) * 4;  // scale (crow, 0) of the tile
+    const unsigned char* b_so = b_sc + (crow & 31) * 16 + (crow >> 5) * 4;
+    const unsigned sbase = smem_u32(smem);
+    const unsigned st0 = (unsigned)((crow * KM_LD + ck) * 2), st1 = st0 + 64 * KM_LD * 2;
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+
+    uint4 ra[2], rb[2];
+    unsigned sc;
+    const int ksteps = (K + GM_BK - 1) / GM_BK;
+    auto load = [&](int s) {
+        const int k = s * GM_BK + ck;
+        const bool kv = k < K;
+        const int c = k >> 5, coff = (c >> 2) * 512 + (c & 3);
+        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+        ra[0] = (aok0 && kv) ? ldg16(ap + k) : z;
+        ra[1] = (aok1 && kv) ? ldg16(ap + step64 + k) : z;
+        rb[0] = (bok0 && kv) ? ldg16(bp + k) : z;
+        rb[1] = (bok1 && kv) ? ldg16(bp + step64 + k) : z;
+        // the four scale bytes packed in one register: a0 | a1 << 8 | b0 << 16 | b1 << 24
+        const unsigned a0 = (aok0 && kv) ? (unsigned)a_so[coff] : 127u;
+        const unsigned a1 = (aok1 && kv) ? (unsigned)a_so[coff + 8] : 127u;
+        const unsigned b0 = (bok0 && kv) ? (unsigned)b_so[coff] : 127u;
+        const unsigned b1 = (bok1 && kv) ? (unsigned)b_so[coff + 8] : 127u;
+        sc = a0 | (a1 << 8) | (b0 << 16) | (b1 << 24);
+    };
+    auto store = [&](int stage) {
+        const unsigned base = sbase + stage * GM_STAGE_BYTES;
+        cvt_store16_1s(ra[0], sc & 0xFFu, base + st0);
+        cvt_store16_1s(ra[1], (sc >> 8) & 0xFFu, base + st1);
+        cvt_store16_1s(rb[0], (sc >> 16) & 0xFFu, base + GM_OPER_BYTES + st0);
+        cvt_store16_1s(rb[1], sc >> 24, base + GM_OPER_BYTES + st1);
+    };
+    load(0);
+    store(0);
+    __syncthreads();
+    for (int s = 0; s < ksteps; ++s) {
+        if (s + 1 < ksteps) load(s + 1);
+        const unsigned base = sbase + (s & 1) * GM_STAGE_BYTES;
+        compute_stage<false>(base, base + GM_OPER_BYTES, acc);
+        if (s + 1 < ksteps) store((s + 1) & 1);
+        __syncthreads();
+    }
+    void* obase = OUT_F32 ? (void*)(static_cast<float*>(out) + arow0 * N + n0)
+                          : (void*)(static_cast<unsigned short*>(out) + arow0 * N + n0);
+    store_tile<OUT_F32>(obase, N, mrows, N - n0, acc);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// wgrad: out[g][N, K] = A[rows of g, N]^T x B[rows of g, K], reduction over the group's rows
+// ---------------------------------------------------------------------------------------------------------
+// A: e4m3 [M, N], B: e4m3 [M, K] (the tensors' own layouts, quantized column-wise in 32-row blocks that start
+// at each group's first row). As: [>= ceil(M/32) + G, N] u8, Bs: [>= ceil(M/32) + G, K] u8: block j of group g
+// is scale row boff[g] + j, boff[g] = sum over h < g of ceil(n_h / 32). Grid: G * ceil(N/128) * ceil(K/128).
+template <int OUT_F32>
+__device__ __forceinline__ void gmm_wgrad(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
+                                          const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
+                                          const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
+                                          int N, int K) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ GroupInfo gi;
+    const int nt = (N + GM_BM - 1) / GM_BM, kt = (K + GM_BN - 1) / GM_BN;
+    const int g = blockIdx.x / (nt * kt), rem = blockIdx.x % (nt * kt);
+    const int i0 = (rem / kt) * GM_BM, j0 = (rem % kt) * GM_BN;
+    if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 0, g, &gi);
+    __syncthreads();
+    const long long row0 = gi.row0;
+    const int rows = gi.rows, boff = gi.boff;
+
+    // this thread: rows 4q .. 4q+3 of each k-step (one 32-block), columns c8 .. c8 + 7 of the tile
+    const int tid = threadIdx.x, q = tid >> 4, c8 = (tid & 15) * 8;
+    const bool aok = i0 + c8 < N, bok = j0 + c8 < K;
+    const int ca = i0 + (aok ? c8 : 0), cb = j0 + (bok ? c8 : 0);  // addresses come from the kernel parameters
+    const unsigned sbase = smem_u32(smem);
+    const unsigned st0 = (unsigned)(((4 * q) * MN_LD + c8) * 2);
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+
+    uint2 ra[4], rb[4], sva, svb;
+    const uint2 zero = make_uint2(0u, 0u), one = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+    const int ksteps = (rows + GM_BK - 1) / GM_BK;
+    auto load = [&](int s) {
+        const int lr = s * GM_BK + 4 * q;  // group-local row of this thread's first row
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const bool rv = lr + i < rows;
+            const long long r = row0 + lr + i;
+            ra[i] = (aok && rv) ? __ldg(reinterpret_cast<const uint2*>(A + r * N + ca)) : zero;
+            rb[i] = (bok && rv) ? __ldg(reinterpret_cast<const uint2*>(B + r * K + cb)) : zero;
+        }
+        const bool rv = lr < rows;
+        const long long sr = boff + (lr >> 5);
+        sva = (aok && rv) ? __ldg(reinterpret_cast<const uint2*>(As + sr * N + ca)) : one;
+        svb = (bok && rv) ? __ldg(reinterpret_cast<const uint2*>(Bs + sr * K + cb)) : one;
+    };
+    auto store = [&](int stage) {
+        const unsigned base = sbase + stage * GM_STAGE_BYTES;
+        unsigned m[4];
+        bool fast = pair_mults8(sva, m);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cvt_store8_ps(ra[i], m, fast, base + st0 + i * MN_LD * 2);
+        fast = pair_mults8(svb, m);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cvt_store8_ps(rb[i], m, fast, base + GM_OPER_BYTES + st0 + i * MN_LD * 2);
+    };
+    if (ksteps > 0) {
+        load(0);
+        store(0);
+    }
+    __syncthreads();
+    for (int s = 0; s < ksteps; ++s) {
+        if (s + 1 < ksteps) load(s + 1);
+        const unsigned base = sbase + (s & 1) * GM_STAGE_BYTES;
+        compute_stage<true>(base, base + GM_OPER_BYTES, acc);
+        if (s + 1 < ksteps) store((s + 1) & 1);
+        __syncthreads();
+    }
+    // recompute the tile coordinates from blockIdx (keeps them out of registers during the mainloop)
+    const int g2 = blockIdx.x / (nt * kt), rem2 = blockIdx.x % (nt * kt);
+    const int i2 = (rem2 / kt) * GM_BM, j2 = (rem2 % kt) * GM_BN;
+    const long long obase = ((long long)g2 * N + i2) * K + j2;
+    void* op = OUT_F32 ? (void*)(static_cast<float*>(out) + obase) : (void*)(static_cast<unsigned short*>(out) + obase);
+    store_tile<OUT_F32>(op, K, N - i2, K - j2, acc);
+}
+
+#define GM_ARGS                                                                                                  \
+    const unsigned char *__restrict__ A, const unsigned char *__restrict__ As, const unsigned char *__restrict__ B, \
+        const unsigned char *__restrict__ Bs, const int *__restrict__ sizes, void *__restrict__ out, int G,        \
+        long long M, int N, int K
+
+extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_2d3d_bf16(GM_ARGS) {
+    gmm_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_2d3d_f32(GM_ARGS) {
+    gmm_2d3d<1>(A, As, B, Bs, sizes, out, G, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wgrad_bf16(GM_ARGS) {
+    gmm_wgrad<0>(A, As, B, Bs, sizes, out, G, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wgrad_f32(GM_ARGS) {
+    gmm_wgrad<1>(A, As, B, Bs, sizes, out, G, M, N, K);
+}

@@ -1,0 +1,465 @@
+// MXFP8 quantization / dequantization kernels (DESIGN.md section 3; moe_ep/mxfp8.py is the specification).
+//
+// One CTA (256 threads) owns one 128 x 128 tile of the input x [M, K] (rows x columns):
+//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use); the TPB = 32/VEC lanes
+//            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
+//            scales go straight to global memory (plain) or into a 512-byte smem tile (blocked layouts: the
+//            128 rows x 4 scale columns of this tile are exactly one 128x4 cuBLAS tile, padding included).
+//            Column-wise modes also stage the raw chunk in smem (XOR-swizzled, conflict-free both ways).
+//   phase 2  (column-wise) a thread owns one 32-bit word column (2 bf16 / 1 fp32 columns) of one 32-row
+//            block: it reduces and quantizes the 32x1 block and stores 32 e4m3 bytes of the TRANSPOSED output
+//            xt [K, M] (4 lanes write 128 contiguous bytes of a row of xt). Column scales: plain [K, M/32]
+//            or one blocked tile (K rows x M/32 columns: 128 x 4 per CTA again).
+//   phase 3  (CS_NT only) re-read the staged tile and write column-wise data in x's own [M, K] layout.
+// Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
+// Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
+// [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
+#include "common.cuh"
+
+#define IN_F32 0
+#define IN_BF16 1
+#define IN_F16 2
+
+#define RS_NONE 0     // no row-wise output
+#define RS_PLAIN 1    // scale [M, K/32]
+#define RS_BLOCKED 2  // to_blocked(scale)
+#define RS_GROUPED 3  // to_blocked_grouped(scale, sizes, "m"); sizes int32 on device
+#define RS_UNIFORM 4  // 3-D weights [E, N, K]: E groups of N rows, per-expert to_blocked -> [E, bytes]
+
+#define CS_NONE 0     // no column-wise output
+#define CS_PLAIN 1    // data xt [K, M], scale [K, M/32]
+#define CS_BLOCKED 2  // data xt [K, M], scale to_blocked([K, M/32])
+#define CS_NT 3       // data [M, K] (x's layout), scale [M/32, K]  (quantize(x, axis=0))
+
+#define TILE 128
+#define NTHREADS 256
+
+#ifndef MX_DYN_SMEM  // the CPU emulator (tests/test_quant_emulate.py) provides its own
+#define MX_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+// The asm helpers have host fallbacks only so that tests/test_quant_emulate.py can run this file on the CPU.
+__device__ __forceinline__ uint4 ld_nc16(const unsigned char* p) {
+    uint4 r;
+#if defined(__CUDA_ARCH__)
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+#else
+    memcpy(&r, p, 16);
+#endif
+    return r;
+}
+
+// fp16 bits -> fp32 (exact).
+__device__ __forceinline__ float mx_h2f(unsigned h) {
+#if defined(__CUDA_ARCH__)
+    float f;
+    unsigned short hs = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
+    return f;
+#else
+    const unsigned sign = (h & 0x8000u) << 16, ex = (h >> 10) & 31u, m = h & 1023u;
+    float v;
+    if (ex == 31u) v = m ? __uint_as_float(0x7FC00000u) : __uint_as_float(0x7F800000u);
+    else if (ex == 0u) v = (float)m * (1.0f / 16777216.0f);
+    else v = __uint_as_float(((ex + 112u) << 23) | (m << 13));
+    return __uint_as_float(__float_as_uint(v) | sign);
+#endif
+}
+
+// Two e4m3 bytes (lo in bits 0..7) -> two fp32 (exact).
+__device__ __forceinline__ void mx_e4m3x2_to_f32(unsigned pair, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__)
+    unsigned h2;
+    const unsigned short p16 = (unsigned short)pair;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(p16));
+    lo = mx_h2f(h2 & 0xFFFFu);
+    hi = mx_h2f(h2 >> 16);
+#else
+    lo = mx_e4m3_to_f32_soft(pair & 0xFFu);
+    hi = mx_e4m3_to_f32_soft((pair >> 8) & 0xFFu);
+#endif
+}
+
+// Two fp32 -> packed bf16x2 (OUT=1) or f16x2 (OUT=2), round-to-nearest-even, lo in bits 0..15.
+template <int OUT>
+__device__ __forceinline__ unsigned mx_pack16x2(float lo, float hi) {
+    unsigned r;
+#if defined(__CUDA_ARCH__)
+    if (OUT == 1) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    unsigned h[2];
+    const float f[2] = {lo, hi};
+    for (int i = 0; i < 2; ++i) {
+        const unsigned x = __float_as_uint(f[i]), sign = (x >> 16) & 0x8000u, a = x & 0x7FFFFFFFu;
+        if (OUT == 1) {
+            h[i] = a > 0x7F800000u ? (sign | 0x7FC0u) : (sign | ((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16));
+        } else if (a > 0x7F800000u) {
+            h[i] = sign | 0x7E00u;
+        } else if (a >= 0x477FF000u) {
+            h[i] = sign | 0x7C00u;
+        } else if (a >= 0x38800000u) {
+            const unsigned t = a - (112u << 23);
+            h[i] = sign | ((t + 0xFFFu + ((t >> 13) & 1u)) >> 13);
+        } else {
+            h[i] = sign | (unsigned)rintf(__uint_as_float(a) * 16777216.0f);
+        }
+    }
+    r = h[0] | (h[1] << 16);
+#endif
+    return r;
+}
+
+// Element c (0 or 1) of a 32-bit word of 16-bit values, or the word itself for fp32, as fp32 (exact).
+template <int IN>
+__device__ __forceinline__ float word_elem(unsigned w, int c) {
+    if (IN == IN_F32) return __uint_as_float(w);
+    if (IN == IN_BF16) return __uint_as_float(c ? (w & 0xFFFF0000u) : (w << 16));
+    return mx_h2f(c ? (w >> 16) : (w & 0xFFFFu));
+}
+
+// |v| as an integer key ordered like floats; a key >= BAD means NaN/Inf.
+template <int IN> struct Key;
+template <> struct Key<IN_F32> {
+    static constexpr unsigned BAD = 0x7F800000u;
+    static __device__ __forceinline__ unsigned of_word(unsigned acc, unsigned w) { return max(acc, w & 0x7FFFFFFFu); }
+    static __device__ __forceinline__ unsigned lane(unsigned acc, int) { return acc; }
+    static __device__ __forceinline__ float to_float(unsigned k) { return __uint_as_float(k); }
+};
+template <> struct Key<IN_BF16> {
+    static constexpr unsigned BAD = 0x7F80u;
+    static __device__ __forceinline__ unsigned of_word(unsigned acc, unsigned w) { return __vmaxu2(acc, w & 0x7FFF7FFFu); }
+    static __device__ __forceinline__ unsigned lane(unsigned acc, int c) { return c ? (acc >> 16) : (acc & 0xFFFFu); }
+    static __device__ __forceinline__ float to_float(unsigned k) { return __uint_as_float(k << 16); }
+};
+template <> struct Key<IN_F16> {
+    static constexpr unsigned BAD = 0x7C00u;
+    static __device__ __forceinline__ unsigned of_word(unsigned acc, unsigned w) { return __vmaxu2(acc, w & 0x7FFF7FFFu); }
+    static __device__ __forceinline__ unsigned lane(unsigned acc, int c) { return c ? (acc >> 16) : (acc & 0xFFFFu); }
+    static __device__ __forceinline__ float to_float(unsigned k) { return mx_h2f(k); }
+};
+
+// Key of a 16-byte chunk (all its elements).
+template <int IN>
+__device__ __forceinline__ unsigned chunk_key(uint4 v) {
+    unsigned a = Key<IN>::of_word(0u, v.x);
+    a = Key<IN>::of_word(a, v.y);
+    a = Key<IN>::of_word(a, v.z);
+    a = Key<IN>::of_word(a, v.w);
+    if (IN == IN_F32) return a;
+    return max(a & 0xFFFFu, a >> 16);
+}
+
+// Quantize the 4 words of a chunk with multiplier s: 8 bytes (16-bit inputs) in .x/.y or 4 bytes (fp32) in .x.
+template <int IN>
+__device__ __forceinline__ uint2 quant_chunk(uint4 v, float s) {
+    uint2 o;
+    if (IN == IN_F32) {
+        o.x = mx_cvt4_e4m3(mx_mul(__uint_as_float(v.x), s), mx_mul(__uint_as_float(v.y), s),
+                           mx_mul(__uint_as_float(v.z), s), mx_mul(__uint_as_float(v.w), s));
+        o.y = 0u;
+    } else {
+        o.x = mx_cvt4_e4m3(mx_mul(word_elem<IN>(v.x, 0), s), mx_mul(word_elem<IN>(v.x, 1), s),
+                           mx_mul(word_elem<IN>(v.y, 0), s), mx_mul(word_elem<IN>(v.y, 1), s));
+        o.y = mx_cvt4_e4m3(mx_mul(word_elem<IN>(v.z, 0), s), mx_mul(word_elem<IN>(v.z, 1), s),
+                           mx_mul(word_elem<IN>(v.w, 0), s), mx_mul(word_elem<IN>(v.w, 1), s));
+    }
+    return o;
+}
+
+// Offset of scale (r, c) inside one 128x4 tile.
+__device__ __forceinline__ int tile_off(int r, int c) { return (r & 31) * 16 + (r >> 5) * 4 + c; }
+
+// Rows of the CTA's row tile for RS_GROUPED: block-wide scan of the group sizes (no host sync).
+__device__ __forceinline__ void grouped_rows(const int* __restrict__ gsizes, int G, int T, long long& row0,
+                                             int& nrows) {
+    __shared__ long long s_row0;
+    __shared__ int s_nrows;
+    __shared__ int s_wt[NTHREADS / 32];
+    __shared__ long long s_wn[NTHREADS / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) {
+        s_row0 = 0;
+        s_nrows = 0;
+    }
+    long long carry_n = 0;
+    int carry_t = 0;
+    for (int base = 0; base < G; base += NTHREADS) {
+        const int g = base + tid;
+        const int n = g < G ? max(gsizes[g], 0) : 0;
+        const int t = (n + TILE - 1) / TILE;
+        long long in = n;
+        int it = t;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+            int yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
+            if (lane >= o) {
+                in += yn;
+                it += yt;
+            }
+        }
+        if (lane == 31) {
+            s_wn[warp] = in;
+            s_wt[warp] = it;
+        }
+        __syncthreads();
+        long long tot_n = 0;
+        int tot_t = 0;
+#pragma unroll
+        for (int w = 0; w < NTHREADS / 32; ++w) {
+            if (w < warp) {
+                in += s_wn[w];
+                it += s_wt[w];
+            }
+            tot_n += s_wn[w];
+            tot_t += s_wt[w];
+        }
+        const int excl_t = carry_t + it - t;
+        const long long excl_n = carry_n + in - n;
+        if (t > 0 && T >= excl_t && T < excl_t + t) {
+            const int lt = T - excl_t;
+            s_row0 = excl_n + (long long)lt * TILE;
+            s_nrows = min(TILE, n - lt * TILE);
+        }
+        carry_n += tot_n;
+        carry_t += tot_t;
+        __syncthreads();
+    }
+    __syncthreads();
+    row0 = s_row0;
+    nrows = s_nrows;
+}
+
+// x: [M, K] (IN element type). Grid: 1-D, n_row_tiles * ctiles CTAs, column tile fastest; 256 threads.
+// rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
+// RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
+template <int IN, int RS, int CS>
+__global__ void __launch_bounds__(NTHREADS, IN == IN_F32 ? 3 : 4) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
+                                                      unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
+                                                      unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
+                                                      const int* __restrict__ gsizes, int G, long long group_rows,
+                                                      int n_row_tiles, int ctiles) {
+    constexpr int ES = IN == IN_F32 ? 4 : 2;  // element bytes
+    constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
+    constexpr int CPR = TILE / VEC;           // chunks per tile row
+    constexpr int TPB = 32 / VEC;             // lanes per 1x32 block
+    constexpr int WPR = TILE * ES / 4;        // 32-bit words per tile row
+    constexpr int PER = 8;                    // chunks in flight per thread
+    constexpr int PASSES = TILE * CPR / (NTHREADS * PER);
+    constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
+
+    MX_DYN_SMEM(smem);
+    unsigned* tile = reinterpret_cast<unsigned*>(smem);  // [TILE][WPR] words, swizzled (CS != NONE)
+    unsigned char* stile = smem + (CS != CS_NONE ? TILE * WPR * 4 : 0);  // 512 B row-scale tile
+    unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
+    signed char* sexp = reinterpret_cast<signed char*>(ctile + 512);     // [4][128] col exponents (CS_NT)
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int rt = (int)(blockIdx.x / (unsigned)ctiles), ct = (int)(blockIdx.x % (unsigned)ctiles);
+    const int col0 = ct * TILE;
+    const int C = K / 32;
+    long long row0;
+    int nrows;
+    if (RS == RS_GROUPED) {
+        grouped_rows(gsizes, G, rt, row0, nrows);
+        nrows = (int)max(0LL, min((long long)nrows, M - row0));
+    } else if (RS == RS_UNIFORM) {
+        const int tpe = (int)((group_rows + TILE - 1) / TILE);
+        const int e = rt / tpe, lt = rt % tpe;
+        row0 = e * group_rows + (long long)lt * TILE;
+        nrows = (int)min((long long)TILE, group_rows - (long long)lt * TILE);
+    } else {
+        row0 = (long long)rt * TILE;
+        nrows = (int)min((long long)TILE, M - row0);
+    }
+
+    // ---------------- phase 1: load, row-wise quantization, staging ----------------
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+        uint4 v[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int c = (p * PER + j) * NTHREADS + tid;
+            const int r = c / CPR, cc = c % CPR;
+            const bool ok = r < nrows && col0 + cc * VEC < K;
+            v[j] = ok ? ld_nc16(x + ((row0 + r) * K + col0 + cc * VEC) * ES) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int c = (p * PER + j) * NTHREADS + tid;
+            const int r = c / CPR, cc = c % CPR;
+            const bool ok = r < nrows && col0 + cc * VEC < K;
+            if (CS != CS_NONE) {
+                const int w = r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3));
+                *reinterpret_cast<uint4*>(tile + w) = v[j];
+            }
+            if (RS != RS_NONE) {
+                unsigned key = chunk_key<IN>(v[j]);
+#pragma unroll
+                for (int o = 1; o < TPB; o <<= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
+                const bool bad = key >= Key<IN>::BAD;
+                const int e = mx_block_exp(Key<IN>::to_float(key));
+                uint2 q = quant_chunk<IN>(v[j], mx_exp2i(-e));
+                if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+                if (ok) {
+                    unsigned char* dst = rq + (row0 + r) * K + col0 + cc * VEC;
+                    if (VEC == 8) *reinterpret_cast<uint2*>(dst) = q;
+                    else *reinterpret_cast<unsigned*>(dst) = q.x;
+                }
+                if ((lane & (TPB - 1)) == 0) {
+                    const unsigned char sb = (unsigned char)(bad ? MX_SCALE_NAN : (unsigned)(e + 127));
+                    const int cb = cc / TPB;
+                    if (RS == RS_PLAIN) {
+                        if (ok) rs[(row0 + r) * C + ct * 4 + cb] = sb;
+                    } else {
+                        stile[tile_off(r, cb)] = ok ? sb : (unsigned char)0;
+                    }
+                }
+            }
+        }
+    }
+    if (CS != CS_NONE || RTILE) __syncthreads();
+
+    // ---------------- phase 2: column-wise 32x1 blocks from the staged tile ----------------
+    if (CS != CS_NONE) {
+        constexpr int UPW = 4 / ES;  // columns per word
+        const int mb = tid & 3;
+        const bool mb_ok = mb * 32 < nrows;
+#pragma unroll
+        for (int p = 0; p < WPR / 64; ++p) {
+            const int u = p * 64 + (tid >> 2);
+            const int kc0 = u * UPW;
+            const bool ok = mb_ok && col0 + kc0 < K;
+            unsigned w[32];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) w[i] = tile[(mb * 32 + i) * WPR + (u ^ (mb << 3))];
+            unsigned acc = 0u;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) acc = Key<IN>::of_word(acc, w[i]);
+#pragma unroll
+            for (int c = 0; c < UPW; ++c) {
+                const unsigned key = Key<IN>::lane(acc, c);
+                const bool bad = key >= Key<IN>::BAD;
+                const int e = mx_block_exp(Key<IN>::to_float(key));
+                const unsigned char sb = (unsigned char)(bad ? MX_SCALE_NAN : (unsigned)(e + 127));
+                const int kl = kc0 + c;
+                if (CS == CS_NT) {
+                    sexp[mb * TILE + kl] = (signed char)(bad ? -128 : e);
+                    if (ok) cs[((row0 >> 5) + mb) * K + col0 + kl] = sb;
+                } else {
+                    const float s = mx_exp2i(-e);
+                    unsigned o[8];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        o[j] = bad ? 0x7F7F7F7Fu
+                                   : mx_cvt4_e4m3(mx_mul(word_elem<IN>(w[4 * j], c), s),
+                                                  mx_mul(word_elem<IN>(w[4 * j + 1], c), s),
+                                                  mx_mul(word_elem<IN>(w[4 * j + 2], c), s),
+                                                  mx_mul(word_elem<IN>(w[4 * j + 3], c), s));
+                    }
+                    if (ok) {
+                        uint4* dst = reinterpret_cast<uint4*>(cq + (long long)(col0 + kl) * M + row0 + 32 * mb);
+                        dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+                        dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+                    }
+                    if (CS == CS_PLAIN) {
+                        if (ok) cs[(long long)(col0 + kl) * (M >> 5) + (row0 >> 5) + mb] = sb;
+                    } else {
+                        ctile[tile_off(kl, mb)] = ok ? sb : (unsigned char)0;
+                    }
+                }
+            }
+        }
+        if (CS == CS_BLOCKED || CS == CS_NT) __syncthreads();
+    }
+
+    // ---------------- phase 3 (CS_NT): column-wise data in x's layout ----------------
+    if (CS == CS_NT) {
+#pragma unroll 4
+        for (int q = 0; q < TILE * CPR / NTHREADS; ++q) {
+            const int c = q * NTHREADS + tid;
+            const int r = c / CPR, cc = c % CPR;
+            if (!(r < nrows && col0 + cc * VEC < K)) continue;
+            const uint4 v = *reinterpret_cast<const uint4*>(tile + r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3)));
+            const signed char* ex = sexp + (r >> 5) * TILE + cc * VEC;
+            const unsigned vw[4] = {v.x, v.y, v.z, v.w};
+            unsigned char b[VEC];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                const int e = ex[i];
+                const float f = mx_mul(word_elem<IN>(vw[i * ES / 4], (i * ES / 2) & 1), mx_exp2i(-e));
+                b[i] = e == -128 ? (unsigned char)MX_E4M3_NAN : (unsigned char)(mx_cvt2_e4m3(f, 0.0f) & 0xFFu);
+            }
+            unsigned o0 = b[0] | (b[1] << 8) | (b[2] << 16) | ((unsigned)b[3] << 24);
+            unsigned char* dst = cq + (row0 + r) * K + col0 + cc * VEC;
+            if (VEC == 8) {
+                unsigned o1 = b[VEC > 4 ? 4 : 0] | (b[VEC > 5 ? 5 : 0] << 8) | (b[VEC > 6 ? 6 : 0] << 16) |
+                              ((unsigned)b[VEC > 7 ? 7 : 0] << 24);
+                *reinterpret_cast<uint2*>(dst) = make_uint2(o0, o1);
+            } else {
+                *reinterpret_cast<unsigned*>(dst) = o0;
+            }
+        }
+    }
+
+    // ---------------- blocked scale tiles: 512 B each, 16-byte stores ----------------
+    if (RTILE && tid < 32) {
+        reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid] =
+            reinterpret_cast<const uint4*>(stile)[tid];
+    }
+    if (CS == CS_BLOCKED && tid >= 32 && tid < 64) {
+        reinterpret_cast<uint4*>(cs + ((long long)ct * n_row_tiles + rt) * 512)[tid - 32] =
+            reinterpret_cast<const uint4*>(ctile)[tid - 32];
+    }
+}
+
+// Dequantization. q: [M, K] e4m3 bytes; rowwise (COLW=0) s: [M, K/32]; columnwise (COLW=1) s: [M/32, K].
+// out: [M, K] fp32 (OUT=0) / bf16 (1) / fp16 (2). Each thread handles 16-byte chunks (grid-stride).
+template <int OUT, int COLW>
+__global__ void __launch_bounds__(NTHREADS) mx_dequant(const unsigned char* __restrict__ q,
+                                                        const unsigned char* __restrict__ s,
+                                                        unsigned char* __restrict__ out, long long nchunks, int K) {
+    for (long long c = blockIdx.x * (long long)NTHREADS + threadIdx.x; c < nchunks;
+         c += (long long)gridDim.x * NTHREADS) {
+        const long long e0 = c * 16;
+        const uint4 d = ld_nc16(q + e0);
+        unsigned char sb[16];
+        if (COLW) {
+            const long long m = e0 / K, k = e0 - m * K;
+            const uint4 sv = ld_nc16(s + (m >> 5) * K + k);
+            const unsigned sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+            for (int i = 0; i < 16; ++i) sb[i] = (unsigned char)(sw[i >> 2] >> (8 * (i & 3)));
+        } else {
+            const unsigned char b = s[e0 >> 5];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) sb[i] = b;
+        }
+        const unsigned dw[4] = {d.x, d.y, d.z, d.w};
+        float f[16];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) mx_e4m3x2_to_f32(dw[i >> 1] >> (16 * (i & 1)), f[2 * i], f[2 * i + 1]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const float m = sb[i] == MX_SCALE_NAN ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)sb[i] - 127);
+            f[i] = mx_mul(f[i], m);
+        }
+        if (OUT == 0) {
+            uint4* dst = reinterpret_cast<uint4*>(out + e0 * 4);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                dst[i] = make_uint4(__float_as_uint(f[4 * i]), __float_as_uint(f[4 * i + 1]),
+                                    __float_as_uint(f[4 * i + 2]), __float_as_uint(f[4 * i + 3]));
+        } else {
+            unsigned o[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] = mx_pack16x2<OUT>(f[2 * i], f[2 * i + 1]);
+            uint4* dst = reinterpret_cast<uint4*>(out + e0 * 2);
+            dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+            dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+        }
+    }
+}

@@ -1,0 +1,190 @@
+"""The one loader of ``kernels/*.cu``: NVRTC compilation through CuPy, module cache, torch-stream interop.
+
+CuPy is imported lazily (``import moe_ep`` works without it). Kernels are compiled with
+``-arch=sm_90a -std=c++17`` and launched on torch's current stream of the tensors' device; pointer arguments are
+``tensor.data_ptr()`` values.
+
+Local ``#include "x.cuh"`` lines are inlined before compiling, so CuPy's on-disk kernel cache (keyed by the source
+text) is invalidated when a header changes.
+
+Environment switches:
+  MOE_EP_KERNELS_DIR     directory holding the ``.cu``/``.cuh`` files (default: repo ``kernels/`` in a source
+                         checkout, else the installed ``moe_ep.kernels`` package).
+  MOE_EP_NVRTC_OPTIONS   extra NVRTC options, whitespace separated (e.g. ``-lineinfo``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_GPU_EXTRA = "pip install 'moe_ep[gpu]'"
+BASE_OPTIONS = ("-arch=sm_90a", "-std=c++17")
+
+_lock = threading.Lock()
+_modules: dict[tuple, object] = {}
+_functions: dict[tuple, object] = {}
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def cupy():
+    """Import and return CuPy, or raise ImportError naming the extra to install."""
+    try:
+        import cupy as cp  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError(f"the CUDA backend of moe_ep needs CuPy (cupy-cuda13x): {_GPU_EXTRA}") from e
+    return cp
+
+
+def kernels_dir() -> Path:
+    """Directory with the CUDA sources: $MOE_EP_KERNELS_DIR, the source checkout, or the installed package."""
+    env = os.environ.get("MOE_EP_KERNELS_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parent.parent / "kernels"
+    if (repo / "common.cuh").is_file():
+        return repo
+    try:
+        import moe_ep.kernels as pkg  # noqa: PLC0415  (installed copy: package-dir "moe_ep.kernels" = "kernels")
+
+        return Path(pkg.__file__).resolve().parent
+    except ImportError as e:
+        raise FileNotFoundError(f"cannot find moe_ep's CUDA sources (looked in {repo})") from e
+
+
+def read_source(name: str, kdir: Path | None = None) -> str:
+    """Text of ``kernels/<name>`` with local ``#include "..."`` files inlined (each at most once)."""
+    kdir = kdir or kernels_dir()
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        path = kdir / fname
+        text = path.read_text()
+
+        def sub(m: re.Match) -> str:
+            inc = m.group(1)
+            if not (kdir / inc).is_file():
+                return m.group(0)
+            if inc in seen:
+                return f"// (already included: {inc})"
+            seen.add(inc)
+            return f"// ---- begin {inc} ----\n{expand(inc)}\n// ---- end {inc} ----"
+
+        return _INCLUDE_RE.sub(sub, text)
+
+    seen.add(name)
+    return expand(name)
+
+
+def compile_options(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    env = tuple(os.environ.get("MOE_EP_NVRTC_OPTIONS", "").split())
+    return BASE_OPTIONS + (f"-I{kernels_dir()}",) + tuple(extra) + env
+
+
+def get_module(name: str, name_expressions: tuple[str, ...] = (), extra_options: tuple[str, ...] = ()):
+    """Compiled ``cupy.RawModule`` of ``kernels/<name>``, cached per (file, options, name expressions)."""
+    cp = cupy()
+    opts = compile_options(tuple(extra_options))
+    key = (name, opts, tuple(name_expressions))
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            code = read_source(name)
+            kwargs = {"name_expressions": list(name_expressions)} if name_expressions else {}
+            mod = cp.RawModule(code=code, options=opts, **kwargs)
+            _modules[key] = mod
+    return mod
+
+
+def get_function(
+    name: str,
+    kernel: str,
+    name_expressions: tuple[str, ...] = (),
+    extra_options: tuple[str, ...] = (),
+    device: int | None = None,
+):
+    """Kernel ``kernel`` (a plain name or one of ``name_expressions``) of ``kernels/<name>``."""
+    dev = torch.cuda.current_device() if device is None else device
+    key = (name, kernel, tuple(name_expressions), tuple(extra_options), dev)
+    fn = _functions.get(key)
+    if fn is None:
+        mod = get_module(name, name_expressions, extra_options)
+        with cupy().cuda.Device(dev):
+            fn = mod.get_function(kernel)
+        _functions[key] = fn
+    return fn
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    """Kernel pointer argument for a tensor (0 for None)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def _device_index(device: torch.device | int | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_streams: dict[tuple[int, int], object] = {}
+
+
+def torch_stream(device: torch.device | int | None = None):
+    """CuPy view (``cupy.cuda.ExternalStream``, cached) of torch's current stream on ``device``."""
+    dev = _device_index(device)
+    handle = torch.cuda.current_stream(dev).cuda_stream
+    s = _streams.get((dev, handle))
+    if s is None:
+        cp = cupy()
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream in favour of Stream.from_external
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = cp.cuda.ExternalStream(handle, dev)
+        _streams[(dev, handle)] = s
+    return s
+
+
+_smem_set: dict[tuple[int, int], int] = {}
+
+
+def launch(
+    fn,
+    grid: int | tuple,
+    block: int | tuple,
+    args: tuple,
+    *,
+    shared_mem: int = 0,
+    device: torch.device | int | None = None,
+) -> None:
+    """Launch ``fn`` on torch's current stream of ``device`` (default: the current CUDA device).
+
+    ``args`` are numpy scalars (see :func:`ptr`, :func:`i32`, :func:`i64`) matching the kernel's parameters.
+    """
+    cp = cupy()
+    dev = _device_index(device)
+    grid = grid if isinstance(grid, tuple) else (int(grid),)
+    block = block if isinstance(block, tuple) else (int(block),)
+    with cp.cuda.Device(dev):
+        if shared_mem > 48 * 1024 and _smem_set.get((id(fn), dev), 0) < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem
+            _smem_set[(id(fn), dev)] = shared_mem
+        fn(grid, block, args, shared_mem=shared_mem, stream=torch_stream(dev))
+
+
+def num_sms(device: torch.device | int | None = None) -> int:
+    return torch.cuda.get_device_properties(_device_index(device)).multi_processor_count

@@ -1,0 +1,427 @@
+"""CUDA transport: layout, fused MXFP8 dispatch and combine over NVSHMEM peer pointers (kernels/*.cu).
+
+Same contracts as :mod:`moe_ep.comm.reference` / :mod:`moe_ep.comm.ops` (the specification), with every count kept
+on the GPU: nothing here waits for the GPU (safe under ``torch.cuda.set_sync_debug_mode("error")``).
+
+Differences a caller must know (shapes cannot depend on device counts without a host sync):
+  * expanded tensors have ``handle.expand_capacity`` rows (default ``ep_size * max_tokens_per_rank *
+    min(top_k, num_local_experts)``, the true worst case; pass a tighter ``expand_capacity``). Rows past the real
+    count N (``handle.info[1]`` on the device) are zero in the compat functions, unspecified in
+    :func:`dispatch_fwd_mxfp8` (grouped GEMMs read only ``group_sizes`` rows).
+  * ``handle.group_sizes`` is int32 on the GPU; host lists (``send_splits`` ...) are properties that sync.
+  * H must be a multiple of 32; x / y rows bf16 or fp32 (fp32 unquantized payloads need ``wire_bytes=4``).
+
+Phases and kernels (stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh):
+  build_layout   ep_layout            counts exchange + all offsets           (LAYOUT epoch)
+  dispatch       ep_dispatch          quantize once, store to every dest rank (DISP epoch)
+                 ep_expand            expert-sorted rows (+ blocked scales)
+  combine        ep_combine_send      slot-ordered weighted sum, one row per (token, rank) back   (COMB epoch)
+                 ep_combine_recv      rank-ordered sum on the source
+  combine_bwd = MXFP8 dispatch of dy (ep_dispatch without metadata + ep_expand in MODE_BWD)
+  dispatch_bwd = bf16 combine of dx (ep_combine_* with BWD = 1, also returns the top-k weight gradients)
+Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.comm.nvshmem`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import _cuda
+from ..mxfp8 import grouped_blocked_size
+from .nvshmem import EPRuntime, get_runtime
+
+_LAYOUT_WARPS = 32
+_THREADS = 512
+_I_R, _I_N, _I_RECV_OFF, _I_SEND_OFF, _I_GSTART = 0, 1, 2, 19, 36
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_DISPATCH_NAMES = ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>", "ep_expand<0,1,1>") + tuple(
+    f"ep_expand<{m},{q},{o}>" for m in (1, 2) for q in (0, 1) for o in (0, 1)
+)
+_COMBINE_NAMES = tuple(f"ep_combine_{k}<{y},{b}>" for k in ("send", "recv") for y in (0, 1) for b in (0, 1))
+MODE_MX, MODE_VAL, MODE_BWD = 0, 1, 2
+
+
+def precompile() -> None:
+    """Compile (or load from CuPy's cache) every transport kernel on this rank. :func:`nvshmem.init_runtime`
+    calls it before its barrier, so compile-time skew between ranks never eats into a spin-wait timeout."""
+    _fn("layout.cu", "ep_layout")
+    for n in _DISPATCH_NAMES:
+        _fn("dispatch.cu", n, _DISPATCH_NAMES)
+    for n in _COMBINE_NAMES:
+        _fn("combine.cu", n, _COMBINE_NAMES)
+
+
+def _fn(src: str, name: str, names: tuple[str, ...] = ()):
+    return _cuda.get_function(src, name, names)
+
+
+def _p(t: torch.Tensor | None) -> np.uint64:
+    return _cuda.ptr(t)
+
+
+def _i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def _grid(work_rows: int, rt: EPRuntime, per_cta: int = _THREADS // 32) -> int:
+    return max(1, min(-(-work_rows // per_cta), rt.num_sms * 4))
+
+
+@dataclass
+class CudaEPHandle:
+    """Device-resident layout (the CUDA counterpart of :class:`moe_ep.comm.handle.EPHandle`).
+
+    Source side: topk_idx [T, K] int32; tok_dst [T, W] int32 row in rank r's receive buffer (-1: not sent);
+      send_row_of [T, W] int32 (the reference's sent-row order, -1: none); slot_pos [T, K] int32 expanded row of
+      each slot at its rank (-1: invalid id / over capacity).
+    Both: counts [W, W + E] int32, row s = rank s's [rows per dest rank | (token, slot) pairs per global expert].
+    Receiver: info int32 (R at [0], N at [1], recv_off at [2:2+W+1], group starts at [36:36+L+1], tile offsets
+      after them); group_sizes [L] int32; recv_pos [recv_capacity, K] int32 expanded row of each received slot,
+      expand_row / expand_slot [expand_capacity] int32 (filled by the forward dispatch; -1 past N).
+    """
+
+    num_tokens: int
+    top_k: int
+    ep_size: int
+    num_local_experts: int
+    num_experts: int
+    recv_capacity: int
+    expand_capacity: int
+    topk_idx: torch.Tensor
+    tok_dst: torch.Tensor
+    send_row_of: torch.Tensor
+    slot_pos: torch.Tensor
+    counts: torch.Tensor
+    info: torch.Tensor
+    group_sizes: torch.Tensor
+    recv_pos: torch.Tensor
+    expand_row: torch.Tensor
+    expand_slot: torch.Tensor
+    runtime: EPRuntime
+    group: object = None
+
+    @property
+    def num_expanded(self) -> int:
+        """Rows of every expanded tensor (the capacity, not the device count N)."""
+        return self.expand_capacity
+
+    @property
+    def num_recv(self) -> int:
+        return self.recv_capacity
+
+    @property
+    def topk_rank(self) -> torch.Tensor:
+        return (self.topk_idx // self.num_local_experts).long()
+
+    # host-sync helpers (tests, debugging): never on the training path
+    def host_counts(self) -> dict:
+        info = self.info.cpu().tolist()
+        w, lcl = self.ep_size, self.num_local_experts
+        cnt = self.counts.cpu()
+        me = self.runtime.rank
+        return {
+            "R": info[_I_R],
+            "N": info[_I_N],
+            "send_splits": cnt[me, :w].tolist(),
+            "recv_splits": cnt[:, me].tolist(),
+            "group_sizes": [int(v) for v in self.group_sizes.cpu()],
+            "gstart": info[_I_GSTART:_I_GSTART + lcl + 1],
+        }
+
+    @property
+    def send_splits(self) -> list[int]:
+        return self.host_counts()["send_splits"]
+
+    @property
+    def recv_splits(self) -> list[int]:
+        return self.host_counts()["recv_splits"]
+
+    @property
+    def group_sizes_host(self) -> list[int]:
+        return self.host_counts()["group_sizes"]
+
+
+def _check_rows(x: torch.Tensor, what: str, h: int | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        raise ValueError(f"{what} must be a CUDA tensor")
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be 2-D, got shape {tuple(x.shape)}")
+    if x.dtype not in _DT:
+        raise TypeError(f"{what} must be bf16 or fp32 for the CUDA transport, got {x.dtype}")
+    if h is not None and x.shape[1] != h:
+        raise ValueError(f"{what} has {x.shape[1]} columns, expected {h}")
+    if x.shape[1] % 32:
+        raise ValueError(f"{what}: hidden ({x.shape[1]}) must be a multiple of 32")
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def _check_capacity(rt: EPRuntime, h: int, elem: int, top_k: int, num_tokens: int | None = None) -> None:
+    cfg = rt.cfg
+    if h > cfg.hidden:
+        raise ValueError(f"hidden {h} exceeds the runtime's hidden {cfg.hidden} (init_runtime with the larger size)")
+    if h * elem > cfg.hidden * max(2, cfg.wire_bytes):
+        raise ValueError(f"{elem}-byte payload rows need init_runtime(..., wire_bytes={elem})")
+    if top_k > cfg.top_k:
+        raise ValueError(f"top_k {top_k} exceeds the runtime's top_k {cfg.top_k}")
+    if num_tokens is not None and num_tokens > cfg.max_tokens_per_rank:
+        raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank} (it sizes the "
+                         "receive buffers); raise it in init_runtime / MoEConfig")
+
+
+# ------------------------------------------------------------------------------------------------------- layout
+def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None, *, expand_capacity: int | None = None,
+                 runtime: EPRuntime | None = None) -> CudaEPHandle:
+    """Routing layout on the GPU: topk_idx [T, K] int32/int64 global expert ids -> :class:`CudaEPHandle`.
+
+    Invalid ids are reported (ValueError) by the next transport call / ``runtime.check_errors()``; their slots
+    are dropped meanwhile. Collective over the EP group (every rank calls it, in the same order as the others).
+    """
+    rt = runtime or get_runtime(group)
+    rt.raise_pending()
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be [num_tokens, top_k], got shape {tuple(topk_idx.shape)}")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
+    if topk_idx.device != rt.device:
+        raise ValueError(f"topk_idx must be on {rt.device}, got {topk_idx.device}")
+    w, me = rt.ep_size, rt.rank
+    if num_experts % w:
+        raise ValueError(f"num_experts {num_experts} is not divisible by the EP size {w}")
+    if num_experts > rt.cfg.num_experts:
+        raise ValueError(f"num_experts {num_experts} exceeds the runtime's {rt.cfg.num_experts}")
+    t, k = topk_idx.shape
+    _check_capacity(rt, 32, 1, k, t)
+    lcl = num_experts // w
+    recv_cap = w * rt.cfg.max_tokens_per_rank
+    ncap = int(expand_capacity) if expand_capacity is not None else recv_cap * min(k, lcl)
+    dev = rt.device
+    idx = topk_idx.to(torch.int32).contiguous()
+    tok_dst = torch.empty(t, w, dtype=torch.int32, device=dev)
+    send_row_of = torch.empty(t, w, dtype=torch.int32, device=dev)
+    slot_pos = torch.empty(t, k, dtype=torch.int32, device=dev)
+    counts = torch.empty(w, w + num_experts, dtype=torch.int32, device=dev)
+    info = torch.zeros(_I_GSTART + 2 * (lcl + 1), dtype=torch.int32, device=dev)
+    group_sizes = torch.empty(lcl, dtype=torch.int32, device=dev)
+    u = rt.next_epoch("layout")
+    smem = (_LAYOUT_WARPS * num_experts + (w + num_experts) + num_experts) * 4
+    args = (_p(idx), _i32(t), _i32(k), _i32(num_experts), _i32(w), _i32(me), _p(rt.peers), _i64(rt.region("counts")),
+            np.uint64(u), _i32(recv_cap), _i32(ncap), _p(tok_dst), _p(send_row_of), _p(slot_pos), _p(counts),
+            _p(info), _p(group_sizes), *rt.ctl_args())
+    _cuda.launch(_fn("layout.cu", "ep_layout"), 1, _LAYOUT_WARPS * 32, args, shared_mem=smem, device=dev)
+    return CudaEPHandle(
+        num_tokens=t, top_k=k, ep_size=w, num_local_experts=lcl, num_experts=num_experts, recv_capacity=recv_cap,
+        expand_capacity=ncap, topk_idx=idx, tok_dst=tok_dst, send_row_of=send_row_of, slot_pos=slot_pos,
+        counts=counts, info=info, group_sizes=group_sizes,
+        recv_pos=torch.empty(recv_cap, k, dtype=torch.int32, device=dev),
+        expand_row=torch.empty(ncap, dtype=torch.int32, device=dev),
+        expand_slot=torch.empty(ncap, dtype=torch.int32, device=dev),
+        runtime=rt, group=group,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- dispatch
+def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> int:
+    """Launch ep_dispatch (rows of x to every destination rank); returns the DISP epoch used."""
+    rt = h.runtime
+    es = x.element_size()
+    _check_capacity(rt, x.shape[1], 1 if quantize else es, h.top_k, x.shape[0])
+    if x.shape[0] != h.num_tokens:
+        raise ValueError(f"x has {x.shape[0]} rows, the handle {h.num_tokens} tokens")
+    u = rt.next_epoch("disp")
+    name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
+    tw = None
+    if topk_w is not None:
+        if tuple(topk_w.shape) != (h.num_tokens, h.top_k):
+            raise ValueError(f"topk_w {tuple(topk_w.shape)} does not match topk_idx {(h.num_tokens, h.top_k)}")
+        tw = topk_w.to(torch.float32).contiguous()
+    args = (_p(x), _p(tw), _p(h.topk_idx), _p(h.tok_dst), _p(h.slot_pos), _i32(h.num_tokens), _i32(x.shape[1]),
+            _i32(h.top_k), _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), _p(rt.peers),
+            _i64(rt.region("disp_data")), _i64(rt.region("disp_scale")), _i64(rt.region("disp_meta")),
+            _i32(x.shape[1] * es), _i32(1 if tw is not None else 0), np.uint64(u), *rt.ctl_args())
+    _cuda.launch(_fn("dispatch.cu", name, _DISPATCH_NAMES), _grid(h.num_tokens, rt), _THREADS, args, device=x.device)
+    return u
+
+
+def _expand(h: CudaEPHandle, u: int, mode: int, quantize: bool, hid: int, out_dtype, out, out_scale=None,
+            w_out=None, y=None, w_in=None, dw=None, zero_pad=True) -> None:
+    rt = h.runtime
+    ot = _DT.get(out_dtype, 1)
+    name = "ep_expand<0,1,1>" if mode == MODE_MX else f"ep_expand<{mode},{int(quantize)},{ot}>"
+    fwd = mode != MODE_BWD
+    args = (_p(rt.peers), _i32(rt.rank), _i32(h.ep_size), _i64(rt.region("disp_data")),
+            _i64(rt.region("disp_scale")), _i64(rt.region("disp_meta")), _p(h.info), _i32(hid), _i32(h.top_k),
+            _i32(h.num_local_experts), _i32(h.recv_capacity), _i32(h.expand_capacity), _i32(int(zero_pad)),
+            _p(h.recv_pos), _p(out), _p(out_scale), _p(w_out), _p(h.expand_row if fwd else None),
+            _p(h.expand_slot if fwd else None), _p(y), _p(w_in), _p(dw), np.uint64(u), *rt.ctl_args())
+    grid = _grid(max(h.recv_capacity, h.expand_capacity), rt)
+    _cuda.launch(_fn("dispatch.cu", name, _DISPATCH_NAMES), grid, _THREADS, args, device=out.device)
+
+
+def dispatch_fwd(x: torch.Tensor, topk_w: torch.Tensor, handle: CudaEPHandle,
+                 quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], topk_w [T, K] -> (expanded rows [expand_capacity, H] x.dtype, weights [expand_capacity] fp32).
+
+    Rows are the dequantized MXFP8 payload (quantize) or x's rows, in the reference's expanded order; rows past
+    the device count N are zero.
+    """
+    handle.runtime.raise_pending()
+    x = _check_rows(x, "x")
+    u = _send(x, topk_w, handle, quantize)
+    out = torch.empty(handle.expand_capacity, x.shape[1], dtype=x.dtype, device=x.device)
+    w_out = torch.empty(handle.expand_capacity, dtype=torch.float32, device=x.device)
+    _expand(handle, u, MODE_VAL, quantize, x.shape[1], x.dtype, out, w_out=w_out)
+    return out, w_out
+
+
+def dispatch_fwd_mxfp8(x: torch.Tensor, topk_w: torch.Tensor,
+                       handle: CudaEPHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fast path: x [T, H] -> (data [expand_capacity, H] e4m3, scales u8 in the per-group blocked layout
+    ``[grouped_blocked_size(expand_capacity, L, H // 32, "m")]`` (== ``to_blocked_grouped(plain, group_sizes)``
+    on its used tiles, zero elsewhere), weights [expand_capacity] fp32). Group sizes: ``handle.group_sizes``.
+    """
+    handle.runtime.raise_pending()
+    x = _check_rows(x, "x")
+    u = _send(x, topk_w, handle, True)
+    n, hid, lcl = handle.expand_capacity, x.shape[1], handle.num_local_experts
+    data = torch.empty(n, hid, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.zeros(grouped_blocked_size(n, lcl, hid // 32, "m"), dtype=torch.uint8, device=x.device)
+    w_out = torch.empty(n, dtype=torch.float32, device=x.device)
+    _expand(handle, u, MODE_MX, True, hid, None, data, out_scale=scale, w_out=w_out, zero_pad=False)
+    return data, scale, w_out
+
+
+def combine_bwd(dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle,
+                quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 dispatch of dy [T, H] -> (dy_rows * w [expand_capacity, H] y.dtype, dw [expand_capacity] fp32)."""
+    handle.runtime.raise_pending()
+    y = _check_rows(y, "y", None)
+    dy = _check_rows(dy.to(y.dtype), "dy", y.shape[1])
+    u = _send(dy, None, handle, quantize)
+    out = torch.empty_like(y)
+    dw = torch.empty(handle.expand_capacity, dtype=torch.float32, device=y.device)
+    _expand(handle, u, MODE_BWD, quantize, y.shape[1], y.dtype, out, y=y, w_in=w.to(torch.float32).contiguous(),
+            dw=dw)
+    return out, dw
+
+
+# ------------------------------------------------------------------------------------------------------ combine
+def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
+    rt = h.runtime
+    _check_capacity(rt, rows.shape[1], rows.element_size(), h.top_k)
+    if rows.shape[0] != h.expand_capacity or wv.shape != (h.expand_capacity,):
+        raise ValueError(f"combine expects [{h.expand_capacity}, H] rows and [{h.expand_capacity}] weights, got "
+                         f"{tuple(rows.shape)} and {tuple(wv.shape)}")
+    wv = wv.to(torch.float32).contiguous()
+    yt, b = _DT[rows.dtype], int(bwd)
+    u = rt.next_epoch("comb")
+    hid = rows.shape[1]
+    common = (_p(rt.peers), _i64(rt.region("comb_data")), _i64(rt.region("comb_meta")), np.uint64(u),
+              *rt.ctl_args())
+    args = (_p(rows), _p(wv), _p(h.recv_pos), _p(h.info), _i32(hid), _i32(h.top_k), _i32(h.ep_size),
+            _i32(rt.rank), _i32(h.recv_capacity), *common)
+    _cuda.launch(_fn("combine.cu", f"ep_combine_send<{yt},{b}>", _COMBINE_NAMES), _grid(h.recv_capacity, rt),
+                 _THREADS, args, device=rows.device)
+    out = torch.empty(h.num_tokens, hid, dtype=rows.dtype, device=rows.device)
+    dtw = torch.empty(h.num_tokens, h.top_k, dtype=torch.float32, device=rows.device) if bwd else None
+    args = (_p(out), _p(dtw), _p(h.send_row_of), _p(h.topk_idx), _i32(h.num_tokens), _i32(hid), _i32(h.top_k),
+            _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), *common)
+    _cuda.launch(_fn("combine.cu", f"ep_combine_recv<{yt},{b}>", _COMBINE_NAMES), _grid(h.num_tokens, rt),
+                 _THREADS, args, device=rows.device)
+    return out, dtw
+
+
+def combine_fwd(y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle) -> torch.Tensor:
+    """y [expand_capacity, H] expert outputs, w [expand_capacity] fp32 -> [T, H] y.dtype (fp32 sums)."""
+    handle.runtime.raise_pending()
+    out, _ = _combine(_check_rows(y, "y"), w, handle, False)
+    return out
+
+
+def dispatch_bwd(grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: CudaEPHandle,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine of dx: grad_rows [expand_capacity, H], grad_w [expand_capacity] -> (dx [T, H] dtype, d topk_w
+    [T, K] fp32)."""
+    handle.runtime.raise_pending()
+    return _combine(_check_rows(grad_rows.to(dtype), "grad_rows"), grad_w, handle, True)
+
+
+# ----------------------------------------------------------------------------------------------------- autograd
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_w, handle, quantize):
+        ctx.handle, ctx.dtype, ctx.hidden = handle, x.dtype, x.shape[1]
+        return dispatch_fwd(x, topk_w, handle, quantize)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_w):
+        h = ctx.handle
+        if grad_rows is None:
+            grad_rows = torch.zeros(h.expand_capacity, ctx.hidden, dtype=ctx.dtype, device=h.runtime.device)
+        if grad_w is None:
+            grad_w = torch.zeros(h.expand_capacity, dtype=torch.float32, device=h.runtime.device)
+        dx, dw = dispatch_bwd(grad_rows, grad_w, h, ctx.dtype)
+        return dx, dw, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, handle, quantize):
+        ctx.save_for_backward(y, w)
+        ctx.handle, ctx.quantize = handle, quantize
+        return combine_fwd(y, w, handle)
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, w = ctx.saved_tensors
+        dyr, dw = combine_bwd(dy, y, w, ctx.handle, ctx.quantize)
+        return dyr, dw, None, None
+
+
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, group=None,
+             quantize: bool = True, expand_capacity: int | None = None):
+    """:func:`moe_ep.comm.ops.dispatch` on the CUDA transport -> (rows [Ncap, H], weights [Ncap], handle)."""
+    if x.dim() != 2 or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_w {tuple(topk_w.shape)} "
+                         "do not match")
+    handle = build_layout(topk_idx, num_experts, group, expand_capacity=expand_capacity)
+    rows, w = _Dispatch.apply(x, topk_w, handle, quantize)
+    return rows, w, handle
+
+
+def combine(y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize: bool = True) -> torch.Tensor:
+    """:func:`moe_ep.comm.ops.combine` on the CUDA transport: y [Ncap, H], w [Ncap] -> [T, H] y.dtype."""
+    return _Combine.apply(y, w, handle, quantize)
+
+
+def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):
+    """Views of what this rank received in the last dispatch (valid until the next one): the reference's
+    RecvBuffers contract (data [R, H], scale [R, H//32] or None, local [R, K] int64, weight [R, K] fp32).
+    Host sync (reads R): tests only."""
+    from .reference import RecvBuffers  # noqa: PLC0415
+
+    rt = handle.runtime
+    torch.cuda.current_stream(rt.device).synchronize()
+    r = min(int(handle.info[_I_R].item()), handle.recv_capacity)
+    return _views(rt, r, hidden, handle.top_k, quantize, dtype, RecvBuffers)
+
+
+def _views(rt, r, hid, k, quantize, dtype, cls):
+    sym = rt.sym
+    o = rt.offsets
+    meta = sym[o["disp_meta"]:o["disp_meta"] + r * 3 * k * 4].view(torch.int32).view(r, 3 * k)
+    if quantize:
+        data = sym[o["disp_data"]:o["disp_data"] + r * hid].view(torch.float8_e4m3fn).view(r, hid)
+        scale = sym[o["disp_scale"]:o["disp_scale"] + r * (hid // 32)].view(r, hid // 32)
+    else:
+        es = torch.empty(0, dtype=dtype).element_size()
+        data = sym[o["disp_data"]:o["disp_data"] + r * hid * es].view(dtype).view(r, hid)
+        scale = None
+    return cls(data, scale, meta[:, :k].long(), meta[:, k:2 * k].contiguous().view(torch.float32))

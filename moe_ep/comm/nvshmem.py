@@ -1,0 +1,309 @@
+"""NVSHMEM runtime of the CUDA transport: one initialization per process, symmetric buffers, peer-pointer table.
+
+* :func:`init_nvshmem` initializes NVSHMEM once per process from torch.distributed (call
+  ``torch.cuda.set_device`` first): rank 0 creates the unique id, ``broadcast_object_list`` hands it to every rank,
+  PE = global rank. ``NVSHMEM_DISABLE_NVLS=1`` is forced (NVLink multicast is never used). Finalized at exit
+  (:func:`shutdown`, registered with ``atexit``; call it yourself before ``destroy_process_group`` to be tidy).
+* :func:`init_runtime` returns the :class:`EPRuntime` of an EP process group, shared by every MoE layer of the
+  process: ONE symmetric byte region per rank (identical offsets on every rank) holding
+      flags      [F_NUM][8] u64      written by peers (release/acquire; see kernels/ep_sync.cuh)
+      counts_in  [W][W + E] int32    count rows of every rank (layout exchange)
+      disp_meta  [cap][3K] int32     received (local expert | weight bits | expanded row) per top-k slot
+      disp_scale [cap][H/32] u8      received E8M0 scales
+      disp_data  [cap][H * wire] u8  received e4m3 rows (or raw rows of `wire` bytes per element)
+      comb_meta  [cap][K] fp32       returned top-k weight gradients (dispatch backward)
+      comb_data  [cap][H * wire] u8  returned rows (combine)
+  with cap = ep_size * max_tokens_per_rank: each token reaches a rank at most once, so this is a true worst case.
+  ``peers`` is a device int64 table of the region's address on every EP rank (nvshmem_ptr through
+  ``get_peer_tensor``); kernels store through it. With ep_size 1 the region is ordinary device memory and
+  NVSHMEM is not needed at all.
+* Errors found on the GPU (invalid expert id, receive/expand overflow, a wait that timed out) are recorded in
+  host-mapped pinned memory. :meth:`EPRuntime.raise_pending` reads it WITHOUT a CUDA sync and raises; every transport
+  call runs it first, so an error surfaces at the first transport call issued after the faulty kernel has
+  executed (typically the next call or the next step). :meth:`EPRuntime.check_errors` synchronizes the current
+  stream first (tests, end of a step). Timeouts (``MOE_EP_COMM_TIMEOUT_S``, default 60 s, per wait) are fatal:
+  the runtime refuses further work.
+
+Across nodes (peers without a peer pointer) a second implementation of the same kernels' interface would stage
+rows locally and move them with ``nvshmemx_putmem_signal_on_stream``; see benchmarks/TRANSPORT.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+F_NUM = 6
+MAX_RANKS = 8
+MAX_EXPERTS = 1024
+MAX_TOPK = 32
+_ALIGN = 256
+
+ERR_INVALID_EXPERT, ERR_RECV_OVERFLOW, ERR_EXPAND_OVERFLOW, ERR_TIMEOUT = 1, 2, 3, 4
+_FLAG_NAMES = ("LAYOUT_READY", "LAYOUT_FREE", "DISP_READY", "DISP_FREE", "COMB_READY", "COMB_FREE")
+
+_state: dict = {"nvshmem": False, "runtimes": {}, "atexit": False}
+
+
+class EPTransportError(RuntimeError):
+    """An error detected on the GPU by the NVSHMEM transport (overflow, timeout)."""
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _nvshmem():
+    try:
+        import nvshmem.core as nvc  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError("the CUDA transport needs nvshmem4py (pip install 'moe_ep[gpu]')") from e
+    return nvc
+
+
+def init_nvshmem(min_heap_bytes: int = 0) -> None:
+    """Initialize NVSHMEM once per process (all ranks of the default group must call it together).
+
+    ``min_heap_bytes``: raise ``NVSHMEM_SYMMETRIC_SIZE`` to at least this (plus slack) unless the user set it.
+    """
+    if _state["nvshmem"]:
+        return
+    if not dist.is_initialized():
+        raise RuntimeError("init_nvshmem needs torch.distributed to be initialized (torchrun + init_process_group)")
+    if not torch.cuda.is_available():
+        raise RuntimeError("init_nvshmem needs CUDA (call torch.cuda.set_device(local_rank) first)")
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    if min_heap_bytes and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+        want = min_heap_bytes + (256 << 20)
+        if want > (1 << 30):
+            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(-(-want // (64 << 20)) * (64 << 20))
+    nvc = _nvshmem()
+    from cuda.core import Device  # noqa: PLC0415
+
+    dev = Device(torch.cuda.current_device())
+    dev.set_current()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    uid = nvc.get_unique_id(empty=rank != 0)
+    payload = [uid._data.view(np.uint8).tobytes() if rank == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    if rank != 0:
+        uid._data.view(np.uint8)[:] = np.frombuffer(payload[0], dtype=np.uint8)
+    nvc.init(device=dev, uid=uid, rank=rank, nranks=world, initializer_method="uid")
+    _state["nvshmem"] = True
+    if not _state["atexit"]:
+        atexit.register(shutdown)
+        _state["atexit"] = True
+
+
+def shutdown() -> None:
+    """Free every runtime's symmetric memory and finalize NVSHMEM (collective; idempotent)."""
+    rts = list(_state["runtimes"].values())
+    _state["runtimes"].clear()
+    if torch.cuda.is_available() and (rts or _state["nvshmem"]):
+        torch.cuda.synchronize()
+    for rt in rts:
+        rt._free()
+    if _state["nvshmem"]:
+        _nvshmem().finalize()
+        _state["nvshmem"] = False
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    max_tokens_per_rank: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    wire_bytes: int = 2  # bytes per element of raw (unquantized) payloads: 2 = bf16, 4 = fp32
+
+    def covers(self, other: RuntimeConfig) -> bool:
+        return all(getattr(self, f) >= getattr(other, f) for f in self.__dataclass_fields__)
+
+    def union(self, other: RuntimeConfig) -> RuntimeConfig:
+        return RuntimeConfig(*(max(getattr(self, f), getattr(other, f)) for f in self.__dataclass_fields__))
+
+
+class EPRuntime:
+    """Symmetric buffers, peer table, epochs and error state of one EP process group (see the module doc)."""
+
+    def __init__(self, group, cfg: RuntimeConfig) -> None:
+        self.group = group
+        self.ep_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        if self.ep_size > MAX_RANKS:
+            raise ValueError(f"the NVSHMEM transport supports up to {MAX_RANKS} EP ranks, got {self.ep_size}")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.timeout_ns = int(float(os.environ.get("MOE_EP_COMM_TIMEOUT_S", "60")) * 1e9)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.broken: str | None = None
+        self.sym: torch.Tensor | None = None
+        self._symmetric = False
+        self.err = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self.ctr = torch.zeros(8, dtype=torch.int32, device=self.device)
+        self.herr = torch.zeros(8, dtype=torch.int32, pin_memory=True)  # host-mapped (UVA): kernels store here
+        self._herr_np = self.herr.numpy()
+        self.cfg: RuntimeConfig | None = None
+        self._allocate(cfg)
+
+    # ---------------------------------------------------------------------------------------------------- memory
+    def _layout(self, cfg: RuntimeConfig) -> dict[str, int]:
+        w, cap = self.ep_size, self.ep_size * cfg.max_tokens_per_rank
+        sizes = [
+            ("flags", F_NUM * MAX_RANKS * 8),
+            ("counts", w * (w + cfg.num_experts) * 4),
+            ("disp_meta", cap * 3 * cfg.top_k * 4),
+            ("disp_scale", cap * (cfg.hidden // 32)),
+            ("disp_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
+            ("comb_meta", cap * cfg.top_k * 4),
+            ("comb_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
+        ]
+        off, out = 0, {}
+        for name, n in sizes:
+            out[name] = off
+            off += _align(n)
+        out["total"] = off
+        return out
+
+    def _allocate(self, cfg: RuntimeConfig) -> None:
+        if cfg.num_experts > MAX_EXPERTS or cfg.top_k > MAX_TOPK:
+            raise ValueError(f"the transport supports num_experts <= {MAX_EXPERTS} and top_k <= {MAX_TOPK}")
+        offs = self._layout(cfg)
+        if self.ep_size == 1:
+            self.sym = torch.zeros(offs["total"], dtype=torch.uint8, device=self.device)
+            self.peers = torch.tensor([self.sym.data_ptr()], dtype=torch.int64, device=self.device)
+        else:
+            init_nvshmem(offs["total"])
+            nvc = _nvshmem()
+            self.sym = nvc.tensor((offs["total"],), dtype=torch.uint8)  # collective over all PEs
+            self._symmetric = True
+            self.sym.zero_()
+            pes = dist.get_process_group_ranks(self.group)
+            ptrs = []
+            for r, pe in enumerate(pes):
+                if r == self.rank:
+                    ptrs.append(self.sym.data_ptr())
+                    continue
+                try:
+                    p = nvc.get_peer_tensor(self.sym, pe).data_ptr()
+                except Exception as e:  # noqa: BLE001
+                    raise NotImplementedError(
+                        f"EP rank {r} (PE {pe}) has no peer pointer (not NVLink/P2P reachable); peers across nodes "
+                        "need the put_signal transport (benchmarks/TRANSPORT.md), which is not implemented yet"
+                    ) from e
+                if not p:
+                    raise NotImplementedError(f"EP rank {r} (PE {pe}) has no peer pointer (across nodes?)")
+                ptrs.append(p)
+            self.peers = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+            torch.cuda.synchronize()
+            dist.barrier()  # every region is zeroed before any peer writes a flag into it
+        self.offsets = offs
+        self.cfg = cfg
+        self.epochs = {"layout": 0, "disp": 0, "comb": 0}
+        self.ctr.zero_()
+
+    def _free(self) -> None:
+        if self.sym is not None and self._symmetric and _state["nvshmem"]:
+            _nvshmem().free_tensor(self.sym)
+        self.sym = None
+
+    def ensure(self, cfg: RuntimeConfig) -> None:
+        """Grow the buffers to cover ``cfg`` (collective: every rank must call it with the same config).
+
+        Growing synchronizes the device (once, outside the steady state) and resets the epochs.
+        """
+        if self.cfg is not None and self.cfg.covers(cfg):
+            return
+        new = cfg if self.cfg is None else self.cfg.union(cfg)
+        torch.cuda.synchronize()
+        self._free()
+        self._allocate(new)
+
+    def next_epoch(self, kind: str) -> int:
+        self.epochs[kind] += 1
+        return self.epochs[kind]
+
+    def region(self, name: str) -> int:
+        return self.offsets[name]
+
+    # ---------------------------------------------------------------------------------------------------- errors
+    def ctl_args(self) -> tuple:
+        return (np.uint64(self.err.data_ptr()), np.uint64(self.herr.data_ptr()), np.uint64(self.ctr.data_ptr()),
+                np.int64(self.timeout_ns))
+
+    def _message(self, code: int, a: int, b: int, c: int) -> str:
+        if code == ERR_INVALID_EXPERT:
+            return f"expert index out of range: topk_idx[{a}, {b}] = {c} (valid: [0, num_experts))"
+        if code == ERR_RECV_OVERFLOW:
+            return (f"receive buffer overflow: EP rank {a} would receive {b} rows > {c} = ep_size * "
+                    "max_tokens_per_rank (raise max_tokens_per_rank)")
+        if code == ERR_EXPAND_OVERFLOW:
+            return (f"expand overflow: EP rank {a} gets {b} expanded (token, expert) rows > expand_capacity {c} "
+                    "(raise expand_capacity; rows past it were dropped)")
+        if code == ERR_TIMEOUT:
+            name = _FLAG_NAMES[a] if 0 <= a < len(_FLAG_NAMES) else str(a)
+            return (f"timeout: EP rank {c} waited more than MOE_EP_COMM_TIMEOUT_S for flag {name} of EP rank {b} "
+                    "(a peer died, hung, or called a different sequence of transport ops)")
+        return f"unknown transport error {code} ({a}, {b}, {c})"
+
+    def raise_pending(self) -> None:
+        """Raise the first error recorded by an already-executed kernel (no CUDA sync; host-mapped read)."""
+        if self.broken:
+            raise EPTransportError(f"NVSHMEM transport unusable after: {self.broken}")
+        code = int(self._herr_np[0])
+        if code == 0:
+            return
+        a, b, c = (int(v) for v in self._herr_np[1:4])
+        msg = self._message(code, a, b, c)
+        self._herr_np[:] = 0
+        if code == ERR_TIMEOUT:
+            self.broken = msg
+            raise EPTransportError(msg)
+        self.err[:1].zero_()  # stream-ordered re-arm of the device-side error election
+        if code == ERR_INVALID_EXPERT:
+            raise ValueError(msg)
+        raise EPTransportError(msg)
+
+    def check_errors(self) -> None:
+        """Synchronize the current stream, then :meth:`raise_pending` (host sync: tests and step boundaries)."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.raise_pending()
+
+
+def _key(group) -> tuple:
+    return (group if group is not None else "single", torch.cuda.current_device())
+
+
+def init_runtime(group, max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int,
+                 wire_bytes: int = 2) -> EPRuntime:
+    """The runtime of ``group`` (None: one rank owns every expert), created or grown to cover the sizes.
+
+    Collective over every rank of the default group when ep_size > 1 (symmetric allocation).
+    ``wire_bytes``: element size of unquantized payloads (2: bf16; 4 if fp32 rows are dispatched or combined).
+    """
+    if hidden % 32:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of 32 for the CUDA transport")
+    cfg = RuntimeConfig(int(max_tokens_per_rank), int(hidden), int(top_k), int(num_experts), int(wire_bytes))
+    rt = _state["runtimes"].get(_key(group))
+    if rt is None:
+        from . import cuda_transport  # noqa: PLC0415  (it imports this module)
+
+        cuda_transport.precompile()
+        rt = EPRuntime(group, cfg)  # ends with a barrier when ep_size > 1: every rank has its kernels
+        _state["runtimes"][_key(group)] = rt
+    else:
+        rt.ensure(cfg)
+    return rt
+
+
+def get_runtime(group) -> EPRuntime:
+    """The existing runtime of ``group``; raises if :func:`init_runtime` was not called for it."""
+    rt = _state["runtimes"].get(_key(group))
+    if rt is None:
+        raise RuntimeError("no NVSHMEM transport runtime for this EP group: call moe_ep.comm.nvshmem.init_runtime("
+                           "group, max_tokens_per_rank, hidden, top_k, num_experts) first (on every rank)")
+    return rt

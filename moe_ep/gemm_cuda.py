@@ -1,0 +1,287 @@
+"""MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/grouped_gemm.cu`` (DESIGN.md sections 3 and 5.3).
+
+The specification is ``moe_ep.gemm`` (``grouped_mm_torch``, ``grouped_wgrad_torch``, ``fake_quantize_grouped_cols``):
+the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16 except below
+2**-133) on bf16 tensor cores with fp32 accumulation, so results equal the reference up to fp32 summation order.
+
+Operand formats (all tensors CUDA, contiguous, 16-byte aligned; ``G`` groups; ``group_sizes`` int32 [G] on the
+device, never read on the host; rows are NOT padded; a group's rows are contiguous and groups follow each other):
+
+fprop  ``grouped_mm_fprop``: out[M, N] = X_g @ W[g]^T for the rows of each group g
+    x        float8_e4m3fn [M, K]  row-wise MXFP8 (1x32 blocks along K), M arbitrary
+    x_scale  uint8 [>= (ceil(M/128) + G) * ceil(K/128) * 512]: ``mxfp8.to_blocked_grouped(scale, sizes, "m")``
+             (group g starts on 128-row scale tile ``sum_{h<g} ceil(n_h/128)``, computed on device)
+    w        float8_e4m3fn [G, N, K] quantized along K
+    w_scale  uint8 [G, blocked_size(N, K/32)]: ``mxfp8.to_blocked(scale [G, N, K/32])``
+    out      bf16 (default) or fp32 [M, N]; rows of empty groups and rows past sum(sizes) are NOT written.
+dgrad  ``grouped_mm_dgrad``: the same kernel with the transposed weight copy: dX[M, K] = dY_g @ W[g]
+    dy       float8_e4m3fn [M, N] row-wise (blocks along N), dy_scale as x_scale with N for K
+    wt       float8_e4m3fn [G, K, N] = W^T per expert quantized along N (= quantize(W, axis=-2) transposed),
+    wt_scale uint8 [G, blocked_size(K, N/32)]
+wgrad  ``grouped_mm_wgrad``: dW[g] = dY_g^T @ X_g, [G, N, K], reduction over each group's rows
+    dy       float8_e4m3fn [M, N] in dY's own layout, quantized COLUMN-wise in 32x1 blocks that restart at each
+             group's first row (a group's last block may be short: zero padded), i.e. ``fake_quantize_grouped_cols``
+    dy_scale uint8 [>= ceil(M/32) + G, N] ("grouped column-wise plain" layout): block j of group g (rows
+             start_g + 32 j ..) is scale row ``sum_{h<g} ceil(n_h/32) + j``; other rows are ignored
+    x        float8_e4m3fn [M, K], x_scale uint8 [>= ceil(M/32) + G, K]: the same for X
+    out      fp32 (default) or bf16 [G, N, K]; empty groups get zeros.
+    (This layout keeps the producers' row-major data, needs no transpose and no alignment of group starts;
+    the 16 scales of 16 consecutive columns are contiguous. ``colwise_operand_ref`` builds it.)
+
+Shape rules: K (the reduction axis of fprop/dgrad) % 32 == 0; output columns % 8 == 0; wgrad N, K % 8 == 0.
+Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are clamped, never touched).
+Everything runs on torch's current stream with no host synchronization.
+
+Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family: ``mma`` (default; ldmatrix + mma.sync bf16,
+dequantize into shared memory, 128x128x64 tiles, 2 CTAs/SM). Unknown values raise ValueError.
+
+The ``*_ref`` functions at the bottom are pure-PyTorch converters from plain tensors to these operand formats
+(used by the tests and the benchmark; they read group sizes on the host).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import mxfp8
+
+IMPLS = ("mma",)
+_KERNEL_FILE = "grouped_gemm.cu"
+_THREADS = 256
+_TILE = 128
+_SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
+_OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemm_impl() -> str:
+    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``mma``)."""
+    impl = os.environ.get("MOE_EP_GEMM_IMPL", "mma").strip().lower() or "mma"
+    if impl not in IMPLS:
+        raise ValueError(f"MOE_EP_GEMM_IMPL={impl!r} is not one of {IMPLS}")
+    return impl
+
+
+def colwise_scale_rows(m: int, num_groups: int) -> int:
+    """Rows of a grouped column-wise scale buffer (static bound ``ceil(M/32) + G``, no host sync)."""
+    return _cdiv(m, 32) + num_groups
+
+
+# ----------------------------------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_dtype(name: str, t, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must be {want}, got {t.dtype}")
+
+
+def _check_memory(name: str, t: torch.Tensor, device: torch.device | None) -> torch.device:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
+    return t.device
+
+
+def _check_common(a, a_scale, b, b_scale, group_sizes, out) -> None:
+    """dtypes first (TypeError), then device / contiguity / alignment (ValueError)."""
+    named = (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_sizes", group_sizes),
+             ("out", out))
+    want = ((torch.float8_e4m3fn,), (torch.uint8,), (torch.float8_e4m3fn,), (torch.uint8,), (torch.int32,),
+            tuple(_OUT_SUFFIX))
+    for (name, t), dts in zip(named, want, strict=True):
+        _check_dtype(name, t, dts)
+    dev = None
+    for name, t in named:
+        dev = _check_memory(name, t, dev)
+    if group_sizes.dim() != 1:
+        raise ValueError(f"group_sizes must be 1-D [G], got shape {tuple(group_sizes.shape)}")
+
+
+def _launch(kernel: str, grid: int, a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int):
+    if grid <= 0:
+        return
+    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+
+    fn = _cuda.get_function(_KERNEL_FILE, kernel, device=out.device.index)
+    args = (_cuda.ptr(a), _cuda.ptr(a_scale), _cuda.ptr(b), _cuda.ptr(b_scale), _cuda.ptr(group_sizes),
+            _cuda.ptr(out), _cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k))
+    _cuda.launch(fn, grid, _THREADS, args, shared_mem=_SMEM_BYTES, device=out.device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launchers (preallocated outputs) and allocating wrappers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out):
+    """out[rows of g] = dequant(a)[rows of g] @ dequant(b[g])^T for every group g (fprop and dgrad kernel).
+
+    a: e4m3 [M, K]; a_scale: u8 per-group blocked along M (>= (ceil(M/128)+G) * ceil(K/128) * 512 bytes);
+    b: e4m3 [G, N, K]; b_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32 [G] (device);
+    out: bf16/fp32 [M, N], written only in the rows of the groups. Returns ``out``.
+    """
+    gemm_impl()
+    _check_common(a, a_scale, b, b_scale, group_sizes, out)
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"expected a [M, K] and b [G, N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    m, k = a.shape
+    g, n, kb = b.shape
+    if kb != k:
+        raise ValueError(f"reduction sizes differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if k % 32 or k == 0:
+        raise ValueError(f"the reduction axis ({k}) must be a positive multiple of 32 (MXFP8 blocks)")
+    if n % 8:
+        raise ValueError(f"the output width ({n}) must be a multiple of 8")
+    if group_sizes.numel() != g:
+        raise ValueError(f"group_sizes has {group_sizes.numel()} entries, b has {g} groups")
+    need_a = (_cdiv(m, 128) + g) * _cdiv(k // 32, 4) * 512
+    if a_scale.numel() < need_a:
+        raise ValueError(f"a_scale has {a_scale.numel()} bytes, the per-group blocked layout needs >= {need_a} "
+                         "(mxfp8.grouped_blocked_size(M, G, K // 32, 'm'))")
+    bsz = mxfp8.blocked_size(n, k // 32)
+    if b_scale.numel() != g * bsz:
+        raise ValueError(f"b_scale must hold [G, blocked_size(N, K/32)] = [{g}, {bsz}] bytes, got "
+                         f"{tuple(b_scale.shape)}")
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
+    grid = (_cdiv(m, _TILE) + g) * _cdiv(n, _TILE) if g else 0
+    _launch(f"mx_gmm_2d3d_{_OUT_SUFFIX[out.dtype]}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
+    return out
+
+
+def grouped_mm_fprop(x, x_scale, w, w_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None):
+    """Forward grouped GEMM: x e4m3 [M, K] (+ grouped blocked scales) x w e4m3 [G, N, K] -> [M, N] out_dtype.
+
+    Rows of ``out`` outside every group are left as allocated (``torch.empty``) unless ``out`` is given.
+    """
+    if out is None:
+        out = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device)
+    return grouped_mm_2d3d_out(x, x_scale, w, w_scale, group_sizes, out)
+
+
+def grouped_mm_dgrad(dy, dy_scale, wt, wt_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None):
+    """Input-gradient grouped GEMM: dy e4m3 [M, N] x wt e4m3 [G, K, N] (W^T, quantized along N) -> [M, K]."""
+    if out is None:
+        out = torch.empty(dy.shape[0], wt.shape[1], dtype=out_dtype, device=dy.device)
+    return grouped_mm_2d3d_out(dy, dy_scale, wt, wt_scale, group_sizes, out)
+
+
+def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
+    """out[g] = dequant(a)[rows of g]^T @ dequant(b)[rows of g] (groups along the reduction).
+
+    a: e4m3 [M, N]; b: e4m3 [M, K], both quantized column-wise per group (``colwise_operand_ref``);
+    a_scale: u8 [>= ceil(M/32)+G, N]; b_scale: u8 [>= ceil(M/32)+G, K]; group_sizes int32 [G] (device);
+    out: fp32/bf16 [G, N, K] (every element written; zeros for empty groups). Returns ``out``.
+    """
+    gemm_impl()
+    _check_common(a, a_scale, b, b_scale, group_sizes, out)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"expected a [M, N] and b [M, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    m, n = a.shape
+    k = b.shape[1]
+    g = group_sizes.numel()
+    if n % 8 or k % 8:
+        raise ValueError(f"wgrad needs N and K multiples of 8, got N={n}, K={k}")
+    rows = colwise_scale_rows(m, g)
+    for name, s, cols in (("a_scale", a_scale, n), ("b_scale", b_scale, k)):
+        if s.dim() != 2 or s.shape[1] != cols or s.shape[0] < rows:
+            raise ValueError(f"{name} must be [>= ceil(M/32) + G = {rows}, {cols}], got {tuple(s.shape)}")
+    if tuple(out.shape) != (g, n, k):
+        raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
+    grid = g * _cdiv(n, _TILE) * _cdiv(k, _TILE)
+    _launch(f"mx_gmm_wgrad_{_OUT_SUFFIX[out.dtype]}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
+    return out
+
+
+def grouped_mm_wgrad(dy, dy_scale, x, x_scale, group_sizes, out_dtype: torch.dtype = torch.float32, out=None):
+    """Weight-gradient grouped GEMM: dW[g] = dY_g^T @ X_g -> [G, N, K] out_dtype (fp32 by default)."""
+    if out is None:
+        out = torch.empty(group_sizes.numel(), dy.shape[1], x.shape[1], dtype=out_dtype, device=dy.device)
+    return grouped_wgrad_out(dy, dy_scale, x, x_scale, group_sizes, out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reference-side converters (pure PyTorch, any device; read group sizes on the host)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _host_sizes(group_sizes) -> list[int]:
+    if isinstance(group_sizes, torch.Tensor):
+        return [int(v) for v in group_sizes.cpu().tolist()]
+    return [int(v) for v in group_sizes]
+
+
+def rowwise_operand_ref(x: torch.Tensor, group_sizes) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [M, K] -> (e4m3 [M, K], u8 per-group blocked scales along M) for fprop/dgrad's ``a``."""
+    q = mxfp8.quantize_torch(x, -1)
+    sizes = torch.tensor(_host_sizes(group_sizes), dtype=torch.int64)
+    return q.data, mxfp8.to_blocked_grouped(q.scale, sizes, "m")
+
+
+def weight_operand_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [G, N, K] -> (e4m3 [G, N, K] quantized along K, u8 [G, blocked_size(N, K/32)]) for fprop."""
+    q = mxfp8.quantize_torch(w, -1)
+    return q.data, mxfp8.to_blocked(q.scale)
+
+
+def weight_t_operand_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [G, N, K] -> (W^T e4m3 [G, K, N] quantized along N, u8 [G, blocked_size(K, N/32)]) for dgrad.
+
+    Dequantized, it equals ``mxfp8.fake_quantize(w, axis=-2).transpose(1, 2)`` (the reference's dgrad operand).
+    """
+    q = mxfp8.quantize_torch(w.transpose(1, 2).contiguous(), -1)
+    return q.data, mxfp8.to_blocked(q.scale)
+
+
+def colwise_operand_ref(t: torch.Tensor, group_sizes) -> tuple[torch.Tensor, torch.Tensor]:
+    """t float [M, N] -> (e4m3 [M, N], u8 [ceil(M/32) + G, N]): wgrad's grouped column-wise format.
+
+    Blocks of 32 rows restart at each group's first row (the last one zero padded), exactly as
+    ``gemm.fake_quantize_grouped_cols``; block j of group g is scale row ``sum_{h<g} ceil(n_h/32) + j``.
+    Unused scale rows are zero.
+    """
+    sizes = _host_sizes(group_sizes)
+    m, n = t.shape
+    data = torch.zeros(m, n, dtype=torch.float8_e4m3fn, device=t.device)
+    scale = torch.zeros(colwise_scale_rows(m, len(sizes)), n, dtype=torch.uint8, device=t.device)
+    start = boff = 0
+    for rows in sizes:
+        if rows:
+            pad = (-rows) % 32
+            seg = t[start : start + rows]
+            if pad:
+                seg = torch.cat([seg, seg.new_zeros(pad, n)])
+            q = mxfp8.quantize_torch(seg, 0)
+            data[start : start + rows] = q.data[:rows]
+            scale[boff : boff + q.scale.shape[0]] = q.scale
+        start += rows
+        boff += _cdiv(rows, 32)
+    return data, scale
+
+
+def colwise_dequantize_ref(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
+    """Inverse of :func:`colwise_operand_ref`: e4m3 [M, N] + u8 [>= ceil(M/32)+G, N] -> fp32 [M, N]."""
+    sizes = _host_sizes(group_sizes)
+    idx, boff = [], 0
+    for rows in sizes:
+        idx.append(boff + torch.arange(rows, device=data.device) // 32)
+        boff += _cdiv(rows, 32)
+    rows_scale = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=data.device)
+    s = scale[rows_scale].to(torch.int32)
+    mult = torch.where(s == mxfp8.SCALE_NAN, float("nan"), mxfp8._exp2_int((s - 127).clamp(-127, 127)))
+    return data[: rows_scale.numel()].to(torch.float32) * mult

@@ -1,0 +1,464 @@
+"""CUDA (CuPy RawKernel) MXFP8 quantization: the kernels of ``kernels/quantize.cu`` behind launchers.
+
+Every function produces the same bytes as the reference in :mod:`moe_ep.mxfp8` (DESIGN.md section 3).
+Each ``*_into`` launcher takes preallocated outputs and checks them; the function without ``_into`` allocates.
+Kernels run on torch's current stream; nothing here synchronizes with the host.
+
+Layouts (``x: [M, K]``, C = K // 32):
+  * row-wise ("1x32"): data ``[M, K]`` e4m3; scales ``plain`` ``[M, C]`` u8, ``blocked`` ``[blocked_size(M, C)]``
+    u8 (== ``to_blocked(plain)``), ``grouped`` ``[grouped_blocked_size(M, G, C, "m")]`` u8
+    (== ``to_blocked_grouped(plain, group_sizes, "m")``; group sizes stay on the GPU).
+  * column-wise ("32x1", the wgrad operands): data is the TRANSPOSE ``xt: [K, M]`` e4m3, row-major, i.e. each
+    row of ``xt`` holds 32-element blocks along M and a GEMM that reduces over M reads it K-major (contiguous
+    along the reduction axis, like the row-wise operand). Scales ``plain`` ``[K, M // 32]`` u8 or ``blocked``
+    ``[blocked_size(K, M // 32)]`` u8. Byte-for-byte this equals ``quantize_torch(x.t().contiguous(), -1)``
+    (and ``to_blocked`` of its scale).
+  * ``quantize(x, axis=0)`` keeps the MXFP8Tensor contract instead: data ``[M, K]`` in x's layout, scale
+    ``[M // 32, K]`` plain.
+  * 3-D weights ``w: [E, N, K]``: data ``[E, N, K]`` e4m3, scales ``[E, blocked_size(N, C)]`` u8
+    (== ``to_blocked(plain [E, N, C])``): each expert's scales are an independent blocked matrix.
+
+Environment: ``MOE_EP_MXFP8_SOFT_CVT=1`` compiles the kernels with the software float->e4m3 conversion instead
+of the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (a debugging switch; both must give identical bytes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _cuda
+from .mxfp8 import (
+    BLOCK,
+    MXFP8Tensor,
+    blocked_size,
+    dequantize_torch,
+    grouped_blocked_size,
+    quantize_torch,
+)
+
+_SRC = "quantize.cu"
+_THREADS = 256
+_TILE = 128
+_IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3, "uniform": 4}
+_CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3}
+
+_QUANT_COMBOS = (
+    [(i, r, 0) for i in range(3) for r in (1, 2, 3, 4)]
+    + [(i, 0, c) for i in range(3) for c in (1, 2, 3)]
+    + [(i, r, c) for i in range(3) for r in (1, 2) for c in (1, 2)]
+)
+_NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
+    f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2)
+)
+
+
+def _options() -> tuple[str, ...]:
+    return ("-DMX_SOFT_CVT=1",) if os.environ.get("MOE_EP_MXFP8_SOFT_CVT", "0") == "1" else ()
+
+
+def _kernel(name: str, device: torch.device):
+    return _cuda.get_function(_SRC, name, _NAMES, _options(), device.index)
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _launch(name: str, grid: int, args: tuple, shared_mem: int, device: torch.device) -> None:
+    """Launch kernel ``name`` (a name expression of quantize.cu); the CPU emulator test replaces this."""
+    _cuda.launch(_kernel(name, device), grid, _THREADS, args, shared_mem=shared_mem, device=device)
+
+
+def _sm_count(device: torch.device) -> int:
+    return _cuda.num_sms(device)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# argument checks
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _check_input(x: torch.Tensor, ndim: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _IN:
+        raise TypeError(f"{what}: input must be bf16, fp16 or fp32, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{what}: expected a {ndim}-D input, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: input must be contiguous")
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"{what}: K = {x.shape[-1]} is not a multiple of {BLOCK} (blocks are never padded)")
+    if not _on_gpu(x):
+        raise ValueError(f"{what}: input must be a CUDA tensor, got device {x.device}")
+    if x.data_ptr() % 16:
+        raise ValueError(f"{what}: input must be 16-byte aligned (got a view with a misaligned offset)")
+
+
+def _check_out(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name}: must be 16-byte aligned")
+
+
+def _check_groups(group_sizes: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if group_sizes is None:
+        raise ValueError("scale_layout='grouped' needs group_sizes ([G] int32 on the GPU)")
+    if not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int32:
+        raise TypeError(
+            f"group_sizes must be an int32 tensor, got {getattr(group_sizes, 'dtype', type(group_sizes))}"
+        )
+    if group_sizes.dim() != 1:
+        raise ValueError(f"group_sizes must be 1-D, got shape {tuple(group_sizes.shape)}")
+    if group_sizes.device != device:
+        raise ValueError(f"group_sizes must be on the device of x, {device} (no host sync), got {group_sizes.device}")
+    return group_sizes.contiguous()
+
+
+def row_scale_shape(m: int, k: int, scale_layout: str, num_groups: int = 0) -> tuple[int, ...]:
+    """Shape of the row-wise scale output for ``x: [m, k]`` in ``scale_layout``."""
+    c = k // BLOCK
+    if scale_layout == "plain":
+        return (m, c)
+    if scale_layout == "blocked":
+        return (blocked_size(m, c),)
+    if scale_layout == "grouped":
+        return (grouped_blocked_size(m, num_groups, c, "m"),)
+    raise ValueError(f"scale_layout must be 'plain', 'blocked' or 'grouped', got {scale_layout!r}")
+
+
+def col_scale_shape(m: int, k: int, scale_layout: str) -> tuple[int, ...]:
+    """Shape of the column-wise scale output for ``x: [m, k]``: plain ``[k, m//32]`` or blocked bytes."""
+    if scale_layout == "plain":
+        return (k, m // BLOCK)
+    if scale_layout == "blocked":
+        return (blocked_size(k, m // BLOCK),)
+    raise ValueError(f"column-wise scale_layout must be 'plain' or 'blocked', got {scale_layout!r}")
+
+
+def _launch_quant(
+    x,
+    m,
+    k,
+    rs_mode,
+    cs_mode,
+    rq=None,
+    rs=None,
+    cq=None,
+    cs=None,
+    gsizes=None,
+    n_groups=0,
+    group_rows=0,
+    n_row_tiles=None,
+) -> None:
+    ctiles = _cdiv(k, _TILE)
+    if n_row_tiles is None:
+        n_row_tiles = _cdiv(m, _TILE)
+    grid = n_row_tiles * ctiles
+    if grid == 0:
+        return
+    es = x.element_size()
+    smem = (_TILE * _TILE * es if cs_mode else 0) + 1536
+    p = _cuda.ptr
+    args = (
+        p(x),
+        _cuda.i64(m),
+        _cuda.i32(k),
+        p(rq),
+        p(rs),
+        p(cq),
+        p(cs),
+        p(gsizes),
+        _cuda.i32(n_groups),
+        _cuda.i64(group_rows),
+        _cuda.i32(n_row_tiles),
+        _cuda.i32(ctiles),
+    )
+    _launch(f"mx_quant<{_IN[x.dtype]},{rs_mode},{cs_mode}>", grid, args, smem, x.device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# row-wise
+# ------------------------------------------------------------------------------------------------------------
+
+
+def quantize_rowwise_into(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    scale_layout: str = "blocked",
+    group_sizes: torch.Tensor | None = None,
+) -> None:
+    """Row-wise (1x32) MXFP8 of ``x`` into preallocated outputs.
+
+    x: [M, K] bf16/fp16/fp32, contiguous, K % 32 == 0.
+    data: [M, K] float8_e4m3fn.
+    scale: uint8, ``row_scale_shape(M, K, scale_layout, G)``: plain [M, K//32]; blocked [blocked_size(M, K//32)];
+        grouped [grouped_blocked_size(M, G, K//32, "m")].
+    group_sizes (grouped only): [G] int32 on x's device, non-negative, summing to M (not checked: that would
+        need a host sync; rows past M are never read or written).
+    """
+    _check_input(x, 2, "quantize_rowwise")
+    m, k = x.shape
+    g = 0
+    if scale_layout == "grouped":
+        group_sizes = _check_groups(group_sizes, x.device)
+        g = group_sizes.numel()
+    _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
+    _check_out(scale, "scale", row_scale_shape(m, k, scale_layout, g), torch.uint8, x.device)
+    n_row_tiles = _cdiv(m, _TILE) + g if scale_layout == "grouped" else None
+    _launch_quant(
+        x,
+        m,
+        k,
+        _RS[scale_layout],
+        0,
+        rq=data,
+        rs=scale,
+        gsizes=group_sizes if g else None,
+        n_groups=g,
+        n_row_tiles=n_row_tiles,
+    )
+
+
+def quantize_rowwise(
+    x: torch.Tensor, scale_layout: str = "blocked", group_sizes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise (1x32) MXFP8 of ``x: [M, K]`` -> ``(data [M, K] e4m3, scale u8 in scale_layout)``.
+
+    See :func:`quantize_rowwise_into` for the layouts; ``scale_layout`` in {"plain", "blocked", "grouped"}.
+    """
+    _check_input(x, 2, "quantize_rowwise")
+    m, k = x.shape
+    g = group_sizes.numel() if (scale_layout == "grouped" and isinstance(group_sizes, torch.Tensor)) else 0
+    data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(row_scale_shape(m, k, scale_layout, g), dtype=torch.uint8, device=x.device)
+    quantize_rowwise_into(x, data, scale, scale_layout, group_sizes)
+    return data, scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# column-wise and fused
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _check_colwise(x: torch.Tensor, what: str) -> None:
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] % BLOCK:
+        raise ValueError(
+            f"{what}: M = {x.shape[0]} is not a multiple of {BLOCK} (column-wise blocks run along M)"
+        )
+    _check_input(x, 2, what)
+
+
+def quantize_colwise_into(
+    x: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor, scale_layout: str = "blocked"
+) -> None:
+    """Column-wise (32x1) MXFP8 of ``x`` into preallocated outputs, data transposed.
+
+    x: [M, K] bf16/fp16/fp32, contiguous, M % 32 == 0, K % 32 == 0.
+    data_t: [K, M] float8_e4m3fn (x transposed, blocks of 32 consecutive bytes along each row).
+    scale_t: uint8, plain [K, M//32] or blocked [blocked_size(K, M//32)].
+    """
+    _check_colwise(x, "quantize_colwise")
+    m, k = x.shape
+    _check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
+    _check_out(scale_t, "scale_t", col_scale_shape(m, k, scale_layout), torch.uint8, x.device)
+    _launch_quant(x, m, k, 0, _CS[scale_layout], cq=data_t, cs=scale_t)
+
+
+def quantize_colwise(x: torch.Tensor, scale_layout: str = "blocked") -> tuple[torch.Tensor, torch.Tensor]:
+    """Column-wise MXFP8 of ``x: [M, K]`` -> ``(data_t [K, M] e4m3, scale_t u8 plain [K, M//32] or blocked)``."""
+    _check_colwise(x, "quantize_colwise")
+    m, k = x.shape
+    data_t = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=x.device)
+    scale_t = torch.empty(col_scale_shape(m, k, scale_layout), dtype=torch.uint8, device=x.device)
+    quantize_colwise_into(x, data_t, scale_t, scale_layout)
+    return data_t, scale_t
+
+
+def quantize_fused_into(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    data_t: torch.Tensor,
+    scale_t: torch.Tensor,
+    row_layout: str = "blocked",
+    col_layout: str = "blocked",
+) -> None:
+    """Row-wise and column-wise MXFP8 of ``x`` from one read of it, into preallocated outputs.
+
+    x: [M, K] bf16/fp16/fp32, contiguous, M % 32 == 0, K % 32 == 0.
+    data: [M, K] e4m3; scale: u8 plain [M, K//32] or blocked [blocked_size(M, K//32)] (row_layout).
+    data_t: [K, M] e4m3; scale_t: u8 plain [K, M//32] or blocked [blocked_size(K, M//32)] (col_layout).
+    """
+    _check_colwise(x, "quantize_fused")
+    if row_layout not in ("plain", "blocked"):
+        raise ValueError(f"quantize_fused: row_layout must be 'plain' or 'blocked', got {row_layout!r}")
+    m, k = x.shape
+    _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
+    _check_out(scale, "scale", row_scale_shape(m, k, row_layout), torch.uint8, x.device)
+    _check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
+    _check_out(scale_t, "scale_t", col_scale_shape(m, k, col_layout), torch.uint8, x.device)
+    _launch_quant(x, m, k, _RS[row_layout], _CS[col_layout], rq=data, rs=scale, cq=data_t, cs=scale_t)
+
+
+def quantize_fused(x: torch.Tensor, row_layout: str = "blocked", col_layout: str = "blocked"):
+    """Row-wise + column-wise MXFP8 of ``x: [M, K]`` in one pass.
+
+    Returns ``(data [M, K] e4m3, scale u8, data_t [K, M] e4m3, scale_t u8)``; see :func:`quantize_fused_into`.
+    """
+    _check_colwise(x, "quantize_fused")
+    m, k = x.shape
+    dev = x.device
+    data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.empty(row_scale_shape(m, k, row_layout), dtype=torch.uint8, device=dev)
+    data_t = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=dev)
+    scale_t = torch.empty(col_scale_shape(m, k, col_layout), dtype=torch.uint8, device=dev)
+    quantize_fused_into(x, data, scale, data_t, scale_t, row_layout, col_layout)
+    return data, scale, data_t, scale_t
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 3-D weights
+# ------------------------------------------------------------------------------------------------------------
+
+
+def quantize_weights_into(w: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """Per-expert row-wise MXFP8 of ``w`` (blocks along K) into preallocated outputs.
+
+    w: [E, N, K] bf16/fp16/fp32, contiguous, K % 32 == 0.
+    data: [E, N, K] e4m3; scale: [E, blocked_size(N, K//32)] u8 (== to_blocked(plain [E, N, K//32])).
+    """
+    _check_input(w, 3, "quantize_weights")
+    e, n, k = w.shape
+    _check_out(data, "data", (e, n, k), torch.float8_e4m3fn, w.device)
+    _check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
+    if n == 0:
+        return
+    _launch_quant(
+        w,
+        e * n,
+        k,
+        _RS["uniform"],
+        0,
+        rq=data,
+        rs=scale,
+        n_groups=e,
+        group_rows=n,
+        n_row_tiles=e * _cdiv(n, _TILE),
+    )
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w: [E, N, K]`` -> ``(data [E, N, K] e4m3, scale [E, blocked_size(N, K//32)] u8)``."""
+    _check_input(w, 3, "quantize_weights")
+    e, n, k = w.shape
+    data = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((e, blocked_size(n, k // BLOCK)), dtype=torch.uint8, device=w.device)
+    quantize_weights_into(w, data, scale)
+    return data, scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the moe_ep.mxfp8 entry points (plain scales, MXFP8Tensor)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor, axis: int) -> MXFP8Tensor:
+    """MXFP8Tensor of ``x`` along ``axis`` (non-negative; arguments already checked by moe_ep.mxfp8.quantize).
+
+    axis == x.dim() - 1: row-wise kernel on ``x.reshape(-1, K)``. axis == 0 (x at least 2-D): column-wise
+    kernel writing data in x's layout, scale [M // 32, *x.shape[1:]]. Other axes, and axis 0 with a row size
+    that is not a multiple of 16 bytes, use the reference (correct, slower; no caller needs them on a hot path).
+    """
+    if x.dtype not in _IN:
+        raise TypeError(f"quantize supports bf16/fp16/fp32 inputs, got {x.dtype}")
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    shape = tuple(x.shape)
+    if axis == x.dim() - 1:
+        k = shape[-1]
+        m = x.numel() // k if k else 0
+        x2 = x.view(m, k)
+        data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty((*shape[:-1], k // BLOCK), dtype=torch.uint8, device=x.device)
+        _launch_quant(x2, m, k, _RS["plain"], 0, rq=data, rs=scale)
+        return MXFP8Tensor(data, scale, axis)
+    if axis == 0:
+        m = shape[0]
+        k = x.numel() // m if m else 0
+        if k * x.element_size() % 16 == 0:
+            data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+            scale = torch.empty((m // BLOCK, *shape[1:]), dtype=torch.uint8, device=x.device)
+            _launch_quant(x.view(m, k), m, k, 0, _CS["nt"], cq=data, cs=scale)
+            return MXFP8Tensor(data, scale, axis)
+    # middle axes / odd row sizes: the reference (same bytes)
+    return quantize_torch(x, axis)
+
+
+def dequantize_into(t: MXFP8Tensor, out: torch.Tensor) -> None:
+    """Dequantize ``t`` (plain scales, axis = last or 0) into ``out`` (t.shape, bf16/fp16/fp32, contiguous)."""
+    _check_out(out, "out", tuple(t.data.shape), out.dtype, t.data.device)
+    if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"dequantize supports bf16/fp16/fp32 outputs, got {out.dtype}")
+    data, scale = t.data, t.scale
+    if data.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
+        raise TypeError(f"expected e4m3 data and uint8 scales, got {data.dtype} and {scale.dtype}")
+    if scale.device != data.device:
+        raise ValueError(f"data on {data.device} but scale on {scale.device}")
+    nd = data.dim()
+    colw = t.axis == 0 and nd >= 2
+    if not colw and t.axis != nd - 1:
+        raise ValueError(f"dequantize_into supports axis = last or 0, got {t.axis}")
+    exp_scale = (
+        (data.shape[0] // BLOCK, *data.shape[1:]) if colw else (*data.shape[:-1], data.shape[-1] // BLOCK)
+    )
+    if data.shape[t.axis] % BLOCK or tuple(scale.shape) != tuple(exp_scale):
+        raise ValueError(
+            f"data {tuple(data.shape)} and scale {tuple(scale.shape)} do not match (axis {t.axis})"
+        )
+    data = data.contiguous()
+    scale = scale.contiguous()
+    if data.data_ptr() % 16 or (colw and scale.data_ptr() % 16):
+        data, scale = data.clone(), scale.clone()
+    n = data.numel()
+    if n == 0:
+        return
+    k = data.shape[-1] if not colw else n // data.shape[0]
+    if colw and k % 16:
+        raise ValueError(f"column-wise dequantize_into needs rows of a multiple of 16 elements, got {k}")
+    nchunks = n // 16
+    grid = max(1, min(_cdiv(nchunks, _THREADS), _sm_count(data.device) * 16))
+    o = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[out.dtype]
+    args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(out), _cuda.i64(nchunks), _cuda.i32(k))
+    _launch(f"mx_dequant<{o},{int(colw)}>", grid, args, 0, data.device)
+
+
+def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``t`` (plain scales) -> ``t.shape`` tensor of ``dtype``; scale 0xFF and e4m3 NaN give NaN."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"dequantize supports bf16/fp16/fp32 outputs, got {dtype}")
+    nd = t.data.dim()
+    colw = t.axis == 0 and nd >= 2
+    if t.axis != nd - 1 and not (colw and (t.data.numel() // max(t.data.shape[0], 1)) % 16 == 0):
+        return dequantize_torch(t, dtype)  # middle axes / odd row sizes: the reference (same values)
+    out = torch.empty(tuple(t.data.shape), dtype=dtype, device=t.data.device)
+    dequantize_into(t, out)
+    return out

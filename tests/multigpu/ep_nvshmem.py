@@ -1,0 +1,386 @@
+"""torchrun script: the NVSHMEM transport against the reference transport (run over nccl in the same process).
+
+    torchrun --standalone --nproc-per-node=N tests/multigpu/ep_nvshmem.py      (N = 2 or 4; needs nvshmem4py)
+
+Every rank runs every case; ranks agree on each verdict through an all-reduce, and rank 0 prints
+``PASS/FAIL name`` and ``N passed, N failed``; exit code 1 when any case failed on any rank. Failing checks print
+per-rank diagnostics (first mismatching index, values, counts).
+
+Bounds. Received bytes (e4m3 data, scales, local expert ids, weights), the expanded order and the blocked scales
+must be identical. Combine and dispatch-backward sum in the reference's order (top-k slot order in fp32 on the
+expert side with separate multiply and add, rank order in fp32 on the source), so they are expected to be
+bitwise equal; the hard check is |mine - ref| <= 2^-7 |ref| + 1e-6 (one bf16 rounding of the result, which is
+where a different fp32 summation order of <= top_k + ep_size terms would show). ``dw`` of combine-backward is a
+dot product over H in a different order than torch's sum: |mine - ref| <= 1e-5 * sum_h |v_h y_h| + 1e-6.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import traceback
+
+os.environ.setdefault("MOE_EP_FORCE_REFERENCE", "1")  # the reference quantizer is pure torch: the specification
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("MOE_EP_COMM_TIMEOUT_S", "20")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from moe_ep import mxfp8  # noqa: E402
+from moe_ep.comm import cuda_transport as ct  # noqa: E402
+from moe_ep.comm import nvshmem as nvs  # noqa: E402
+from moe_ep.comm import ops  # noqa: E402
+from moe_ep.comm import reference as ref  # noqa: E402
+
+TMAX, HMAX, KMAX, EMAX = 512, 1024, 8, 64
+RANK = WORLD = 0
+DEV = None
+GROUP = None
+
+
+class CheckError(AssertionError):
+    pass
+
+
+ERRS: list[str] = []  # failed checks of the current case: recorded, not raised, so every rank keeps issuing the
+# same transport calls (a rank leaving a case early would make its peers' waits time out)
+
+
+def fail(msg: str) -> None:
+    ERRS.append(msg)
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+    ne = (a != b)
+    if a.is_floating_point():
+        ne &= ~(torch.isnan(a) & torch.isnan(b))
+    n = int(ne.sum())
+    if n == 0:
+        return "equal"
+    idx = ne.nonzero()[0].tolist()
+    return f"{n} of {a.numel()} differ; first at {idx}: mine {a[tuple(idx)].item()!r} ref {b[tuple(idx)].item()!r}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bytes(mine: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bitwise equality (floats: NaN positions must agree, NaN payloads may differ)."""
+    if mine.shape != want.shape:
+        return fail(f"[rank {RANK}] {what}: shape {tuple(mine.shape)} vs reference {tuple(want.shape)}")
+    if mine.is_floating_point() and mine.dtype != torch.float8_e4m3fn:
+        nan = torch.isnan(mine)
+        if not torch.equal(nan, torch.isnan(want)) or not torch.equal(_bits(mine)[~nan], _bits(want)[~nan]):
+            fail(f"[rank {RANK}] {what}: {_first_diff(mine.float(), want.float())}")
+        return
+    if not torch.equal(_bits(mine), _bits(want)):
+        fail(f"[rank {RANK}] {what}: {_first_diff(_bits(mine).long(), _bits(want).long())}")
+
+
+def close(mine: torch.Tensor, want: torch.Tensor, what: str, rtol: float, atol) -> None:
+    a, b = mine.float(), want.float()
+    if a.shape != b.shape:
+        return fail(f"[rank {RANK}] {what}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+    tol = atol + rtol * b.abs()
+    bad = ((a - b).abs() > tol) | (torch.isnan(a) != torch.isnan(b))
+    if bool(bad.any()):
+        i = bad.nonzero()[0].tolist()
+        fail(f"[rank {RANK}] {what}: {int(bad.sum())} beyond tolerance; first {i}: mine "
+                         f"{a[tuple(i)].item()} ref {b[tuple(i)].item()} (max |diff| {(a - b).abs().max().item()})")
+
+
+def zeros_past(t: torch.Tensor, n: int, what: str) -> None:
+    rest = t[n:]
+    if rest.numel() and not bool((_bits(rest) == 0).all()):
+        fail(f"[rank {RANK}] {what}: rows past N={n} are not zero")
+
+
+# -------------------------------------------------------------------------------------------------- routing
+def routing(case: str, n: int, e: int, k: int, gen: torch.Generator):
+    if case == "one_expert":  # every token's only expert is 3
+        idx = torch.full((n, k), 3, dtype=torch.int64)
+    elif case == "sparse":  # only experts 0 and 5 get tokens (whole ranks get none at ep 4 with 8 experts)
+        idx = torch.stack([torch.randperm(2, generator=gen)[:k] * 5 for _ in range(n)]) if n else None
+    else:
+        idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]) if n else None
+    if idx is None:
+        idx = torch.zeros(0, k, dtype=torch.int64)
+    w = torch.rand(n, k, generator=gen) + 0.1
+    return idx.to(DEV), w.to(DEV)
+
+
+def make_inputs(case, counts, e, k, h, dtype, seed, specials=False):
+    gen = torch.Generator().manual_seed(seed * 1000 + RANK)
+    n = counts[RANK % len(counts)]
+    x = torch.randn(n, h, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen) * 3)
+    if specials and n >= 3 and h >= 96:
+        x[0, 5] = float("inf")
+        x[1, 40] = float("nan")
+        x[2, 64:96] = 0.0
+        x[2, 70] = 1e-30
+    idx, w = routing(case, n, e, k, gen)
+    return x.to(dtype).to(DEV), idx, w
+
+
+# ---------------------------------------------------------------------------------------------------- cases
+def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
+    """Layout, received bytes, expanded rows (value and MXFP8 paths), combine, both backward passes."""
+    x, idx, w = make_inputs(case, counts, e, k, h, dtype, seed, specials)
+    rh = ref.build_layout(idx, e, GROUP)
+    handle = ct.build_layout(idx, e, GROUP)
+    hc = handle.host_counts()
+    n = rh.num_expanded
+    for key, want in (("R", rh.num_recv), ("N", n), ("send_splits", rh.send_splits),
+                      ("recv_splits", rh.recv_splits), ("group_sizes", rh.group_sizes_host)):
+        if hc[key] != want:
+            fail(f"[rank {RANK}] layout {key}: mine {hc[key]} ref {want}")
+    same_bytes(handle.send_row_of.long(), rh.send_row_of, "send_row_of")
+
+    for quantize in (True, False):
+        rows, wrows = ct.dispatch_fwd(x, w, handle, quantize)
+        recv = ct.recv_buffers(handle, quantize, h, dtype)
+        rrecv = ref.dispatch_send(x, w, rh, quantize)
+        tag = f"q={quantize}"
+        same_bytes(recv.data, rrecv.data, f"received data {tag}")
+        if quantize:
+            same_bytes(recv.scale, rrecv.scale, "received scales")
+        same_bytes(recv.local, rrecv.local, f"received local experts {tag}")
+        same_bytes(recv.weight, rrecv.weight, f"received weights {tag}")
+        same_bytes(handle.expand_row[:n].long(), rh.expand_row, f"expand_row {tag}")
+        same_bytes(handle.expand_slot[:n].long(), rh.expand_slot, f"expand_slot {tag}")
+        rrows, rw = ops.dispatch_fwd(x, w, rh, quantize)
+        same_bytes(rows[:n], rrows, f"expanded rows {tag}")
+        same_bytes(wrows[:n], rw, f"expanded weights {tag}")
+        zeros_past(rows, n, f"expanded rows {tag}")
+        zeros_past(wrows, n, f"expanded weights {tag}")
+
+    data, scale, w_mx = ct.dispatch_fwd_mxfp8(x, w, handle)
+    q = ref.dispatch_send(x, w, rh, True)
+    same_bytes(data[:n], q.data[rh.expand_row], "MXFP8 expanded data")
+    want = mxfp8.to_blocked_grouped(q.scale[rh.expand_row], rh.group_sizes, "m")
+    same_bytes(scale[:want.numel()], want, "MXFP8 blocked grouped scales")
+    if bool((scale[want.numel():] != 0).any()):
+        fail(f"[rank {RANK}] blocked scales: bytes past the used tiles are not zero")
+    same_bytes(w_mx[:n], q.weight[rh.expand_row, rh.expand_slot], "MXFP8 expanded weights")
+
+    gen = torch.Generator().manual_seed(seed * 7 + RANK)
+    ncap = handle.expand_capacity
+
+    def padded(t):
+        out = torch.zeros(ncap, *t.shape[1:], dtype=t.dtype, device=DEV)
+        out[:n] = t
+        return out
+
+    y = (torch.randn(n, h, generator=gen)).to(dtype).to(DEV)
+    wy = (torch.rand(n, generator=gen) + 0.5).to(DEV)
+    out = ct.combine_fwd(padded(y), padded(wy), handle)
+    rout = ops.combine_fwd(y, wy, rh)
+    close(out, rout, "combine", 2 ** -7, 1e-6)
+    same_bytes(out, rout, "combine (bitwise: same summation order)")
+
+    g_rows = torch.randn(n, h, generator=gen).to(dtype).to(DEV)
+    g_w = torch.randn(n, generator=gen).to(DEV)
+    dx, dtw = ct.dispatch_bwd(padded(g_rows), padded(g_w), handle, dtype)
+    rdx, rdtw = ops.dispatch_bwd(g_rows, g_w, rh, dtype)
+    close(dx, rdx, "dispatch backward dx", 2 ** -7, 1e-6)
+    same_bytes(dx, rdx, "dispatch backward dx (bitwise)")
+    same_bytes(dtw, rdtw, "dispatch backward d topk_w")
+
+    dy = torch.randn(x.shape[0], h, generator=gen).to(dtype).to(DEV)
+    for quantize in (True, False):
+        dyr, dw = ct.combine_bwd(dy, padded(y), padded(wy), handle, quantize)
+        rdyr, rdw = ops.combine_bwd(dy, y, wy, rh, quantize)
+        same_bytes(dyr[:n], rdyr, f"combine backward dy*w q={quantize}")
+        zeros_past(dyr, n, "combine backward dy*w")
+        dq = ops._rows(*ref.send_rows(dy, rh, quantize), dtype)[rh.expand_row].float()
+        scale_abs = (dq * y.float()).abs().sum(-1)
+        close(dw[:n], rdw, f"combine backward dw q={quantize}", 0.0, 1e-5 * scale_abs + 1e-6)
+        zeros_past(dw, n, "combine backward dw")
+    nvs.get_runtime(GROUP).check_errors()
+
+
+def case_autograd(case, counts, e, k, h, dtype, sync_debug=True):
+    """dispatch -> rows * 2 -> combine -> loss, forward and backward, vs the reference autograd path."""
+    x, idx, w = make_inputs(case, counts, e, k, h, dtype, 5)
+    gen = torch.Generator().manual_seed(99 + RANK)
+    g = torch.randn(x.shape[0], h, generator=gen).to(DEV)
+
+    def run(fast: bool):
+        xx = x.clone().requires_grad_(True)
+        ww = w.clone().requires_grad_(True)
+        if fast:
+            rows, rw, handle = ct.dispatch(xx, idx, ww, e, GROUP, True)
+            out = ct.combine(rows * 2.0, rw, handle, True)
+        else:
+            rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True)
+            out = ops.combine(rows * 2.0, rw, handle, True)
+        (out.float() * g).sum().backward()
+        return out.detach(), xx.grad, ww.grad
+
+    run(True)  # warm-up: kernels compiled, caches filled
+    torch.cuda.synchronize()
+    if sync_debug:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        mine = run(True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = run(False)
+    rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    for name, a, b in zip(("out", "x.grad", "topk_w.grad"), mine, want, strict=True):
+        # topk_w.grad holds dot products over H summed in another order than torch's: absolute bound
+        atol = 1e-5 * float(b.abs().max()) + 1e-6 if name == "topk_w.grad" and b.numel() else 1e-5
+        close(a, b, f"autograd {name}", rtol, atol)
+    nvs.get_runtime(GROUP).check_errors()
+
+
+def case_invalid_index():
+    x, idx, w = make_inputs("random", [9, 4, 6, 1], 16, 2, 64, torch.bfloat16, 3)
+    if RANK == 0 and idx.shape[0]:
+        idx[idx.shape[0] - 1, 1] = 16  # == num_experts: out of range
+    ct.build_layout(idx, 16, GROUP)
+    rt = nvs.get_runtime(GROUP)
+    try:
+        rt.check_errors()
+        raised = None
+    except ValueError as exc:
+        raised = str(exc)
+    if RANK == 0 and (raised is None or "out of range" not in raised or "= 16" not in raised):
+        fail(f"[rank 0] invalid expert id not reported: {raised!r}")
+    if RANK != 0 and raised is not None:
+        fail(f"[rank {RANK}] unexpected error {raised}")
+    case_transport("random", [5, 3, 8, 2], 16, 2, 64, torch.bfloat16, seed=4)  # still usable afterwards
+
+
+def case_overflow():
+    rt = nvs.get_runtime(GROUP)
+    x, idx, w = make_inputs("one_expert", [40, 40, 40, 40], 8, 1, 64, torch.bfloat16, 6)
+    handle = ct.build_layout(idx, 8, GROUP, expand_capacity=16)  # rank 0 receives 40 * WORLD rows for expert 3
+    try:
+        rt.check_errors()
+        msg = None
+    except nvs.EPTransportError as exc:
+        msg = str(exc)
+    if msg is None or "expand_capacity" not in msg or "16" not in msg:
+        fail(f"[rank {RANK}] expand overflow not reported: {msg!r}")
+    rows, _ = ct.dispatch_fwd(x, w, handle, True)  # must not write past the 16 rows, nor fail
+    rt.check_errors()
+    if rows.shape[0] != 16:
+        fail(f"[rank {RANK}] expanded rows {rows.shape[0]} != capacity 16")
+    try:
+        ct.build_layout(torch.zeros(TMAX + 1, 1, dtype=torch.int32, device=DEV), 8, GROUP)
+        fail(f"[rank {RANK}] T > max_tokens_per_rank accepted")
+    except ValueError as exc:
+        if "max_tokens_per_rank" not in str(exc):
+            fail(f"[rank {RANK}] T > max_tokens_per_rank: unexpected message {exc}")
+
+
+def case_repeat(iters=1000):
+    """1000 x (layout + MXFP8 dispatch + combine): no hang, no memory growth, identical results."""
+    h, e, k = 256, 16, 4
+    x, idx, w = make_inputs("random", [200, 150, 256, 7], e, k, h, torch.bfloat16, 8)
+    rt = nvs.get_runtime(GROUP)
+    first = None
+    mem0 = mem1 = 0
+    for it in range(iters):
+        handle = ct.build_layout(idx, e, GROUP)
+        data, scale, wm = ct.dispatch_fwd_mxfp8(x, w, handle)
+        y = data.to(torch.bfloat16)
+        out = ct.combine_fwd(y, wm, handle)
+        if it == 0:
+            first = out.clone()
+        if it in (1, iters - 1):
+            torch.cuda.synchronize()
+            gc.collect()
+            if it == 1:
+                mem0 = torch.cuda.memory_allocated()
+            else:
+                mem1 = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    rt.check_errors()
+    same_bytes(out, first, "repeat: last result vs first")
+    if mem1 > mem0 + (1 << 20):
+        fail(f"[rank {RANK}] memory grew over {iters} iterations: {mem0} -> {mem1} bytes")
+
+
+def case_timeout():
+    """Only rank 0 combines: its wait must time out (2 s) and raise, not hang. Leaves the runtime unusable."""
+    rt = nvs.get_runtime(GROUP)
+    x, idx, w = make_inputs("random", [6, 6, 6, 6], 8, 2, 64, torch.bfloat16, 9)
+    handle = ct.build_layout(idx, 8, GROUP)
+    rows, wr = ct.dispatch_fwd(x, w, handle, True)
+    rt.check_errors()
+    dist.barrier()
+    if RANK != 0:
+        return
+    rt.timeout_ns = int(2e9)
+    ct.combine_fwd(rows, wr, handle)
+    try:
+        rt.check_errors()
+        msg = None
+    except nvs.EPTransportError as exc:
+        msg = str(exc)
+    if msg is None or "timeout" not in msg:
+        fail(f"[rank 0] lone combine did not time out: {msg!r}")
+
+
+def main() -> int:
+    global RANK, WORLD, DEV, GROUP
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    DEV = torch.device("cuda", local)
+    GROUP = dist.group.WORLD
+    nvs.init_runtime(GROUP, TMAX, HMAX, KMAX, EMAX, wire_bytes=4)
+    bf, f32 = torch.bfloat16, torch.float32
+    cases = [
+        ("random bf16 H=256 top2", lambda: case_transport("random", [13, 7, 0, 21], 8, 2, 256, bf, specials=True)),
+        ("random fp32 H=160 top2 (C%4!=0)", lambda: case_transport("random", [9, 16, 3, 5], 8, 2, 160, f32)),
+        ("one expert top1", lambda: case_transport("one_expert", [5, 9, 1, 3], 8, 1, 64, bf)),
+        ("top8 of 8, a rank with 0 tokens", lambda: case_transport("random", [6, 11, 4, 0], 8, 8, 96, bf)),
+        ("sparse: zero-token experts/ranks", lambda: case_transport("sparse", [10, 0, 17, 2], 8, 2, 128, bf)),
+        ("large: 64 experts top8 H=1024", lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 1024, bf)),
+        ("all ranks empty", lambda: case_transport("random", [0, 0, 0, 0], 8, 2, 64, bf)),
+        ("autograd bf16 under sync_debug_mode error", lambda: case_autograd("random", [40, 17, 0, 33], 16, 4, 128, bf)),
+        ("autograd fp32 top8", lambda: case_autograd("random", [20, 9, 31, 3], 16, 8, 64, f32)),
+        ("invalid expert index raises", case_invalid_index),
+        ("overflow raises, nothing written past", case_overflow),
+        ("1000 dispatch/combine iterations", case_repeat),
+        ("timeout raises instead of hanging", case_timeout),
+    ]
+    passed = failed = 0
+    for name, fn in cases:
+        ERRS.clear()
+        try:
+            fn()
+            if ERRS:
+                raise CheckError("\n".join(ERRS))
+            ok = 1
+        except Exception:  # noqa: BLE001
+            ok = 0
+            print(f"[rank {RANK}] FAILED {name}\n{traceback.format_exc()}", flush=True)
+        flag = torch.tensor([ok], device=DEV)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        passed, failed = (passed + 1, failed) if flag.item() else (passed, failed + 1)
+        if RANK == 0:
+            print(f"{'PASS' if flag.item() else 'FAIL'} {name} (world={WORLD})", flush=True)
+    if RANK == 0:
+        print(f"{passed} passed, {failed} failed", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    nvs.shutdown()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

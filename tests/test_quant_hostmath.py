@@ -1,0 +1,333 @@
+"""CPU check of the kernels' per-block MXFP8 math (kernels/common.cuh compiled as host C++) against the reference.
+
+The same ``__host__ __device__`` functions run inside kernels/quantize.cu; here they are compiled with g++ (or
+c++) and fed blocks on which the reference (moe_ep.mxfp8.quantize_torch) is the specification. Skips when no
+C++ compiler is found. The device's e4m3 conversion is the hardware ``cvt.rn.satfinite.e4m3x2.f32``; the host
+build uses the software conversion (``mx_f32_to_e4m3_soft``), which the GPU tests can select with
+MOE_EP_MXFP8_SOFT_CVT=1.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_ep.mxfp8 import E4M3_MAX, quantize_torch
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+HARNESS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "common.cuh"
+// usage: harness MODE IN OUT.  MODE "q": IN = n*32 float32, OUT = n scale bytes then n*32 data bytes.
+//                               MODE "c": IN = n float32, OUT = n e4m3 bytes (soft conversion of clamped v).
+//                               MODE "d": IN = n bytes, OUT = n float32 (soft e4m3 decode).
+int main(int argc, char** argv) {
+    if (argc != 4) return 2;
+    FILE* f = fopen(argv[2], "rb");
+    fseek(f, 0, SEEK_END); long nb = ftell(f); fseek(f, 0, SEEK_SET);
+    unsigned char* buf = (unsigned char*)malloc(nb);
+    if (fread(buf, 1, nb, f) != (size_t)nb) return 3;
+    fclose(f);
+    FILE* o = fopen(argv[3], "wb");
+    if (argv[1][0] == 'q') {
+        long n = nb / 128;
+        unsigned char* sc = (unsigned char*)malloc(n);
+        unsigned char* q = (unsigned char*)malloc(n * 32);
+        for (long i = 0; i < n; ++i) sc[i] = (unsigned char)mx_quantize_block((const float*)buf + i * 32, q + i * 32);
+        fwrite(sc, 1, n, o); fwrite(q, 1, n * 32, o);
+    } else if (argv[1][0] == 'c') {
+        long n = nb / 4;
+        for (long i = 0; i < n; ++i) {
+            unsigned p = mx_cvt2_e4m3(((const float*)buf)[i], 0.0f);
+            unsigned char b = (unsigned char)(p & 0xFF); fwrite(&b, 1, 1, o);
+        }
+    } else {
+        for (long i = 0; i < nb; ++i) { float v = mx_e4m3_to_f32_soft(buf[i]); fwrite(&v, 4, 1, o); }
+    }
+    fclose(o);
+    return 0;
+}
+"""
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("mxhost")
+    src = d / "h.cpp"
+    src.write_text(HARNESS)
+    exe = d / "h"
+    subprocess.run(
+        [CXX, "-O2", "-std=c++17", "-x", "c++", f"-I{KERNELS}", str(src), "-o", str(exe)], check=True
+    )
+    return exe
+
+
+def _run(harness: Path, tmp: Path, mode: str, payload: bytes) -> bytes:
+    (tmp / "in.bin").write_bytes(payload)
+    subprocess.run([str(harness), mode, str(tmp / "in.bin"), str(tmp / "out.bin")], check=True)
+    return (tmp / "out.bin").read_bytes()
+
+
+def _check_blocks(harness: Path, tmp: Path, v: torch.Tensor) -> None:
+    v = v.to(torch.float32).reshape(-1, 32).contiguous()
+    n = v.shape[0]
+    out = _run(harness, tmp, "q", v.numpy().tobytes())
+    scale = torch.frombuffer(bytearray(out[:n]), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray(out[n:]), dtype=torch.uint8).reshape(n, 32)
+    ref = quantize_torch(v, -1)
+    bad_s = (scale != ref.scale.reshape(-1)).nonzero()
+    assert bad_s.numel() == 0, f"scale mismatch at blocks {bad_s[:8].flatten().tolist()}"
+    mism = (data != ref.data.view(torch.uint8)).any(dim=1).nonzero().flatten()
+    assert mism.numel() == 0, f"data mismatch in blocks {mism[:8].tolist()}: {v[mism[0]].tolist()}"
+
+
+def _special_blocks() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    base = torch.randn(32, generator=g)
+    for e in (-149, -140, -133, -127, -126, -125, -100, -20, -6, 0, 8, 20, 100, 120, 126, 127):
+        blocks.append(base * 2.0**e)
+    fmax = torch.finfo(torch.float32).max
+    tiny = torch.finfo(torch.float32).tiny
+    blocks.append(torch.full((32,), fmax))
+    blocks.append(torch.linspace(-fmax, fmax, 32))
+    blocks.append(torch.full((32,), tiny))
+    blocks.append(torch.full((32,), tiny / 2**10))  # subnormals only
+    blocks.append(torch.tensor([2.0**-149] * 32))
+    blocks.append(torch.zeros(32))
+    blocks.append(-torch.zeros(32))
+    for special in (float("nan"), float("inf"), float("-inf")):
+        b = base.clone()
+        b[7] = special
+        blocks.append(b)
+    # amax/448 exactly a power of two, and one ulp either side
+    for p in (-130, -127, -126, -10, 0, 10, 119):
+        amax = torch.tensor(448.0 * 2.0**p, dtype=torch.float32)
+        for delta in (-1, 0, 1):
+            a = torch.nextafter(amax, torch.tensor(float("inf") if delta > 0 else 0.0)) if delta else amax
+            b = base.clone() / base.abs().max() * a * 0.999
+            b[3] = a
+            blocks.append(b)
+    # values landing exactly on e4m3 rounding ties after scaling (amax 448 -> scale 2**0)
+    ties = torch.tensor(
+        [448.0]
+        + [(k + 0.5) * 2.0**-9 for k in range(8)]
+        + [1.0625, 1.1875, 17.0, 19.0, 272.0, 464.0 - 1e-3, 0.0, -0.0]
+        + [2.0**-10, -(2.0**-10), 3 * 2.0**-11, 2.0**-11]
+    )
+    blocks.append(torch.cat([ties, torch.zeros(32 - ties.numel())]))
+    return torch.stack([b.to(torch.float32) for b in blocks])
+
+
+def test_special_blocks(harness, tmp_path):
+    _check_blocks(harness, tmp_path, _special_blocks())
+
+
+def test_random_fp32_blocks(harness, tmp_path):
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(20000, 32, generator=g) * torch.exp2(
+        torch.randint(-140, 120, (20000, 1), generator=g).float()
+    )
+    _check_blocks(harness, tmp_path, v)
+
+
+def test_random_bf16_blocks(harness, tmp_path):
+    g = torch.Generator().manual_seed(2)
+    raw = torch.randint(0, 1 << 16, (40000, 32), generator=g, dtype=torch.int32).to(torch.int16)
+    v = raw.view(torch.bfloat16).to(torch.float32)
+    v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))  # keep most blocks finite
+    _check_blocks(harness, tmp_path, v)
+
+
+def test_every_bf16_value_converts(harness, tmp_path):
+    """All finite bf16 magnitudes times the scales a block can pick: soft e4m3 == torch cast (after clamp)."""
+    raw = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
+    raw = raw[torch.isfinite(raw)]
+    vals = torch.cat([raw * 2.0**k for k in (-20, -8, 0, 3, 8)])
+    vals = vals[torch.isfinite(vals)]
+    out = _run(harness, tmp_path, "c", vals.numpy().tobytes())
+    got = torch.frombuffer(bytearray(out), dtype=torch.uint8)
+    ref = vals.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    mism = (got != ref).nonzero().flatten()
+    assert mism.numel() == 0, f"{mism.numel()} mismatches, first value {vals[mism[0]].item()!r}"
+
+
+def test_e4m3_decode(harness, tmp_path):
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = _run(harness, tmp_path, "d", b.numpy().tobytes())
+    got = torch.frombuffer(bytearray(out), dtype=torch.float32)
+    ref = b.view(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    ok = ~torch.isnan(ref)
+    assert torch.equal(got[ok].view(torch.int32), ref[ok].view(torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU emulator of kernels/quantize.cu: the real kernel source compiled as C++, one OS thread per CUDA thread
+# (256 per CTA, CTAs in sequence), __syncthreads and warp shuffles emulated with barriers. test_quant_cuda.py
+# runs its whole suite through it (device "emu") by replacing mxfp8_cuda._launch.
+# ------------------------------------------------------------------------------------------------------------
+
+EMU_SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+struct dim3 { unsigned x = 0, y = 1, z = 1; };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) alignas(n)
+thread_local dim3 threadIdx, blockIdx;
+static dim3 gridDim, blockDim;
+alignas(16) static unsigned char g_smem[128 * 128 * 4 + 2048];
+#define MX_DYN_SMEM(name) unsigned char* name = g_smem
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline unsigned __vmaxu2(unsigned a, unsigned b) {
+    return max(a & 0xFFFFu, b & 0xFFFFu) | (max(a >> 16, b >> 16) << 16);
+}
+static std::barrier<>* g_cta;
+static std::barrier<>* g_warp[8];
+static uint64_t g_shfl[8][32];
+static inline void __syncthreads() { g_cta->arrive_and_wait(); }
+template <class T> static T shfl_impl(T v, int src_of_lane_delta, bool xr) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint64_t u = 0; memcpy(&u, &v, sizeof(T));
+    g_shfl[warp][lane] = u;
+    g_warp[warp]->arrive_and_wait();
+    int src = xr ? (lane ^ src_of_lane_delta) : (lane - src_of_lane_delta);
+    T r = v;
+    if (src >= 0 && src < 32) memcpy(&r, &g_shfl[warp][src], sizeof(T));
+    g_warp[warp]->arrive_and_wait();
+    return r;
+}
+template <class T> static T __shfl_xor_sync(unsigned, T v, int o) { return shfl_impl(v, o, true); }
+template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_impl(v, o, false); }
+#include "quantize.cu"
+
+template <class F> static void run_grid(int grid, F f) {
+    gridDim.x = grid; blockDim.x = 256;
+    std::barrier<> cta(256);
+    std::vector<std::barrier<>*> w;
+    for (int i = 0; i < 8; ++i) w.push_back(new std::barrier<>(32));
+    g_cta = &cta;
+    for (int i = 0; i < 8; ++i) g_warp[i] = w[i];
+    std::vector<std::thread> th;
+    for (int t = 0; t < 256; ++t) th.emplace_back([&, t] {
+        threadIdx.x = t;
+        for (int b = 0; b < grid; ++b) { blockIdx.x = b; f(); cta.arrive_and_wait(); }
+    });
+    for (auto& x : th) x.join();
+    for (auto* b : w) delete b;
+}
+
+typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, unsigned char*, unsigned char*,
+                        unsigned char*, const int*, int, long long, int, int);
+typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
+
+extern "C" int emu_quant(int in, int rs, int cs, int grid, const unsigned char* x, long long M, int K,
+                         unsigned char* rq, unsigned char* rsp, unsigned char* cq, unsigned char* csp,
+                         const int* g, int G, long long group_rows, int nrt, int ctiles) {
+    QuantFn fn = nullptr;
+    QUANT_TABLE
+    if (!fn) return 1;
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles); });
+    return 0;
+}
+
+extern "C" int emu_dequant(int out, int colw, int grid, const unsigned char* q, const unsigned char* s,
+                           unsigned char* o, long long nchunks, int K) {
+    DeqFn fn = nullptr;
+    DEQ_TABLE
+    if (!fn) return 1;
+    run_grid(grid, [&] { fn(q, s, o, nchunks, K); });
+    return 0;
+}
+"""
+
+
+def build_emulator(workdir: Path):
+    """Compile the kernel emulator as a shared library; returns a ctypes.CDLL (or None without a compiler)."""
+    import ctypes  # noqa: PLC0415
+
+    from moe_ep import mxfp8_cuda  # noqa: PLC0415
+
+    if CXX is None:
+        return None
+    qt = " ".join(
+        f"if (in == {i} && rs == {r} && cs == {c}) fn = &mx_quant<{i},{r},{c}>;"
+        for i, r, c in mxfp8_cuda._QUANT_COMBOS
+    )
+    dt = " ".join(
+        f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2)
+    )
+    src = workdir / "emu.cpp"
+    src.write_text(EMU_SHIM.replace("QUANT_TABLE", qt).replace("DEQ_TABLE", dt))
+    lib = workdir / "libmxemu.so"
+    subprocess.run(
+        [
+            CXX,
+            "-O1",
+            "-std=c++20",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-fno-strict-aliasing",
+            "-Wno-unknown-pragmas",
+            f"-I{KERNELS}",
+            str(src),
+            "-o",
+            str(lib),
+        ],
+        check=True,
+    )
+    so = ctypes.CDLL(str(lib))
+    i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    so.emu_quant.argtypes = [i, i, i, i, p, ll, i, p, p, p, p, p, i, ll, i, i]
+    so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
+    return so
+
+
+def install_emulator(monkeypatch, so) -> None:
+    """Route moe_ep.mxfp8_cuda's launches for CPU tensors to the emulator."""
+    import re  # noqa: PLC0415
+
+    from moe_ep import mxfp8_cuda  # noqa: PLC0415
+
+    def launch(name, grid, args, shared_mem, device):
+        params = [int(v) for v in re.findall(r"\d+", name)]
+        a = [int(v) for v in args]
+        if name.startswith("mx_quant"):
+            rc = so.emu_quant(*params, grid, *a)
+        else:
+            rc = so.emu_dequant(*params, grid, *a)
+        assert rc == 0, f"emulator has no kernel {name}"
+
+    monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
+    monkeypatch.setattr(mxfp8_cuda, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(mxfp8_cuda, "_sm_count", lambda d: 2)
+
+
+def test_emulator_builds(tmp_path):
+    assert build_emulator(tmp_path) is not None
