@@ -172,18 +172,14 @@ __device__ __forceinline__ uint2 quant_chunk(uint4 v, float s) {
 // Offset of scale (r, c) inside one 128x4 tile.
 __device__ __forceinline__ int tile_off(int r, int c) { return (r & 31) * 16 + (r >> 5) * 4 + c; }
 
-// Rows of the CTA's row tile for RS_GROUPED: block-wide scan of the group sizes (no host sync).
-__device__ __forceinline__ void grouped_rows(const int* __restrict__ gsizes, int G, int T, long long& row0,
-                                             int& nrows) {
-    __shared__ long long s_row0;
-    __shared__ int s_nrows;
+// Grouped row layouts: per-CTA table of the groups' first output tile and first row (exclusive prefix sums of
+// ceil(n_g/128) and n_g, entry G = the totals), built once per CTA by a block-wide scan of the device-resident
+// group sizes; a tile then finds its group by binary search. Negative sizes count as 0.
+__device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, int G, int* tstart,
+                                              long long* rstart) {
     __shared__ int s_wt[NTHREADS / 32];
     __shared__ long long s_wn[NTHREADS / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid == 0) {
-        s_row0 = 0;
-        s_nrows = 0;
-    }
     long long carry_n = 0;
     int carry_t = 0;
     for (int base = 0; base < G; base += NTHREADS) {
@@ -217,32 +213,70 @@ __device__ __forceinline__ void grouped_rows(const int* __restrict__ gsizes, int
             tot_n += s_wn[w];
             tot_t += s_wt[w];
         }
-        const int excl_t = carry_t + it - t;
-        const long long excl_n = carry_n + in - n;
-        if (t > 0 && T >= excl_t && T < excl_t + t) {
-            const int lt = T - excl_t;
-            s_row0 = excl_n + (long long)lt * TILE;
-            s_nrows = min(TILE, n - lt * TILE);
+        if (g < G) {
+            tstart[g] = carry_t + it - t;
+            rstart[g] = carry_n + in - n;
         }
         carry_n += tot_n;
         carry_t += tot_t;
-        __syncthreads();
+        __syncthreads();  // s_wn / s_wt are rewritten by the next round
+    }
+    if (tid == 0) {
+        tstart[G] = carry_t;
+        rstart[G] = carry_n;
     }
     __syncthreads();
-    row0 = s_row0;
-    nrows = s_nrows;
 }
 
-// x: [M, K] (IN element type). Grid: 1-D, n_row_tiles * ctiles CTAs, column tile fastest; 256 threads.
+// Rows [row0, row0 + nrows) of output tile T under the table above (nrows = 0: a zero tile past the last group).
+__device__ __forceinline__ void grouped_lookup(const int* tstart, const long long* rstart, int G, int T,
+                                               long long& row0, int& nrows) {
+    int lo = 0, hi = G;  // largest g in [0, G] with tstart[g] <= T
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tstart[mid] <= T) lo = mid;
+        else hi = mid - 1;
+    }
+    if (lo >= G) {
+        row0 = rstart[G];
+        nrows = 0;
+        return;
+    }
+    const int lt = T - tstart[lo];
+    row0 = rstart[lo] + (long long)lt * TILE;
+    nrows = (int)min((long long)TILE, rstart[lo + 1] - row0);
+}
+
+// Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile, column-scale tile, column exponents,
+// and (RS_GROUPED) the group table; the launcher passes the same sum (moe_ep/mxfp8_cuda.py).
+#define MX_SMEM_FIXED 1536
+
+// Software pipelining (MX_PIPE): 0 = one tile per CTA, grid = all tiles (plain launch); 1 = persistent grid, no
+// prefetch; 2 = persistent grid, the next tile's loads issued before the current tile is processed (16-bit inputs
+// only: the fp32 tile needs two passes of registers, so fp32 uses 0). Selected at compile time
+// (MOE_EP_QUANT_PIPE); the launcher sizes the grid from the same rule (mxfp8_cuda._quant_ctas).
+#ifndef MX_PIPE
+#define MX_PIPE 2
+#endif
+
+template <int IN> struct QuantCfg {
+    static constexpr int ES = IN == IN_F32 ? 4 : 2;
+    static constexpr int PIPE = (MX_PIPE == 2 && ES == 4) ? 0 : MX_PIPE;
+    static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 ? 3 : 4);
+};
+
+// x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
+// (grid-stride) when MX_PIPE > 0; 256 threads.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 template <int IN, int RS, int CS>
-__global__ void __launch_bounds__(NTHREADS, IN == IN_F32 ? 3 : 4) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
                                                       unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
                                                       unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
                                                       const int* __restrict__ gsizes, int G, long long group_rows,
                                                       int n_row_tiles, int ctiles) {
-    constexpr int ES = IN == IN_F32 ? 4 : 2;  // element bytes
+    constexpr int ES = QuantCfg<IN>::ES;      // element bytes
+    constexpr int PIPE = QuantCfg<IN>::PIPE;
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
     constexpr int CPR = TILE / VEC;           // chunks per tile row
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block
@@ -250,42 +284,80 @@ __global__ void __launch_bounds__(NTHREADS, IN == IN_F32 ? 3 : 4) mx_quant(const
     constexpr int PER = 8;                    // chunks in flight per thread
     constexpr int PASSES = TILE * CPR / (NTHREADS * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
+    static_assert(PIPE != 2 || PASSES == 1, "prefetch needs a one-pass tile");
 
     MX_DYN_SMEM(smem);
     unsigned* tile = reinterpret_cast<unsigned*>(smem);  // [TILE][WPR] words, swizzled (CS != NONE)
     unsigned char* stile = smem + (CS != CS_NONE ? TILE * WPR * 4 : 0);  // 512 B row-scale tile
     unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
     signed char* sexp = reinterpret_cast<signed char*>(ctile + 512);     // [4][128] col exponents (CS_NT)
+    long long* g_rstart = reinterpret_cast<long long*>(stile + MX_SMEM_FIXED);  // [G + 1] (RS_GROUPED)
+    int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
 
     const int tid = threadIdx.x, lane = tid & 31;
-    const int rt = (int)(blockIdx.x / (unsigned)ctiles), ct = (int)(blockIdx.x % (unsigned)ctiles);
-    const int col0 = ct * TILE;
     const int C = K / 32;
-    long long row0;
-    int nrows;
-    if (RS == RS_GROUPED) {
-        grouped_rows(gsizes, G, rt, row0, nrows);
-        nrows = (int)max(0LL, min((long long)nrows, M - row0));
-    } else if (RS == RS_UNIFORM) {
-        const int tpe = (int)((group_rows + TILE - 1) / TILE);
-        const int e = rt / tpe, lt = rt % tpe;
-        row0 = e * group_rows + (long long)lt * TILE;
-        nrows = (int)min((long long)TILE, group_rows - (long long)lt * TILE);
-    } else {
-        row0 = (long long)rt * TILE;
-        nrows = (int)min((long long)TILE, M - row0);
-    }
+    const int total = n_row_tiles * ctiles;
+    if (RS == RS_GROUPED) grouped_table(gsizes, G, g_tstart, g_rstart);
 
-    // ---------------- phase 1: load, row-wise quantization, staging ----------------
-#pragma unroll
-    for (int p = 0; p < PASSES; ++p) {
-        uint4 v[PER];
+    // Tile T -> (row tile, column tile, first row, rows).
+    auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows) {
+        rt = (int)((unsigned)T / (unsigned)ctiles);
+        ct = (int)((unsigned)T % (unsigned)ctiles);
+        if (RS == RS_GROUPED) {
+            grouped_lookup(g_tstart, g_rstart, G, rt, row0, nrows);
+            nrows = (int)max(0LL, min((long long)nrows, M - row0));
+        } else if (RS == RS_UNIFORM) {
+            const int tpe = (int)((group_rows + TILE - 1) / TILE);
+            const int e = rt / tpe, lt = rt % tpe;
+            row0 = e * group_rows + (long long)lt * TILE;
+            nrows = (int)min((long long)TILE, group_rows - (long long)lt * TILE);
+        } else {
+            row0 = (long long)rt * TILE;
+            nrows = (int)min((long long)TILE, M - row0);
+        }
+    };
+    auto load = [&](uint4* v, int p, long long row0, int nrows, int col0) {
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const int c = (p * PER + j) * NTHREADS + tid;
             const int r = c / CPR, cc = c % CPR;
             const bool ok = r < nrows && col0 + cc * VEC < K;
             v[j] = ok ? ld_nc16(x + ((row0 + r) * K + col0 + cc * VEC) * ES) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+
+    int T = (int)blockIdx.x;
+    if (T >= total) return;
+    int rt, ct, nrows;
+    long long row0;
+    coords(T, rt, ct, row0, nrows);
+    uint4 vn[PER];
+    if (PIPE == 2) load(vn, 0, row0, nrows, ct * TILE);
+
+    for (;;) {
+        const int col0 = ct * TILE;
+        const int Tn = PIPE ? T + (int)gridDim.x : total;
+        int rt_n = 0, ct_n = 0, nrows_n = 0;
+        long long row0_n = 0;
+        uint4 vc[PER];
+        if (PIPE == 2) {
+#pragma unroll
+            for (int j = 0; j < PER; ++j) vc[j] = vn[j];
+            if (Tn < total) {
+                coords(Tn, rt_n, ct_n, row0_n, nrows_n);
+                load(vn, 0, row0_n, nrows_n, ct_n * TILE);
+            }
+        }
+
+    // ---------------- phase 1: load, row-wise quantization, staging ----------------
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+        uint4 v[PER];
+        if (PIPE == 2) {
+#pragma unroll
+            for (int j = 0; j < PER; ++j) v[j] = vc[j];
+        } else {
+            load(v, p, row0, nrows, col0);
         }
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
@@ -413,6 +485,18 @@ __global__ void __launch_bounds__(NTHREADS, IN == IN_F32 ? 3 : 4) mx_quant(const
     if (CS == CS_BLOCKED && tid >= 32 && tid < 64) {
         reinterpret_cast<uint4*>(cs + ((long long)ct * n_row_tiles + rt) * 512)[tid - 32] =
             reinterpret_cast<const uint4*>(ctile)[tid - 32];
+    }
+        if (!PIPE || Tn >= total) break;
+        if (CS != CS_NONE || RTILE) __syncthreads();  // the next tile rewrites the staged tile and scale tiles
+        T = Tn;
+        if (PIPE == 2) {
+            rt = rt_n;
+            ct = ct_n;
+            row0 = row0_n;
+            nrows = nrows_n;
+        } else {
+            coords(T, rt, ct, row0, nrows);
+        }
     }
 }
 

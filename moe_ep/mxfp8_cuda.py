@@ -55,8 +55,31 @@ _NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
 )
 
 
+_SMEM_FIXED = 1536  # kernels/quantize.cu MX_SMEM_FIXED
+
+
+def _pipe() -> int:
+    """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + prefetch."""
+    v = os.environ.get("MOE_EP_QUANT_PIPE", "2")
+    if v not in ("0", "1", "2"):
+        raise ValueError(f"MOE_EP_QUANT_PIPE must be 0, 1 or 2, got {v!r}")
+    return int(v)
+
+
 def _options() -> tuple[str, ...]:
-    return ("-DMX_SOFT_CVT=1",) if os.environ.get("MOE_EP_MXFP8_SOFT_CVT", "0") == "1" else ()
+    soft = ("-DMX_SOFT_CVT=1",) if os.environ.get("MOE_EP_MXFP8_SOFT_CVT", "0") == "1" else ()
+    return soft + (f"-DMX_PIPE={_pipe()}",)
+
+
+def _quant_ctas(tiles: int, es: int, device: torch.device) -> int:
+    """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
+    pipe = _pipe()
+    if es == 4 and pipe == 2:
+        pipe = 0
+    if pipe == 0:
+        return tiles
+    per_sm = 2 if pipe == 2 else 3
+    return min(tiles, per_sm * _sm_count(device))
 
 
 def _kernel(name: str, device: torch.device):
@@ -170,11 +193,13 @@ def _launch_quant(
     ctiles = _cdiv(k, _TILE)
     if n_row_tiles is None:
         n_row_tiles = _cdiv(m, _TILE)
-    grid = n_row_tiles * ctiles
-    if grid == 0:
+    tiles = n_row_tiles * ctiles
+    if tiles == 0:
         return
     es = x.element_size()
-    smem = (_TILE * _TILE * es if cs_mode else 0) + 1536
+    grid = _quant_ctas(tiles, es, x.device)
+    table = 12 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + int)
+    smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table
     p = _cuda.ptr
     args = (
         p(x),

@@ -296,6 +296,7 @@ def build_emulator(workdir: Path):
             "-fno-strict-aliasing",
             "-Wno-unknown-pragmas",
             f"-I{KERNELS}",
+            *mxfp8_cuda._options(),  # the same -D switches as the NVRTC build (MOE_EP_QUANT_PIPE, ...)
             str(src),
             "-o",
             str(lib),
