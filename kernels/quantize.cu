@@ -259,9 +259,10 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
 #define MX_PIPE 2
 #endif
 
-template <int IN> struct QuantCfg {
+template <int IN, int CS> struct QuantCfg {
     static constexpr int ES = IN == IN_F32 ? 4 : 2;
-    static constexpr int PIPE = (MX_PIPE == 2 && ES == 4) ? 0 : MX_PIPE;
+    // Column-wise and fused modes measured 2-20 % slower pipelined (benchmarks/NOTES.md): they always use 0.
+    static constexpr int PIPE = ((MX_PIPE == 2 && ES == 4) || CS != CS_NONE) ? 0 : MX_PIPE;
     static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 ? 3 : 4);
 };
 
@@ -270,13 +271,13 @@ template <int IN> struct QuantCfg {
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 template <int IN, int RS, int CS>
-__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
                                                       unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
                                                       unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
                                                       const int* __restrict__ gsizes, int G, long long group_rows,
                                                       int n_row_tiles, int ctiles) {
-    constexpr int ES = QuantCfg<IN>::ES;      // element bytes
-    constexpr int PIPE = QuantCfg<IN>::PIPE;
+    constexpr int ES = QuantCfg<IN, CS>::ES;      // element bytes
+    constexpr int PIPE = QuantCfg<IN, CS>::PIPE;
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
     constexpr int CPR = TILE / VEC;           // chunks per tile row
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block

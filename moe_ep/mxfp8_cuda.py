@@ -71,10 +71,10 @@ def _options() -> tuple[str, ...]:
     return soft + (f"-DMX_PIPE={_pipe()}",)
 
 
-def _quant_ctas(tiles: int, es: int, device: torch.device) -> int:
+def _quant_ctas(tiles: int, es: int, cs_mode: int, device: torch.device) -> int:
     """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
     pipe = _pipe()
-    if es == 4 and pipe == 2:
+    if (es == 4 and pipe == 2) or cs_mode != 0:
         pipe = 0
     if pipe == 0:
         return tiles
@@ -197,7 +197,7 @@ def _launch_quant(
     if tiles == 0:
         return
     es = x.element_size()
-    grid = _quant_ctas(tiles, es, x.device)
+    grid = _quant_ctas(tiles, es, cs_mode, x.device)
     table = 12 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + int)
     smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table
     p = _cuda.ptr
