@@ -68,14 +68,25 @@ def _routing(kind: str, t: int, e: int, k: int, gen: torch.Generator, dev) -> tu
     return idx.to(torch.int32).to(dev), (w / w.sum(1, keepdim=True)).to(dev)
 
 
-def _time(fn, iters: int, warmup: int = 3) -> float:
-    """Median microseconds of fn() over iters (ranks aligned by a tiny all_reduce before each run)."""
+SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spinning: the CPU enqueues fn()'s launches meanwhile
+
+
+def _time(fn, iters: int, warmup: int = 3, cpu_ahead: bool = True) -> float:
+    """Median microseconds of fn() over iters (ranks aligned by a tiny all_reduce before each run).
+
+    cpu_ahead: a GPU spin between the all_reduce and the start event lets the CPU enqueue fn() before the GPU
+    reaches it, as in a training step where the CPU runs ahead: the time is the GPU's, not Python's launch
+    latency. Host syncs inside fn() (the NCCL baselines' split exchange) still cost what they cost. With
+    cpu_ahead=False the time is max(GPU time, CPU launch time).
+    """
     flag = torch.zeros(1, device="cuda")
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(iters):
         dist.all_reduce(flag)
+        if cpu_ahead:
+            torch.cuda._sleep(SPIN_CYCLES)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
@@ -99,6 +110,7 @@ def _split_dispatch(ct, x, w, handle, iters: int) -> tuple[float, float]:
     sends, expands = [], []
     for it in range(iters + 3):
         dist.all_reduce(flag)
+        torch.cuda._sleep(SPIN_CYCLES)  # CPU ahead, as in _time
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         ev[0].record()
         u = ct._send(x, w, handle, True)
@@ -180,6 +192,11 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     res["layout_dispatch_us"] = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, ct.build_layout(
         idx, e, group, expand_capacity=ncap)), args.iters)
     res["combine_us"] = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters)
+    # the same three without the CPU running ahead: includes Python/CuPy launch latency (host-bound when larger)
+    res["layout_us_cpu_bound"] = _time(lambda: ct.build_layout(idx, e, group, expand_capacity=ncap), args.iters,
+                                       cpu_ahead=False)
+    res["dispatch_us_cpu_bound"] = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters, cpu_ahead=False)
+    res["combine_us_cpu_bound"] = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters, cpu_ahead=False)
     res["send_us"], res["expand_us"] = _split_dispatch(ct, x, w, handle, args.iters)
 
     # baselines: one row per (token, expert) pair, grouped by expert (hence by rank), host-synced splits
@@ -276,7 +293,10 @@ def main() -> int:
                       f"({res['combine_GBps']:6.1f} GB/s)  | nccl bf16 {res['nccl_bf16_dispatch_us']:8.1f}  mxfp8 "
                       f"{res['nccl_mxfp8_dispatch_us']:8.1f}  comb {res['nccl_bf16_combine_us']:8.1f}us | x"
                       f"{res['speedup_dispatch_vs_nccl_mxfp8']:.2f} vs (b), combine x"
-                      f"{res['speedup_combine_vs_nccl_bf16']:.2f}  [{time.time() - t0:.0f}s]", flush=True)
+                      f"{res['speedup_combine_vs_nccl_bf16']:.2f}  (launch-bound: layout "
+                      f"{res['layout_us_cpu_bound']:.0f}"
+                      f" dispatch {res['dispatch_us_cpu_bound']:.0f} combine {res['combine_us_cpu_bound']:.0f})"
+                      f"  [{time.time() - t0:.0f}s]", flush=True)
     if dist.get_rank() == 0 and args.json:
         meta = {"device": torch.cuda.get_device_name(), "commit": _commit(), "ep_size": dist.get_world_size(),
                 "torch": torch.__version__, "iters": args.iters, "nvlink_GBps": NVLINK_GBS}

@@ -17,15 +17,26 @@
 #define YT_F32 0
 #define YT_BF16 1
 #define COMB_THREADS 512
+// rows whose loads are issued together (slots in ep_combine_send, ranks in ep_combine_recv), summed in order
+// afterwards; sized for occupancy (bf16: 40 registers -> 3 CTAs/SM for send, 52 -> 2 for recv)
+#define COMB_BATCH_SEND 2
+#define COMB_BATCH_RECV 4
 
 #define I_R 0
 #define I_RECV_OFF 2
 #define I_RET_BASE 11
 
+// 8 elements as raw bits (bf16: one 16-byte load, fp32: two); widened by raw8_to_f32 when they are added, so a
+// batch of rows in flight costs 4 (bf16) / 8 (fp32) registers per row
 template <int YT>
-__device__ __forceinline__ void load8(const unsigned char* p, float* v) {
+__device__ __forceinline__ void load8_raw(const unsigned char* p, uint4& a, uint4& b) {
+    a = ep_ld16(p);
+    if (YT != YT_BF16) b = ep_ld16(p + 16);
+}
+
+template <int YT>
+__device__ __forceinline__ void raw8_to_f32(const uint4& a, const uint4& b, float* v) {
     if (YT == YT_BF16) {
-        uint4 a = ep_ld16(p);
         unsigned w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -33,7 +44,6 @@ __device__ __forceinline__ void load8(const unsigned char* p, float* v) {
             v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
         }
     } else {
-        uint4 a = ep_ld16(p), b = ep_ld16(p + 16);
         v[0] = __uint_as_float(a.x);
         v[1] = __uint_as_float(a.y);
         v[2] = __uint_as_float(a.z);
@@ -87,23 +97,42 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine_send(
         if (BWD && lane < K)
             reinterpret_cast<float*>(peers[s] + cmeta_off)[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
         unsigned char* orow = reinterpret_cast<unsigned char*>(peers[s] + comb_off) + dst * H * es;
+        const float wl = (!BWD && pos >= 0) ? w[pos] : 0.f;  // slot weight, loaded once per row
         for (int c0 = 0; c0 < H; c0 += 256) {
             const int e0 = c0 + 8 * lane;
             float acc[8];
 #pragma unroll
             for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-            for (unsigned m = vm; m; m &= m - 1) {
-                const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
-                if (e0 < H) {
-                    float v[8];
-                    load8<YT>(y + (n * H + e0) * es, v);
-                    if (BWD) {
+            // slots in top-k order, COMB_BATCH_SEND rows loaded together (independent loads in flight), then added in
+            // the same order: the sum is bitwise the serial one
+            for (unsigned m = vm; m;) {
+                long long nb[COMB_BATCH_SEND];
+                float wb[COMB_BATCH_SEND];
+                bool ok[COMB_BATCH_SEND];
 #pragma unroll
-                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
-                    } else {
-                        const float wn = w[n];
+                for (int q = 0; q < COMB_BATCH_SEND; ++q) {
+                    ok[q] = m != 0;  // warp-uniform
+                    const int j = ok[q] ? __ffs(m) - 1 : 0;
+                    nb[q] = __shfl_sync(0xFFFFFFFFu, pos, j);
+                    wb[q] = __shfl_sync(0xFFFFFFFFu, wl, j);
+                    if (ok[q]) m &= m - 1;
+                }
+                uint4 ra[COMB_BATCH_SEND], rb[COMB_BATCH_SEND];
 #pragma unroll
-                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(v[k], wn));
+                for (int q = 0; q < COMB_BATCH_SEND; ++q)
+                    if (ok[q] && e0 < H) load8_raw<YT>(y + (nb[q] * H + e0) * es, ra[q], rb[q]);
+#pragma unroll
+                for (int q = 0; q < COMB_BATCH_SEND; ++q) {
+                    if (ok[q] && e0 < H) {
+                        float v[8];
+                        raw8_to_f32<YT>(ra[q], rb[q], v);
+                        if (BWD) {
+#pragma unroll
+                            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                        } else {
+#pragma unroll
+                            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(v[k], wb[q]));
+                        }
                     }
                 }
             }
@@ -147,14 +176,28 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine_recv(
             float acc[8];
 #pragma unroll
             for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-            for (unsigned m = hm; m; m &= m - 1) {
-                const long long row = __shfl_sync(0xFFFFFFFFu, sr, __ffs(m) - 1);
-                if (e0 < H) {
-                    float v[8];
-                    load8<YT>(comb + (row * H + e0) * es, v);
+            // ranks in order, COMB_BATCH_RECV rows loaded together, added in the same order (bitwise the serial sum)
+            for (unsigned m = hm; m;) {
+                long long rw[COMB_BATCH_RECV];
+                bool ok[COMB_BATCH_RECV];
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                for (int q = 0; q < COMB_BATCH_RECV; ++q) {
+                    ok[q] = m != 0;  // warp-uniform
+                    rw[q] = __shfl_sync(0xFFFFFFFFu, sr, ok[q] ? __ffs(m) - 1 : 0);
+                    if (ok[q]) m &= m - 1;
                 }
+                uint4 ra[COMB_BATCH_RECV], rb[COMB_BATCH_RECV];
+#pragma unroll
+                for (int q = 0; q < COMB_BATCH_RECV; ++q)
+                    if (ok[q] && e0 < H) load8_raw<YT>(comb + (rw[q] * H + e0) * es, ra[q], rb[q]);
+#pragma unroll
+                for (int q = 0; q < COMB_BATCH_RECV; ++q)
+                    if (ok[q] && e0 < H) {
+                        float v[8];
+                        raw8_to_f32<YT>(ra[q], rb[q], v);
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                    }
             }
             if (e0 < H) store8<YT>(out + ((long long)t * H + e0) * es, acc);
         }

@@ -257,6 +257,9 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
         }
         const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
         if (!vm) continue;
+        // MODE_MX: blocked-scale row of each slot (tile offset of its group * 128 + row in the group), once per row
+        int srow = 0;
+        if (MODE == MODE_MX && pos >= 0) srow = info[I_GSTART + L + 1 + loc] * 128 + (pos - info[I_GSTART + loc]);
         if constexpr (MODE == MODE_BWD) {
             for (unsigned m = vm; m; m &= m - 1) {
                 const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
@@ -291,12 +294,10 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
                     for (unsigned m = vm; m; m &= m - 1) {
                         const int j = __ffs(m) - 1;
                         const long long n = __shfl_sync(0xFFFFFFFFu, pos, j);
-                        const int e = __shfl_sync(0xFFFFFFFFu, loc, j);
+                        const long long rb = __shfl_sync(0xFFFFFFFFu, srow, j);
                         if (act) {
                             ep_st16(out + n * H + e0, q);
                             if (!(lane & 1)) {
-                                const long long rb =
-                                    (long long)info[I_GSTART + L + 1 + e] * 128 + (n - info[I_GSTART + e]);
                                 const int cc = e0 >> 5;
                                 const long long off = ((rb >> 7) * tpr + (cc >> 2)) * 512 + (rb & 31) * 16 +
                                                       ((rb & 127) >> 5) * 4 + (cc & 3);

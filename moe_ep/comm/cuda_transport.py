@@ -12,7 +12,8 @@ Differences a caller must know (shapes cannot depend on device counts without a 
   * H must be a multiple of 32; x / y rows bf16 or fp32 (fp32 unquantized payloads need ``wire_bytes=4``).
 
 Phases and kernels (stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh):
-  build_layout   ep_layout            counts exchange + all offsets           (LAYOUT epoch)
+  build_layout   ep_layout_count      per-CTA counts, last CTA: prefix over CTAs + count row to every rank
+                 ep_layout_place      counts matrix -> all offsets, per token / slot rows   (LAYOUT epoch)
   dispatch       ep_dispatch          quantize once, store to every dest rank (DISP epoch)
                  ep_expand            expert-sorted rows (+ blocked scales)
   combine        ep_combine_send      slot-ordered weighted sum, one row per (token, rank) back   (COMB epoch)
@@ -33,7 +34,8 @@ from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
 from .nvshmem import EPRuntime, get_runtime
 
-_LAYOUT_WARPS = 32
+_LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
+_LAYOUT_TOKENS_PER_CTA = 128
 _THREADS = 512
 _I_R, _I_N, _I_RECV_OFF, _I_SEND_OFF, _I_GSTART = 0, 1, 2, 19, 36
 _DT = {torch.float32: 0, torch.bfloat16: 1}
@@ -47,7 +49,8 @@ MODE_MX, MODE_VAL, MODE_BWD = 0, 1, 2
 def precompile() -> None:
     """Compile (or load from CuPy's cache) every transport kernel on this rank. :func:`nvshmem.init_runtime`
     calls it before its barrier, so compile-time skew between ranks never eats into a spin-wait timeout."""
-    _fn("layout.cu", "ep_layout")
+    _fn("layout.cu", "ep_layout_count")
+    _fn("layout.cu", "ep_layout_place")
     for n in _DISPATCH_NAMES:
         _fn("dispatch.cu", n, _DISPATCH_NAMES)
     for n in _COMBINE_NAMES:
@@ -211,11 +214,18 @@ def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None, *, expand
     info = torch.zeros(_I_GSTART + 2 * (lcl + 1), dtype=torch.int32, device=dev)
     group_sizes = torch.empty(lcl, dtype=torch.int32, device=dev)
     u = rt.next_epoch("layout")
-    smem = (_LAYOUT_WARPS * num_experts + (w + num_experts) + num_experts) * 4
-    args = (_p(idx), _i32(t), _i32(k), _i32(num_experts), _i32(w), _i32(me), _p(rt.peers), _i64(rt.region("counts")),
-            np.uint64(u), _i32(recv_cap), _i32(ncap), _p(tok_dst), _p(send_row_of), _p(slot_pos), _p(counts),
+    # both kernels use the same grid (the token split decides the deterministic order); part: per-CTA counts
+    nb = max(1, min(-(-t // _LAYOUT_TOKENS_PER_CTA), rt.num_sms))
+    rw = w + num_experts
+    part = torch.empty(nb * rw, dtype=torch.int32, device=dev)
+    head = (_p(idx), _i32(t), _i32(k), _i32(num_experts), _i32(w), _i32(me), _p(rt.peers), _i64(rt.region("counts")),
+            np.uint64(u))
+    _cuda.launch(_fn("layout.cu", "ep_layout_count"), nb, _LAYOUT_WARPS * 32, (*head, _p(part), *rt.ctl_args()),
+                 shared_mem=(_LAYOUT_WARPS * num_experts + rw) * 4, device=dev)
+    args = (*head, _i32(recv_cap), _i32(ncap), _p(part), _p(tok_dst), _p(send_row_of), _p(slot_pos), _p(counts),
             _p(info), _p(group_sizes), *rt.ctl_args())
-    _cuda.launch(_fn("layout.cu", "ep_layout"), 1, _LAYOUT_WARPS * 32, args, shared_mem=smem, device=dev)
+    _cuda.launch(_fn("layout.cu", "ep_layout_place"), nb, _LAYOUT_WARPS * 32, args,
+                 shared_mem=(_LAYOUT_WARPS + 2) * num_experts * 4, device=dev)
     return CudaEPHandle(
         num_tokens=t, top_k=k, ep_size=w, num_local_experts=lcl, num_experts=num_experts, recv_capacity=recv_cap,
         expand_capacity=ncap, topk_idx=idx, tok_dst=tok_dst, send_row_of=send_row_of, slot_pos=slot_pos,
