@@ -114,10 +114,13 @@ def run_shape(name, m, k, n, g, args, out_rows):
         wf = mxfp8.dequantize_torch(wq, torch.float32)
         wtf = mxfp8.dequantize_torch(wtq, torch.float32)
         errs = {}
-        for gi in pick:
-            r = slice(starts[gi], starts[gi] + min(sizes[gi], 64))
-            errs[f"fprop_g{gi}"] = rel_err(o_f[r], xf[r] @ wf[gi].t())
-            errs[f"dgrad_g{gi}"] = rel_err(o_d[r], dyf[r] @ wtf[gi].t())
+        for gi in pick:  # the first and the last (partial) 128-row tile of each picked group
+            n_chk = min(sizes[gi], 64)
+            for part, r0 in (("head", starts[gi]), ("tail", starts[gi] + sizes[gi] - n_chk)):
+                r = slice(r0, r0 + n_chk)
+                errs[f"fprop_g{gi}{part}"] = rel_err(o_f[r], xf[r] @ wf[gi].t())
+                errs[f"dgrad_g{gi}{part}"] = rel_err(o_d[r], dyf[r] @ wtf[gi].t())
+        errs["finite"] = 0.0 if bool(torch.isfinite(o_f).all() and torch.isfinite(o_d).all()) else float("inf")
         o_w = gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
         dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
         xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
@@ -126,7 +129,10 @@ def run_shape(name, m, k, n, g, args, out_rows):
             errs[f"wgrad_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
         del o_f, o_d, o_w, xf, dyf, wf, wtf, dcf, xcf
         res["check_rel_err"] = errs
-        limit = {"fprop": 5e-3, "dgrad": 5e-3, "wgrad": 1e-5}  # bf16 outputs: one bf16 rounding; wgrad fp32
+        # bf16 outputs: one bf16 rounding (rel. 2**-9 per element). wgrad fp32: the tensor cores truncate at each
+        # 16-term step (tests/test_gemm_cuda.py); over ~2048-row groups of random data the biased error is about
+        # 2/3 * steps * 2**-24 ~ 5e-6 of the norm, so 3e-5 (indexing / scale bugs give O(1)).
+        limit = {"fprop": 5e-3, "dgrad": 5e-3, "wgrad": 3e-5, "finite": 0.0}
         bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
         res["check_ok"] = not bad
         summary = ", ".join(f"{kk}={v:.1e}" for kk, v in errs.items())
@@ -151,7 +157,9 @@ def run_shape(name, m, k, n, g, args, out_rows):
             "bf16": lambda: torch._grouped_mm(dyt, xb, offs=offs),  # dY^T [N, M] (K-major) x X [M, K]
             "deq+bf16": lambda: torch._grouped_mm(
                 gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes).bfloat16().t(),
-                gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes).bfloat16(), offs=offs),
+                gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes).bfloat16(),
+                offs=offs,
+            ),
         },
     }
     try:  # fp8 rowwise operands (per-row scales; K-major A, column-major B as torch requires)
@@ -195,8 +203,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=str, default=None, help="write results to this JSON file")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--shapes", type=str, default=",".join(SHAPES),
-                    help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument(
+        "--shapes", type=str, default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES)
+    )
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
     ap.add_argument("--keep-going", action="store_true", help="time even if the check fails")
     args = ap.parse_args()
@@ -205,14 +214,20 @@ def main() -> None:
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except OSError:
         commit = ""
     result = {
-        "benchmark": "bench_gemm", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "commit": commit, "impl": gemm_cuda.gemm_impl(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "config": {"warmup": args.warmup, "reps": args.reps, "quick": args.quick}, "shapes": {},
+        "benchmark": "bench_gemm",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "impl": gemm_cuda.gemm_impl(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": {"warmup": args.warmup, "reps": args.reps, "quick": args.quick},
+        "shapes": {},
     }
     rows: list = []
     for name in [s for s in args.shapes.split(",") if s]:

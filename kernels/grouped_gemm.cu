@@ -16,6 +16,8 @@
 //   mx_gmm_wgrad_<OUT>  wgrad:       out[g][N, K] = A[rows of g, N]^T x B[rows of g, K]  (MN-major operands)
 // Group sizes are an int32 device array [G]; each CTA scans them itself (warp 0, shuffles), so the host never
 // reads them. Negative sizes count as 0; rows past the end of the tensor are clamped (never read/written).
+// 2d3d with zero_rest != 0 also writes zeros to the output rows past the last group (rows sum(sizes) .. M-1),
+// using the CTAs that have no group tile (there are always enough: see gmm_2d3d).
 
 #define GM_THREADS 256
 #define GM_BM 128
@@ -34,6 +36,8 @@ struct GroupInfo {
     int tile;        // 2d3d: this CTA's 128-row tile inside the group
     int toff;        // sum over earlier groups of ceil(n / 128): the group's first blocked scale row tile
     int boff;        // sum over earlier groups of ceil(n / 32): the group's first column-wise scale row
+    long long total_rows;  // sum over all groups of n (negative sizes count as 0)
+    int total_tiles;       // sum over all groups of ceil(n / 128)
 };
 
 // Warp 0 only. by_tile: find the group whose row tiles contain tile `target`; else take group `target`.
@@ -48,7 +52,8 @@ __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, in
         const int h = base + lane;
         int n = h < G ? sizes[h] : 0;
         n = n > 0 ? n : 0;
-        const int nt = (n + 127) >> 7, nb = (n + 31) >> 5;
+        // unsigned: n + 127 must not overflow for n close to INT_MAX
+        const int nt = (int)(((unsigned)n + 127u) >> 7), nb = (int)(((unsigned)n + 31u) >> 5);
         long long r = n;
         int t = nt, b = nb;
 #pragma unroll
@@ -78,6 +83,10 @@ __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, in
         crow += __shfl_sync(0xffffffffu, r, 31);
         ctile += __shfl_sync(0xffffffffu, t, 31);
         cblk += __shfl_sync(0xffffffffu, b, 31);
+    }
+    if (lane == 0) {  // the same value in every lane
+        gi->total_rows = crow;
+        gi->total_tiles = ctile;
     }
 }
 
@@ -268,24 +277,53 @@ __device__ __forceinline__ void store_tile(void* out, long long ld, int nrows, i
         }
 }
 
+// Zero output rows r0 .. min(r0 + 128, M) - 1, columns n0 .. min(n0 + 128, N) - 1 (N % 8 == 0: 16-byte bf16 /
+// 2 x 16-byte fp32 stores of 8 elements, aligned because out is 16-byte aligned and N % 8 == 0).
+template <int OUT_F32>
+__device__ __forceinline__ void zero_rows(void* out, long long r0, long long M, int N, int n0) {
+    if (r0 >= M) return;
+    const int nrows = (int)(M - r0 < GM_BM ? M - r0 : GM_BM), ncols = min(GM_BN, N - n0);
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = threadIdx.x; i < GM_BM * (GM_BN / 8); i += GM_THREADS) {
+        const int r = i >> 4, c = (i & 15) * 8;
+        if (r >= nrows || c >= ncols) continue;
+        const long long e = (r0 + r) * (long long)N + n0 + c;
+        if (OUT_F32) {
+            uint4* p = reinterpret_cast<uint4*>(static_cast<float*>(out) + e);
+            p[0] = z;
+            p[1] = z;
+        } else {
+            *reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + e) = z;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // fprop / dgrad: out[M, N] = A[M, K] x B[g][N, K]^T for the rows of each group g
 // ---------------------------------------------------------------------------------------------------------
 // A: e4m3 [M, K] row-major; As: to_blocked_grouped(scale [M, K/32], sizes, "m") (>= (ceil(M/128)+G) row tiles)
 // B: e4m3 [G, N, K]; Bs: [G, blocked_size(N, K/32)] (to_blocked per group). Grid: (ceil(M/128) + G) * ceil(N/128)
 // CTAs; CTA b takes row tile b / n_tiles (in the concatenation of all groups' tiles) and column tile b % n_tiles.
+// zero_rest: CTAs past the groups' tiles write zeros to rows sum(sizes) .. M-1 (else those rows are untouched).
 template <int OUT_F32>
 __device__ __forceinline__ void gmm_2d3d(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
                                          const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
                                          const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
-                                         int N, int K) {
+                                         int N, int K, int zero_rest) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ GroupInfo gi;
     const int n_tiles = (N + GM_BN - 1) / GM_BN;
     const int m_t = blockIdx.x / n_tiles, n_t = blockIdx.x % n_tiles;
     if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
     __syncthreads();
-    if (gi.g < 0) return;
+    if (gi.g < 0) {
+        // No group tile: m_t >= T = total_tiles (the groups' tiles are exactly [0, T)). Spare row tile
+        // j = m_t - T zero-fills output rows S + 128 j .. (S = total_rows) when asked. There are enough spare
+        // tiles: T <= sum_g (n_g / 128 + 127/128) < S/128 + G, so ceil(M/128) + G - T > (M - S) / 128.
+        if (zero_rest) zero_rows<OUT_F32>(out, gi.total_rows + (long long)(m_t - gi.total_tiles) * GM_BM, M, N,
+                                          n_t * GM_BN);
+        return;
+    }
     const int g = gi.g;
     const int mrows = min(GM_BM, gi.rows - gi.tile * GM_BM);
     if (mrows <= 0) return;
@@ -298,11 +336,14 @@ __device__ __forceinline__ void gmm_2d3d(const unsigned char* __restrict__ A, co
 
     // this thread's two chunks per operand: tile row crow + 64 i, k columns ck .. ck + 15 of each k-step
     const int tid = threadIdx.x, crow = tid >> 2, ck = (tid & 3) * 16;
-    // rows crow and crow + 64: pointers differ by 64 * K, scale offsets by 8 (= 2 * 4), smem rows by 64 rows
+    // rows crow and crow + 64: pointers differ by 64 * K, scale offsets by 8 (= 2 * 4), smem rows by 64 rows.
+    // ap / bp point at column 0 of the thread's first row; load() adds the column k = s * 64 + ck (which
+    // already contains ck: adding ck here too read columns 2 ck .., i.e. wrong data and, on the last rows of
+    // the tensor, up to 48 bytes past its end).
     const bool aok0 = crow < mrows, aok1 = crow + 64 < mrows;
     const bool bok0 = n0 + crow < N, bok1 = n0 + crow + 64 < N;
-    const unsigned char* ap = A + (arow0 + (aok0 ? crow : 0)) * (long long)K + ck;
-    const unsigned char* bp = B + ((long long)g * N + (bok0 ? n0 + crow : 0)) * (long long)K + ck;
+    const unsigned char* ap = A + (arow0 + (aok0 ? crow : 0)) * (long long)K;
+    const unsigned char* bp = B + ((long long)g * N + (bok0 ? n0 + crow : 0)) * (long long)K;
     const long long step64 = 64LL * K;
     const unsigned char* a_so = a_sc + (crow & 31) * 16 + (crow >> 5) * 4;  // scale (crow, 0) of the tile
     const unsigned char* b_so = b_sc + (crow & 31) * 16 + (crow >> 5) * 4;
@@ -444,13 +485,14 @@ __device__ __forceinline__ void gmm_wgrad(const unsigned char* __restrict__ A, c
 #define GM_ARGS                                                                                                  \
     const unsigned char *__restrict__ A, const unsigned char *__restrict__ As, const unsigned char *__restrict__ B, \
         const unsigned char *__restrict__ Bs, const int *__restrict__ sizes, void *__restrict__ out, int G,        \
-        long long M, int N, int K
+        long long M, int N, int K, int zero_rest
 
+// zero_rest: 2d3d only (see gmm_2d3d); the wgrad kernels write every element of out and ignore it.
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_2d3d_bf16(GM_ARGS) {
-    gmm_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K);
+    gmm_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
 }
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_2d3d_f32(GM_ARGS) {
-    gmm_2d3d<1>(A, As, B, Bs, sizes, out, G, M, N, K);
+    gmm_2d3d<1>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
 }
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wgrad_bf16(GM_ARGS) {
     gmm_wgrad<0>(A, As, B, Bs, sizes, out, G, M, N, K);

@@ -13,7 +13,9 @@ fprop  ``grouped_mm_fprop``: out[M, N] = X_g @ W[g]^T for the rows of each group
              (group g starts on 128-row scale tile ``sum_{h<g} ceil(n_h/128)``, computed on device)
     w        float8_e4m3fn [G, N, K] quantized along K
     w_scale  uint8 [G, blocked_size(N, K/32)]: ``mxfp8.to_blocked(scale [G, N, K/32])``
-    out      bf16 (default) or fp32 [M, N]; rows of empty groups and rows past sum(sizes) are NOT written.
+    out      bf16 (default) or fp32 [M, N]. Rows past sum(sizes) (the only rows outside every group: groups are
+             contiguous from row 0) are zero-filled by the kernel when the wrapper allocates ``out`` (or when
+             ``zero_rest=True``); a caller-given ``out`` keeps them untouched by default.
 dgrad  ``grouped_mm_dgrad``: the same kernel with the transposed weight copy: dX[M, K] = dY_g @ W[g]
     dy       float8_e4m3fn [M, N] row-wise (blocks along N), dy_scale as x_scale with N for K
     wt       float8_e4m3fn [G, K, N] = W^T per expert quantized along N (= quantize(W, axis=-2) transposed),
@@ -99,10 +101,15 @@ def _check_memory(name: str, t: torch.Tensor, device: torch.device | None) -> to
 
 def _check_common(a, a_scale, b, b_scale, group_sizes, out) -> None:
     """dtypes first (TypeError), then device / contiguity / alignment (ValueError)."""
-    named = (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_sizes", group_sizes),
-             ("out", out))
-    want = ((torch.float8_e4m3fn,), (torch.uint8,), (torch.float8_e4m3fn,), (torch.uint8,), (torch.int32,),
-            tuple(_OUT_SUFFIX))
+    named = (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_sizes", group_sizes), ("out", out))
+    want = (
+        (torch.float8_e4m3fn,),
+        (torch.uint8,),
+        (torch.float8_e4m3fn,),
+        (torch.uint8,),
+        (torch.int32,),
+        tuple(_OUT_SUFFIX),
+    )
     for (name, t), dts in zip(named, want, strict=True):
         _check_dtype(name, t, dts)
     dev = None
@@ -112,15 +119,36 @@ def _check_common(a, a_scale, b, b_scale, group_sizes, out) -> None:
         raise ValueError(f"group_sizes must be 1-D [G], got shape {tuple(group_sizes.shape)}")
 
 
-def _launch(kernel: str, grid: int, a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int):
+def _launch(
+    kernel: str,
+    grid: int,
+    a,
+    a_scale,
+    b,
+    b_scale,
+    group_sizes,
+    out,
+    g: int,
+    m: int,
+    n: int,
+    k: int,
+    zero_rest: bool = False,
+):
     if grid <= 0:
         return
     from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     fn = _cuda.get_function(_KERNEL_FILE, kernel, device=out.device.index)
-    args = (_cuda.ptr(a), _cuda.ptr(a_scale), _cuda.ptr(b), _cuda.ptr(b_scale), _cuda.ptr(group_sizes),
-            _cuda.ptr(out), _cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k))
+    args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest)
     _cuda.launch(fn, grid, _THREADS, args, shared_mem=_SMEM_BYTES, device=out.device)
+
+
+def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int, zero_rest: bool) -> tuple:
+    """The kernels' GM_ARGS: (6 pointers, int G, long long M, int N, int K, int zero_rest) as numpy scalars."""
+    from . import _cuda  # noqa: PLC0415  (numpy + torch only; CuPy is imported by get_function / launch)
+
+    ptrs = tuple(_cuda.ptr(t) for t in (a, a_scale, b, b_scale, group_sizes, out))
+    return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,12 +156,13 @@ def _launch(kernel: str, grid: int, a, a_scale, b, b_scale, group_sizes, out, g:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out):
+def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False):
     """out[rows of g] = dequant(a)[rows of g] @ dequant(b[g])^T for every group g (fprop and dgrad kernel).
 
     a: e4m3 [M, K]; a_scale: u8 per-group blocked along M (>= (ceil(M/128)+G) * ceil(K/128) * 512 bytes);
     b: e4m3 [G, N, K]; b_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32 [G] (device);
-    out: bf16/fp32 [M, N], written only in the rows of the groups. Returns ``out``.
+    out: bf16/fp32 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
+    ``zero_rest`` (by the kernel, no extra pass), else left untouched. Returns ``out``.
     """
     gemm_impl()
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
@@ -151,34 +180,47 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out):
         raise ValueError(f"group_sizes has {group_sizes.numel()} entries, b has {g} groups")
     need_a = (_cdiv(m, 128) + g) * _cdiv(k // 32, 4) * 512
     if a_scale.numel() < need_a:
-        raise ValueError(f"a_scale has {a_scale.numel()} bytes, the per-group blocked layout needs >= {need_a} "
-                         "(mxfp8.grouped_blocked_size(M, G, K // 32, 'm'))")
+        raise ValueError(
+            f"a_scale has {a_scale.numel()} bytes, the per-group blocked layout needs >= {need_a} "
+            "(mxfp8.grouped_blocked_size(M, G, K // 32, 'm'))"
+        )
     bsz = mxfp8.blocked_size(n, k // 32)
     if b_scale.numel() != g * bsz:
-        raise ValueError(f"b_scale must hold [G, blocked_size(N, K/32)] = [{g}, {bsz}] bytes, got "
-                         f"{tuple(b_scale.shape)}")
+        raise ValueError(
+            f"b_scale must hold [G, blocked_size(N, K/32)] = [{g}, {bsz}] bytes, got {tuple(b_scale.shape)}"
+        )
     if tuple(out.shape) != (m, n):
         raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
     grid = (_cdiv(m, _TILE) + g) * _cdiv(n, _TILE) if g else 0
-    _launch(f"mx_gmm_2d3d_{_OUT_SUFFIX[out.dtype]}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
+    if grid == 0 and zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
+        out.zero_()
+    _launch(
+        f"mx_gmm_2d3d_{_OUT_SUFFIX[out.dtype]}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest
+    )
     return out
 
 
 def grouped_mm_fprop(x, x_scale, w, w_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None):
     """Forward grouped GEMM: x e4m3 [M, K] (+ grouped blocked scales) x w e4m3 [G, N, K] -> [M, N] out_dtype.
 
-    Rows of ``out`` outside every group are left as allocated (``torch.empty``) unless ``out`` is given.
+    Without ``out``, every row of the result is defined: rows past sum(group_sizes) are zero (written by the
+    kernel). A given ``out`` keeps those rows as they were.
     """
-    if out is None:
+    alloc = out is None
+    if alloc:
         out = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device)
-    return grouped_mm_2d3d_out(x, x_scale, w, w_scale, group_sizes, out)
+    return grouped_mm_2d3d_out(x, x_scale, w, w_scale, group_sizes, out, zero_rest=alloc)
 
 
 def grouped_mm_dgrad(dy, dy_scale, wt, wt_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None):
-    """Input-gradient grouped GEMM: dy e4m3 [M, N] x wt e4m3 [G, K, N] (W^T, quantized along N) -> [M, K]."""
-    if out is None:
+    """Input-gradient grouped GEMM: dy e4m3 [M, N] x wt e4m3 [G, K, N] (W^T, quantized along N) -> [M, K].
+
+    Rows past sum(group_sizes) as in :func:`grouped_mm_fprop` (zero without ``out``, untouched with it).
+    """
+    alloc = out is None
+    if alloc:
         out = torch.empty(dy.shape[0], wt.shape[1], dtype=out_dtype, device=dy.device)
-    return grouped_mm_2d3d_out(dy, dy_scale, wt, wt_scale, group_sizes, out)
+    return grouped_mm_2d3d_out(dy, dy_scale, wt, wt_scale, group_sizes, out, zero_rest=alloc)
 
 
 def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):

@@ -1,10 +1,19 @@
 """CPU emulation of kernels/grouped_gemm.cu (no GPU needed): a line-by-line numpy model of the kernels.
 
-It mirrors the CUDA code's index arithmetic on flat byte arrays (group scan with shfl_up semantics, loader
-chunk mapping, scale addressing, e4m3 -> bf16 bit trick + bf16 multiplies, shared-memory byte offsets, ldmatrix
-(.trans) lane semantics, mma.m16n8k16 fragment layouts from the PTX ISA, epilogue stores) and checks the
-result against the reference (dequantize + float64 matmul per group), including that nothing outside the
-groups' rows is written. Out-of-range flat indices raise, so addressing bugs cannot pass silently.
+It mirrors the CUDA code's index arithmetic on flat byte arrays (group scan with shfl_up semantics, the
+prologue's per-thread pointers and predicates, the loader's column / scale addressing, e4m3 -> bf16 bit trick +
+bf16 multiplies, shared-memory byte offsets, ldmatrix (.trans) lane semantics, mma.m16n8k16 fragment layouts
+from the PTX ISA, epilogue stores, the zero fill of rows past the groups) and checks the result against the
+reference (dequantize + float64 matmul per group), including that nothing outside the groups' rows is written.
+Out-of-range flat indices raise, so addressing bugs cannot pass silently. Shared memory tracks, per 16-bit word,
+the barrier interval of its last write and read: reading a word that is unwritten or written in the same
+interval (missing __syncthreads), or writing a word read in the same interval (stage reused too early), raises.
+
+The per-thread address formulas (``cta_2d3d`` / ``load_2d3d``, ``cta_wgrad`` / ``load_wgrad``) are numpy
+vectorized over the 256 threads (and over column tiles), exactly as in the kernel; the numerical emulation uses
+them, and the address-only tests run them on benchmark-sized shapes (M = 32768, K = 7168, G = 32 ...), where
+every load of the first and last k-step (addresses are increasing in the k-step) must lie inside its buffer and
+every output row must be written by exactly one CTA.
 """
 
 # ruff: noqa: B023  (the emulated kernels' load/store closures run inside the iteration that defines them)
@@ -18,6 +27,7 @@ from moe_ep import gemm_cuda, mxfp8
 from moe_ep.gemm import fake_quantize_grouped_cols, grouped_mm_torch, grouped_wgrad_torch
 
 KM_LD, MN_LD, OPER, STAGE, SMEM = 72, 136, 18432, 36864, 73728
+TID = np.arange(256, dtype=np.int64)[None, :]  # threadIdx.x (one row per CTA of a vectorized call)
 
 
 # ---------------------------------------------------------------------------------------------- bit helpers
@@ -73,8 +83,10 @@ def pair_mults8(sv):
         if fast:
             m += [((lo + 0x00780078) << 7) & 0xFFFFFFFF, ((hi + 0x00780078) << 7) & 0xFFFFFFFF]
         else:
-            m += [mult_slow1(lo & 0xFF) | (mult_slow1(lo >> 16) << 16),
-                  mult_slow1(hi & 0xFF) | (mult_slow1(hi >> 16) << 16)]
+            m += [
+                mult_slow1(lo & 0xFF) | (mult_slow1(lo >> 16) << 16),
+                mult_slow1(hi & 0xFF) | (mult_slow1(hi >> 16) << 16),
+            ]
     return m, fast
 
 
@@ -101,18 +113,46 @@ def byte(mem: np.ndarray, off: int) -> int:
     return int(mem[off])
 
 
-def sts(smem: np.ndarray, addr: int, ws):
-    assert addr % 16 == 0 and 0 <= addr and addr + 4 * len(ws) <= SMEM
-    smem[addr // 2 : addr // 2 + 2 * len(ws)] = np.array(ws, dtype=np.uint32).view(np.uint16)
+class Smem:
+    """Dynamic shared memory (uint16 words) with a barrier-interval race / uninitialized-read detector."""
+
+    def __init__(self):
+        self.h = np.zeros(SMEM // 2, dtype=np.uint16)
+        self.wep = np.full(SMEM // 2, -1, dtype=np.int64)  # barrier interval of the last write (-1: never)
+        self.rep = np.full(SMEM // 2, -1, dtype=np.int64)  # barrier interval of the last read
+        self.epoch = 0
+
+    def syncthreads(self):
+        self.epoch += 1
+
+    def sts(self, addr: int, ws):
+        assert addr % 16 == 0 and 0 <= addr and addr + 4 * len(ws) <= SMEM, addr
+        sl = slice(addr // 2, addr // 2 + 2 * len(ws))
+        if (self.rep[sl] == self.epoch).any():
+            raise AssertionError(f"smem race: {addr} written in the barrier interval in which it is read")
+        self.h[sl] = np.array(ws, dtype=np.uint32).view(np.uint16)
+        self.wep[sl] = self.epoch
+
+    def row(self, addr: int) -> np.ndarray:
+        """The 8 bf16 words of one ldmatrix row address (16 bytes)."""
+        assert addr % 16 == 0 and 0 <= addr and addr + 16 <= SMEM, addr
+        sl = slice(addr // 2, addr // 2 + 8)
+        if (self.wep[sl] < 0).any():
+            raise AssertionError(f"smem read of never-written words at {addr}")
+        if (self.wep[sl] >= self.epoch).any():
+            raise AssertionError(f"smem race: {addr} read in the barrier interval in which it is written")
+        self.rep[sl] = self.epoch
+        return self.h[sl]
 
 
 # ---------------------------------------------------------------------------------------------- group scan
 def scan_groups(sizes, g_count, m_total, by_tile, target):
+    """gm_scan_groups (warp 0): 32 groups per iteration, inclusive shfl_up scans, totals from lane 31."""
     gi = {"g": -1}
     crow = ctile = cblk = 0
     for base in range(0, g_count, 32):
         n = [max(sizes[base + ln], 0) if base + ln < g_count else 0 for ln in range(32)]
-        nt = [(v + 127) >> 7 for v in n]
+        nt = [(v + 127) >> 7 for v in n]  # the kernel rounds in unsigned: no int overflow near INT_MAX
         nb = [(v + 31) >> 5 for v in n]
         r, t, b = list(n), list(nt), list(nb)
         o = 1
@@ -128,24 +168,33 @@ def scan_groups(sizes, g_count, m_total, by_tile, target):
             r_ex, t_ex, b_ex = crow + r[ln] - n[ln], ctile + t[ln] - nt[ln], cblk + b[ln] - nb[ln]
             hit = h < g_count and ((n[ln] > 0 and t_ex <= target < t_ex + nt[ln]) if by_tile else h == target)
             if hit:
+                assert gi["g"] == -1, "two lanes claim the same tile"
                 avail = min(max(m_total - r_ex, 0), n[ln])
-                gi = {"row0": r_ex, "rows": avail, "g": h, "tile": target - t_ex if by_tile else 0, "toff": t_ex,
-                      "boff": b_ex}
+                gi = {
+                    "row0": r_ex,
+                    "rows": avail,
+                    "g": h,
+                    "tile": target - t_ex if by_tile else 0,
+                    "toff": t_ex,
+                    "boff": b_ex,
+                }
         crow, ctile, cblk = crow + r[31], ctile + t[31], cblk + b[31]
+    assert ctile < 2**31 and cblk < 2**31, "int overflow of the tile / block counters"
+    gi["total_rows"], gi["total_tiles"] = crow, ctile
     return gi
 
 
 # ---------------------------------------------------------------------------------------------- warp math
-def ldsm(smem, addrs, trans):
+def ldsm(sm: Smem, addrs, trans):
     """ldmatrix .x4: addrs[32] byte addresses (lanes 8i..8i+7 = rows of matrix i) -> regs[4][32]."""
-    h = smem  # uint16 view
+    rows = [sm.row(a) for a in addrs]
     regs = [[0] * 32 for _ in range(4)]
     for i in range(4):
         for ln in range(32):
             if trans:  # thread gets (row 2*(l%4) + j, col l/4) of the stored matrix
-                e = [int(h[(addrs[8 * i + 2 * (ln % 4) + j] + (ln // 4) * 2) // 2]) for j in range(2)]
+                e = [int(rows[8 * i + 2 * (ln % 4) + j][ln // 4]) for j in range(2)]
             else:  # thread gets (row l/4, cols 2*(l%4) + j)
-                e = [int(h[(addrs[8 * i + ln // 4] + (2 * (ln % 4) + j) * 2) // 2]) for j in range(2)]
+                e = [int(rows[8 * i + ln // 4][2 * (ln % 4) + j]) for j in range(2)]
             regs[i][ln] = e[0] | (e[1] << 16)
     return regs
 
@@ -174,7 +223,7 @@ def mma(acc, af, b0, b1):
             acc[j][ln] = d[gid + 8 * (j >> 1), tig * 2 + (j & 1)]
 
 
-def compute_stage(smem, sa, sb, acc, mn):
+def compute_stage(sm: Smem, sa, sb, acc, mn):
     for w in range(8):
         wm, wn = w >> 2, w & 3
         for kk in range(4):
@@ -189,7 +238,7 @@ def compute_stage(smem, sa, sb, acc, mn):
                     else:
                         m, k = wm * 64 + mi * 16 + (ln & 15), kk * 16 + (ln >> 4) * 8
                         addrs.append(sa + (m * KM_LD + k) * 2)
-                af.append(ldsm(smem, addrs, mn))
+                af.append(ldsm(sm, addrs, mn))
             for np_ in range(2):
                 addrs = []
                 for ln in range(32):
@@ -200,7 +249,7 @@ def compute_stage(smem, sa, sb, acc, mn):
                     else:
                         n, k = wn * 32 + np_ * 16 + r8 + (i8 >> 1) * 8, kk * 16 + (i8 & 1) * 8
                         addrs.append(sb + (n * KM_LD + k) * 2)
-                r = ldsm(smem, addrs, mn)
+                r = ldsm(sm, addrs, mn)
                 bfr[2 * np_], bfr[2 * np_ + 1] = [r[0], r[1]], [r[2], r[3]]
             for mi in range(4):
                 for ni in range(4):
@@ -229,104 +278,289 @@ def store_tile(out, obase, ld, nrows, ncols, acc, out_f32):
                             out[idx] = v if out_f32 else bf16_to_f(f_to_bf16(float(v)))
 
 
+def zero_rows_range(r0, m_total, n, n0):
+    """zero_rows: the (element offset, count) of each 8-element store, [] when r0 >= M."""
+    if r0 >= m_total:
+        return []
+    nrows, ncols = min(m_total - r0, 128), min(128, n - n0)
+    st = []
+    for i in range(128 * 16):  # i = threadIdx.x + 256 j
+        r, c = i >> 4, (i & 15) * 8
+        if r < nrows and c < ncols:
+            st.append(((r0 + r) * n + n0 + c, 8))
+    return st
+
+
 def new_acc():
     return [[[[[0.0] * 32 for _ in range(4)] for _ in range(4)] for _ in range(4)] for _ in range(8)]
 
 
-# ---------------------------------------------------------------------------------------------- kernels
-def emu_2d3d(a, a_sc, b, b_sc, sizes, out, g_count, m_total, n, k, out_f32):
+# ---------------------------------------------------------------------------------------------- 2d3d kernel
+def cta_2d3d(gi, n_t, n, k):
+    """The prologue of gmm_2d3d for a CTA with a group tile, vectorized over column tiles n_t (1-D) and threads.
+
+    Returns the per-thread constants as int64 / bool arrays [len(n_t), 256] (offsets in bytes / elements)."""
+    n_t = np.asarray(n_t, dtype=np.int64).reshape(-1, 1)
+    shape = (n_t.shape[0], 256)
+    g = gi["g"]
+    mrows = min(128, gi["rows"] - gi["tile"] * 128)
+    arow0 = gi["row0"] + gi["tile"] * 128
+    tpr = ((k >> 5) + 3) >> 2
+    a_sc = (gi["toff"] + gi["tile"]) * tpr * 512
+    bstride = ((n + 127) >> 7) * tpr * 512
+    b_sc = g * bstride + n_t * tpr * 512
+    n0 = n_t * 128
+    crow, ck = TID >> 2, (TID & 3) * 16
+    aok0, aok1 = crow < mrows, crow + 64 < mrows
+    bok0, bok1 = n0 + crow < n, n0 + crow + 64 < n
+    c = {
+        "mrows": mrows,
+        "arow0": arow0,
+        "n0": n0,
+        "ck": ck,
+        "aok0": aok0,
+        "aok1": aok1,
+        "bok0": bok0,
+        "bok1": bok1,
+        "ap": (arow0 + np.where(aok0, crow, 0)) * k,  # ap - A (column 0 of the thread's first row)
+        "bp": (g * n + np.where(bok0, n0 + crow, 0)) * k,
+        "step64": 64 * k,
+        "a_so": a_sc + (crow & 31) * 16 + (crow >> 5) * 4,
+        "b_so": b_sc + (crow & 31) * 16 + (crow >> 5) * 4,
+        "st0": (crow * KM_LD + ck) * 2,
+    }
+    c["st1"] = c["st0"] + 64 * KM_LD * 2
+    return {key: np.broadcast_to(v, shape) if isinstance(v, np.ndarray) else v for key, v in c.items()}
+
+
+def load_2d3d(c, s, k):
+    """load(s) of gmm_2d3d: {register: (valid, buffer, byte offset, bytes)} with [CTAs, 256] arrays."""
+    kk = s * 64 + c["ck"]
+    kv = kk < k
+    cc = kk >> 5
+    coff = (cc >> 2) * 512 + (cc & 3)
+    return {
+        "ra0": (c["aok0"] & kv, "a", c["ap"] + kk, 16),
+        "ra1": (c["aok1"] & kv, "a", c["ap"] + c["step64"] + kk, 16),
+        "rb0": (c["bok0"] & kv, "b", c["bp"] + kk, 16),
+        "rb1": (c["bok1"] & kv, "b", c["bp"] + c["step64"] + kk, 16),
+        "sa0": (c["aok0"] & kv, "a_sc", c["a_so"] + coff, 1),
+        "sa1": (c["aok1"] & kv, "a_sc", c["a_so"] + coff + 8, 1),
+        "sb0": (c["bok0"] & kv, "b_sc", c["b_so"] + coff, 1),
+        "sb1": (c["bok1"] & kv, "b_sc", c["b_so"] + coff + 8, 1),
+    }
+
+
+def emu_2d3d(a, a_sc, b, b_sc, sizes, out, g_count, m_total, n, k, out_f32, zero_rest=False):
+    bufs = {"a": a, "a_sc": a_sc, "b": b, "b_sc": b_sc}
     n_tiles = (n + 127) // 128
     grid = ((m_total + 127) // 128 + g_count) * n_tiles
     for bid in range(grid):
         m_t, n_t = bid // n_tiles, bid % n_tiles
         gi = scan_groups(sizes, g_count, m_total, 1, m_t)
         if gi["g"] < 0:
+            assert m_t >= gi["total_tiles"]
+            if zero_rest:
+                r0 = gi["total_rows"] + (m_t - gi["total_tiles"]) * 128
+                for off, cnt in zero_rows_range(r0, m_total, n, n_t * 128):
+                    assert off % 8 == 0 and 0 <= off and off + cnt <= out.size, off  # 16-byte aligned stores
+                    out[off : off + cnt] = 0.0
             continue
-        g = gi["g"]
-        mrows = min(128, gi["rows"] - gi["tile"] * 128)
-        if mrows <= 0:
+        c = cta_2d3d(gi, [n_t], n, k)
+        if c["mrows"] <= 0:
             continue
-        arow0 = gi["row0"] + gi["tile"] * 128
-        tpr = ((k >> 5) + 3) >> 2
-        a_base = (gi["toff"] + gi["tile"]) * tpr * 512
-        b_base = g * (((n + 127) >> 7) * tpr * 512) + n_t * tpr * 512
-        n0 = n_t * 128
-        smem = np.zeros(SMEM // 2, dtype=np.uint16)
+        sm = Smem()
         acc = new_acc()
         ksteps = (k + 63) // 64
+        regs = {}
 
-        def load_store(s, stage):
+        def load(s):
+            for name, (ok, buf, off, nb) in load_2d3d(c, s, k).items():
+                if nb == 16:
+                    regs[name] = [words(bufs[buf], int(off[0, t]), 16) if ok[0, t] else [0] * 4 for t in range(256)]
+                else:
+                    regs[name] = [byte(bufs[buf], int(off[0, t])) if ok[0, t] else 127 for t in range(256)]
+
+        def store(stage):
             base = stage * STAGE
-            for tid in range(256):
-                crow, ck = tid >> 2, (tid & 3) * 16
-                kk = s * 64 + ck
-                kv = kk < k
-                c = kk >> 5
-                coff = (c >> 2) * 512 + (c & 3)
-                so = (crow & 31) * 16 + (crow >> 5) * 4
-                for i in range(2):
-                    r = crow + 64 * i
-                    aok, bok = r < mrows, n0 + r < n
-                    ra = words(a, (arow0 + r) * k + kk, 16) if aok and kv else [0] * 4
-                    rb = words(b, (g * n + n0 + r) * k + kk, 16) if bok and kv else [0] * 4
-                    sa_ = byte(a_sc, a_base + so + coff + 8 * i) if aok and kv else 127
-                    sb_ = byte(b_sc, b_base + so + coff + 8 * i) if bok and kv else 127
-                    st = (crow * KM_LD + ck) * 2 + i * 64 * KM_LD * 2
-                    ws = cvt_words_1s(ra, sa_)
-                    sts(smem, base + st, ws[:4])
-                    sts(smem, base + st + 16, ws[4:])
-                    ws = cvt_words_1s(rb, sb_)
-                    sts(smem, base + OPER + st, ws[:4])
-                    sts(smem, base + OPER + st + 16, ws[4:])
+            for t in range(256):
+                for ra, sa, oper, st in (
+                    ("ra0", "sa0", 0, "st0"),
+                    ("ra1", "sa1", 0, "st1"),
+                    ("rb0", "sb0", OPER, "st0"),
+                    ("rb1", "sb1", OPER, "st1"),
+                ):
+                    ws = cvt_words_1s(regs[ra][t], regs[sa][t])
+                    addr = base + oper + int(c[st][0, t])
+                    sm.sts(addr, ws[:4])
+                    sm.sts(addr + 16, ws[4:])
 
-        load_store(0, 0)
+        load(0)
+        store(0)
+        sm.syncthreads()
         for s in range(ksteps):
-            compute_stage(smem, (s & 1) * STAGE, (s & 1) * STAGE + OPER, acc, False)
             if s + 1 < ksteps:
-                load_store(s + 1, (s + 1) & 1)
-        store_tile(out, arow0 * n + n0, n, mrows, n - n0, acc, out_f32)
+                load(s + 1)
+            compute_stage(sm, (s & 1) * STAGE, (s & 1) * STAGE + OPER, acc, False)
+            if s + 1 < ksteps:
+                store((s + 1) & 1)
+            sm.syncthreads()
+        n0 = int(c["n0"][0, 0])
+        store_tile(out, c["arow0"] * n + n0, n, c["mrows"], n - n0, acc, out_f32)
+
+
+# ---------------------------------------------------------------------------------------------- wgrad kernel
+def cta_wgrad(g, rem, gi, n, k):
+    """The prologue of gmm_wgrad for CTAs (g, rem[]) vectorized over rem (1-D) and threads."""
+    kt = (k + 127) // 128
+    rem = np.asarray(rem, dtype=np.int64).reshape(-1, 1)
+    shape = (rem.shape[0], 256)
+    i0, j0 = (rem // kt) * 128, (rem % kt) * 128
+    q, c8 = TID >> 4, (TID & 15) * 8
+    aok, bok = i0 + c8 < n, j0 + c8 < k
+    c = {
+        "g": g,
+        "i0": i0,
+        "j0": j0,
+        "row0": gi["row0"],
+        "rows": gi["rows"],
+        "boff": gi["boff"],
+        "q": q,
+        "aok": aok,
+        "bok": bok,
+        "ca": i0 + np.where(aok, c8, 0),
+        "cb": j0 + np.where(bok, c8, 0),
+        "st0": ((4 * q) * MN_LD + c8) * 2,
+    }
+    return {key: np.broadcast_to(v, shape) if isinstance(v, np.ndarray) else v for key, v in c.items()}
+
+
+def load_wgrad(c, s, n, k):
+    """load(s) of gmm_wgrad: {register: (valid, buffer, byte offset, bytes)} with [CTAs, 256] arrays."""
+    lr = s * 64 + 4 * c["q"]
+    ld = {}
+    for i in range(4):
+        rv = lr + i < c["rows"]
+        r = c["row0"] + lr + i
+        ld[f"ra{i}"] = (c["aok"] & rv, "a", r * n + c["ca"], 8)
+        ld[f"rb{i}"] = (c["bok"] & rv, "b", r * k + c["cb"], 8)
+    rv = lr < c["rows"]
+    sr = c["boff"] + (lr >> 5)
+    ld["sva"] = (c["aok"] & rv, "a_sc", sr * n + c["ca"], 8)
+    ld["svb"] = (c["bok"] & rv, "b_sc", sr * k + c["cb"], 8)
+    return ld
 
 
 def emu_wgrad(a, a_sc, b, b_sc, sizes, out, g_count, m_total, n, k, out_f32):
+    bufs = {"a": a, "a_sc": a_sc, "b": b, "b_sc": b_sc}
     nt, kt = (n + 127) // 128, (k + 127) // 128
     for bid in range(g_count * nt * kt):
         g, rem = bid // (nt * kt), bid % (nt * kt)
-        i0, j0 = (rem // kt) * 128, (rem % kt) * 128
         gi = scan_groups(sizes, g_count, m_total, 0, g)
-        row0, rows, boff = gi["row0"], gi["rows"], gi["boff"]
-        smem = np.zeros(SMEM // 2, dtype=np.uint16)
+        c = cta_wgrad(g, [rem], gi, n, k)
+        sm = Smem()
         acc = new_acc()
-        ksteps = (rows + 63) // 64
+        ksteps = (c["rows"] + 63) // 64
+        regs = {}
 
-        def load_store(s, stage):
+        def load(s):
+            for name, (ok, buf, off, nb) in load_wgrad(c, s, n, k).items():
+                dflt = [0x7F7F7F7F] * 2 if name.startswith("sv") else [0, 0]  # scale 127 / zero data
+                regs[name] = [words(bufs[buf], int(off[0, t]), nb) if ok[0, t] else dflt for t in range(256)]
+
+        def store(stage):
             base = stage * STAGE
-            for tid in range(256):
-                q, c8 = tid >> 4, (tid & 15) * 8
-                aok, bok = i0 + c8 < n, j0 + c8 < k
-                ca, cb = i0 + (c8 if aok else 0), j0 + (c8 if bok else 0)
-                lr = s * 64 + 4 * q
-                rv = lr < rows
-                sr = boff + (lr >> 5)
-                sva = words(a_sc, sr * n + ca, 8) if aok and rv else [0x7F7F7F7F] * 2
-                svb = words(b_sc, sr * k + cb, 8) if bok and rv else [0x7F7F7F7F] * 2
-                ma, fa = pair_mults8(sva)
-                mb, fb = pair_mults8(svb)
-                st0 = ((4 * q) * MN_LD + c8) * 2
+            for t in range(256):
+                ma, fa = pair_mults8(regs["sva"][t])
+                mb, fb = pair_mults8(regs["svb"][t])
+                st0 = int(c["st0"][0, t])
                 for i in range(4):
-                    rvi = lr + i < rows
-                    r = row0 + lr + i
-                    ra = words(a, r * n + ca, 8) if aok and rvi else [0, 0]
-                    rb = words(b, r * k + cb, 8) if bok and rvi else [0, 0]
-                    sts(smem, base + st0 + i * MN_LD * 2, cvt_words_ps(ra, ma, fa))
-                    sts(smem, base + OPER + st0 + i * MN_LD * 2, cvt_words_ps(rb, mb, fb))
+                    sm.sts(base + st0 + i * MN_LD * 2, cvt_words_ps(regs[f"ra{i}"][t], ma, fa))
+                    sm.sts(base + OPER + st0 + i * MN_LD * 2, cvt_words_ps(regs[f"rb{i}"][t], mb, fb))
 
         if ksteps > 0:
-            load_store(0, 0)
+            load(0)
+            store(0)
+        sm.syncthreads()
         for s in range(ksteps):
-            compute_stage(smem, (s & 1) * STAGE, (s & 1) * STAGE + OPER, acc, True)
             if s + 1 < ksteps:
-                load_store(s + 1, (s + 1) & 1)
+                load(s + 1)
+            compute_stage(sm, (s & 1) * STAGE, (s & 1) * STAGE + OPER, acc, True)
+            if s + 1 < ksteps:
+                store((s + 1) & 1)
+            sm.syncthreads()
+        i0, j0 = int(c["i0"][0, 0]), int(c["j0"][0, 0])
         store_tile(out, (g * n + i0) * k + j0, k, n - i0, k - j0, acc, out_f32)
+
+
+# ---------------------------------------------------------------------------------------------- address-only runs
+def _check_loads(ld, sizes_of):
+    for name, (ok, buf, off, nb) in ld.items():
+        o = off[ok]
+        if o.size == 0:
+            continue
+        lo, hi = int(o.min()), int(o.max())
+        if lo < 0 or hi + nb > sizes_of[buf]:
+            raise IndexError(f"{name}: load [{lo}, {hi + nb}) outside {buf} ({sizes_of[buf]} bytes)")
+        if nb > 1 and (o % nb).any():
+            raise ValueError(f"{name}: misaligned {nb}-byte load")
+
+
+def addresses_2d3d(sizes, m_total, n, k, zero_rest=True):
+    """Every CTA of the 2d3d grid, addresses only: loads of the first and last k-step are inside the operand
+    buffers (as sized by the launcher's checks), and each output row is written by exactly one CTA per column
+    tile (rows past the groups: once with zero_rest, else never). Returns the per-row write counts."""
+    g_count = len(sizes)
+    sizes_of = {
+        "a": m_total * k,
+        "a_sc": mxfp8.grouped_blocked_size(m_total, g_count, k // 32, "m"),
+        "b": g_count * n * k,
+        "b_sc": g_count * mxfp8.blocked_size(n, k // 32),
+    }
+    n_tiles = (n + 127) // 128
+    ksteps = (k + 63) // 64
+    cover = np.zeros((m_total + 1, n_tiles), dtype=np.int64)  # +1: difference array
+    for m_t in range((m_total + 127) // 128 + g_count):
+        gi = scan_groups(sizes, g_count, m_total, 1, m_t)
+        if gi["g"] < 0:
+            assert m_t >= gi["total_tiles"]
+            r0 = gi["total_rows"] + (m_t - gi["total_tiles"]) * 128
+            if zero_rest and r0 < m_total:
+                for n_t in (0, n_tiles - 1):  # the zero stores of the extreme column tiles stay inside out
+                    st = zero_rows_range(r0, m_total, n, n_t * 128)
+                    assert max(o + cnt for o, cnt in st) <= m_total * n and min(o for o, _ in st) >= 0
+                cover[r0] += 1
+                cover[min(r0 + 128, m_total)] -= 1
+            continue
+        c = cta_2d3d(gi, np.arange(n_tiles), n, k)
+        if c["mrows"] <= 0:
+            continue
+        for s in {0, ksteps - 1}:
+            _check_loads(load_2d3d(c, s, k), sizes_of)
+        r0 = c["arow0"]
+        assert gi["row0"] <= r0 and r0 + c["mrows"] <= gi["row0"] + gi["rows"] <= m_total
+        cover[r0] += 1
+        cover[r0 + c["mrows"]] -= 1
+    return np.cumsum(cover, axis=0)[:m_total]
+
+
+def addresses_wgrad(sizes, m_total, n, k):
+    """Every CTA of the wgrad grid, addresses only (loads of the first and last k-step inside the buffers)."""
+    g_count = len(sizes)
+    rows_sc = gemm_cuda.colwise_scale_rows(m_total, g_count)
+    sizes_of = {"a": m_total * n, "b": m_total * k, "a_sc": rows_sc * n, "b_sc": rows_sc * k}
+    nt, kt = (n + 127) // 128, (k + 127) // 128
+    for g in range(g_count):
+        gi = scan_groups(sizes, g_count, m_total, 0, g)
+        assert gi["g"] == g and 0 <= gi["rows"] and gi["row0"] + gi["rows"] <= max(m_total, gi["row0"])
+        c = cta_wgrad(g, np.arange(nt * kt), gi, n, k)
+        ksteps = (gi["rows"] + 63) // 64
+        for s in {0, ksteps - 1} if ksteps else ():
+            _check_loads(load_wgrad(c, s, n, k), sizes_of)
+        # store_tile: rows i0 .. i0 + min(128, N - i0) - 1, columns j0 .. j0 + min(128, K - j0) - 1 of out[g]
+        i0, j0 = c["i0"][:, 0], c["j0"][:, 0]
+        last = (g * n + i0 + np.minimum(128, n - i0) - 1) * k + j0 + np.minimum(128, k - j0) - 1
+        assert (last < g_count * n * k).all() and ((g * n + i0) * k + j0 >= 0).all()
 
 
 # ---------------------------------------------------------------------------------------------- tests
@@ -396,6 +630,7 @@ def test_scan_groups_matches_tile_offsets():
     offs = mxfp8.group_tile_offsets(torch.tensor(sizes)).tolist()
     for t in range(offs[-1] + 3):
         gi = scan_groups(sizes, len(sizes), m, 1, t)
+        assert gi["total_rows"] == m and gi["total_tiles"] == offs[-1]
         if t >= offs[-1]:
             assert gi["g"] == -1
             continue
@@ -406,29 +641,49 @@ def test_scan_groups_matches_tile_offsets():
         assert gi["boff"] == sum((v + 31) // 32 for v in sizes[:g]) and gi["rows"] == sizes[g]
 
 
-CASES_2D3D = [([5, 0, 37, 130], 96, 136, False), ([0, 0, 0], 64, 16, True), ([200], 32, 8, True),
-              ([1, 127, 0, 64], 128, 264, True), ([3, 40], 64, 24, False)]
+def test_scan_groups_negative_and_clamped_sizes():
+    sizes = [-7, 100, 2**31 - 1, 5]  # negative counts as 0; the third group runs past M = 300: clamped
+    gi = scan_groups(sizes, 4, 300, 0, 2)
+    assert gi["row0"] == 100 and gi["rows"] == 200 and gi["boff"] == 4
+    gi = scan_groups(sizes, 4, 300, 0, 3)
+    assert gi["rows"] == 0  # starts past M
+    gi = scan_groups(sizes, 4, 300, 1, 1)
+    assert gi["g"] == 2 and gi["tile"] == 0 and gi["toff"] == 1
+    assert scan_groups(sizes, 4, 300, 1, 0)["g"] == 1
 
 
-@pytest.mark.parametrize("sizes,k,n,out_f32", CASES_2D3D)
-def test_emulated_2d3d_matches_reference(sizes, k, n, out_f32):
+CASES_2D3D = [  # (sizes, trailing rows outside every group, K, N, fp32 out, zero_rest)
+    ([5, 0, 37, 130], 3, 96, 136, False, False),  # K % 64 == 32 (last k-step half empty), N % 128 != 0
+    ([0, 0, 0], 3, 64, 16, True, True),  # only empty groups: zero fill only
+    ([200], 3, 32, 8, True, False),
+    ([1, 127, 0, 64], 130, 128, 264, True, True),  # 130 trailing rows: two zero-fill tiles
+    ([3, 40], 3, 64, 24, False, True),
+    ([0, 129, 0], 0, 64, 8, True, True),  # 2 tiles of one group, last one 1 row; rows end with the groups
+]
+
+
+@pytest.mark.parametrize("sizes,extra,k,n,out_f32,zero_rest", CASES_2D3D)
+def test_emulated_2d3d_matches_reference(sizes, extra, k, n, out_f32, zero_rest):
     torch.manual_seed(sum(sizes) + k + n)
-    g, m = len(sizes), sum(sizes) + 3  # 3 trailing rows outside every group: must stay untouched
+    g, s = len(sizes), sum(sizes)
+    m = s + extra  # trailing rows outside every group: untouched, or zero with zero_rest
     x = torch.randn(m, k) * torch.logspace(-3, 3, k).reshape(1, k)[:, torch.randperm(k)]
     w = torch.randn(g, n, k) * 0.5
-    xd, xs = gemm_cuda.rowwise_operand_ref(x[: sum(sizes)], sizes)
-    xd = torch.cat([xd, mxfp8.quantize_torch(x[sum(sizes) :], -1).data])
+    xd, xs = gemm_cuda.rowwise_operand_ref(x[:s], sizes)
+    xd = torch.cat([xd, mxfp8.quantize_torch(x[s:], -1).data])
     xs = torch.cat([xs, torch.zeros(mxfp8.grouped_blocked_size(m, g, k // 32) - xs.numel(), dtype=torch.uint8)])
     wd, ws = gemm_cuda.weight_operand_ref(w)
     out = np.full(m * n, np.nan)
-    emu_2d3d(_u8(xd), _u8(xs), _u8(wd), _u8(ws), sizes, out, g, m, n, k, out_f32)
+    emu_2d3d(_u8(xd), _u8(xs), _u8(wd), _u8(ws), sizes, out, g, m, n, k, out_f32, zero_rest)
     out = torch.from_numpy(out).reshape(m, n)
-    xq = mxfp8.fake_quantize(x[: sum(sizes)], -1)
+    xq = mxfp8.fake_quantize(x[:s], -1)
     ref = mm64(xq, mxfp8.fake_quantize(w, -1), sizes)
-    got = out[: sum(sizes)]
-    assert torch.isnan(out[sum(sizes) :]).all()
+    if zero_rest:
+        assert (out[s:] == 0).all()
+    else:
+        assert torch.isnan(out[s:]).all()
     tol = 1e-5 if out_f32 else 2.0**-8  # emulated sums are float64: only the final fp32/bf16 rounding remains
-    torch.testing.assert_close(got, ref, rtol=tol, atol=1e-30)
+    torch.testing.assert_close(out[:s], ref, rtol=tol, atol=1e-30)
 
 
 def test_emulated_dgrad_transposed_weights():
@@ -446,6 +701,27 @@ def test_emulated_dgrad_transposed_weights():
     torch.testing.assert_close(torch.from_numpy(out).reshape(m, k), ref, rtol=1e-5, atol=1e-30)
 
 
+def test_emulated_raw_codes_and_scales():
+    """The GPU test_raw_codes scenario (random e4m3 codes incl. subnormals, scale bytes 100..154: both
+    conversion paths) through the emulated fprop: the last row tile of the last group is partial."""
+    gen = torch.Generator().manual_seed(7)
+    sizes, k, n = [70, 0, 200], 128, 64
+    g, m = len(sizes), sum(sizes)
+    c = torch.randint(0, 256, (m, k), generator=gen, dtype=torch.int32)
+    c[:, :32] = (c[:, :32] & 0x87) | 1  # one block of e4m3 subnormals per row
+    a = torch.where((c & 0x7F) == 0x7F, c ^ 1, c).to(torch.uint8).view(torch.float8_e4m3fn)
+    c = torch.randint(0, 256, (g, n, k), generator=gen, dtype=torch.int32)
+    b = torch.where((c & 0x7F) == 0x7F, c ^ 1, c).to(torch.uint8).view(torch.float8_e4m3fn)
+    a_s = torch.randint(100, 155, (m, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    b_s = torch.randint(100, 155, (g, n, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    aq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(a, a_s, 1), torch.float32)
+    bq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(b, b_s, 2), torch.float32)
+    xs = mxfp8.to_blocked_grouped(a_s, torch.tensor(sizes), "m")
+    out = np.full(m * n, np.nan)
+    emu_2d3d(_u8(a), _u8(xs), _u8(b), _u8(mxfp8.to_blocked(b_s)), sizes, out, g, m, n, k, True, True)
+    torch.testing.assert_close(torch.from_numpy(out).reshape(m, n), mm64(aq, bq, sizes), rtol=1e-5, atol=1e-30)
+
+
 @pytest.mark.parametrize("sizes,n,k", [([5, 0, 70, 33], 24, 136), ([0, 0], 8, 8), ([64], 128, 16)])
 def test_emulated_wgrad_matches_reference(sizes, n, k):
     torch.manual_seed(len(sizes) + n)
@@ -457,9 +733,12 @@ def test_emulated_wgrad_matches_reference(sizes, n, k):
     out = np.full(g * n * k, np.nan)
     emu_wgrad(_u8(ad), _u8(asc), _u8(bd), _u8(bsc), sizes, out, g, m, n, k, True)
     ref = wgrad64(fake_quantize_grouped_cols(dy, sizes), fake_quantize_grouped_cols(x, sizes), sizes)
-    torch.testing.assert_close(ref.float(), grouped_wgrad_torch(fake_quantize_grouped_cols(dy, sizes),
-                                                                fake_quantize_grouped_cols(x, sizes), sizes),
-                               rtol=1e-4, atol=1e-4)  # the fp64 helper agrees with the spec
+    torch.testing.assert_close(
+        ref.float(),
+        grouped_wgrad_torch(fake_quantize_grouped_cols(dy, sizes), fake_quantize_grouped_cols(x, sizes), sizes),
+        rtol=1e-4,
+        atol=1e-4,
+    )  # the fp64 helper agrees with the spec
     torch.testing.assert_close(torch.from_numpy(out).reshape(g, n, k), ref, rtol=1e-5, atol=1e-30)
 
 
@@ -470,3 +749,59 @@ def test_colwise_converter_matches_fake_quantize_grouped_cols():
     assert s.shape == (gemm_cuda.colwise_scale_rows(sum(sizes), len(sizes)), 24)
     back = gemm_cuda.colwise_dequantize_ref(d, s, sizes)
     assert torch.equal(back, fake_quantize_grouped_cols(t, sizes))
+
+
+def _bench_sizes(m, g, seed):
+    """benchmarks/bench_gemm.py's uneven_sizes (random, some groups large, possibly empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randint(0, 2 * (m // g) + 1, (g,), generator=gen).double()
+    v = (v * (m / max(v.sum().item(), 1.0))).floor().long()
+    v[-1] += m - int(v.sum())
+    return [int(x) for x in v]
+
+
+ADDRESS_CASES = {  # name: (sizes, M, K, N): the benchmark's shapes (fprop K x N, dgrad N x K) and edge cases
+    "dsv3_up": (_bench_sizes(32768, 32, sum(map(ord, "dsv3_up"))), 32768, 7168, 4096),
+    "dsv3_down": (_bench_sizes(32768, 32, sum(map(ord, "dsv3_down"))), 32768, 2048, 7168),
+    "small": (_bench_sizes(32768, 16, sum(map(ord, "small"))), 32768, 2048, 1536),
+    "llama4": (_bench_sizes(16384, 4, sum(map(ord, "llama4"))), 16384, 5120, 8192),
+    "gpu_large": ([1500, 0, 700, 2300, 1, 127, 2900, 664], 8192, 2048, 1024),  # tests/test_gemm_cuda.py
+    "one_group_all_rows": ([0, 0, 8191, 0], 8191, 96, 200),
+    "trailing_rows": ([129, 0, 1, 255, 0, 128], 1000, 64, 72),
+    "g64_uneven": (_bench_sizes(5000, 64, 3), 5003, 192, 256),
+    "clamped": ([-3, 700, 2**31 - 1, 9], 1000, 64, 136),  # negative = 0; sum > M: rows past M are never touched
+}
+
+
+@pytest.mark.parametrize("name", list(ADDRESS_CASES))
+def test_addresses_in_bounds_and_rows_covered_once(name):
+    sizes, m, k, n = ADDRESS_CASES[name]
+    s = min(sum(max(v, 0) for v in sizes), m)
+    for kk, nn in ((k, n), (n, k)):  # fprop [M, K] x [G, N, K]; dgrad [M, N] x [G, K, N]
+        if kk % 32:
+            continue
+        for zero_rest in (False, True):
+            cover = addresses_2d3d(sizes, m, nn, kk, zero_rest)
+            assert (cover[:s] == 1).all(), f"group rows written {cover[:s].min()}..{cover[:s].max()} times"
+            assert (cover[s:] == (1 if zero_rest else 0)).all(), "rows past the groups"
+    addresses_wgrad(sizes, m, n, k)
+
+
+def test_address_check_catches_the_double_column_offset():
+    """Sanity check of the address-only run: the loader bug of the first device run (ck added to the row
+    pointers and again to the column) reads past the end of x on its last rows (and wrong columns elsewhere)."""
+    sizes, m, k, n = [100, 0, 156], 256, 64, 128
+    sizes_of = {
+        "a": m * k,
+        "a_sc": mxfp8.grouped_blocked_size(m, 3, k // 32),
+        "b": 3 * n * k,
+        "b_sc": 3 * mxfp8.blocked_size(n, k // 32),
+    }
+    c = cta_2d3d(scan_groups(sizes, 3, m, 1, 2), [0], n, k)  # the last row tile of x (rows 228..255)
+    _check_loads(load_2d3d(c, 0, k), sizes_of)
+    bad = {
+        name: (ok, buf, off + (c["ck"] if buf in ("a", "b") else 0), nb)
+        for name, (ok, buf, off, nb) in load_2d3d(c, 0, k).items()
+    }
+    with pytest.raises(IndexError):
+        _check_loads(bad, sizes_of)
