@@ -35,11 +35,16 @@ SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
 }
 
 
-def uneven_sizes(m: int, g: int, seed: int) -> list[int]:
-    """Random group sizes summing to m (TMA-adaptive FP8 grouped GEMM paper, appendix C.1)."""
+def uneven_sizes(m: int, g: int, seed: int, align: int = 16) -> list[int]:
+    """Random group sizes summing to m (TMA-adaptive FP8 grouped GEMM paper, appendix C.1), multiples of ``align``.
+
+    The alignment is for the baselines only: torch._grouped_mm / _scaled_grouped_mm assert (device-side, which
+    kills the process) that group offsets along the reduction axis of wgrad are 16-byte aligned. Our kernels take
+    any sizes (tests/test_gemm_cuda.py covers unaligned ones).
+    """
     gen = torch.Generator().manual_seed(seed)
     v = torch.randint(0, 2 * (m // g) + 1, (g,), generator=gen).double()
-    v = (v * (m / max(v.sum().item(), 1.0))).floor().long()
+    v = (v * (m / max(v.sum().item(), 1.0)) / align).floor().long() * align
     v[-1] += m - int(v.sum())
     return [int(x) for x in v]
 
