@@ -75,6 +75,39 @@ def copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
+    """Bytes/s of kernels/bench_probe.cu on x's traffic (read 2 B + write 1 B per element, no arithmetic).
+
+    ``linear``: flat grid-stride order; ``tile``: mx_quant's 128x128 tile order, one tile per CTA. They tell
+    how much of the gap to the copy bandwidth belongs to the traffic mix and access order rather than to the
+    quantizer's arithmetic.
+    """
+    from moe_ep import _cuda  # noqa: PLC0415
+
+    m, k = x.shape
+    out = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    nchunks = m * k // 8
+    sms = _cuda.num_sms(x.device)
+    lin = _cuda.get_function("bench_probe.cu", "probe_linear")
+    til = _cuda.get_function("bench_probe.cu", "probe_tile")
+    ctiles = -(-k // 128)
+    grid_tile = -(-m // 128) * ctiles
+    grid_lin = max(1, min(-(-nchunks // (256 * 8)), 3 * sms))
+    res = {}
+    for name, fn in (
+        ("linear", lambda: _cuda.launch(lin, grid_lin, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(nchunks)))),
+        ("tile", lambda: _cuda.launch(
+            til, grid_tile, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles)))),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        want = x.view(torch.uint8).view(m, k, 2)[..., 0]
+        if not torch.equal(out, want):
+            raise AssertionError(f"probe_{name} wrote wrong bytes")
+        res[name] = 3 * m * k / (timer(fn) * 1e-3)
+    return res
+
+
 # ----------------------------------------------------------------------------------------------------------
 # variants: (kernel closure, compiled-reference closure or None, bytes, correctness check on a slice)
 # ----------------------------------------------------------------------------------------------------------
@@ -123,6 +156,18 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
         return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "plain"), _ref_row_plain(xc)))
     if variant == "row_blocked":
         return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "blocked"), _ref_row_blocked(xc)))
+    if variant in ("grouped_dual", "swiglu_dual"):
+        from moe_ep.gemm import quantize_grouped_dual_torch  # noqa: PLC0415
+
+        sw = variant == "swiglu_dual"
+        xs = x[:rows].contiguous().to(torch.bfloat16 if sw else x.dtype)
+        kh = xs.shape[1] // 2 if sw else xs.shape[1]
+        sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
+        got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), sw)
+        want = quantize_grouped_dual_torch(xs, sizes, sw)  # swiglu on the GPU: torch's CUDA silu, as the kernel
+        used = sum(-(-int(n) // 32) for n in sizes)
+        return (all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used])
+                and got[3].shape[1] == kh)
     if variant == "row_grouped":
         sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
         d, s = mxfp8_cuda.quantize_rowwise(xs, "grouped", sizes.to(xs.device))
@@ -135,11 +180,25 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
     raise ValueError(variant)
 
 
+def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
+    return torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
+
+
 def kernel_fn(variant: str, x: torch.Tensor, groups: int):
     """(closure launching the kernel into preallocated outputs, bytes moved)."""
     m, k = x.shape
     dev = x.device
     read = x.numel() * x.element_size()
+    if variant in ("grouped_dual", "swiglu_dual"):  # both grouped GEMM operands from one read
+        sw = variant == "swiglu_dual"  # x plays a = (gate | up): h is [M, K/2]
+        kh = k // 2 if sw else k
+        sizes = _random_sizes(m, groups, dev)
+        xin = x.to(torch.bfloat16) if sw else x  # SwiGLU takes bf16 GEMM outputs
+        outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, sw)
+        nbytes = xin.numel() * xin.element_size() + 2 * m * kh + outs[1].numel() + -(-m // 32) * kh
+        return (lambda: mxfp8_cuda.quantize_grouped_dual_into(xin, sizes, *outs, sw)), nbytes
     data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
     if variant in ("row_plain", "row_blocked", "row_grouped"):
         layout = variant.removeprefix("row_")
@@ -177,7 +236,9 @@ def main() -> None:
         default="static",
         help="torch.compile baseline: static shapes (one compile per shape), dynamic, or none",
     )
-    ap.add_argument("--variants", default="row_plain,row_blocked,row_grouped,col_blocked,fused")
+    ap.add_argument(
+        "--variants", default="row_plain,row_blocked,row_grouped,col_blocked,fused,grouped_dual,swiglu_dual"
+    )
     ap.add_argument("--groups", type=int, default=32, help="groups of the row_grouped variant")
     ap.add_argument("--pipes", default="", help="MOE_EP_QUANT_PIPE values to sweep, e.g. 0,1,2 (default: current)")
     args = ap.parse_args()
@@ -217,6 +278,13 @@ def main() -> None:
     for m in ms_list:
         for k in ks:
             x = torch.randn(m, k, device="cuda", dtype=torch.float32).mul_(4.0).to(dtype)
+            probes = probe_bandwidths(timer, x) if x.dtype == torch.bfloat16 else {}
+            if probes:
+                print(
+                    "  same-traffic probes (read bf16, write 1 B/element, no math): "
+                    + ", ".join(f"{n} {v / 1e9:.0f} GB/s ({100 * v / copy_bw:.1f}% copy)" for n, v in probes.items()),
+                    flush=True,
+                )
             for v, pipe in [(v, p) for v in variants for p in pipes]:
                 os.environ["MOE_EP_QUANT_PIPE"] = str(pipe)
                 ok = check(v, x)
@@ -241,6 +309,8 @@ def main() -> None:
                     "bytes": nbytes,
                     "GBps": bw / 1e9,
                     "pct_copy": 100 * bw / copy_bw,
+                    **{f"probe_{n}_GBps": v / 1e9 for n, v in probes.items()},
+                    **{f"pct_probe_{n}": 100 * bw / v for n, v in probes.items()},
                     "compile_ms": tc,
                     "ratio_vs_compile": (tc / t) if tc else None,
                 }

@@ -10,7 +10,7 @@
 //            block: it reduces and quantizes the 32x1 block and stores 32 e4m3 bytes of the TRANSPOSED output
 //            xt [K, M] (4 lanes write 128 contiguous bytes of a row of xt). Column scales: plain [K, M/32]
 //            or one blocked tile (K rows x M/32 columns: 128 x 4 per CTA again).
-//   phase 3  (CS_NT only) re-read the staged tile and write column-wise data in x's own [M, K] layout.
+//   phase 3  (CS_NT, CS_GNT) re-read the staged tile and write column-wise data in x's own [M, K] layout.
 // Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
@@ -19,6 +19,7 @@
 #define IN_F32 0
 #define IN_BF16 1
 #define IN_F16 2
+#define IN_SWIGLU 3   // bf16 a [M, 2K] = (gate | up); the quantized values are h = silu(gate) * up in fp32 ([M, K])
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
@@ -30,6 +31,8 @@
 #define CS_PLAIN 1    // data xt [K, M], scale [K, M/32]
 #define CS_BLOCKED 2  // data xt [K, M], scale to_blocked([K, M/32])
 #define CS_NT 3       // data [M, K] (x's layout), scale [M/32, K]  (quantize(x, axis=0))
+#define CS_GNT 4      // CS_NT per row group (RS_GROUPED only): 32-row blocks restart at each group's first row,
+                      // block j of group g is scale row sum_{h<g} ceil(n_h/32) + j of [ceil(M/32) + G, K]
 
 #define TILE 128
 #define NTHREADS 256
@@ -49,6 +52,44 @@ __device__ __forceinline__ uint4 ld_nc16(const unsigned char* p) {
     memcpy(&r, p, 16);
 #endif
     return r;
+}
+
+__device__ __forceinline__ uint2 ld_nc8(const unsigned char* p) {
+    uint2 r;
+#if defined(__CUDA_ARCH__)
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+#else
+    memcpy(&r, p, 8);
+#endif
+    return r;
+}
+
+// silu(g) * u in fp32, bit for bit what torch computes for ``F.silu(g.float()) * u.float()`` on CUDA:
+// g / (1 + expf(-g)) then one multiply. The adds/divides/multiplies are PTX without .ftz (CuPy compiles with
+// -ftz=true); expf's result only enters 1 + e, where a flushed subnormal changes nothing.
+__device__ __forceinline__ float mx_swiglu(float g, float u) {
+    const float e = expf(-g);
+#if defined(__CUDA_ARCH__)
+    float d, s;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(1.0f), "f"(e));
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(s) : "f"(g), "f"(d));
+    return mx_mul(s, u);
+#else
+    return g / (1.0f + e) * u;
+#endif
+}
+
+// 4 gate + 4 up bf16 values (8 bytes each) -> 4 fp32 h words.
+__device__ __forceinline__ uint4 swiglu4(uint2 g, uint2 u) {
+    const unsigned gw[2] = {g.x, g.y}, uw[2] = {u.x, u.y};
+    unsigned h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned gb = i & 1 ? (gw[i >> 1] & 0xFFFF0000u) : (gw[i >> 1] << 16);
+        const unsigned ub = i & 1 ? (uw[i >> 1] & 0xFFFF0000u) : (uw[i >> 1] << 16);
+        h[i] = __float_as_uint(mx_swiglu(__uint_as_float(gb), __uint_as_float(ub)));
+    }
+    return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // fp16 bits -> fp32 (exact).
@@ -113,9 +154,12 @@ __device__ __forceinline__ unsigned mx_pack16x2(float lo, float hi) {
 }
 
 // Element c (0 or 1) of a 32-bit word of 16-bit values, or the word itself for fp32, as fp32 (exact).
+// Inputs whose staged 32-bit words are fp32 values (fp32 itself, and SwiGLU's h computed at load time).
+template <int IN> __host__ __device__ constexpr bool mx_w32() { return IN == IN_F32 || IN == IN_SWIGLU; }
+
 template <int IN>
 __device__ __forceinline__ float word_elem(unsigned w, int c) {
-    if (IN == IN_F32) return __uint_as_float(w);
+    if (mx_w32<IN>()) return __uint_as_float(w);
     if (IN == IN_BF16) return __uint_as_float(c ? (w & 0xFFFF0000u) : (w << 16));
     return mx_h2f(c ? (w >> 16) : (w & 0xFFFFu));
 }
@@ -134,6 +178,7 @@ template <> struct Key<IN_BF16> {
     static __device__ __forceinline__ unsigned lane(unsigned acc, int c) { return c ? (acc >> 16) : (acc & 0xFFFFu); }
     static __device__ __forceinline__ float to_float(unsigned k) { return __uint_as_float(k << 16); }
 };
+template <> struct Key<IN_SWIGLU> : Key<IN_F32> {};
 template <> struct Key<IN_F16> {
     static constexpr unsigned BAD = 0x7C00u;
     static __device__ __forceinline__ unsigned of_word(unsigned acc, unsigned w) { return __vmaxu2(acc, w & 0x7FFF7FFFu); }
@@ -148,7 +193,7 @@ __device__ __forceinline__ unsigned chunk_key(uint4 v) {
     a = Key<IN>::of_word(a, v.y);
     a = Key<IN>::of_word(a, v.z);
     a = Key<IN>::of_word(a, v.w);
-    if (IN == IN_F32) return a;
+    if (mx_w32<IN>()) return a;
     return max(a & 0xFFFFu, a >> 16);
 }
 
@@ -156,7 +201,7 @@ __device__ __forceinline__ unsigned chunk_key(uint4 v) {
 template <int IN>
 __device__ __forceinline__ uint2 quant_chunk(uint4 v, float s) {
     uint2 o;
-    if (IN == IN_F32) {
+    if (mx_w32<IN>()) {
         o.x = mx_cvt4_e4m3(mx_mul(__uint_as_float(v.x), s), mx_mul(__uint_as_float(v.y), s),
                            mx_mul(__uint_as_float(v.z), s), mx_mul(__uint_as_float(v.w), s));
         o.y = 0u;
@@ -172,65 +217,75 @@ __device__ __forceinline__ uint2 quant_chunk(uint4 v, float s) {
 // Offset of scale (r, c) inside one 128x4 tile.
 __device__ __forceinline__ int tile_off(int r, int c) { return (r & 31) * 16 + (r >> 5) * 4 + c; }
 
-// Grouped row layouts: per-CTA table of the groups' first output tile and first row (exclusive prefix sums of
-// ceil(n_g/128) and n_g, entry G = the totals), built once per CTA by a block-wide scan of the device-resident
-// group sizes; a tile then finds its group by binary search. Negative sizes count as 0.
+// Grouped row layouts: per-CTA table of the groups' first output tile, first row and first 32-row block
+// (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/32); entry G = the totals), built once per CTA by a
+// block-wide scan of the device-resident group sizes; a tile then finds its group by binary search. Negative
+// sizes count as 0.
 __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, int G, int* tstart,
-                                              long long* rstart) {
-    __shared__ int s_wt[NTHREADS / 32];
+                                              long long* rstart, int* bstart) {
+    __shared__ int s_wt[NTHREADS / 32], s_wb[NTHREADS / 32];
     __shared__ long long s_wn[NTHREADS / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     long long carry_n = 0;
-    int carry_t = 0;
+    int carry_t = 0, carry_b = 0;
     for (int base = 0; base < G; base += NTHREADS) {
         const int g = base + tid;
         const int n = g < G ? max(gsizes[g], 0) : 0;
-        const int t = (n + TILE - 1) / TILE;
+        const int t = (n + TILE - 1) / TILE, b = (n + 31) / 32;
         long long in = n;
-        int it = t;
+        int it = t, ib = b;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
             int yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
+            int yb = __shfl_up_sync(0xFFFFFFFFu, ib, o);
             if (lane >= o) {
                 in += yn;
                 it += yt;
+                ib += yb;
             }
         }
         if (lane == 31) {
             s_wn[warp] = in;
             s_wt[warp] = it;
+            s_wb[warp] = ib;
         }
         __syncthreads();
         long long tot_n = 0;
-        int tot_t = 0;
+        int tot_t = 0, tot_b = 0;
 #pragma unroll
         for (int w = 0; w < NTHREADS / 32; ++w) {
             if (w < warp) {
                 in += s_wn[w];
                 it += s_wt[w];
+                ib += s_wb[w];
             }
             tot_n += s_wn[w];
             tot_t += s_wt[w];
+            tot_b += s_wb[w];
         }
         if (g < G) {
             tstart[g] = carry_t + it - t;
             rstart[g] = carry_n + in - n;
+            bstart[g] = carry_b + ib - b;
         }
         carry_n += tot_n;
         carry_t += tot_t;
-        __syncthreads();  // s_wn / s_wt are rewritten by the next round
+        carry_b += tot_b;
+        __syncthreads();  // s_wn / s_wt / s_wb are rewritten by the next round
     }
     if (tid == 0) {
         tstart[G] = carry_t;
         rstart[G] = carry_n;
+        bstart[G] = carry_b;
     }
     __syncthreads();
 }
 
-// Rows [row0, row0 + nrows) of output tile T under the table above (nrows = 0: a zero tile past the last group).
-__device__ __forceinline__ void grouped_lookup(const int* tstart, const long long* rstart, int G, int T,
-                                               long long& row0, int& nrows) {
+// Rows [row0, row0 + nrows) of output tile T under the table above (nrows = 0: a zero tile past the last group)
+// and the group-local 32-row block index of its first row, continued across groups (bs).
+__device__ __forceinline__ void grouped_lookup(const int* tstart, const long long* rstart, const int* bstart,
+                                               int G, int T, long long& row0, int& nrows, long long& bs) {
     int lo = 0, hi = G;  // largest g in [0, G] with tstart[g] <= T
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
@@ -240,15 +295,17 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
     if (lo >= G) {
         row0 = rstart[G];
         nrows = 0;
+        bs = bstart[G];
         return;
     }
     const int lt = T - tstart[lo];
     row0 = rstart[lo] + (long long)lt * TILE;
+    bs = bstart[lo] + 4LL * lt;
     nrows = (int)min((long long)TILE, rstart[lo + 1] - row0);
 }
 
 // Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile, column-scale tile, column exponents,
-// and (RS_GROUPED) the group table; the launcher passes the same sum (moe_ep/mxfp8_cuda.py).
+// then (RS_GROUPED) the group table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/mxfp8_cuda.py).
 #define MX_SMEM_FIXED 1536
 
 // Software pipelining (MX_PIPE): 0 = one tile per CTA, grid = all tiles (plain launch); 1 = persistent grid, no
@@ -260,7 +317,7 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
 #endif
 
 template <int IN, int CS> struct QuantCfg {
-    static constexpr int ES = IN == IN_F32 ? 4 : 2;
+    static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     // Column-wise and fused modes measured 2-20 % slower pipelined (benchmarks/NOTES.md): they always use 0.
     static constexpr int PIPE = ((MX_PIPE == 2 && ES == 4) || CS != CS_NONE) ? 0 : MX_PIPE;
     static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 ? 3 : 4);
@@ -294,18 +351,22 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
     signed char* sexp = reinterpret_cast<signed char*>(ctile + 512);     // [4][128] col exponents (CS_NT)
     long long* g_rstart = reinterpret_cast<long long*>(stile + MX_SMEM_FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
+    int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
+    static_assert(CS != CS_GNT || RS == RS_GROUPED, "per-group column blocks follow the grouped row tiles");
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int C = K / 32;
     const int total = n_row_tiles * ctiles;
-    if (RS == RS_GROUPED) grouped_table(gsizes, G, g_tstart, g_rstart);
+    if (RS == RS_GROUPED) grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
 
     // Tile T -> (row tile, column tile, first row, rows).
-    auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows) {
+    // bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GNT: per-group block numbering).
+    auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows, long long& bs) {
         rt = (int)((unsigned)T / (unsigned)ctiles);
         ct = (int)((unsigned)T % (unsigned)ctiles);
+        bs = 0;
         if (RS == RS_GROUPED) {
-            grouped_lookup(g_tstart, g_rstart, G, rt, row0, nrows);
+            grouped_lookup(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
             nrows = (int)max(0LL, min((long long)nrows, M - row0));
         } else if (RS == RS_UNIFORM) {
             const int tpe = (int)((group_rows + TILE - 1) / TILE);
@@ -316,6 +377,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
             row0 = (long long)rt * TILE;
             nrows = (int)min((long long)TILE, M - row0);
         }
+        if (CS != CS_GNT) bs = row0 >> 5;
     };
     auto load = [&](uint4* v, int p, long long row0, int nrows, int col0) {
 #pragma unroll
@@ -323,15 +385,20 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
             const int c = (p * PER + j) * NTHREADS + tid;
             const int r = c / CPR, cc = c % CPR;
             const bool ok = r < nrows && col0 + cc * VEC < K;
-            v[j] = ok ? ld_nc16(x + ((row0 + r) * K + col0 + cc * VEC) * ES) : make_uint4(0u, 0u, 0u, 0u);
+            if (IN == IN_SWIGLU) {  // row stride 2K bf16; gate at column c, up at K + c
+                const unsigned char* rp = x + (row0 + r) * (4LL * K) + (col0 + cc * VEC) * 2;
+                v[j] = ok ? swiglu4(ld_nc8(rp), ld_nc8(rp + 2LL * K)) : make_uint4(0u, 0u, 0u, 0u);
+            } else {
+                v[j] = ok ? ld_nc16(x + ((row0 + r) * K + col0 + cc * VEC) * ES) : make_uint4(0u, 0u, 0u, 0u);
+            }
         }
     };
 
     int T = (int)blockIdx.x;
     if (T >= total) return;
     int rt, ct, nrows;
-    long long row0;
-    coords(T, rt, ct, row0, nrows);
+    long long row0, bs;
+    coords(T, rt, ct, row0, nrows, bs);
     uint4 vn[PER];
     if (PIPE == 2) load(vn, 0, row0, nrows, ct * TILE);
 
@@ -339,13 +406,13 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
         const int col0 = ct * TILE;
         const int Tn = PIPE ? T + (int)gridDim.x : total;
         int rt_n = 0, ct_n = 0, nrows_n = 0;
-        long long row0_n = 0;
+        long long row0_n = 0, bs_n = 0;
         uint4 vc[PER];
         if (PIPE == 2) {
 #pragma unroll
             for (int j = 0; j < PER; ++j) vc[j] = vn[j];
             if (Tn < total) {
-                coords(Tn, rt_n, ct_n, row0_n, nrows_n);
+                coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
                 load(vn, 0, row0_n, nrows_n, ct_n * TILE);
             }
         }
@@ -419,9 +486,9 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
                 const int e = mx_block_exp(Key<IN>::to_float(key));
                 const unsigned char sb = (unsigned char)(bad ? MX_SCALE_NAN : (unsigned)(e + 127));
                 const int kl = kc0 + c;
-                if (CS == CS_NT) {
+                if (CS == CS_NT || CS == CS_GNT) {
                     sexp[mb * TILE + kl] = (signed char)(bad ? -128 : e);
-                    if (ok) cs[((row0 >> 5) + mb) * K + col0 + kl] = sb;
+                    if (ok) cs[(bs + mb) * K + col0 + kl] = sb;
                 } else {
                     const float s = mx_exp2i(-e);
                     unsigned o[8];
@@ -446,11 +513,11 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
                 }
             }
         }
-        if (CS == CS_BLOCKED || CS == CS_NT) __syncthreads();
+        if (CS == CS_BLOCKED || CS == CS_NT || CS == CS_GNT) __syncthreads();
     }
 
-    // ---------------- phase 3 (CS_NT): column-wise data in x's layout ----------------
-    if (CS == CS_NT) {
+    // ---------------- phase 3 (CS_NT, CS_GNT): column-wise data in x's layout ----------------
+    if (CS == CS_NT || CS == CS_GNT) {
 #pragma unroll 4
         for (int q = 0; q < TILE * CPR / NTHREADS; ++q) {
             const int c = q * NTHREADS + tid;
@@ -495,8 +562,9 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
             ct = ct_n;
             row0 = row0_n;
             nrows = nrows_n;
+            bs = bs_n;
         } else {
-            coords(T, rt, ct, row0, nrows);
+            coords(T, rt, ct, row0, nrows, bs);
         }
     }
 }

@@ -92,6 +92,31 @@ def swiglu_bwd(a: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     return torch.cat([dg, dh * silu], dim=-1)
 
 
+def quantize_grouped_dual_torch(
+    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`moe_ep.mxfp8_cuda.quantize_grouped_dual` (same signature, same bytes).
+
+    x: [M, K] float (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32);
+    group_sizes: [G] int32 (read on the host: this is the specification, not the fast path), summing to M.
+    Returns (data [M, K] e4m3 row-wise, scale u8 ``to_blocked_grouped`` along M, data_c [M, K] e4m3 in per-group
+    32-row column blocks, scale_c u8 [ceil(M/32) + G, K] with unused rows zero).
+
+    Example: sizes [40, 8] (M = 48): scale_c has ceil(48/32) + 2 = 4 rows; rows 0-1 are group 0's blocks (data
+    rows 0-31, and 32-39 padded with 24 zero rows), row 2 is group 1's block (rows 40-47), row 3 is unused.
+    """
+    from .gemm_cuda import colwise_operand_ref  # noqa: PLC0415  (pure torch helpers; no CuPy import)
+
+    h = swiglu(x) if apply_swiglu else x
+    sizes = group_sizes.to(device="cpu", dtype=torch.int32)
+    if int(sizes.sum()) != h.shape[0]:
+        raise ValueError(f"group sizes sum to {int(sizes.sum())}, expected M = {h.shape[0]}")
+    q = mxfp8.quantize_torch(h, -1)
+    scale = mxfp8.to_blocked_grouped(q.scale, sizes, "m")
+    data_c, scale_c = colwise_operand_ref(h, [int(v) for v in sizes])
+    return q.data, scale, data_c, scale_c
+
+
 def expert_mlp_fwd(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_sizes: list[int], quantize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

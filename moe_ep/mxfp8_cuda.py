@@ -43,12 +43,14 @@ _THREADS = 256
 _TILE = 128
 _IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3, "uniform": 4}
-_CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3}
+_CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3, "grouped_nt": 4}
+_IN_SWIGLU = 3
 
 _QUANT_COMBOS = (
     [(i, r, 0) for i in range(3) for r in (1, 2, 3, 4)]
     + [(i, 0, c) for i in range(3) for c in (1, 2, 3)]
     + [(i, r, c) for i in range(3) for r in (1, 2) for c in (1, 2)]
+    + [(i, 3, 4) for i in (0, 1, 3)]  # grouped row-wise + per-group column-wise; 3 = SwiGLU of bf16 (gate | up)
 )
 _NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
     f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2)
@@ -189,16 +191,19 @@ def _launch_quant(
     n_groups=0,
     group_rows=0,
     n_row_tiles=None,
+    in_code=None,
 ) -> None:
+    """x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
     ctiles = _cdiv(k, _TILE)
     if n_row_tiles is None:
         n_row_tiles = _cdiv(m, _TILE)
     tiles = n_row_tiles * ctiles
     if tiles == 0:
         return
-    es = x.element_size()
+    in_code = _IN[x.dtype] if in_code is None else in_code
+    es = 4 if in_code in (0, _IN_SWIGLU) else x.element_size()  # bytes of a staged element (SwiGLU stages fp32 h)
     grid = _quant_ctas(tiles, es, cs_mode, x.device)
-    table = 12 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + int)
+    table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table
     p = _cuda.ptr
     args = (
@@ -215,7 +220,7 @@ def _launch_quant(
         _cuda.i32(n_row_tiles),
         _cuda.i32(ctiles),
     )
-    _launch(f"mx_quant<{_IN[x.dtype]},{rs_mode},{cs_mode}>", grid, args, smem, x.device)
+    _launch(f"mx_quant<{in_code},{rs_mode},{cs_mode}>", grid, args, smem, x.device)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -281,6 +286,71 @@ def quantize_rowwise(
 # ------------------------------------------------------------------------------------------------------------
 # column-wise and fused
 # ------------------------------------------------------------------------------------------------------------
+
+
+def grouped_colwise_scale_rows(m: int, num_groups: int) -> int:
+    """Rows of the per-group column-wise scale array: ``ceil(M/32) + G`` (a static bound, no host sync)."""
+    return _cdiv(m, BLOCK) + num_groups
+
+
+def quantize_grouped_dual_into(
+    x: torch.Tensor,
+    group_sizes: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    data_c: torch.Tensor,
+    scale_c: torch.Tensor,
+    apply_swiglu: bool = False,
+) -> None:
+    """Both MXFP8 operands of a grouped GEMM input from one read of ``x`` (or of SwiGLU's input).
+
+    x: [M, K] bf16/fp16/fp32, or with ``apply_swiglu=True`` a: [M, 2K] bf16 = (gate | up), quantizing
+        ``h = silu(gate) * up`` computed in fp32 exactly as ``moe_ep.gemm.swiglu``.
+    group_sizes: [G] int32 on x's device (rows of each group, in order; not read on the host).
+    data: [M, K] e4m3, row-wise (1x32 along K); scale: u8 [grouped_blocked_size(M, G, K//32, "m")] (fprop/dgrad).
+    data_c: [M, K] e4m3, column-wise in 32-row blocks that restart at each group's first row (a group's last block
+        is zero padded); scale_c: u8 [ceil(M/32) + G, K], block j of group g at row sum_{h<g} ceil(n_h/32) + j
+        (the wgrad operand format of :mod:`moe_ep.gemm_cuda`). Rows past sum(group_sizes) and unused scale rows
+        are not written.
+    """
+    if apply_swiglu:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+            raise TypeError(f"swiglu: input must be a bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() != 2 or x.shape[1] % (2 * BLOCK):
+            raise ValueError(f"swiglu: input must be [M, 2F] with F % {BLOCK} == 0, got {tuple(x.shape)}")
+        _check_input(x, 2, "swiglu")
+        m, k = x.shape[0], x.shape[1] // 2
+    else:
+        _check_input(x, 2, "quantize_grouped_dual")
+        m, k = x.shape
+    group_sizes = _check_groups(group_sizes, x.device)
+    g = group_sizes.numel()
+    _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
+    _check_out(scale, "scale", row_scale_shape(m, k, "grouped", g), torch.uint8, x.device)
+    _check_out(data_c, "data_c", (m, k), torch.float8_e4m3fn, x.device)
+    _check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
+    _launch_quant(x, m, k, _RS["grouped"], _CS["grouped_nt"], rq=data, rs=scale, cq=data_c, cs=scale_c,
+                  gsizes=group_sizes, n_groups=g, n_row_tiles=_cdiv(m, _TILE) + g,
+                  in_code=_IN_SWIGLU if apply_swiglu else None)
+
+
+def quantize_grouped_dual(
+    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, scale_c)``.
+
+    The reference with the same signature is :func:`moe_ep.gemm.quantize_grouped_dual_torch`.
+    """
+    m = x.shape[0]
+    k = x.shape[1] // 2 if apply_swiglu else x.shape[1]
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    dev = x.device
+    data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
+    data_c = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.empty(row_scale_shape(m, k, "grouped", g), dtype=torch.uint8, device=dev)
+    scale_c = torch.empty((grouped_colwise_scale_rows(m, g), k), dtype=torch.uint8, device=dev)
+    quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, scale_c, apply_swiglu)
+    return data, scale, data_c, scale_c
 
 
 def _check_colwise(x: torch.Tensor, what: str) -> None:

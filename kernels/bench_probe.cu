@@ -1,0 +1,60 @@
+// Memory-system probes for benchmarks/bench_quant.py (not used by the library): the quantizer's traffic mix
+// (read 16-byte chunks of bf16, write 8 bytes per chunk) with no arithmetic, to measure what the memory system
+// gives that mix, in two access orders:
+//   probe_linear  grid-stride over the flat array, 8 chunks in flight per thread
+//   probe_tile    the 128 x 128-element tiles of mx_quant (column tile fastest), one tile per CTA, 8 chunks in
+//                 flight per thread: the same order and parallelism as mx_quant with pipelining off
+// out[i] = low byte of every bf16 element (so the compiler cannot drop the loads).
+
+__device__ __forceinline__ uint4 probe_ld(const unsigned char* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint2 probe_pack(uint4 v) {
+    return make_uint2(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.z, v.w, 0x6420));
+}
+
+extern "C" __global__ void __launch_bounds__(256) probe_linear(const unsigned char* __restrict__ x,
+                                                               unsigned char* __restrict__ out,
+                                                               long long nchunks) {
+    const long long stride = (long long)gridDim.x * 256;
+    for (long long c0 = blockIdx.x * 256LL + threadIdx.x; c0 < nchunks; c0 += 8 * stride) {
+        uint4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const long long c = c0 + j * stride;
+            v[j] = c < nchunks ? probe_ld(x + c * 16) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const long long c = c0 + j * stride;
+            if (c < nchunks) *reinterpret_cast<uint2*>(out + c * 8) = probe_pack(v[j]);
+        }
+    }
+}
+
+// x: [M, K] bf16, out: [M, K] bytes; grid = ceil(M/128) * ceil(K/128).
+extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char* __restrict__ x,
+                                                             unsigned char* __restrict__ out, long long M,
+                                                             int K, int ctiles) {
+    const int rt = blockIdx.x / ctiles, ct = blockIdx.x % ctiles;
+    const long long row0 = (long long)rt * 128;
+    const int col0 = ct * 128;
+    uint4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
+        const bool ok = row0 + r < M && col0 + cc * 8 < K;
+        v[j] = ok ? probe_ld(x + ((row0 + r) * K + col0 + cc * 8) * 2) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
+        if (row0 + r < M && col0 + cc * 8 < K)
+            *reinterpret_cast<uint2*>(out + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
+    }
+}

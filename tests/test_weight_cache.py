@@ -1,0 +1,54 @@
+"""WeightQuantCache: recompute exactly when the weight changes (CPU; the quantizer is the reference one)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from moe_ep import mxfp8
+from moe_ep.weight_cache import WeightQuantCache
+
+
+def _q(w: torch.Tensor):
+    t = mxfp8.quantize_torch(w, -1)
+    return t.data, t.scale
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+
+
+def test_cached_until_the_weight_changes():
+    w = torch.nn.Parameter(torch.randn(4, 64, 96))
+    cache = WeightQuantCache()
+    first = cache.get(w, "fprop", _q)
+    assert cache.get(w, "fprop", _q) is first and cache.misses == 1
+    opt = torch.optim.SGD([w], lr=0.5)
+    w.grad = torch.randn_like(w)
+    opt.step()  # in-place update: the version counter moves
+    second = cache.get(w, "fprop", _q)
+    assert cache.misses == 2 and second is not first
+    assert _same(second, _q(w.detach()))  # the new value, not the stale one
+    assert not _same(second, first)
+
+
+def test_kinds_are_separate_and_new_tensors_miss():
+    w = torch.randn(2, 32, 64)
+    cache = WeightQuantCache()
+    a = cache.get(w, "fprop", _q)
+    b = cache.get(w, "dgrad", lambda t: _q(t.transpose(-1, -2).contiguous()))
+    assert cache.misses == 2 and a[0].shape == (2, 32, 64) and b[0].shape == (2, 64, 32)
+    w2 = w.clone()  # same values, another tensor: recomputed (identity, not value, is the key)
+    cache.get(w2, "fprop", _q)
+    assert cache.misses == 3
+
+
+def test_dead_weights_are_released():
+    cache = WeightQuantCache()
+    w = torch.randn(1, 32, 32)
+    cache.get(w, "fprop", _q)
+    del w
+    gc.collect()
+    cache.get(torch.randn(1, 32, 32), "fprop", _q)  # prunes the dead entry
+    assert len(cache._entries) == 1
