@@ -20,6 +20,7 @@
 #define IN_BF16 1
 #define IN_F16 2
 #define IN_SWIGLU 3   // bf16 a [M, 2K] = (gate | up); the quantized values are h = silu(gate) * up in fp32 ([M, K])
+#define IN_SWIGLU_BWD 4  // bf16 a [M, K] = (gate | up) and fp32 dh [M, K/2] (x2); quantizes dA = swiglu_bwd(a, dh)
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
@@ -92,6 +93,56 @@ __device__ __forceinline__ uint4 swiglu4(uint2 g, uint2 u) {
     return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
+// swiglu_bwd (moe_ep.gemm.swiglu_bwd), op by op as torch evaluates it on CUDA, each result rounded to fp32:
+//   sig = 1 / (1 + expf(-g));  dg = (dh * u) * (sig * (1 + g * (1 - sig)));  du = dh * (g * sig).
+__device__ __forceinline__ float mx_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return a + b;
+#endif
+}
+
+__device__ __forceinline__ float mx_sigmoid(float g) {
+    const float d = mx_add(1.0f, expf(-g));
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(1.0f), "f"(d));
+    return r;
+#else
+    return 1.0f / d;
+#endif
+}
+
+// Chunk of 4 dA values at column c (c % 4 == 0) of row ``ar`` (a, 2F bf16) / ``dr`` (dh, F fp32).
+__device__ __forceinline__ uint4 swiglu_bwd4(const unsigned char* ar, const unsigned char* dr, int c, int F) {
+    const bool gate = c < F;
+    const int cf = gate ? c : c - F;
+    const uint2 gv = ld_nc8(ar + cf * 2LL);
+    const uint2 uv = gate ? ld_nc8(ar + (F + cf) * 2LL) : make_uint2(0u, 0u);
+    const uint4 dv = ld_nc16(dr + cf * 4LL);
+    const unsigned gw[2] = {gv.x, gv.y}, uw[2] = {uv.x, uv.y}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+    unsigned o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float g = __uint_as_float(i & 1 ? (gw[i >> 1] & 0xFFFF0000u) : (gw[i >> 1] << 16));
+        const float dh = __uint_as_float(dw[i]);
+        const float sig = mx_sigmoid(g);
+        float r;
+        if (gate) {
+            const float u = __uint_as_float(i & 1 ? (uw[i >> 1] & 0xFFFF0000u) : (uw[i >> 1] << 16));
+            const float t = mx_mul(sig, mx_add(1.0f, mx_mul(g, mx_add(1.0f, -sig))));
+            r = mx_mul(mx_mul(dh, u), t);
+        } else {
+            r = mx_mul(dh, mx_mul(g, sig));
+        }
+        o[i] = __float_as_uint(r);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // fp16 bits -> fp32 (exact).
 __device__ __forceinline__ float mx_h2f(unsigned h) {
 #if defined(__CUDA_ARCH__)
@@ -155,7 +206,9 @@ __device__ __forceinline__ unsigned mx_pack16x2(float lo, float hi) {
 
 // Element c (0 or 1) of a 32-bit word of 16-bit values, or the word itself for fp32, as fp32 (exact).
 // Inputs whose staged 32-bit words are fp32 values (fp32 itself, and SwiGLU's h computed at load time).
-template <int IN> __host__ __device__ constexpr bool mx_w32() { return IN == IN_F32 || IN == IN_SWIGLU; }
+template <int IN> __host__ __device__ constexpr bool mx_w32() {
+    return IN == IN_F32 || IN == IN_SWIGLU || IN == IN_SWIGLU_BWD;
+}
 
 template <int IN>
 __device__ __forceinline__ float word_elem(unsigned w, int c) {
@@ -179,6 +232,7 @@ template <> struct Key<IN_BF16> {
     static __device__ __forceinline__ float to_float(unsigned k) { return __uint_as_float(k << 16); }
 };
 template <> struct Key<IN_SWIGLU> : Key<IN_F32> {};
+template <> struct Key<IN_SWIGLU_BWD> : Key<IN_F32> {};
 template <> struct Key<IN_F16> {
     static constexpr unsigned BAD = 0x7C00u;
     static __device__ __forceinline__ unsigned of_word(unsigned acc, unsigned w) { return __vmaxu2(acc, w & 0x7FFF7FFFu); }
@@ -332,7 +386,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
                                                       unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
                                                       unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
                                                       const int* __restrict__ gsizes, int G, long long group_rows,
-                                                      int n_row_tiles, int ctiles) {
+                                                      int n_row_tiles, int ctiles,
+                                                      const unsigned char* __restrict__ x2) {
     constexpr int ES = QuantCfg<IN, CS>::ES;      // element bytes
     constexpr int PIPE = QuantCfg<IN, CS>::PIPE;
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
@@ -385,7 +440,11 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
             const int c = (p * PER + j) * NTHREADS + tid;
             const int r = c / CPR, cc = c % CPR;
             const bool ok = r < nrows && col0 + cc * VEC < K;
-            if (IN == IN_SWIGLU) {  // row stride 2K bf16; gate at column c, up at K + c
+            if (IN == IN_SWIGLU_BWD) {  // a: row stride K bf16; dh (x2): row stride K/2 fp32
+                v[j] = ok ? swiglu_bwd4(x + (row0 + r) * (2LL * K), x2 + (row0 + r) * (2LL * K),
+                                        col0 + cc * VEC, K >> 1)
+                          : make_uint4(0u, 0u, 0u, 0u);
+            } else if (IN == IN_SWIGLU) {  // row stride 2K bf16; gate at column c, up at K + c
                 const unsigned char* rp = x + (row0 + r) * (4LL * K) + (col0 + cc * VEC) * 2;
                 v[j] = ok ? swiglu4(ld_nc8(rp), ld_nc8(rp + 2LL * K)) : make_uint4(0u, 0u, 0u, 0u);
             } else {

@@ -93,11 +93,12 @@ def swiglu_bwd(a: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_grouped_dual_torch(
-    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False
+    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False, swiglu_dh: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of :func:`moe_ep.mxfp8_cuda.quantize_grouped_dual` (same signature, same bytes).
 
-    x: [M, K] float (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32);
+    x: [M, K] float (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32; or a: [M, 2F]
+    bf16 with swiglu_dh [M, F] fp32, quantizing ``swiglu_bwd(a, dh)`` [M, 2F] fp32);
     group_sizes: [G] int32 (read on the host: this is the specification, not the fast path), summing to M.
     Returns (data [M, K] e4m3 row-wise, scale u8 ``to_blocked_grouped`` along M, data_c [M, K] e4m3 in per-group
     32-row column blocks, scale_c u8 [ceil(M/32) + G, K] with unused rows zero).
@@ -107,7 +108,7 @@ def quantize_grouped_dual_torch(
     """
     from .gemm_cuda import colwise_operand_ref  # noqa: PLC0415  (pure torch helpers; no CuPy import)
 
-    h = swiglu(x) if apply_swiglu else x
+    h = swiglu_bwd(x, swiglu_dh) if swiglu_dh is not None else swiglu(x) if apply_swiglu else x
     sizes = group_sizes.to(device="cpu", dtype=torch.int32)
     if int(sizes.sum()) != h.shape[0]:
         raise ValueError(f"group sizes sum to {int(sizes.sum())}, expected M = {h.shape[0]}")

@@ -44,13 +44,14 @@ _TILE = 128
 _IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3, "uniform": 4}
 _CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3, "grouped_nt": 4}
-_IN_SWIGLU = 3
+_IN_SWIGLU, _IN_SWIGLU_BWD = 3, 4
 
 _QUANT_COMBOS = (
     [(i, r, 0) for i in range(3) for r in (1, 2, 3, 4)]
     + [(i, 0, c) for i in range(3) for c in (1, 2, 3)]
     + [(i, r, c) for i in range(3) for r in (1, 2) for c in (1, 2)]
-    + [(i, 3, 4) for i in (0, 1, 3)]  # grouped row-wise + per-group column-wise; 3 = SwiGLU of bf16 (gate | up)
+    # grouped row-wise + per-group column-wise; 3 = SwiGLU of bf16 (gate | up), 4 = its backward (a, fp32 dh)
+    + [(i, 3, 4) for i in (0, 1, 3, 4)]
 )
 _NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
     f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2)
@@ -192,6 +193,7 @@ def _launch_quant(
     group_rows=0,
     n_row_tiles=None,
     in_code=None,
+    x2=None,
 ) -> None:
     """x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
     ctiles = _cdiv(k, _TILE)
@@ -201,7 +203,8 @@ def _launch_quant(
     if tiles == 0:
         return
     in_code = _IN[x.dtype] if in_code is None else in_code
-    es = 4 if in_code in (0, _IN_SWIGLU) else x.element_size()  # bytes of a staged element (SwiGLU stages fp32 h)
+    # bytes of a staged element: the SwiGLU inputs stage their fp32 results
+    es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD) else x.element_size()
     grid = _quant_ctas(tiles, es, cs_mode, x.device)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table
@@ -219,6 +222,7 @@ def _launch_quant(
         _cuda.i64(group_rows),
         _cuda.i32(n_row_tiles),
         _cuda.i32(ctiles),
+        p(x2),
     )
     _launch(f"mx_quant<{in_code},{rs_mode},{cs_mode}>", grid, args, smem, x.device)
 
@@ -301,11 +305,14 @@ def quantize_grouped_dual_into(
     data_c: torch.Tensor,
     scale_c: torch.Tensor,
     apply_swiglu: bool = False,
+    swiglu_dh: torch.Tensor | None = None,
 ) -> None:
     """Both MXFP8 operands of a grouped GEMM input from one read of ``x`` (or of SwiGLU's input).
 
     x: [M, K] bf16/fp16/fp32, or with ``apply_swiglu=True`` a: [M, 2K] bf16 = (gate | up), quantizing
-        ``h = silu(gate) * up`` computed in fp32 exactly as ``moe_ep.gemm.swiglu``.
+        ``h = silu(gate) * up`` computed in fp32 exactly as ``moe_ep.gemm.swiglu``; or with ``swiglu_dh``
+        (dh: [M, F] fp32, the gradient of h) a: [M, 2F] bf16, quantizing ``dA = swiglu_bwd(a, dh)`` [M, 2F]
+        (K = 2F) computed exactly as ``moe_ep.gemm.swiglu_bwd``.
     group_sizes: [G] int32 on x's device (rows of each group, in order; not read on the host).
     data: [M, K] e4m3, row-wise (1x32 along K); scale: u8 [grouped_blocked_size(M, G, K//32, "m")] (fprop/dgrad).
     data_c: [M, K] e4m3, column-wise in 32-row blocks that restart at each group's first row (a group's last block
@@ -313,7 +320,19 @@ def quantize_grouped_dual_into(
         (the wgrad operand format of :mod:`moe_ep.gemm_cuda`). Rows past sum(group_sizes) and unused scale rows
         are not written.
     """
-    if apply_swiglu:
+    if swiglu_dh is not None:
+        if apply_swiglu:
+            raise ValueError("apply_swiglu and swiglu_dh are exclusive (forward vs backward)")
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+            raise TypeError(f"swiglu backward: a must be bf16, got {getattr(x, 'dtype', type(x).__name__)}")
+        _check_input(x, 2, "swiglu backward")
+        m, k = x.shape
+        if k % (2 * BLOCK):
+            raise ValueError(f"swiglu backward: a must be [M, 2F] with F % {BLOCK} == 0, got {tuple(x.shape)}")
+        if not isinstance(swiglu_dh, torch.Tensor) or swiglu_dh.dtype != torch.float32:
+            raise TypeError(f"swiglu backward: dh must be fp32, got {getattr(swiglu_dh, 'dtype', None)}")
+        _check_out(swiglu_dh, "dh", (m, k // 2), torch.float32, x.device)
+    elif apply_swiglu:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
             raise TypeError(f"swiglu: input must be a bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         if x.dim() != 2 or x.shape[1] % (2 * BLOCK):
@@ -331,11 +350,12 @@ def quantize_grouped_dual_into(
     _check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
     _launch_quant(x, m, k, _RS["grouped"], _CS["grouped_nt"], rq=data, rs=scale, cq=data_c, cs=scale_c,
                   gsizes=group_sizes, n_groups=g, n_row_tiles=_cdiv(m, _TILE) + g,
-                  in_code=_IN_SWIGLU if apply_swiglu else None)
+                  in_code=_IN_SWIGLU_BWD if swiglu_dh is not None else _IN_SWIGLU if apply_swiglu else None,
+                  x2=swiglu_dh)
 
 
 def quantize_grouped_dual(
-    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False
+    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False, swiglu_dh: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, scale_c)``.
 
@@ -349,7 +369,7 @@ def quantize_grouped_dual(
     data_c = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty(row_scale_shape(m, k, "grouped", g), dtype=torch.uint8, device=dev)
     scale_c = torch.empty((grouped_colwise_scale_rows(m, g), k), dtype=torch.uint8, device=dev)
-    quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, scale_c, apply_swiglu)
+    quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, scale_c, apply_swiglu, swiglu_dh)
     return data, scale, data_c, scale_c
 
 

@@ -523,3 +523,21 @@ def test_grouped_dual_bad_input():
         mxfp8_cuda.quantize_grouped_dual(a.float(), st, apply_swiglu=True)
     with pytest.raises(ValueError, match="device"):
         mxfp8_cuda.quantize_grouped_dual(a[:, :64].contiguous(), st.cpu())
+
+
+@pytest.mark.parametrize("sizes", DUAL_SIZES)
+def test_swiglu_bwd_dual_matches_reference(dev, sizes):
+    """Backward SwiGLU fused with both quantizations of dA == torch's swiglu_bwd then the reference quantizer.
+
+    F = 96 puts the gate/up boundary of dA (column 96) inside the first 128-column tile.
+    """
+    from moe_ep.gemm import quantize_grouped_dual_torch
+
+    m, f = sum(sizes), 96
+    a = _dual_input(m, 2 * f, torch.bfloat16, seed=11 + m).to(dev)
+    dh = _dual_input(m, f, torch.float32, seed=13 + m).to(dev)
+    st = torch.tensor(sizes, dtype=torch.int32)
+    got = mxfp8_cuda.quantize_grouped_dual(a, st.to(dev), swiglu_dh=dh)
+    want = quantize_grouped_dual_torch(a, st, swiglu_dh=dh)
+    assert got[0].shape == (m, 2 * f)
+    _check_dual(got, want, sizes, exact=dev.type == "cuda")

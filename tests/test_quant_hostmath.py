@@ -243,16 +243,17 @@ template <class F> static void run_grid(int grid, F f) {
 }
 
 typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, unsigned char*, unsigned char*,
-                        unsigned char*, const int*, int, long long, int, int);
+                        unsigned char*, const int*, int, long long, int, int, const unsigned char*);
 typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
 
 extern "C" int emu_quant(int in, int rs, int cs, int grid, const unsigned char* x, long long M, int K,
                          unsigned char* rq, unsigned char* rsp, unsigned char* cq, unsigned char* csp,
-                         const int* g, int G, long long group_rows, int nrt, int ctiles) {
+                         const int* g, int G, long long group_rows, int nrt, int ctiles,
+                         const unsigned char* x2) {
     QuantFn fn = nullptr;
     QUANT_TABLE
     if (!fn) return 1;
-    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles); });
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2); });
     return 0;
 }
 
@@ -305,7 +306,7 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, p, ll, i, p, p, p, p, p, i, ll, i, i]
+    so.emu_quant.argtypes = [i, i, i, i, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     return so
 
