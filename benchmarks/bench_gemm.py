@@ -3,7 +3,9 @@
 For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgrad, wgrad) it first checks the
 kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median) and
 reports TFLOP/s (2*M*N*K / time) for:
-  mxfp8         our kernel (MOE_EP_GEMM_IMPL selects the family; wgrad writes bf16 here, fp32 as "mxfp8_f32")
+  mxfp8_<impl>  our kernels, every family of gemm_cuda.IMPLS (mma, wgmma) for fprop/dgrad; wgrad has only mma
+                (bf16 output here, fp32 as "mxfp8_f32"). Each family is checked first; a family whose check fails
+                (or raises) is reported and not timed, the others go on.
   bf16          torch._grouped_mm on bf16 operands (offs = cumsum int32) -- the reference point for ratios
   deq+bf16      dequantize the MXFP8 operands to bf16, then torch._grouped_mm
   fp8_rowwise   torch._scaled_grouped_mm with fp8 e4m3 operands and per-row fp32 scales (errors recorded)
@@ -103,47 +105,79 @@ def run_shape(name, m, k, n, g, args, out_rows):
     flops = 2.0 * m * n * k
     res = {"M": m, "K": k, "N": n, "G": g, "group_sizes": sizes, "variants": {}}
 
-    ours = {
-        "fprop": lambda: gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz),
-        "dgrad": lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz),
-        "wgrad": lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16),
-    }
+    def with_impl(impl, fn):
+        def run():
+            old = os.environ.get("MOE_EP_GEMM_IMPL")
+            os.environ["MOE_EP_GEMM_IMPL"] = impl
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    del os.environ["MOE_EP_GEMM_IMPL"]
+                else:
+                    os.environ["MOE_EP_GEMM_IMPL"] = old
 
-    # ---- correctness on a subsample before timing
+        return run
+
+    impls = list(gemm_cuda.IMPLS)
+    ours = {"fprop": {}, "dgrad": {}, "wgrad": {}}
+    for impl in impls:
+        ours["fprop"][f"mxfp8_{impl}"] = with_impl(
+            impl, lambda: gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz)
+        )
+        ours["dgrad"][f"mxfp8_{impl}"] = with_impl(
+            impl, lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz)
+        )
+    ours["wgrad"]["mxfp8_mma"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16)
+    ours["wgrad"]["mxfp8_f32"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+
+    # ---- correctness on a subsample before timing (per kernel family; a failing family is not timed)
     if not args.no_check:
         starts = [0] + torch.cumsum(torch.tensor(sizes), 0).tolist()[:-1]
         nonempty = [i for i in range(g) if sizes[i]]
         pick = sorted({nonempty[0], nonempty[-1], max(nonempty, key=lambda i: sizes[i])})
-        o_f, o_d = ours["fprop"](), ours["dgrad"]()
         xf, dyf = mxfp8.dequantize_torch(xq, torch.float32), mxfp8.dequantize_torch(dyq, torch.float32)
         wf = mxfp8.dequantize_torch(wq, torch.float32)
         wtf = mxfp8.dequantize_torch(wtq, torch.float32)
-        errs = {}
-        for gi in pick:  # the first and the last (partial) 128-row tile of each picked group
-            n_chk = min(sizes[gi], 64)
-            for part, r0 in (("head", starts[gi]), ("tail", starts[gi] + sizes[gi] - n_chk)):
-                r = slice(r0, r0 + n_chk)
-                errs[f"fprop_g{gi}{part}"] = rel_err(o_f[r], xf[r] @ wf[gi].t())
-                errs[f"dgrad_g{gi}{part}"] = rel_err(o_d[r], dyf[r] @ wtf[gi].t())
-        errs["finite"] = 0.0 if bool(torch.isfinite(o_f).all() and torch.isfinite(o_d).all()) else float("inf")
-        o_w = gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
-        dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
-        xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
-        for gi in pick[:2]:
-            r = slice(starts[gi], starts[gi] + sizes[gi])
-            errs[f"wgrad_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
-        del o_f, o_d, o_w, xf, dyf, wf, wtf, dcf, xcf
-        res["check_rel_err"] = errs
         # bf16 outputs: one bf16 rounding (rel. 2**-9 per element). wgrad fp32: the tensor cores truncate at each
         # 16-term step (tests/test_gemm_cuda.py); over ~2048-row groups of random data the biased error is about
         # 2/3 * steps * 2**-24 ~ 5e-6 of the norm, so 3e-5 (indexing / scale bugs give O(1)).
         limit = {"fprop": 5e-3, "dgrad": 5e-3, "wgrad": 3e-5, "finite": 0.0}
-        bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
-        res["check_ok"] = not bad
-        summary = ", ".join(f"{kk}={v:.1e}" for kk, v in errs.items())
-        print(f"[{name}] check {'ok' if not bad else 'FAILED'}: {summary}")
-        if bad and not args.keep_going:
-            raise SystemExit(f"{name}: kernel does not match the reference: {bad}")
+        res["check_rel_err"], res["check_ok"] = {}, {}
+        for impl in impls:
+            errs = {}
+            try:
+                o_f, o_d = ours["fprop"][f"mxfp8_{impl}"](), ours["dgrad"][f"mxfp8_{impl}"]()
+                for gi in pick:  # the first and the last (partial) 128-row tile of each picked group
+                    n_chk = min(sizes[gi], 64)
+                    for part, r0 in (("head", starts[gi]), ("tail", starts[gi] + sizes[gi] - n_chk)):
+                        r = slice(r0, r0 + n_chk)
+                        errs[f"fprop_g{gi}{part}"] = rel_err(o_f[r], xf[r] @ wf[gi].t())
+                        errs[f"dgrad_g{gi}{part}"] = rel_err(o_d[r], dyf[r] @ wtf[gi].t())
+                fin = bool(torch.isfinite(o_f).all() and torch.isfinite(o_d).all())
+                errs["finite"] = 0.0 if fin else float("inf")
+                del o_f, o_d
+                if impl == "mma":
+                    o_w = gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+                    dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
+                    xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
+                    for gi in pick[:2]:
+                        r = slice(starts[gi], starts[gi] + sizes[gi])
+                        errs[f"wgrad_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
+                    del o_w, dcf, xcf
+                bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
+            except Exception as e:  # noqa: BLE001  (report and go on with the other families)
+                bad = {"exception": f"{type(e).__name__}: {str(e)[:300]}"}
+                errs["exception"] = bad["exception"]
+            res["check_rel_err"][impl], res["check_ok"][impl] = errs, not bad
+            summary = ", ".join(f"{kk}={v:.1e}" if isinstance(v, float) else f"{kk}={v}" for kk, v in errs.items())
+            print(f"[{name}] check {impl} {'ok' if not bad else 'FAILED'}: {summary}")
+            if bad and not args.keep_going:
+                if impl == "mma":
+                    raise SystemExit(f"{name}: kernel does not match the reference: {bad}")
+                for var in ("fprop", "dgrad"):  # not timed: reported as an error row
+                    ours[var][f"mxfp8_{impl}"] = None
+        del xf, dyf, wf, wtf
         torch.cuda.empty_cache()
 
     # ---- baselines (each in try/except: torch's private grouped-GEMM APIs change between versions)
@@ -186,10 +220,11 @@ def run_shape(name, m, k, n, g, args, out_rows):
 
     for var in ("fprop", "dgrad", "wgrad"):
         vres = {}
-        impls = {"mxfp8": ours[var], **base[var]}
-        if var == "wgrad":
-            impls["mxfp8_f32"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
-        for impl, fn in impls.items():
+        fns = {**ours[var], **base[var]}
+        for impl, fn in fns.items():
+            if fn is None:
+                vres[impl] = {"error": "check failed: not timed"}
+                continue
             try:
                 ms = time_ms(fn, args.warmup, args.reps)
                 vres[impl] = {"ms": ms, "tflops": flops / ms / 1e9}
@@ -229,7 +264,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "commit": commit,
-        "impl": gemm_cuda.gemm_impl(),
+        "impls": list(gemm_cuda.IMPLS),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": {"warmup": args.warmup, "reps": args.reps, "quick": args.quick},
         "shapes": {},
@@ -240,8 +275,9 @@ def main() -> None:
         result["shapes"][name] = run_shape(name, m, k, n, g, args, rows)
         torch.cuda.empty_cache()
 
-    cols = ["mxfp8", "mxfp8_f32", "bf16", "deq+bf16", "fp8_rowwise"]
-    print(f"\n{result['device']}  torch {result['torch']}  impl={result['impl']}  (TFLOP/s, ratio vs torch bf16)")
+    cols = [f"mxfp8_{i}" for i in gemm_cuda.IMPLS] + ["mxfp8_f32", "bf16", "deq+bf16", "fp8_rowwise"]
+    impls = ",".join(result["impls"])
+    print(f"\n{result['device']}  torch {result['torch']}  impls={impls}  (TFLOP/s, ratio vs torch bf16)")
     print(f"{'shape':<10} {'var':<6} " + " ".join(f"{c:>18}" for c in cols))
     for name, var, vres in rows:
         cells = []

@@ -487,6 +487,8 @@ __device__ __forceinline__ void gmm_wgrad(const unsigned char* __restrict__ A, c
         const unsigned char *__restrict__ Bs, const int *__restrict__ sizes, void *__restrict__ out, int G,        \
         long long M, int N, int K, int zero_rest
 
+// kernels/grouped_gemm_wgmma.cu includes this file for its helpers and defines GM_NO_MMA_KERNELS first.
+#ifndef GM_NO_MMA_KERNELS
 // zero_rest: 2d3d only (see gmm_2d3d); the wgrad kernels write every element of out and ignore it.
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_2d3d_bf16(GM_ARGS) {
     gmm_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
@@ -500,3 +502,4 @@ extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wgrad_bf16(GM
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wgrad_f32(GM_ARGS) {
     gmm_wgrad<1>(A, As, B, Bs, sizes, out, G, M, N, K);
 }
+#endif  // GM_NO_MMA_KERNELS

@@ -35,7 +35,9 @@ Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are
 Everything runs on torch's current stream with no host synchronization.
 
 Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family: ``mma`` (default; ldmatrix + mma.sync bf16,
-dequantize into shared memory, 128x128x64 tiles, 2 CTAs/SM). Unknown values raise ValueError.
+dequantize into shared memory, 128x128x64 tiles, 2 CTAs/SM) or ``wgmma`` (fprop/dgrad only, in
+``kernels/grouped_gemm_wgmma.cu``: dequantize into 128B-swizzled shared tiles read by wgmma.m64n128k16, 3 stages;
+wgrad still runs the ``mma`` kernel). Unknown values raise ValueError.
 
 The ``*_ref`` functions at the bottom are pure-PyTorch converters from plain tensors to these operand formats
 (used by the tests and the benchmark; they read group sizes on the host).
@@ -49,11 +51,13 @@ import torch
 
 from . import mxfp8
 
-IMPLS = ("mma",)
+IMPLS = ("mma", "wgmma")
 _KERNEL_FILE = "grouped_gemm.cu"
+_WGMMA_FILE = "grouped_gemm_wgmma.cu"
 _THREADS = 256
 _TILE = 128
 _SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
+_WGMMA_SMEM_BYTES = 99328  # 3 stages x (A + B) x 16384 B + 1024 (alignment), grouped_gemm_wgmma.cu WG_SMEM_BYTES
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -133,14 +137,16 @@ def _launch(
     n: int,
     k: int,
     zero_rest: bool = False,
+    kernel_file: str = _KERNEL_FILE,
+    smem: int = _SMEM_BYTES,
 ):
     if grid <= 0:
         return
     from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
-    fn = _cuda.get_function(_KERNEL_FILE, kernel, device=out.device.index)
+    fn = _cuda.get_function(kernel_file, kernel, device=out.device.index)
     args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest)
-    _cuda.launch(fn, grid, _THREADS, args, shared_mem=_SMEM_BYTES, device=out.device)
+    _cuda.launch(fn, grid, _THREADS, args, shared_mem=smem, device=out.device)
 
 
 def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int, zero_rest: bool) -> tuple:
@@ -164,7 +170,7 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     out: bf16/fp32 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
     ``zero_rest`` (by the kernel, no extra pass), else left untouched. Returns ``out``.
     """
-    gemm_impl()
+    impl = gemm_impl()
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"expected a [M, K] and b [G, N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -194,9 +200,12 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     grid = (_cdiv(m, _TILE) + g) * _cdiv(n, _TILE) if g else 0
     if grid == 0 and zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
         out.zero_()
-    _launch(
-        f"mx_gmm_2d3d_{_OUT_SUFFIX[out.dtype]}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest
-    )
+    suffix = _OUT_SUFFIX[out.dtype]
+    if impl == "wgmma":
+        kernel, kfile, smem = f"mx_gmm_wg_2d3d_{suffix}", _WGMMA_FILE, _WGMMA_SMEM_BYTES
+    else:
+        kernel, kfile, smem = f"mx_gmm_2d3d_{suffix}", _KERNEL_FILE, _SMEM_BYTES
+    _launch(kernel, grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest, kfile, smem)
     return out
 
 

@@ -30,6 +30,16 @@ from moe_ep import _cuda, gemm_cuda, mxfp8
 
 CUDA = torch.cuda.is_available()
 
+# fprop/dgrad run through every kernel family (MOE_EP_GEMM_IMPL); wgrad has only the mma kernel so far.
+IMPLS = list(gemm_cuda.IMPLS)
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, monkeypatch):
+    """Selects the kernel family of the 2d3d (fprop / dgrad) launches of a test."""
+    monkeypatch.setenv("MOE_EP_GEMM_IMPL", request.param)
+    return request.param
+
 
 def _skip_without_gpu():
     if not CUDA:
@@ -130,7 +140,7 @@ def _rand_sizes(g, total, gen):
 @pytest.mark.parametrize("case", list(range(len(FPROP_CASES))) + ["random64"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["fprop", "dgrad"])
-def test_2d3d_matches_reference(case, out_dtype, kind):
+def test_2d3d_matches_reference(case, out_dtype, kind, impl):
     _skip_without_gpu()
     seed = (len(FPROP_CASES) if case == "random64" else case) * 2 + (kind == "dgrad")
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -236,7 +246,7 @@ def _scales(shape, gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("subnormal_a", [False, True])
-def test_raw_codes(subnormal_a):
+def test_raw_codes(subnormal_a, impl):
     """Every finite e4m3 code (subnormals included) and scales on both conversion paths (< 128 and >= 128).
 
     The reference reads the scale bytes as the kernel must: 2**(s - 127) for every s != 0xFF (DESIGN section 3).
@@ -270,7 +280,7 @@ def test_raw_codes(subnormal_a):
 
 
 @pytest.mark.gpu
-def test_nan_scales_propagate():
+def test_nan_scales_propagate(impl):
     """Scale byte 0xFF means NaN (DESIGN section 3): it reaches exactly the outputs whose sums contain it."""
     _skip_without_gpu()
     gen = torch.Generator(device="cuda").manual_seed(8)
@@ -302,7 +312,7 @@ def test_nan_scales_propagate():
 
 
 @pytest.mark.gpu
-def test_side_stream_and_default_outputs():
+def test_side_stream_and_default_outputs(impl):
     """Same bytes on torch's default stream and on a side stream; default outputs are fully defined.
 
     The side stream first sleeps, then produces the operands: a kernel launched on any other stream than torch's
@@ -342,7 +352,7 @@ LARGE_SIZES = [1500, 0, 700, 2300, 1, 127, 2900, 622]  # 8150 rows of M = 8192: 
 
 
 @pytest.mark.gpu
-def test_large_uneven_groups():
+def test_large_uneven_groups(impl):
     """Benchmark-like scale (M = 8192, G = 8 uneven groups, one empty, K = 2048, N = 1024): fprop (default bf16
     output: trailing rows zero), dgrad (given fp32 output: trailing rows untouched) and wgrad against the
     reference. Guarded operands turn any read past a tensor's end into a wrong result; the first device run's
@@ -443,6 +453,10 @@ def test_errors_env_switch(monkeypatch):
         gemm_cuda.gemm_impl()
     monkeypatch.setenv("MOE_EP_GEMM_IMPL", "mma")
     assert gemm_cuda.gemm_impl() == "mma"
+    monkeypatch.setenv("MOE_EP_GEMM_IMPL", " WGMMA ")
+    assert gemm_cuda.gemm_impl() == "wgmma"
+    monkeypatch.delenv("MOE_EP_GEMM_IMPL")
+    assert gemm_cuda.gemm_impl() == "mma"  # the default
 
 
 @pytest.mark.gpu
@@ -496,3 +510,10 @@ def test_kernel_args_match_the_kernel_signature():
             assert re.search(
                 rf'extern "C" __global__ void __launch_bounds__\([^)]*\) mx_gmm_{op}_{suffix}\(GM_ARGS\)', src
             ), f"mx_gmm_{op}_{suffix}"
+    wsrc = _cuda.read_source(gemm_cuda._WGMMA_FILE)  # the wgmma file inlines grouped_gemm.cu (GM_ARGS, helpers)
+    assert "#define GM_NO_MMA_KERNELS" in wsrc and "#define GM_ARGS" in wsrc
+    for suffix in gemm_cuda._OUT_SUFFIX.values():
+        assert re.search(
+            rf'extern "C" __global__ void __launch_bounds__\([^)]*\) mx_gmm_wg_2d3d_{suffix}\(GM_ARGS\)', wsrc
+        ), f"mx_gmm_wg_2d3d_{suffix}"
+        assert f"mx_gmm_2d3d_{suffix}(GM_ARGS)" not in wsrc.split("#ifndef GM_NO_MMA_KERNELS")[0]

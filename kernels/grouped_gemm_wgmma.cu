@@ -1,0 +1,228 @@
+// Grouped MXFP8 GEMMs for Hopper, implementation "wgmma" (MOE_EP_GEMM_IMPL=wgmma): fprop / dgrad (2d x 3d) only;
+// wgrad stays on the "mma" kernels of grouped_gemm.cu. Same operand formats, tile schedule, group scan, masking and
+// zero fill as mx_gmm_2d3d_* (the helpers are shared: grouped_gemm.cu is included with its kernels switched off).
+//
+// Design ("1.5": wgmma with the dequantization in the mainloop, no warp specialization):
+//   * one CTA = 128 x 128 output tile, 256 threads = 2 warpgroups; warpgroup w owns tile rows 64 w .. 64 w + 63 and
+//     issues wgmma.mma_async.m64n128k16 bf16 x bf16 -> fp32 (64 accumulator registers per thread);
+//   * BK = 64: each k-step every thread loads 2 x 16 e4m3 bytes per operand (+ their scale bytes) into registers one
+//     step ahead (exactly the loader of the mma kernel), converts them with the exact bit trick + bf16 multiply and
+//     stores the bf16 values into a 3-stage ring of shared tiles in the K-major 128-byte-swizzle layout of wgmma:
+//     tile row r (128 B = 64 bf16) at r * 128, its 16-byte chunk c (bf16 8c .. 8c + 7) at chunk c ^ (r % 8);
+//     8-row groups 1024 B apart (descriptor SBO = 1024), tiles 1024-byte aligned;
+//   * per k-step: wgmma.fence, 4 wgmma (k16 each: descriptor start + 32 B), commit; convert the next stage; issue
+//     the loads of the step after; wgmma.wait_group 1 (the previous step's MMAs are done); fence.proxy.async (the
+//     generic-proxy smem stores become visible to the wgmma async proxy); __syncthreads. So the MMAs of step s
+//     run while step s + 1 is converted; stage (s + 1) % 3 is last read by step s - 2, finished by both
+//     warpgroups before the barrier that ends step s - 1.
+//   * epilogue: accumulator fragment of m64nNk16 (warp q of the warpgroup: rows 16 q + lane / 4 (+ 8), columns
+//     8 j + 2 (lane % 4) (+ 1), register 4 j + 2 h + e) stored straight to global memory with row masking.
+// Shared memory: 3 x 32 KiB + 1 KiB for the runtime alignment = 99 KiB dynamic, 2 CTAs/SM (<= 128 registers).
+
+#define GM_NO_MMA_KERNELS
+#include "grouped_gemm.cu"
+
+#define WG_STAGES 3
+#define WG_TILE_BYTES 16384                                  // 128 rows x 128 B (64 bf16 of K)
+#define WG_STAGE_BYTES (2 * WG_TILE_BYTES)                   // A tile, then B tile
+#define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_BYTES + 1024)    // 99328 B (+1 KiB: 1024-byte alignment of the ring)
+
+// wgmma shared-memory matrix descriptor, K-major operand in the 128-byte swizzle layout:
+// bits 0-13 start address >> 4, bits 16-29 leading byte offset >> 4 (unused for swizzled K-major: 1),
+// bits 32-45 stride byte offset >> 4 (1024 B between 8-row groups), bits 49-51 base offset (0: 1024-aligned
+// tiles), bits 62-63 layout type (1 = 128-byte swizzle).
+__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr) {
+    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Keeps the compiler from moving accesses of an accumulator register across wgmma issue / wait points.
+__device__ __forceinline__ void wg_fence_acc(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[64] += A(64 x 16, smem desc da) x B(128 x 16, smem desc db)^T, both K-major bf16, fp32 accumulation.
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+}
+
+// 16 e4m3 bytes sharing scale byte s (tile row r, logical 16-byte chunks c, c + 1) -> bf16 at the swizzled
+// shared addresses addr0 (chunk c) and addr1 (chunk c + 1). Same arithmetic as cvt_store16_1s.
+__device__ __forceinline__ void cvt_store16_sw(uint4 raw, unsigned s, unsigned addr0, unsigned addr1) {
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+    unsigned o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        o[2 * j] = e4m3x2_bits(w[j], 0x1404u);
+        o[2 * j + 1] = e4m3x2_bits(w[j], 0x3424u);
+    }
+    if (s < 128u) {
+        const unsigned m = mult_fast(s);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(o[j], m);
+    } else {
+        const unsigned m = mult_slow1(s) * 0x00010001u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m);
+    }
+    sts128(addr0, o[0], o[1], o[2], o[3]);
+    sts128(addr1, o[4], o[5], o[6], o[7]);
+}
+
+template <int OUT_F32>
+__device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
+                                        const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
+                                        const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
+                                        int N, int K, int zero_rest) {
+    extern __shared__ __align__(16) unsigned char smem[];  // the ring is aligned at run time
+    __shared__ GroupInfo gi;
+    const int n_tiles = (N + GM_BN - 1) / GM_BN;
+    const int m_t = blockIdx.x / n_tiles, n_t = blockIdx.x % n_tiles;
+    if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
+    __syncthreads();
+    if (gi.g < 0) {  // no group tile: zero-fill spare rows (see gmm_2d3d)
+        if (zero_rest) zero_rows<OUT_F32>(out, gi.total_rows + (long long)(m_t - gi.total_tiles) * GM_BM, M, N,
+                                          n_t * GM_BN);
+        return;
+    }
+    const int g = gi.g;
+    const int mrows = min(GM_BM, gi.rows - gi.tile * GM_BM);
+    if (mrows <= 0) return;
+    const long long arow0 = gi.row0 + (long long)gi.tile * GM_BM;
+    const int tpr = ((K >> 5) + 3) >> 2;
+    const unsigned char* a_sc = As + (long long)(gi.toff + gi.tile) * tpr * 512;
+    const long long bstride = (long long)((N + 127) >> 7) * tpr * 512;
+    const unsigned char* b_sc = Bs + g * bstride + (long long)n_t * tpr * 512;
+    const int n0 = n_t * GM_BN;
+
+    // loader: identical to gmm_2d3d (rows crow, crow + 64; k columns ck .. ck + 15 of each k-step)
+    const int tid = threadIdx.x, crow = tid >> 2, ck = (tid & 3) * 16;
+    const bool aok0 = crow < mrows, aok1 = crow + 64 < mrows;
+    const bool bok0 = n0 + crow < N, bok1 = n0 + crow + 64 < N;
+    const unsigned char* ap = A + (arow0 + (aok0 ? crow : 0)) * (long long)K;
+    const unsigned char* bp = B + ((long long)g * N + (bok0 ? n0 + crow : 0)) * (long long)K;
+    const long long step64 = 64LL * K;
+    const unsigned char* a_so = a_sc + (crow & 31) * 16 + (crow >> 5) * 4;
+    const unsigned char* b_so = b_sc + (crow & 31) * 16 + (crow >> 5) * 4;
+    const unsigned sbase = (smem_u32(smem) + 1023u) & ~1023u;
+    // swizzled byte offsets of this thread's logical chunks c = ck / 8 and c + 1 in tile row crow (row crow + 64:
+    // + 8192, same swizzle since 64 % 8 == 0)
+    const unsigned c0 = (unsigned)(ck >> 3), sw = (unsigned)(crow & 7);
+    const unsigned so0 = (unsigned)crow * 128u + ((c0 ^ sw) << 4), so1 = (unsigned)crow * 128u + (((c0 + 1u) ^ sw) << 4);
+
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+
+    uint4 ra[2], rb[2];
+    unsigned sc;
+    const int ksteps = (K + GM_BK - 1) / GM_BK;
+    auto load = [&](int s) {
+        const int k = s * GM_BK + ck;
+        const bool kv = k < K;
+        const int c = k >> 5, coff = (c >> 2) * 512 + (c & 3);
+        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+        ra[0] = (aok0 && kv) ? ldg16(ap + k) : z;
+        ra[1] = (aok1 && kv) ? ldg16(ap + step64 + k) : z;
+        rb[0] = (bok0 && kv) ? ldg16(bp + k) : z;
+        rb[1] = (bok1 && kv) ? ldg16(bp + step64 + k) : z;
+        const unsigned a0 = (aok0 && kv) ? (unsigned)a_so[coff] : 127u;
+        const unsigned a1 = (aok1 && kv) ? (unsigned)a_so[coff + 8] : 127u;
+        const unsigned b0 = (bok0 && kv) ? (unsigned)b_so[coff] : 127u;
+        const unsigned b1 = (bok1 && kv) ? (unsigned)b_so[coff + 8] : 127u;
+        sc = a0 | (a1 << 8) | (b0 << 16) | (b1 << 24);
+    };
+    auto store = [&](int stage) {
+        const unsigned base = sbase + (unsigned)stage * WG_STAGE_BYTES;
+        cvt_store16_sw(ra[0], sc & 0xFFu, base + so0, base + so1);
+        cvt_store16_sw(ra[1], (sc >> 8) & 0xFFu, base + 8192u + so0, base + 8192u + so1);
+        cvt_store16_sw(rb[0], (sc >> 16) & 0xFFu, base + WG_TILE_BYTES + so0, base + WG_TILE_BYTES + so1);
+        cvt_store16_sw(rb[1], sc >> 24, base + WG_TILE_BYTES + 8192u + so0, base + WG_TILE_BYTES + 8192u + so1);
+    };
+    // descriptors of stage 0, k16 slice 0: A rows 64 wg .. (8 KiB per warpgroup), B all 128 rows
+    const int wg = tid >> 7;
+    const unsigned long long da0 = wg_desc(sbase + (unsigned)wg * 8192u);
+    const unsigned long long db0 = wg_desc(sbase + WG_TILE_BYTES);
+
+    load(0);
+    store(0);
+    if (ksteps > 1) load(1);
+    fence_proxy_async();
+    __syncthreads();
+    int stage = 0;
+    for (int s = 0; s < ksteps; ++s) {
+        wg_fence();
+        const unsigned long long soff = (unsigned long long)(stage * (WG_STAGE_BYTES >> 4));
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)  // k16 slice kk: + 32 bytes (2 in descriptor units) inside the swizzle atom
+            wgmma_m64n128k16(acc, da0 + soff + 2 * kk, db0 + soff + 2 * kk);
+        wg_commit();
+        const int nstage = stage == WG_STAGES - 1 ? 0 : stage + 1;
+        if (s + 1 < ksteps) store(nstage);
+        if (s + 2 < ksteps) load(s + 2);
+        wg_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        stage = nstage;
+    }
+    wg_wait<0>();
+    wg_fence_acc(acc);
+
+    // epilogue: rows 64 wg + 16 q + lane/4 + 8 h, columns 8 j + 2 (lane % 4) + e, register 4 j + 2 h + e
+    const int lane = tid & 31, q = (tid >> 5) & 3;
+    // tile origin re-read from shared memory / blockIdx (keeps it out of registers during the mainloop)
+    const long long erow0 = gi.row0 + (long long)gi.tile * GM_BM;
+    const int en0 = (int)(blockIdx.x % n_tiles) * GM_BN, ncols = N - en0;
+    const int erows = min(GM_BM, gi.rows - gi.tile * GM_BM);
+    void* obase = OUT_F32 ? (void*)(static_cast<float*>(out) + erow0 * N + en0)
+                          : (void*)(static_cast<unsigned short*>(out) + erow0 * N + en0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = wg * 64 + q * 16 + (lane >> 2) + 8 * h;
+        if (r >= erows) continue;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int c = j * 8 + (lane & 3) * 2;
+            if (c >= ncols) continue;
+            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+            if (OUT_F32) {
+                *reinterpret_cast<float2*>(static_cast<float*>(obase) + (long long)r * N + c) = make_float2(v0, v1);
+            } else {
+                unsigned pk;
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(v1), "f"(v0));
+                *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(obase) + (long long)r * N + c) = pk;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wg_2d3d_bf16(GM_ARGS) {
+    wg_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wg_2d3d_f32(GM_ARGS) {
+    wg_2d3d<1>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
+}
