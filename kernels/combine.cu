@@ -28,10 +28,10 @@
 
 // 8 elements as raw bits (bf16: one 16-byte load, fp32: two); widened by raw8_to_f32 when they are added, so a
 // batch of rows in flight costs 4 (bf16) / 8 (fp32) registers per row
-template <int YT>
+template <int YT, bool CG>
 __device__ __forceinline__ void load8_raw(const unsigned char* p, uint4& a, uint4& b) {
-    a = ep_ld16(p);
-    if (YT != YT_BF16) b = ep_ld16(p + 16);
+    a = CG ? ep_ld16cg(p) : ep_ld16(p);
+    if (YT != YT_BF16) b = CG ? ep_ld16cg(p + 16) : ep_ld16(p + 16);
 }
 
 template <int YT>
@@ -68,6 +68,70 @@ __device__ __forceinline__ void store8(unsigned char* p, const float* v) {
     }
 }
 
+// Expert side, one received row i from rank s (one warp): slot-ordered (weighted) fp32 sum, one YT row stored into
+// rank s's combine buffer at row dst (BWD: also the top-k weight gradients of the row).
+template <int YT, int BWD>
+__device__ __forceinline__ void comb_send_row(int i, long long dst, unsigned char* orow_base, float* cmeta_s,
+                                              const unsigned char* __restrict__ y, const float* __restrict__ w,
+                                              const int* __restrict__ recv_pos, int H, int K, int lane) {
+    const int es = YT == YT_BF16 ? 2 : 4;
+    int pos = lane < K ? recv_pos[(long long)i * K + lane] : -1;
+    const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
+    if (BWD && lane < K) cmeta_s[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
+    unsigned char* orow = orow_base + dst * H * es;
+    const float wl = (!BWD && pos >= 0) ? w[pos] : 0.f;  // slot weight, loaded once per row
+    for (int c0 = 0; c0 < H; c0 += 256) {
+        const int e0 = c0 + 8 * lane;
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        // slots in top-k order, COMB_BATCH_SEND rows loaded together (independent loads in flight), then added in
+        // the same order: the sum is bitwise the serial one
+        for (unsigned m = vm; m;) {
+            long long nb[COMB_BATCH_SEND];
+            float wb[COMB_BATCH_SEND];
+            bool ok[COMB_BATCH_SEND];
+#pragma unroll
+            for (int q = 0; q < COMB_BATCH_SEND; ++q) {
+                ok[q] = m != 0;  // warp-uniform
+                const int j = ok[q] ? __ffs(m) - 1 : 0;
+                nb[q] = __shfl_sync(0xFFFFFFFFu, pos, j);
+                wb[q] = __shfl_sync(0xFFFFFFFFu, wl, j);
+                if (ok[q]) m &= m - 1;
+            }
+            uint4 ra[COMB_BATCH_SEND], rb[COMB_BATCH_SEND];
+#pragma unroll
+            for (int q = 0; q < COMB_BATCH_SEND; ++q)
+                if (ok[q] && e0 < H) load8_raw<YT, false>(y + (nb[q] * H + e0) * es, ra[q], rb[q]);
+#pragma unroll
+            for (int q = 0; q < COMB_BATCH_SEND; ++q) {
+                if (ok[q] && e0 < H) {
+                    float v[8];
+                    raw8_to_f32<YT>(ra[q], rb[q], v);
+                    if (BWD) {
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(v[k], wb[q]));
+                    }
+                }
+            }
+        }
+        if (e0 < H) store8<YT>(orow + (long long)e0 * es, acc);
+    }
+}
+
+// Received rows in an order interleaving the source ranks (= the destinations of the returned rows): v -> rank
+// s = v % W, its (v / W)-th row. Rows grouped by source (i ascending) made every rank store into the same one or
+// two peers at a time (incast on their NVLink ports, the others idle); interleaved, each rank's stores spread over
+// all peers at once, like the dispatch's. Returns false for the holes (v / W >= rows of s).
+__device__ __forceinline__ bool comb_row_of(int v, int W, const int* roff, int R, int& s, int& i) {
+    s = v % W;
+    i = roff[s] + v / W;
+    return i < roff[s + 1] && i < R;
+}
+
 template <int YT, int BWD>
 __global__ void __launch_bounds__(COMB_THREADS) ep_combine_send(
     const unsigned char* __restrict__ y, const float* __restrict__ w, const int* __restrict__ recv_pos,
@@ -86,60 +150,70 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine_send(
     ep_cta_wait_all(c, peers[me], F_COMB_FREE, epoch - 1, W, me);
     const int lane = threadIdx.x & 31;
     const int nwarps = gridDim.x * (COMB_THREADS / 32);
-    const int es = YT == YT_BF16 ? 2 : 4;
     const int R = min(info[I_R], recv_cap);
-    for (int i = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); i < R; i += nwarps) {
-        int s = 0;
-        while (s + 1 < W && roff[s + 1] <= i) ++s;
+    int maxc = 0;
+    for (int s = 0; s < W; ++s) maxc = max(maxc, roff[s + 1] - roff[s]);
+    const int V = W * maxc;
+    for (int v = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); v < V; v += nwarps) {
+        int s, i;
+        if (!comb_row_of(v, W, roff, R, s, i)) continue;
         const long long dst = rbase[s] + (i - roff[s]);
-        int pos = lane < K ? recv_pos[(long long)i * K + lane] : -1;
-        const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
-        if (BWD && lane < K)
-            reinterpret_cast<float*>(peers[s] + cmeta_off)[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
-        unsigned char* orow = reinterpret_cast<unsigned char*>(peers[s] + comb_off) + dst * H * es;
-        const float wl = (!BWD && pos >= 0) ? w[pos] : 0.f;  // slot weight, loaded once per row
-        for (int c0 = 0; c0 < H; c0 += 256) {
-            const int e0 = c0 + 8 * lane;
-            float acc[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-            // slots in top-k order, COMB_BATCH_SEND rows loaded together (independent loads in flight), then added in
-            // the same order: the sum is bitwise the serial one
-            for (unsigned m = vm; m;) {
-                long long nb[COMB_BATCH_SEND];
-                float wb[COMB_BATCH_SEND];
-                bool ok[COMB_BATCH_SEND];
-#pragma unroll
-                for (int q = 0; q < COMB_BATCH_SEND; ++q) {
-                    ok[q] = m != 0;  // warp-uniform
-                    const int j = ok[q] ? __ffs(m) - 1 : 0;
-                    nb[q] = __shfl_sync(0xFFFFFFFFu, pos, j);
-                    wb[q] = __shfl_sync(0xFFFFFFFFu, wl, j);
-                    if (ok[q]) m &= m - 1;
-                }
-                uint4 ra[COMB_BATCH_SEND], rb[COMB_BATCH_SEND];
-#pragma unroll
-                for (int q = 0; q < COMB_BATCH_SEND; ++q)
-                    if (ok[q] && e0 < H) load8_raw<YT>(y + (nb[q] * H + e0) * es, ra[q], rb[q]);
-#pragma unroll
-                for (int q = 0; q < COMB_BATCH_SEND; ++q) {
-                    if (ok[q] && e0 < H) {
-                        float v[8];
-                        raw8_to_f32<YT>(ra[q], rb[q], v);
-                        if (BWD) {
-#pragma unroll
-                            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
-                        } else {
-#pragma unroll
-                            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(v[k], wb[q]));
-                        }
-                    }
-                }
-            }
-            if (e0 < H) store8<YT>(orow + (long long)e0 * es, acc);
-        }
+        comb_send_row<YT, BWD>(i, dst, reinterpret_cast<unsigned char*>(peers[s] + comb_off),
+                               reinterpret_cast<float*>(peers[s] + cmeta_off), y, w, recv_pos, H, K, lane);
     }
     ep_grid_signal(c, 2, peers, F_COMB_READY, me, W, epoch);
+}
+
+// Source side, one token t (one warp): rank-ordered fp32 sum of its returned rows (BWD: top-k weight gradients).
+// CG: rows written by peers during this kernel (fused handoff): L2-only loads.
+template <int YT, int BWD, bool CG>
+__device__ __forceinline__ void comb_recv_token(int t, int sr, unsigned char* __restrict__ out,
+                                                float* __restrict__ dtw, const int* __restrict__ send_row_of,
+                                                const int* __restrict__ topk, const unsigned char* comb,
+                                                const float* cmeta, int H, int K, int L, int W, int lane) {
+    const int es = YT == YT_BF16 ? 2 : 4;
+    // fewer fp32 rows in flight in the fused kernel (it also holds the send side's registers: no spills)
+    constexpr int NB = (CG && YT != YT_BF16) ? 2 : COMB_BATCH_RECV;
+    const unsigned hm = __ballot_sync(0xFFFFFFFFu, sr >= 0);
+    if (BWD && lane < K) {
+        const int g = topk[(long long)t * K + lane];
+        float gw = 0.f;
+        if (g >= 0 && g < L * W) {
+            const int row = send_row_of[(long long)t * W + g / L];
+            if (row >= 0) gw = CG ? __ldcg(cmeta + (long long)row * K + lane) : cmeta[(long long)row * K + lane];
+        }
+        dtw[(long long)t * K + lane] = gw;
+    }
+    for (int c0 = 0; c0 < H; c0 += 256) {
+        const int e0 = c0 + 8 * lane;
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        // ranks in order, NB rows loaded together, added in the same order (bitwise the serial sum)
+        for (unsigned m = hm; m;) {
+            long long rw[NB];
+            bool ok[NB];
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                ok[q] = m != 0;  // warp-uniform
+                rw[q] = __shfl_sync(0xFFFFFFFFu, sr, ok[q] ? __ffs(m) - 1 : 0);
+                if (ok[q]) m &= m - 1;
+            }
+            uint4 ra[NB], rb[NB];
+#pragma unroll
+            for (int q = 0; q < NB; ++q)
+                if (ok[q] && e0 < H) load8_raw<YT, CG>(comb + (rw[q] * H + e0) * es, ra[q], rb[q]);
+#pragma unroll
+            for (int q = 0; q < NB; ++q)
+                if (ok[q] && e0 < H) {
+                    float v[8];
+                    raw8_to_f32<YT>(ra[q], rb[q], v);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                }
+        }
+        if (e0 < H) store8<YT>(out + ((long long)t * H + e0) * es, acc);
+    }
 }
 
 template <int YT, int BWD>
@@ -156,51 +230,76 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine_recv(
     ep_cta_wait_all(c, own, F_COMB_READY, epoch, W, me);
     const int lane = threadIdx.x & 31;
     const int nwarps = gridDim.x * (COMB_THREADS / 32);
-    const int es = YT == YT_BF16 ? 2 : 4;
     const unsigned char* comb = reinterpret_cast<const unsigned char*>(own + comb_off);
     const float* cmeta = reinterpret_cast<const float*>(own + cmeta_off);
     for (int t = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); t < T; t += nwarps) {
         const int sr = lane < W ? send_row_of[(long long)t * W + lane] : -1;
-        const unsigned hm = __ballot_sync(0xFFFFFFFFu, sr >= 0);
-        if (BWD && lane < K) {
-            const int g = topk[(long long)t * K + lane];
-            float gw = 0.f;
-            if (g >= 0 && g < L * W) {
-                const int row = send_row_of[(long long)t * W + g / L];
-                if (row >= 0) gw = cmeta[(long long)row * K + lane];
-            }
-            dtw[(long long)t * K + lane] = gw;
-        }
-        for (int c0 = 0; c0 < H; c0 += 256) {
-            const int e0 = c0 + 8 * lane;
-            float acc[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-            // ranks in order, COMB_BATCH_RECV rows loaded together, added in the same order (bitwise the serial sum)
-            for (unsigned m = hm; m;) {
-                long long rw[COMB_BATCH_RECV];
-                bool ok[COMB_BATCH_RECV];
-#pragma unroll
-                for (int q = 0; q < COMB_BATCH_RECV; ++q) {
-                    ok[q] = m != 0;  // warp-uniform
-                    rw[q] = __shfl_sync(0xFFFFFFFFu, sr, ok[q] ? __ffs(m) - 1 : 0);
-                    if (ok[q]) m &= m - 1;
-                }
-                uint4 ra[COMB_BATCH_RECV], rb[COMB_BATCH_RECV];
-#pragma unroll
-                for (int q = 0; q < COMB_BATCH_RECV; ++q)
-                    if (ok[q] && e0 < H) load8_raw<YT>(comb + (rw[q] * H + e0) * es, ra[q], rb[q]);
-#pragma unroll
-                for (int q = 0; q < COMB_BATCH_RECV; ++q)
-                    if (ok[q] && e0 < H) {
-                        float v[8];
-                        raw8_to_f32<YT>(ra[q], rb[q], v);
-#pragma unroll
-                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
-                    }
-            }
-            if (e0 < H) store8<YT>(out + ((long long)t * H + e0) * es, acc);
-        }
+        comb_recv_token<YT, BWD, false>(t, sr, out, dtw, send_row_of, topk, comb, cmeta, H, K, L, W, lane);
     }
     ep_grid_signal(c, 3, peers, F_COMB_FREE, me, W, epoch);
+}
+
+// ep_combine<YT, BWD>: ep_combine_send + ep_combine_recv in ONE kernel with the per-row handoff of ep_sync.cuh:
+//   A  (after COMB_FREE(u-1) of every rank) warps take received rows by ticket (ctr[6]) in the interleaved order of
+//      comb_row_of and store each result row as ep_combine_send; then lane 0 stores rflag[dst] = u into the
+//      destination rank's region (release, after every lane fenced its stores).
+//   B  warps take tokens by ticket (ctr[7]) in ascending order (the order the expert sides return them: each
+//      processes a source's rows in token order); lanes r < W wait rflag[send_row_of[t][r]] >= u (rows rank r
+//      received: tok_dst[t][r] >= 0), then the
+//      rank-ordered sum as ep_combine_recv (L2-only loads).
+//   The last CTA signals COMB_FREE(u) and resets the tickets. COMB_READY is not used (per-row flags replace it).
+// Results are bitwise those of the two-kernel path (same per-row / per-token arithmetic).
+template <int YT, int BWD>
+__global__ void __launch_bounds__(COMB_THREADS) ep_combine(
+    const unsigned char* __restrict__ y, const float* __restrict__ w, const int* __restrict__ recv_pos,
+    const int* __restrict__ info, int recv_cap, unsigned char* __restrict__ out, float* __restrict__ dtw,
+    const int* __restrict__ send_row_of, const int* __restrict__ tok_dst, const int* __restrict__ topk, int T, int H,
+    int K, int L, int W, int me, const ep_u64* __restrict__ peers_g, long long comb_off, long long cmeta_off,
+    long long rflag_off, ep_u64 epoch,
+    int* err, int* herr, unsigned* ctr, long long timeout_ns) {
+    const EpCtl c{err, herr, ctr, timeout_ns};
+    __shared__ ep_u64 peers[EP_MAX_RANKS];
+    __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
+    if (threadIdx.x < W) {
+        peers[threadIdx.x] = peers_g[threadIdx.x];
+        rbase[threadIdx.x] = info[I_RET_BASE + threadIdx.x];
+    }
+    if (threadIdx.x <= W) roff[threadIdx.x] = info[I_RECV_OFF + threadIdx.x];
+    __syncthreads();
+    ep_cta_wait_all(c, peers[me], F_COMB_FREE, epoch - 1, W, me);
+    const int lane = threadIdx.x & 31;
+
+    // ---- A: expert side -------------------------------------------------------------------------------------------
+    const int R = min(info[I_R], recv_cap);
+    int maxc = 0;
+    for (int s = 0; s < W; ++s) maxc = max(maxc, roff[s + 1] - roff[s]);
+    const int V = W * maxc;
+    while (true) {
+        const int v = ep_warp_ticket(c, CTR_TICKET_SEND);
+        if (v >= V) break;
+        int s, i;
+        if (!comb_row_of(v, W, roff, R, s, i)) continue;
+        const long long dst = rbase[s] + (i - roff[s]);
+        comb_send_row<YT, BWD>(i, dst, reinterpret_cast<unsigned char*>(peers[s] + comb_off),
+                               reinterpret_cast<float*>(peers[s] + cmeta_off), y, w, recv_pos, H, K, lane);
+        ep_warp_release();
+        if (lane == 0) ep_st_release(reinterpret_cast<ep_u64*>(peers[s] + rflag_off) + dst, epoch);
+    }
+
+    // ---- B: source side -------------------------------------------------------------------------------------------
+    const ep_u64 own = peers[me];
+    const unsigned char* comb = reinterpret_cast<const unsigned char*>(own + comb_off);
+    const float* cmeta = reinterpret_cast<const float*>(own + cmeta_off);
+    const ep_u64* rflag = reinterpret_cast<const ep_u64*>(own + rflag_off);
+    while (true) {
+        const int t = ep_warp_ticket(c, CTR_TICKET_RECV);
+        if (t >= T) break;
+        const int sr = lane < W ? send_row_of[(long long)t * W + lane] : -1;
+        // wait for the rows rank `lane` returns: those it received (tok_dst >= 0; a row dropped by a receive
+        // overflow -- reported -- is summed unwritten, as in the two-kernel path, instead of waited for)
+        if (sr >= 0 && tok_dst[(long long)t * W + lane] >= 0) ep_wait(c, rflag + sr, epoch, F_COMB_READY, lane, me);
+        __syncwarp();
+        comb_recv_token<YT, BWD, true>(t, sr, out, dtw, send_row_of, topk, comb, cmeta, H, K, L, W, lane);
+    }
+    ep_grid_signal(c, 3, peers, F_COMB_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV);
 }

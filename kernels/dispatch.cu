@@ -33,6 +33,7 @@
 // info[] indices (see layout.cu)
 #define I_R 0
 #define I_N 1
+#define I_RECV_OFF 2
 #define I_GSTART 36
 
 // 16 consecutive input elements of a row -> fp32
@@ -116,6 +117,94 @@ __device__ __forceinline__ void recv_values(const unsigned char* data, const uns
     }
 }
 
+// One token t of the sender (one warp): metadata, quantized (or raw) row to every destination rank. Returns the
+// destination mask; lane r < W holds d = tok_dst[t][r] (the row at rank r, -1: not sent).
+template <int IN, int QUANT>
+__device__ __forceinline__ unsigned disp_send_token(
+    int t, int& d, const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
+    const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int H, int K, int L, int W,
+    const ep_u64* peers, long long data_off, long long scale_off, long long meta_off, int row_bytes, int meta,
+    int lane) {
+    const int C = H >> 5;
+    const int es = IN == IN_BF16 ? 2 : 4;
+    d = lane < W ? tok_dst[t * W + lane] : -1;
+    const unsigned dm = __ballot_sync(0xFFFFFFFFu, d >= 0);
+    if (!dm) return 0u;
+    long long drow[EP_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < EP_MAX_RANKS; ++r) drow[r] = __shfl_sync(0xFFFFFFFFu, d, r);
+    if (meta) {
+        int g = -1, p = -1;
+        float wt = 0.f;
+        if (lane < K) {
+            g = topk[t * K + lane];
+            wt = topk_w[t * K + lane];
+            p = slot_pos[t * K + lane];
+        }
+#pragma unroll
+        for (int r = 0; r < EP_MAX_RANKS; ++r) {
+            if (!((dm >> r) & 1u)) continue;
+            if (lane < K) {
+                const bool mine = g >= 0 && g / L == r;
+                int* mrow = reinterpret_cast<int*>(peers[r] + meta_off) + drow[r] * 3 * K;
+                mrow[lane] = mine ? g % L : -1;
+                mrow[K + lane] = mine ? __float_as_int(wt) : 0;
+                mrow[2 * K + lane] = mine ? p : -1;
+            }
+        }
+    }
+    if (QUANT) {
+        const unsigned char* xr = x + (long long)t * H * es;
+        for (int c0 = 0; c0 < H; c0 += 512) {
+            const int e0 = c0 + 16 * lane;
+            const bool act = e0 < H;
+            float v[16];
+            unsigned key = 0;
+            if (act) {
+                load16<IN>(xr + (long long)e0 * es, v);
+#pragma unroll
+                for (int k = 0; k < 16; ++k) key = max(key, __float_as_uint(v[k]) & 0x7FFFFFFFu);
+            }
+            key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
+            uint4 q;
+            unsigned sb;
+            if (key >= 0x7F800000u) {
+                q = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+                sb = MX_SCALE_NAN;
+            } else {
+                const int e = mx_block_exp(__uint_as_float(key));
+                const float s = mx_exp2i(-e);
+                q.x = mx_cvt4_e4m3(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
+                q.y = mx_cvt4_e4m3(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
+                q.z = mx_cvt4_e4m3(v[8] * s, v[9] * s, v[10] * s, v[11] * s);
+                q.w = mx_cvt4_e4m3(v[12] * s, v[13] * s, v[14] * s, v[15] * s);
+                sb = (unsigned)(e + 127);
+            }
+            if (act) {
+#pragma unroll
+                for (int r = 0; r < EP_MAX_RANKS; ++r) {
+                    if (!((dm >> r) & 1u)) continue;
+                    ep_st16(reinterpret_cast<unsigned char*>(peers[r] + data_off) + drow[r] * H + e0, q);
+                    if (!(lane & 1))
+                        reinterpret_cast<unsigned char*>(peers[r] + scale_off)[drow[r] * C + (e0 >> 5)] =
+                            (unsigned char)sb;
+                }
+            }
+        }
+    } else {
+        const unsigned char* xr = x + (long long)t * row_bytes;
+        for (int b0 = 16 * lane; b0 < row_bytes; b0 += 512) {
+            const uint4 val = ep_ld16(xr + b0);
+#pragma unroll
+            for (int r = 0; r < EP_MAX_RANKS; ++r) {
+                if (!((dm >> r) & 1u)) continue;
+                ep_st16(reinterpret_cast<unsigned char*>(peers[r] + data_off) + drow[r] * row_bytes + b0, val);
+            }
+        }
+    }
+    return dm;
+}
+
 template <int IN, int QUANT>
 __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch(
     const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
@@ -129,84 +218,10 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch(
     ep_cta_wait_all(c, peers[me], F_DISP_FREE, epoch - 1, W, me);
     const int lane = threadIdx.x & 31;
     const int nwarps = gridDim.x * (DISP_THREADS / 32);
-    const int C = H >> 5;
-    const int es = IN == IN_BF16 ? 2 : 4;
     for (int t = blockIdx.x * (DISP_THREADS / 32) + (threadIdx.x >> 5); t < T; t += nwarps) {
-        int d = lane < W ? tok_dst[t * W + lane] : -1;
-        const unsigned dm = __ballot_sync(0xFFFFFFFFu, d >= 0);
-        if (!dm) continue;
-        long long drow[EP_MAX_RANKS];
-#pragma unroll
-        for (int r = 0; r < EP_MAX_RANKS; ++r) drow[r] = __shfl_sync(0xFFFFFFFFu, d, r);
-        if (meta) {
-            int g = -1, p = -1;
-            float wt = 0.f;
-            if (lane < K) {
-                g = topk[t * K + lane];
-                wt = topk_w[t * K + lane];
-                p = slot_pos[t * K + lane];
-            }
-#pragma unroll
-            for (int r = 0; r < EP_MAX_RANKS; ++r) {
-                if (!((dm >> r) & 1u)) continue;
-                if (lane < K) {
-                    const bool mine = g >= 0 && g / L == r;
-                    int* mrow = reinterpret_cast<int*>(peers[r] + meta_off) + drow[r] * 3 * K;
-                    mrow[lane] = mine ? g % L : -1;
-                    mrow[K + lane] = mine ? __float_as_int(wt) : 0;
-                    mrow[2 * K + lane] = mine ? p : -1;
-                }
-            }
-        }
-        if (QUANT) {
-            const unsigned char* xr = x + (long long)t * H * es;
-            for (int c0 = 0; c0 < H; c0 += 512) {
-                const int e0 = c0 + 16 * lane;
-                const bool act = e0 < H;
-                float v[16];
-                unsigned key = 0;
-                if (act) {
-                    load16<IN>(xr + (long long)e0 * es, v);
-#pragma unroll
-                    for (int k = 0; k < 16; ++k) key = max(key, __float_as_uint(v[k]) & 0x7FFFFFFFu);
-                }
-                key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
-                uint4 q;
-                unsigned sb;
-                if (key >= 0x7F800000u) {
-                    q = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-                    sb = MX_SCALE_NAN;
-                } else {
-                    const int e = mx_block_exp(__uint_as_float(key));
-                    const float s = mx_exp2i(-e);
-                    q.x = mx_cvt4_e4m3(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
-                    q.y = mx_cvt4_e4m3(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
-                    q.z = mx_cvt4_e4m3(v[8] * s, v[9] * s, v[10] * s, v[11] * s);
-                    q.w = mx_cvt4_e4m3(v[12] * s, v[13] * s, v[14] * s, v[15] * s);
-                    sb = (unsigned)(e + 127);
-                }
-                if (act) {
-#pragma unroll
-                    for (int r = 0; r < EP_MAX_RANKS; ++r) {
-                        if (!((dm >> r) & 1u)) continue;
-                        ep_st16(reinterpret_cast<unsigned char*>(peers[r] + data_off) + drow[r] * H + e0, q);
-                        if (!(lane & 1))
-                            reinterpret_cast<unsigned char*>(peers[r] + scale_off)[drow[r] * C + (e0 >> 5)] =
-                                (unsigned char)sb;
-                    }
-                }
-            }
-        } else {
-            const unsigned char* xr = x + (long long)t * row_bytes;
-            for (int b0 = 16 * lane; b0 < row_bytes; b0 += 512) {
-                const uint4 val = ep_ld16(xr + b0);
-#pragma unroll
-                for (int r = 0; r < EP_MAX_RANKS; ++r) {
-                    if (!((dm >> r) & 1u)) continue;
-                    ep_st16(reinterpret_cast<unsigned char*>(peers[r] + data_off) + drow[r] * row_bytes + b0, val);
-                }
-            }
-        }
+        int d;
+        disp_send_token<IN, QUANT>(t, d, x, topk_w, topk, tok_dst, slot_pos, H, K, L, W, peers, data_off, scale_off,
+                                   meta_off, row_bytes, meta, lane);
     }
     ep_grid_signal(c, 0, peers, F_DISP_READY, me, W, epoch);
 }
@@ -333,4 +348,143 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
         }
     }
     ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch);
+}
+
+// ---- fused MXFP8 dispatch (the fast path, dispatch_fwd_mxfp8) ------------------------------------------------------
+// One MODE_MX received row i (one warp), rows written by peers during this kernel: L2-only loads. Two 512-element
+// steps per iteration (both loads in flight before the stores). Bytes identical to ep_expand<MODE_MX>.
+__device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, const unsigned char* data,
+                                              const unsigned char* scale, const int* __restrict__ info, int H,
+                                              int K, int L, int expand_cap, int* __restrict__ recv_pos,
+                                              unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale,
+                                              float* __restrict__ w_out, int* __restrict__ exp_row,
+                                              int* __restrict__ exp_slot) {
+    const int C = H >> 5, tpr = (C + 3) >> 2;
+    int pos = -1, loc = -1;
+    if (lane < K) {
+        const int* m = meta + (long long)i * 3 * K;
+        loc = __ldcg(m + lane);
+        const float wt = __int_as_float(__ldcg(m + K + lane));
+        pos = __ldcg(m + 2 * K + lane);
+        if (loc < 0 || loc >= L || pos < 0 || pos >= expand_cap) pos = -1;
+        recv_pos[(long long)i * K + lane] = pos;
+        if (pos >= 0) {
+            if (w_out) w_out[pos] = wt;
+            if (exp_row) exp_row[pos] = i;
+            if (exp_slot) exp_slot[pos] = lane;
+        }
+    }
+    const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
+    if (!vm) return;
+    int srow = 0;
+    if (pos >= 0) srow = info[I_GSTART + L + 1 + loc] * 128 + (pos - info[I_GSTART + loc]);
+    for (int c0 = 0; c0 < H; c0 += 1024) {
+        uint4 q[2];
+        unsigned sb[2];
+        bool act[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int e0 = c0 + 512 * h + 16 * lane;
+            act[h] = e0 < H;
+            q[h] = make_uint4(0, 0, 0, 0);
+            sb[h] = 0;
+            if (act[h]) {
+                q[h] = ep_ld16cg(data + (long long)i * H + e0);
+                sb[h] = __ldcg(scale + (long long)i * C + (e0 >> 5));
+            }
+        }
+        for (unsigned m = vm; m; m &= m - 1) {
+            const int j = __ffs(m) - 1;
+            const long long n = __shfl_sync(0xFFFFFFFFu, pos, j);
+            const long long rb = __shfl_sync(0xFFFFFFFFu, srow, j);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int e0 = c0 + 512 * h + 16 * lane;
+                if (act[h]) {
+                    ep_st16(out + n * H + e0, q[h]);
+                    if (!(lane & 1)) {
+                        const int cc = e0 >> 5;
+                        const long long off = ((rb >> 7) * tpr + (cc >> 2)) * 512 + (rb & 31) * 16 +
+                                              ((rb & 127) >> 5) * 4 + (cc & 3);
+                        out_scale[off] = (unsigned char)sb[h];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ep_dispatch_mx<IN>: ep_dispatch<IN,1> (with metadata) + ep_expand<MODE_MX> in ONE kernel, the expansion of each
+// received row overlapping the rest of the NVLink traffic (ep_sync.cuh, "per-row handoff"):
+//   A  (after DISP_FREE(u-1) of every rank) warps take tokens by ticket (ctr[6]) and send them as ep_dispatch;
+//      after a token's stores, lane r stores rflag[row at rank r] = u into rank r's region (release).
+//   B  warps take received rows by ticket (ctr[7]) in an order interleaving the source ranks (v -> rank v % W, its
+//      (v / W)-th row: rows arrive from every sender in token order), wait rflag[i] >= u, expand the row.
+//   then the rows past N as ep_expand (small outputs; no data padding on this path), and the last CTA signals
+//   DISP_FREE(u) and resets the tickets. DISP_READY is not used (per-row flags replace it).
+template <int IN>
+__global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
+    const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
+    const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int T, int H, int K, int L, int W, int me,
+    const ep_u64* __restrict__ peers_g, long long data_off, long long scale_off, long long meta_off,
+    long long rflag_off, const int* __restrict__ info, int recv_cap, int expand_cap, int* __restrict__ recv_pos,
+    unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale, float* __restrict__ w_out,
+    int* __restrict__ exp_row, int* __restrict__ exp_slot, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
+    long long timeout_ns) {
+    const EpCtl c{err, herr, ctr, timeout_ns};
+    __shared__ ep_u64 peers[EP_MAX_RANKS];
+    __shared__ int roff[EP_MAX_RANKS + 1];
+    if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
+    if (threadIdx.x <= W) roff[threadIdx.x] = info[I_RECV_OFF + threadIdx.x];
+    __syncthreads();
+    ep_cta_wait_all(c, peers[me], F_DISP_FREE, epoch - 1, W, me);
+    const int lane = threadIdx.x & 31;
+
+    // ---- A: send ------------------------------------------------------------------------------------------------
+    while (true) {
+        const int t = ep_warp_ticket(c, CTR_TICKET_SEND);
+        if (t >= T) break;
+        int d;
+        const unsigned dm = disp_send_token<IN, 1>(t, d, x, topk_w, topk, tok_dst, slot_pos, H, K, L, W, peers,
+                                                   data_off, scale_off, meta_off, 0, 1, lane);
+        if (dm) {
+            ep_warp_release();
+            if (d >= 0) ep_st_release(reinterpret_cast<ep_u64*>(peers[lane] + rflag_off) + d, epoch);
+        }
+    }
+
+    // ---- B: expand rows as they arrive ----------------------------------------------------------------------------
+    const ep_u64 own = peers[me];
+    const int R = min(info[I_R], recv_cap);
+    const int N = min(info[I_N], expand_cap);
+    const unsigned char* data = reinterpret_cast<const unsigned char*>(own + data_off);
+    const unsigned char* scale = reinterpret_cast<const unsigned char*>(own + scale_off);
+    const int* meta = reinterpret_cast<const int*>(own + meta_off);
+    const ep_u64* rflag = reinterpret_cast<const ep_u64*>(own + rflag_off);
+    int maxc = 0;
+    for (int s = 0; s < W; ++s) maxc = max(maxc, roff[s + 1] - roff[s]);
+    const int V = W * maxc;
+    while (true) {
+        const int v = ep_warp_ticket(c, CTR_TICKET_RECV);
+        if (v >= V) break;
+        const int s = v % W;
+        const int i = roff[s] + v / W;
+        if (i >= roff[s + 1] || i >= R) continue;
+        if (lane == 0) ep_wait(c, rflag + i, epoch, F_DISP_READY, s, me);
+        __syncwarp();
+        expand_mx_row(i, lane, meta, data, scale, info, H, K, L, expand_cap, recv_pos, out, out_scale, w_out, exp_row,
+                      exp_slot);
+    }
+
+    // rows past the expanded count: small outputs
+    const int gwarp = blockIdx.x * (DISP_THREADS / 32) + (threadIdx.x >> 5);
+    const int nwarps = gridDim.x * (DISP_THREADS / 32);
+    for (long long n = N + gwarp; n < expand_cap; n += nwarps) {
+        if (lane == 0) {
+            if (w_out) w_out[n] = 0.f;
+            if (exp_row) exp_row[n] = -1;
+            if (exp_slot) exp_slot[n] = -1;
+        }
+    }
+    ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV);
 }

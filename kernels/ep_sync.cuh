@@ -107,19 +107,44 @@ __device__ __forceinline__ void ep_signal_all(const ep_u64* peers, int kind, int
 }
 
 // Grid-wide completion: every CTA fences its stores and counts itself in; the last CTA resets the counter (the
-// next kernel sees it by stream order) and signals every peer.
+// next kernel sees it by stream order) and signals every peer. reset_a / reset_b (>= 0): further counters (work
+// tickets of the fused kernels) the last CTA zeroes -- every CTA has taken its last ticket before counting in.
 __device__ void ep_grid_signal(const EpCtl& c, int ctr_idx, const ep_u64* peers, int kind, int me, int W,
-                               ep_u64 val) {
+                               ep_u64 val, int reset_a = -1, int reset_b = -1) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
         unsigned prev = atomicAdd(c.ctr + ctr_idx, 1u);
         if (prev == gridDim.x - 1) {
             atomicExch(c.ctr + ctr_idx, 0u);
+            if (reset_a >= 0) atomicExch(c.ctr + reset_a, 0u);
+            if (reset_b >= 0) atomicExch(c.ctr + reset_b, 0u);
             __threadfence_system();
             ep_signal_all(peers, kind, me, W, val);
         }
     }
+}
+
+// ---- per-row handoff of the fused kernels (ep_dispatch_mx, ep_combine) ---------------------------------------------
+// Work is taken with per-warp tickets (atomicAdd on ctr[idx]; ctr[6]: sender rows/tokens, ctr[7]: receiver rows).
+// A warp takes sender work until none is left and only then receiver work, so every sender item has been taken by
+// a running warp before any warp spins: no deadlock whatever the number of resident CTAs (on any rank).
+// A sender marks a row complete with rflag[row] = epoch (u64, monotonic, in the receiver's symmetric region) after
+// `ep_warp_release` (every lane fences its own stores at system scope); the receiver's lane spins with
+// ld.acquire.sys (ep_wait) and the warp reads the row with L2-only (.cg) loads, never a possibly stale L1 line.
+#define CTR_TICKET_SEND 6
+#define CTR_TICKET_RECV 7
+
+__device__ __forceinline__ int ep_warp_ticket(const EpCtl& c, int idx) {
+    int v = 0;
+    if ((threadIdx.x & 31) == 0) v = (int)atomicAdd(c.ctr + idx, 1u);
+    return __shfl_sync(0xFFFFFFFFu, v, 0);
+}
+
+__device__ __forceinline__ void ep_warp_release() {
+    __syncwarp();
+    __threadfence_system();
+    __syncwarp();
 }
 
 __device__ __forceinline__ unsigned ep_lanemask_lt() {
@@ -131,6 +156,13 @@ __device__ __forceinline__ unsigned ep_lanemask_lt() {
 __device__ __forceinline__ void ep_st16(void* p, uint4 v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
+}
+
+// L2-only load (no L1 allocation): rows written by peers during the same kernel (fused handoff)
+__device__ __forceinline__ uint4 ep_ld16cg(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
 }
 
 __device__ __forceinline__ uint4 ep_ld16(const void* p) {

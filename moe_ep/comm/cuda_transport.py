@@ -25,6 +25,7 @@ Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +42,11 @@ _I_R, _I_N, _I_RECV_OFF, _I_SEND_OFF, _I_GSTART = 0, 1, 2, 19, 36
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _DISPATCH_NAMES = ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>", "ep_expand<0,1,1>") + tuple(
     f"ep_expand<{m},{q},{o}>" for m in (1, 2) for q in (0, 1) for o in (0, 1)
-)
-_COMBINE_NAMES = tuple(f"ep_combine_{k}<{y},{b}>" for k in ("send", "recv") for y in (0, 1) for b in (0, 1))
+) + ("ep_dispatch_mx<0>", "ep_dispatch_mx<1>")
+_COMBINE_NAMES = tuple(f"ep_combine_{k}<{y},{b}>" for k in ("send", "recv") for y in (0, 1) for b in (0, 1)) + tuple(
+    f"ep_combine<{y},{b}>" for y in (0, 1) for b in (0, 1))
+# CTAs per SM of the fused kernels (ep_dispatch_mx: 56 registers, ep_combine: <= 62 at 512 threads -> 2 fit)
+_FUSED_CTAS_PER_SM = 2
 MODE_MX, MODE_VAL, MODE_BWD = 0, 1, 2
 
 
@@ -75,6 +79,17 @@ def _i64(v: int) -> np.int64:
 
 def _grid(work_rows: int, rt: EPRuntime, per_cta: int = _THREADS // 32) -> int:
     return max(1, min(-(-work_rows // per_cta), rt.num_sms * 4))
+
+
+def _fused() -> bool:
+    """Fused send+receive kernels (ep_dispatch_mx, ep_combine; per-row flags). MOE_EP_FUSED=0: the two-kernel
+    path (ep_dispatch + ep_expand, ep_combine_send + ep_combine_recv), read at every call."""
+    return os.environ.get("MOE_EP_FUSED", "1") != "0"
+
+
+def _fused_grid(work_rows: int, rt: EPRuntime) -> int:
+    # any grid is deadlock-free (work tickets, see kernels/ep_sync.cuh); this one is about one wave
+    return max(1, min(-(-work_rows // (_THREADS // 32)), rt.num_sms * _FUSED_CTAS_PER_SM))
 
 
 @dataclass
@@ -238,20 +253,27 @@ def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None, *, expand
 
 
 # ----------------------------------------------------------------------------------------------------- dispatch
-def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> int:
-    """Launch ep_dispatch (rows of x to every destination rank); returns the DISP epoch used."""
+def _send_prep(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool):
+    """Checks of a send; returns the fp32 top-k weights (None: no metadata)."""
     rt = h.runtime
-    es = x.element_size()
-    _check_capacity(rt, x.shape[1], 1 if quantize else es, h.top_k, x.shape[0])
+    _check_capacity(rt, x.shape[1], 1 if quantize else x.element_size(), h.top_k, x.shape[0])
     if x.shape[0] != h.num_tokens:
         raise ValueError(f"x has {x.shape[0]} rows, the handle {h.num_tokens} tokens")
-    u = rt.next_epoch("disp")
-    name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
     tw = None
     if topk_w is not None:
         if tuple(topk_w.shape) != (h.num_tokens, h.top_k):
             raise ValueError(f"topk_w {tuple(topk_w.shape)} does not match topk_idx {(h.num_tokens, h.top_k)}")
         tw = topk_w.to(torch.float32).contiguous()
+    return tw
+
+
+def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> int:
+    """Launch ep_dispatch (rows of x to every destination rank); returns the DISP epoch used."""
+    rt = h.runtime
+    es = x.element_size()
+    tw = _send_prep(x, topk_w, h, quantize)
+    u = rt.next_epoch("disp")
+    name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
     args = (_p(x), _p(tw), _p(h.topk_idx), _p(h.tok_dst), _p(h.slot_pos), _i32(h.num_tokens), _i32(x.shape[1]),
             _i32(h.top_k), _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), _p(rt.peers),
             _i64(rt.region("disp_data")), _i64(rt.region("disp_scale")), _i64(rt.region("disp_meta")),
@@ -299,13 +321,34 @@ def dispatch_fwd_mxfp8(x: torch.Tensor, topk_w: torch.Tensor,
     """
     handle.runtime.raise_pending()
     x = _check_rows(x, "x")
-    u = _send(x, topk_w, handle, True)
+    fused = _fused() and topk_w is not None
+    u = 0 if fused else _send(x, topk_w, handle, True)
     n, hid, lcl = handle.expand_capacity, x.shape[1], handle.num_local_experts
     data = torch.empty(n, hid, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.zeros(grouped_blocked_size(n, lcl, hid // 32, "m"), dtype=torch.uint8, device=x.device)
     w_out = torch.empty(n, dtype=torch.float32, device=x.device)
-    _expand(handle, u, MODE_MX, True, hid, None, data, out_scale=scale, w_out=w_out, zero_pad=False)
+    if fused:
+        _dispatch_mx_fused(x, topk_w, handle, data, scale, w_out)
+    else:
+        _expand(handle, u, MODE_MX, True, hid, None, data, out_scale=scale, w_out=w_out, zero_pad=False)
     return data, scale, w_out
+
+
+def _dispatch_mx_fused(x: torch.Tensor, topk_w: torch.Tensor, h: CudaEPHandle, data: torch.Tensor,
+                       scale: torch.Tensor, w_out: torch.Tensor) -> None:
+    """ep_dispatch_mx: the send of ep_dispatch<IN,1> and the MODE_MX expand in one kernel (per-row flags)."""
+    rt = h.runtime
+    tw = _send_prep(x, topk_w, h, True)
+    u = rt.next_epoch("disp")
+    args = (_p(x), _p(tw), _p(h.topk_idx), _p(h.tok_dst), _p(h.slot_pos), _i32(h.num_tokens), _i32(x.shape[1]),
+            _i32(h.top_k), _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), _p(rt.peers),
+            _i64(rt.region("disp_data")), _i64(rt.region("disp_scale")), _i64(rt.region("disp_meta")),
+            _i64(rt.region("disp_flag")), _p(h.info), _i32(h.recv_capacity), _i32(h.expand_capacity),
+            _p(h.recv_pos), _p(data), _p(scale), _p(w_out), _p(h.expand_row), _p(h.expand_slot), np.uint64(u),
+            *rt.ctl_args())
+    grid = _fused_grid(max(h.num_tokens, h.recv_capacity), rt)
+    _cuda.launch(_fn("dispatch.cu", f"ep_dispatch_mx<{_DT[x.dtype]}>", _DISPATCH_NAMES), grid, _THREADS, args,
+                 device=x.device)
 
 
 def combine_bwd(dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle,
@@ -333,14 +376,24 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
     yt, b = _DT[rows.dtype], int(bwd)
     u = rt.next_epoch("comb")
     hid = rows.shape[1]
+    out = torch.empty(h.num_tokens, hid, dtype=rows.dtype, device=rows.device)
+    dtw = torch.empty(h.num_tokens, h.top_k, dtype=torch.float32, device=rows.device) if bwd else None
+    if _fused():
+        args = (_p(rows), _p(wv), _p(h.recv_pos), _p(h.info), _i32(h.recv_capacity), _p(out), _p(dtw),
+                _p(h.send_row_of), _p(h.tok_dst), _p(h.topk_idx), _i32(h.num_tokens), _i32(hid), _i32(h.top_k),
+                _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), _p(rt.peers),
+                _i64(rt.region("comb_data")), _i64(rt.region("comb_meta")), _i64(rt.region("comb_flag")),
+                np.uint64(u), *rt.ctl_args())
+        grid = _fused_grid(max(h.recv_capacity, h.num_tokens), rt)
+        _cuda.launch(_fn("combine.cu", f"ep_combine<{yt},{b}>", _COMBINE_NAMES), grid, _THREADS, args,
+                     device=rows.device)
+        return out, dtw
     common = (_p(rt.peers), _i64(rt.region("comb_data")), _i64(rt.region("comb_meta")), np.uint64(u),
               *rt.ctl_args())
     args = (_p(rows), _p(wv), _p(h.recv_pos), _p(h.info), _i32(hid), _i32(h.top_k), _i32(h.ep_size),
             _i32(rt.rank), _i32(h.recv_capacity), *common)
     _cuda.launch(_fn("combine.cu", f"ep_combine_send<{yt},{b}>", _COMBINE_NAMES), _grid(h.recv_capacity, rt),
                  _THREADS, args, device=rows.device)
-    out = torch.empty(h.num_tokens, hid, dtype=rows.dtype, device=rows.device)
-    dtw = torch.empty(h.num_tokens, h.top_k, dtype=torch.float32, device=rows.device) if bwd else None
     args = (_p(out), _p(dtw), _p(h.send_row_of), _p(h.topk_idx), _i32(h.num_tokens), _i32(hid), _i32(h.top_k),
             _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), *common)
     _cuda.launch(_fn("combine.cu", f"ep_combine_recv<{yt},{b}>", _COMBINE_NAMES), _grid(h.num_tokens, rt),

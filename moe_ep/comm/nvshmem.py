@@ -13,6 +13,8 @@
       disp_data  [cap][H * wire] u8  received e4m3 rows (or raw rows of `wire` bytes per element)
       comb_meta  [cap][K] fp32       returned top-k weight gradients (dispatch backward)
       comb_data  [cap][H * wire] u8  returned rows (combine)
+      disp_flag  [cap] u64           per received row: epoch of the fused dispatch that completed it
+      comb_flag  [cap] u64           per returned row: epoch of the fused combine that completed it
   with cap = ep_size * max_tokens_per_rank: each token reaches a rank at most once, so this is a true worst case.
   ``peers`` is a device int64 table of the region's address on every EP rank (nvshmem_ptr through
   ``get_peer_tensor``); kernels store through it. With ep_size 1 the region is ordinary device memory and
@@ -161,6 +163,8 @@ class EPRuntime:
             ("disp_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
             ("comb_meta", cap * cfg.top_k * 4),
             ("comb_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
+            ("disp_flag", cap * 8),
+            ("comb_flag", cap * 8),
         ]
         off, out = 0, {}
         for name, n in sizes:
