@@ -373,9 +373,38 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
 template <int IN, int CS> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     // Column-wise and fused modes measured 2-20 % slower pipelined (benchmarks/NOTES.md): they always use 0.
-    static constexpr int PIPE = ((MX_PIPE == 2 && ES == 4) || CS != CS_NONE) ? 0 : MX_PIPE;
-    static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 ? 3 : 4);
+    static constexpr int PIPE = ((MX_PIPE >= 2 && ES == 4) || CS != CS_NONE) ? 0 : MX_PIPE;
+    static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
 };
+
+// MX_PIPE 3: persistent grid; each tile's 32 KB arrive by cp.async in a shared-memory double buffer (the next
+// tile's copies are in flight while the current one is processed). Bytes in flight then cost no registers: the
+// same-traffic probe (kernels/bench_probe.cu, 8 CTAs/SM) reaches 94-95 % of copy where the register-staged
+// kernel (4 CTAs/SM, 64 registers) stays near 85 %. Each thread reads back only the 16-byte slots it copied
+// itself, so the stage needs no CTA barrier (cp.async.wait_group orders a thread's own copies).
+#define MX_STAGE_BYTES (TILE * TILE * 2)
+
+__device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {
+#if defined(__CUDA_ARCH__)
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+#else
+    if (ok) memcpy(smem_dst, src, 16);
+    else memset(smem_dst, 0, 16);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
 
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
 // (grid-stride) when MX_PIPE > 0; 256 threads.
@@ -397,7 +426,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
     constexpr int PER = 8;                    // chunks in flight per thread
     constexpr int PASSES = TILE * CPR / (NTHREADS * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
-    static_assert(PIPE != 2 || PASSES == 1, "prefetch needs a one-pass tile");
+    static_assert((PIPE != 2 && PIPE != 3) || PASSES == 1, "prefetch needs a one-pass tile");
 
     MX_DYN_SMEM(smem);
     unsigned* tile = reinterpret_cast<unsigned*>(smem);  // [TILE][WPR] words, swizzled (CS != NONE)
@@ -407,6 +436,9 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
     long long* g_rstart = reinterpret_cast<long long*>(stile + MX_SMEM_FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
+    // PIPE 3: two 32 KB stages after the table, 16-byte aligned (the launcher adds 2 * 32 KB + 16).
+    unsigned char* stage0 = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<size_t>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) + 15) & ~static_cast<size_t>(15));
     static_assert(CS != CS_GNT || RS == RS_GROUPED, "per-group column blocks follow the grouped row tiles");
 
     const int tid = threadIdx.x, lane = tid & 31;
@@ -434,6 +466,16 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
         }
         if (CS != CS_GNT) bs = row0 >> 5;
     };
+    auto issue = [&](unsigned char* stage, long long row0, int nrows, int col0) {  // PIPE 3 (PASSES == 1)
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int c = j * NTHREADS + tid;
+            const int r = c / CPR, cc = c % CPR;
+            const bool ok = r < nrows && col0 + cc * VEC < K;
+            cp_async16(stage + c * 16, ok ? x + ((row0 + r) * K + col0 + cc * VEC) * ES : x, ok);
+        }
+        cp_async_commit();
+    };
     auto load = [&](uint4* v, int p, long long row0, int nrows, int col0) {
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
@@ -460,6 +502,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
     coords(T, rt, ct, row0, nrows, bs);
     uint4 vn[PER];
     if (PIPE == 2) load(vn, 0, row0, nrows, ct * TILE);
+    int buf = 0;
+    if (PIPE == 3) issue(stage0, row0, nrows, ct * TILE);
 
     for (;;) {
         const int col0 = ct * TILE;
@@ -475,6 +519,16 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
                 load(vn, 0, row0_n, nrows_n, ct_n * TILE);
             }
         }
+        const unsigned char* cur = stage0 + buf * MX_STAGE_BYTES;
+        if (PIPE == 3) {
+            if (Tn < total) {
+                coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
+                issue(stage0 + (buf ^ 1) * MX_STAGE_BYTES, row0_n, nrows_n, ct_n * TILE);
+                cp_async_wait<1>();  // all but the copies just issued: the current tile has landed
+            } else {
+                cp_async_wait<0>();
+            }
+        }
 
     // ---------------- phase 1: load, row-wise quantization, staging ----------------
 #pragma unroll
@@ -483,7 +537,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
         if (PIPE == 2) {
 #pragma unroll
             for (int j = 0; j < PER; ++j) v[j] = vc[j];
-        } else {
+        } else if (PIPE != 3) {
             load(v, p, row0, nrows, col0);
         }
 #pragma unroll
@@ -491,6 +545,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
             const int c = (p * PER + j) * NTHREADS + tid;
             const int r = c / CPR, cc = c % CPR;
             const bool ok = r < nrows && col0 + cc * VEC < K;
+            if (PIPE == 3) v[j] = *reinterpret_cast<const uint4*>(cur + c * 16);  // read at use: few registers
             if (CS != CS_NONE) {
                 const int w = r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3));
                 *reinterpret_cast<uint4*>(tile + w) = v[j];
@@ -585,21 +640,27 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
             const uint4 v = *reinterpret_cast<const uint4*>(tile + r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3)));
             const signed char* ex = sexp + (r >> 5) * TILE + cc * VEC;
             const unsigned vw[4] = {v.x, v.y, v.z, v.w};
-            unsigned char b[VEC];
+            // Each element has its own column's exponent; pack 4 conversions per cvt (2 x e4m3x2), then patch
+            // the NaN blocks (exponent -128) to 0x7F byte by byte.
+            float f[8];
+            unsigned nanmask[2] = {0u, 0u};
 #pragma unroll
             for (int i = 0; i < VEC; ++i) {
                 const int e = ex[i];
-                const float f = mx_mul(word_elem<IN>(vw[i * ES / 4], (i * ES / 2) & 1), mx_exp2i(-e));
-                b[i] = e == -128 ? (unsigned char)MX_E4M3_NAN : (unsigned char)(mx_cvt2_e4m3(f, 0.0f) & 0xFFu);
+                const bool bad = e == -128;
+                f[i] = bad ? 0.0f : mx_mul(word_elem<IN>(vw[i * ES / 4], (i * ES / 2) & 1), mx_exp2i(-e));
+                if (bad) nanmask[i >> 2] |= 0xFFu << (8 * (i & 3));
             }
-            unsigned o0 = b[0] | (b[1] << 8) | (b[2] << 16) | ((unsigned)b[3] << 24);
+            unsigned o[2];
+#pragma unroll
+            for (int h = 0; h < VEC / 4; ++h)
+                o[h] = (mx_cvt4_e4m3(f[4 * h], f[4 * h + 1], f[4 * h + 2], f[4 * h + 3]) & ~nanmask[h]) |
+                       (0x7F7F7F7Fu & nanmask[h]);
             unsigned char* dst = cq + (row0 + r) * K + col0 + cc * VEC;
             if (VEC == 8) {
-                unsigned o1 = b[VEC > 4 ? 4 : 0] | (b[VEC > 5 ? 5 : 0] << 8) | (b[VEC > 6 ? 6 : 0] << 16) |
-                              ((unsigned)b[VEC > 7 ? 7 : 0] << 24);
-                *reinterpret_cast<uint2*>(dst) = make_uint2(o0, o1);
+                *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[VEC / 4 - 1]);
             } else {
-                *reinterpret_cast<unsigned*>(dst) = o0;
+                *reinterpret_cast<unsigned*>(dst) = o[0];
             }
         }
     }
@@ -616,7 +677,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(con
         if (!PIPE || Tn >= total) break;
         if (CS != CS_NONE || RTILE) __syncthreads();  // the next tile rewrites the staged tile and scale tiles
         T = Tn;
-        if (PIPE == 2) {
+        buf ^= 1;
+        if (PIPE >= 2) {
             rt = rt_n;
             ct = ct_n;
             row0 = row0_n;

@@ -62,10 +62,11 @@ _SMEM_FIXED = 1536  # kernels/quantize.cu MX_SMEM_FIXED
 
 
 def _pipe() -> int:
-    """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + prefetch."""
+    """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
+    prefetch, 3 persistent + cp.async double buffer in shared memory (row-wise 16-bit modes; others fall back)."""
     v = os.environ.get("MOE_EP_QUANT_PIPE", "2")
-    if v not in ("0", "1", "2"):
-        raise ValueError(f"MOE_EP_QUANT_PIPE must be 0, 1 or 2, got {v!r}")
+    if v not in ("0", "1", "2", "3"):
+        raise ValueError(f"MOE_EP_QUANT_PIPE must be 0, 1, 2 or 3, got {v!r}")
     return int(v)
 
 
@@ -74,11 +75,15 @@ def _options() -> tuple[str, ...]:
     return soft + (f"-DMX_PIPE={_pipe()}",)
 
 
+def _effective_pipe(es: int, cs_mode: int) -> int:
+    """The pipelining the kernel compiles for this mode (kernels/quantize.cu QuantCfg)."""
+    pipe = _pipe()
+    return 0 if (es == 4 and pipe >= 2) or cs_mode != 0 else pipe
+
+
 def _quant_ctas(tiles: int, es: int, cs_mode: int, device: torch.device) -> int:
     """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
-    pipe = _pipe()
-    if (es == 4 and pipe == 2) or cs_mode != 0:
-        pipe = 0
+    pipe = _effective_pipe(es, cs_mode)
     if pipe == 0:
         return tiles
     per_sm = 2 if pipe == 2 else 3
@@ -207,7 +212,8 @@ def _launch_quant(
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD) else x.element_size()
     grid = _quant_ctas(tiles, es, cs_mode, x.device)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table
+    stages = 2 * _TILE * _TILE * 2 + 16 if _effective_pipe(es, cs_mode) == 3 else 0  # PIPE 3 double buffer
+    smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table + stages
     p = _cuda.ptr
     args = (
         p(x),
