@@ -240,7 +240,7 @@ def main() -> None:
         "--variants", default="row_plain,row_blocked,row_grouped,col_blocked,fused,grouped_dual,swiglu_dual"
     )
     ap.add_argument("--groups", type=int, default=32, help="groups of the row_grouped variant")
-    ap.add_argument("--pipes", default="", help="MOE_EP_QUANT_PIPE values to sweep, e.g. 0,1,2 (default: current)")
+    ap.add_argument("--pipes", default="", help="MOE_EP_QUANT_PIPE values to sweep, e.g. auto,0,2,3 (default: current)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant.py needs a CUDA GPU")
@@ -267,7 +267,7 @@ def main() -> None:
                 compiled[v] = torch.compile(REFS[v], dynamic=args.compile == "dynamic")
 
     rows = []
-    pipes = [int(p) for p in args.pipes.split(",") if p] or [mxfp8_cuda._pipe()]
+    pipes = [-1 if p == "auto" else int(p) for p in args.pipes.split(",") if p] or [mxfp8_cuda._pipe()]
     tcs: dict = {}  # torch.compile time per (variant, M, K), timed once
     hdr = (
         f"{'variant':<12} {'pipe':>4} {'M':>7} {'K':>5}  {'ok':>3} {'us':>8} {'GB/s':>7} {'%copy':>6}  "
@@ -286,7 +286,7 @@ def main() -> None:
                     flush=True,
                 )
             for v, pipe in [(v, p) for v in variants for p in pipes]:
-                os.environ["MOE_EP_QUANT_PIPE"] = str(pipe)
+                os.environ["MOE_EP_QUANT_PIPE"] = "auto" if pipe < 0 else str(pipe)
                 ok = check(v, x)
                 fn, nbytes = kernel_fn(v, x, args.groups)
                 t = timer(fn)

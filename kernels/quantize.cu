@@ -366,14 +366,17 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
 // prefetch; 2 = persistent grid, the next tile's loads issued before the current tile is processed (16-bit inputs
 // only: the fp32 tile needs two passes of registers, so fp32 uses 0). Selected at compile time
 // (MOE_EP_QUANT_PIPE); the launcher sizes the grid from the same rule (mxfp8_cuda._quant_ctas).
+// -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md): 3 for plain, blocked and
+// 3-D weight scales, 2 for grouped scales (its table scan amortizes better without the stage wait), 0 otherwise.
 #ifndef MX_PIPE
-#define MX_PIPE 2
+#define MX_PIPE -1
 #endif
 
-template <int IN, int CS> struct QuantCfg {
+template <int IN, int RS, int CS> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
+    static constexpr int WANT = MX_PIPE >= 0 ? MX_PIPE : (RS == RS_GROUPED ? 2 : 3);
     // Column-wise and fused modes measured 2-20 % slower pipelined (benchmarks/NOTES.md): they always use 0.
-    static constexpr int PIPE = ((MX_PIPE >= 2 && ES == 4) || CS != CS_NONE) ? 0 : MX_PIPE;
+    static constexpr int PIPE = ((WANT >= 2 && ES == 4) || CS != CS_NONE) ? 0 : WANT;
     static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
 };
 
@@ -411,14 +414,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 template <int IN, int RS, int CS>
-__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, CS>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
                                                       unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
                                                       unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
                                                       const int* __restrict__ gsizes, int G, long long group_rows,
                                                       int n_row_tiles, int ctiles,
                                                       const unsigned char* __restrict__ x2) {
-    constexpr int ES = QuantCfg<IN, CS>::ES;      // element bytes
-    constexpr int PIPE = QuantCfg<IN, CS>::PIPE;
+    constexpr int ES = QuantCfg<IN, RS, CS>::ES;      // element bytes
+    constexpr int PIPE = QuantCfg<IN, RS, CS>::PIPE;
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
     constexpr int CPR = TILE / VEC;           // chunks per tile row
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block

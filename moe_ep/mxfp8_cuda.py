@@ -63,11 +63,12 @@ _SMEM_FIXED = 1536  # kernels/quantize.cu MX_SMEM_FIXED
 
 def _pipe() -> int:
     """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
-    prefetch, 3 persistent + cp.async double buffer in shared memory (row-wise 16-bit modes; others fall back)."""
-    v = os.environ.get("MOE_EP_QUANT_PIPE", "2")
-    if v not in ("0", "1", "2", "3"):
-        raise ValueError(f"MOE_EP_QUANT_PIPE must be 0, 1, 2 or 3, got {v!r}")
-    return int(v)
+    prefetch, 3 persistent + cp.async double buffer in shared memory (row-wise 16-bit modes; others fall back);
+    unset or "auto" (-1): the per-mode best measured (3 for plain/blocked/3-D weight scales, 2 for grouped)."""
+    v = os.environ.get("MOE_EP_QUANT_PIPE", "auto")
+    if v not in ("auto", "0", "1", "2", "3"):
+        raise ValueError(f"MOE_EP_QUANT_PIPE must be auto, 0, 1, 2 or 3, got {v!r}")
+    return -1 if v == "auto" else int(v)
 
 
 def _options() -> tuple[str, ...]:
@@ -75,15 +76,17 @@ def _options() -> tuple[str, ...]:
     return soft + (f"-DMX_PIPE={_pipe()}",)
 
 
-def _effective_pipe(es: int, cs_mode: int) -> int:
+def _effective_pipe(es: int, rs_mode: int, cs_mode: int) -> int:
     """The pipelining the kernel compiles for this mode (kernels/quantize.cu QuantCfg)."""
     pipe = _pipe()
+    if pipe < 0:
+        pipe = 2 if rs_mode == _RS["grouped"] else 3
     return 0 if (es == 4 and pipe >= 2) or cs_mode != 0 else pipe
 
 
-def _quant_ctas(tiles: int, es: int, cs_mode: int, device: torch.device) -> int:
+def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device) -> int:
     """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
-    pipe = _effective_pipe(es, cs_mode)
+    pipe = _effective_pipe(es, rs_mode, cs_mode)
     if pipe == 0:
         return tiles
     per_sm = 2 if pipe == 2 else 3
@@ -210,9 +213,9 @@ def _launch_quant(
     in_code = _IN[x.dtype] if in_code is None else in_code
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD) else x.element_size()
-    grid = _quant_ctas(tiles, es, cs_mode, x.device)
+    grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    stages = 2 * _TILE * _TILE * 2 + 16 if _effective_pipe(es, cs_mode) == 3 else 0  # PIPE 3 double buffer
+    stages = 2 * _TILE * _TILE * 2 + 16 if _effective_pipe(es, rs_mode, cs_mode) == 3 else 0  # PIPE 3 buffers
     smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table + stages
     p = _cuda.ptr
     args = (
