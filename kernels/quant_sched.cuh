@@ -1,0 +1,120 @@
+// Tile scheduling helpers of kernels/quantize.cu: the per-CTA group table (device-side scan of the group sizes,
+// no host sync), the tile -> group lookup, and the cp.async primitives of the shared-memory double buffer.
+// Included by quantize.cu only (after TILE/NTHREADS/MX_PIPE are defined).
+#pragma once
+
+// Grouped row layouts: per-CTA table of the groups' first output tile, first row and first 32-row block
+// (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/32); entry G = the totals), built once per CTA by a
+// block-wide scan of the device-resident group sizes; a tile then finds its group by binary search. Negative
+// sizes count as 0.
+__device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, int G, int* tstart,
+                                              long long* rstart, int* bstart) {
+    __shared__ int s_wt[NTHREADS / 32], s_wb[NTHREADS / 32];
+    __shared__ long long s_wn[NTHREADS / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    long long carry_n = 0;
+    int carry_t = 0, carry_b = 0;
+    for (int base = 0; base < G; base += NTHREADS) {
+        const int g = base + tid;
+        const int n = g < G ? max(gsizes[g], 0) : 0;
+        const int t = (n + TILE - 1) / TILE, b = (n + 31) / 32;
+        long long in = n;
+        int it = t, ib = b;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+            int yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
+            int yb = __shfl_up_sync(0xFFFFFFFFu, ib, o);
+            if (lane >= o) {
+                in += yn;
+                it += yt;
+                ib += yb;
+            }
+        }
+        if (lane == 31) {
+            s_wn[warp] = in;
+            s_wt[warp] = it;
+            s_wb[warp] = ib;
+        }
+        __syncthreads();
+        long long tot_n = 0;
+        int tot_t = 0, tot_b = 0;
+#pragma unroll
+        for (int w = 0; w < NTHREADS / 32; ++w) {
+            if (w < warp) {
+                in += s_wn[w];
+                it += s_wt[w];
+                ib += s_wb[w];
+            }
+            tot_n += s_wn[w];
+            tot_t += s_wt[w];
+            tot_b += s_wb[w];
+        }
+        if (g < G) {
+            tstart[g] = carry_t + it - t;
+            rstart[g] = carry_n + in - n;
+            bstart[g] = carry_b + ib - b;
+        }
+        carry_n += tot_n;
+        carry_t += tot_t;
+        carry_b += tot_b;
+        __syncthreads();  // s_wn / s_wt / s_wb are rewritten by the next round
+    }
+    if (tid == 0) {
+        tstart[G] = carry_t;
+        rstart[G] = carry_n;
+        bstart[G] = carry_b;
+    }
+    __syncthreads();
+}
+
+// Rows [row0, row0 + nrows) of output tile T under the table above (nrows = 0: a zero tile past the last group)
+// and the group-local 32-row block index of its first row, continued across groups (bs).
+__device__ __forceinline__ void grouped_lookup(const int* tstart, const long long* rstart, const int* bstart,
+                                               int G, int T, long long& row0, int& nrows, long long& bs) {
+    int lo = 0, hi = G;  // largest g in [0, G] with tstart[g] <= T
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tstart[mid] <= T) lo = mid;
+        else hi = mid - 1;
+    }
+    if (lo >= G) {
+        row0 = rstart[G];
+        nrows = 0;
+        bs = bstart[G];
+        return;
+    }
+    const int lt = T - tstart[lo];
+    row0 = rstart[lo] + (long long)lt * TILE;
+    bs = bstart[lo] + 4LL * lt;
+    nrows = (int)min((long long)TILE, rstart[lo + 1] - row0);
+}
+
+// MX_PIPE 3: persistent grid; each tile's 32 KB arrive by cp.async in a shared-memory double buffer (the next
+// tile's copies are in flight while the current one is processed). Bytes in flight then cost no registers: the
+// same-traffic probe (kernels/bench_probe.cu, 8 CTAs/SM) reaches 94-95 % of copy where the register-staged
+// kernel (4 CTAs/SM, 64 registers) stays near 85 %. Each thread reads back only the 16-byte slots it copied
+// itself, so the stage needs no CTA barrier (cp.async.wait_group orders a thread's own copies).
+#define MX_STAGE_BYTES (TILE * TILE * 2)
+
+__device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {
+#if defined(__CUDA_ARCH__)
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+#else
+    if (ok) memcpy(smem_dst, src, 16);
+    else memset(smem_dst, 0, 16);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
