@@ -84,6 +84,24 @@ def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / s.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn), s.float()
 
 
+def rowwise_fp8_grouped_cols(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 scales within each column group (the wgrad 2d x 2d form of the fp8 rowwise baseline).
+
+    t: [R, M] with groups cutting M -> (e4m3 [R, M], fp32 scales [G * R]): torch's 2d x 2d scaled grouped GEMM
+    takes one scale per row of each group's slice.
+    """
+    data = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device)
+    scales, start = [], 0
+    for n in sizes:
+        seg = t[:, start : start + n].float()
+        sc = seg.abs().amax(dim=1).clamp_min(1e-12) / 448.0 if n else torch.ones(t.shape[0], device=t.device)
+        if n:
+            data[:, start : start + n] = (seg / sc[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales.append(sc)
+        start += n
+    return data, torch.cat(scales).float()
+
+
 def run_shape(name, m, k, n, g, args, out_rows):
     dev = "cuda"
     sizes = uneven_sizes(m, g, seed=sum(map(ord, name)))
@@ -206,8 +224,8 @@ def run_shape(name, m, k, n, g, args, out_rows):
         wf8, wsc = rowwise_fp8(w)  # [G, N, K], scales [G, N]
         dyf8, dysc = rowwise_fp8(dy)
         wtf8, wtsc = rowwise_fp8(w.transpose(1, 2).contiguous())  # [G, K, N]
-        dytf8, dytsc = rowwise_fp8(dyt)  # [N, M]
-        xtf8, xtsc = rowwise_fp8(x.t().contiguous())  # [K, M]
+        dytf8, dytsc = rowwise_fp8_grouped_cols(dyt, sizes)  # [N, M], scales [G * N]
+        xtf8, xtsc = rowwise_fp8_grouped_cols(x.t().contiguous(), sizes)  # [K, M], scales [G * K]
 
         def sgm(a, b, sa, sb):
             return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
