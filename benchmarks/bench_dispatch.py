@@ -50,11 +50,9 @@ def _spawn_or_skip(args) -> int:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return os.environ.get("MOE_EP_COMMIT", "unknown")
+    from moe_ep.provenance import code_version  # noqa: PLC0415
+
+    return code_version()
 
 
 def _routing(kind: str, t: int, e: int, k: int, gen: torch.Generator, dev) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -271,12 +270,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    from moe_ep.provenance import code_version  # noqa: PLC0415
+
+    commit = code_version()
     result = {
         "benchmark": "bench_gemm",
         "device": torch.cuda.get_device_name(),

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,12 +31,9 @@ MIN_RATIO = 1.05  # vs torch.compile
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from moe_ep.provenance import code_version  # noqa: PLC0415
+
+    return code_version(ROOT)
 
 
 class Timer:

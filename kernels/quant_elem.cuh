@@ -3,7 +3,7 @@
 // the IN_* codes and TILE/NTHREADS first); the host fallbacks let tests/test_quant_hostmath.py emulate it on a CPU.
 #pragma once
 
-// The asm helpers have host fallbacks only so that tests/test_quant_emulate.py can run this file on the CPU.
+// The asm helpers have host fallbacks only so that tests/test_quant_hostmath.py can run this file on the CPU.
 __device__ __forceinline__ uint4 ld_nc16(const unsigned char* p) {
     uint4 r;
 #if defined(__CUDA_ARCH__)

@@ -1,6 +1,6 @@
 // Tile scheduling helpers of kernels/quantize.cu: the per-CTA group table (device-side scan of the group sizes,
 // no host sync), the tile -> group lookup, and the cp.async primitives of the shared-memory double buffer.
-// Included by quantize.cu only (after TILE/NTHREADS/MX_PIPE are defined).
+// Included by quantize.cu only (after TILE and NTHREADS are defined).
 #pragma once
 
 // Grouped row layouts: per-CTA table of the groups' first output tile, first row and first 32-row block

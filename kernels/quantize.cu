@@ -1,7 +1,10 @@
 // MXFP8 quantization / dequantization kernels (DESIGN.md section 3; moe_ep/mxfp8.py is the specification).
 //
-// One CTA (256 threads) owns one 128 x 128 tile of the input x [M, K] (rows x columns):
-//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use); the TPB = 32/VEC lanes
+// A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns), one at a time; row-wise
+// modes run a persistent grid with the next tile's loads in flight (MX_PIPE below), column-wise and fused modes one
+// tile per CTA. Per tile:
+//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipe 3: by cp.async into a
+//            shared-memory double buffer); the TPB = 32/VEC lanes
 //            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
 //            scales go straight to global memory (plain) or into a 512-byte smem tile (blocked layouts: the
 //            128 rows x 4 scale columns of this tile are exactly one 128x4 cuBLAS tile, padding included).
@@ -38,7 +41,7 @@
 #define TILE 128
 #define NTHREADS 256
 
-#ifndef MX_DYN_SMEM  // the CPU emulator (tests/test_quant_emulate.py) provides its own
+#ifndef MX_DYN_SMEM  // the CPU emulator (tests/test_quant_hostmath.py) provides its own
 #define MX_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -51,9 +54,10 @@
 #define MX_SMEM_FIXED 1536
 
 // Software pipelining (MX_PIPE): 0 = one tile per CTA, grid = all tiles (plain launch); 1 = persistent grid, no
-// prefetch; 2 = persistent grid, the next tile's loads issued before the current tile is processed (16-bit inputs
-// only: the fp32 tile needs two passes of registers, so fp32 uses 0). Selected at compile time
-// (MOE_EP_QUANT_PIPE); the launcher sizes the grid from the same rule (mxfp8_cuda._quant_ctas).
+// prefetch; 2 = persistent grid, the next tile's loads issued into registers before the current tile is processed;
+// 3 = persistent grid, cp.async double buffer in shared memory (quant_sched.cuh). 2 and 3 need 16-bit inputs (the
+// fp32 tile needs two passes), so fp32 and the SwiGLU inputs use 0. Selected at compile time (MOE_EP_QUANT_PIPE);
+// the launcher sizes the grid and shared memory from the same rule (mxfp8_cuda._effective_pipe).
 // -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md): 3 for plain, blocked and
 // 3-D weight scales, 2 for grouped scales (its table scan amortizes better without the stage wait), 0 otherwise.
 #ifndef MX_PIPE
@@ -63,14 +67,14 @@
 template <int IN, int RS, int CS> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     static constexpr int WANT = MX_PIPE >= 0 ? MX_PIPE : (RS == RS_GROUPED ? 2 : 3);
-    // Column-wise and fused modes measured 2-20 % slower pipelined (benchmarks/NOTES.md): they always use 0.
+    // Column-wise and fused modes were not helped by pipelining (up to 16 points slower, NOTES.md): always 0.
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || CS != CS_NONE) ? 0 : WANT;
     static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
 };
 
 
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
-// (grid-stride) when MX_PIPE > 0; 256 threads.
+// (grid-stride) when QuantCfg::PIPE > 0; 256 threads.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 template <int IN, int RS, int CS>

@@ -26,11 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001  (no git on the device machine is fine)
-        return os.environ.get("MOE_EP_COMMIT", "unknown")
+    sys.path.insert(0, str(ROOT))
+    from moe_ep.provenance import code_version  # noqa: PLC0415
+
+    return code_version(ROOT)
 
 
 def _num_gpus() -> int:

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import sysconfig
 import time
@@ -129,17 +128,11 @@ def get_batch(corpus: torch.Tensor, step: int, seed: int, batch: int, seq_len: i
 # --------------------------------------------------------------------------------------------- logging
 
 
-def git_commit() -> str | None:
-    """HEAD of the checkout this script lives in (with "-dirty" if modified), or None."""
-    try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10)
-        head = run("rev-parse", "HEAD")
-        if head.returncode:
-            return None
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
+def git_commit() -> str:
+    """$MOE_EP_COMMIT or HEAD of the checkout this script lives in (see moe_ep.provenance)."""
+    from moe_ep.provenance import code_version  # noqa: PLC0415
+
+    return code_version(REPO)
 
 
 class Progress:

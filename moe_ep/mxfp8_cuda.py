@@ -20,6 +20,7 @@ Layouts (``x: [M, K]``, C = K // 32):
 
 Environment: ``MOE_EP_MXFP8_SOFT_CVT=1`` compiles the kernels with the software float->e4m3 conversion instead
 of the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (a debugging switch; both must give identical bytes).
+``MOE_EP_QUANT_PIPE`` (auto, 0-3) selects the tile pipelining of the row-wise kernels (see :func:`_pipe`).
 """
 
 from __future__ import annotations
@@ -318,7 +319,7 @@ def quantize_grouped_dual_into(
 ) -> None:
     """Both MXFP8 operands of a grouped GEMM input from one read of ``x`` (or of SwiGLU's input).
 
-    x: [M, K] bf16/fp16/fp32, or with ``apply_swiglu=True`` a: [M, 2K] bf16 = (gate | up), quantizing
+    x: [M, K] bf16/fp32, or with ``apply_swiglu=True`` a: [M, 2K] bf16 = (gate | up), quantizing
         ``h = silu(gate) * up`` computed in fp32 exactly as ``moe_ep.gemm.swiglu``; or with ``swiglu_dh``
         (dh: [M, F] fp32, the gradient of h) a: [M, 2F] bf16, quantizing ``dA = swiglu_bwd(a, dh)`` [M, 2F]
         (K = 2F) computed exactly as ``moe_ep.gemm.swiglu_bwd``.
@@ -350,6 +351,8 @@ def quantize_grouped_dual_into(
         m, k = x.shape[0], x.shape[1] // 2
     else:
         _check_input(x, 2, "quantize_grouped_dual")
+        if x.dtype == torch.float16:  # not instantiated (no fp16 producer in the MoE path)
+            raise TypeError("quantize_grouped_dual: input must be bf16 or fp32, got torch.float16")
         m, k = x.shape
     group_sizes = _check_groups(group_sizes, x.device)
     g = group_sizes.numel()

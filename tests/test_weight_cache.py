@@ -47,8 +47,10 @@ def test_kinds_are_separate_and_new_tensors_miss():
 def test_dead_weights_are_released():
     cache = WeightQuantCache()
     w = torch.randn(1, 32, 32)
+    keep = torch.randn(1, 32, 32)  # allocated while w lives: a different id, so no slot is simply overwritten
     cache.get(w, "fprop", _q)
     del w
     gc.collect()
-    cache.get(torch.randn(1, 32, 32), "fprop", _q)  # prunes the dead entry
+    cache.get(keep, "fprop", _q)  # a miss on another weight prunes the dead entry
     assert len(cache._entries) == 1
+    assert all(e.ref() is keep for e in cache._entries.values())

@@ -14,10 +14,14 @@ Differences a caller must know (shapes cannot depend on device counts without a 
 Phases and kernels (stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh):
   build_layout   ep_layout_count      per-CTA counts, last CTA: prefix over CTAs + count row to every rank
                  ep_layout_place      counts matrix -> all offsets, per token / slot rows   (LAYOUT epoch)
+  dispatch_fwd_mxfp8  ep_dispatch_mx  fused (default): quantize once, store to every dest rank, and expand each
+                                      received row into expert-sorted order (+ blocked scales) as its flag lands
   dispatch       ep_dispatch          quantize once, store to every dest rank (DISP epoch)
                  ep_expand            expert-sorted rows (+ blocked scales)
-  combine        ep_combine_send      slot-ordered weighted sum, one row per (token, rank) back   (COMB epoch)
-                 ep_combine_recv      rank-ordered sum on the source
+  combine        ep_combine           fused (default): slot-ordered weighted sum sent as one row per (token, rank),
+                                      rows interleaved over destination ranks; rank-ordered sum as rows land
+                 ep_combine_send      two-kernel path (MOE_EP_FUSED=0): the send half   (COMB epoch)
+                 ep_combine_recv      the rank-ordered sum on the source
   combine_bwd = MXFP8 dispatch of dy (ep_dispatch without metadata + ep_expand in MODE_BWD)
   dispatch_bwd = bf16 combine of dx (ep_combine_* with BWD = 1, also returns the top-k weight gradients)
 Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.comm.nvshmem`).
@@ -38,7 +42,7 @@ from .nvshmem import EPRuntime, get_runtime
 _LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
 _LAYOUT_TOKENS_PER_CTA = 128
 _THREADS = 512
-_I_R, _I_N, _I_RECV_OFF, _I_SEND_OFF, _I_GSTART = 0, 1, 2, 19, 36
+_I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/layout.cu)
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _DISPATCH_NAMES = ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>", "ep_expand<0,1,1>") + tuple(
     f"ep_expand<{m},{q},{o}>" for m in (1, 2) for q in (0, 1) for o in (0, 1)
@@ -140,7 +144,7 @@ class CudaEPHandle:
 
     # host-sync helpers (tests, debugging): never on the training path
     def host_counts(self) -> dict:
-        info = self.info.cpu().tolist()
+        info = self.info.cpu().tolist()  # NOTE: host sync (tests and debugging only)
         w, lcl = self.ep_size, self.num_local_experts
         cnt = self.counts.cpu()
         me = self.runtime.rank
@@ -154,15 +158,15 @@ class CudaEPHandle:
         }
 
     @property
-    def send_splits(self) -> list[int]:
+    def send_splits(self) -> list[int]:  # NOTE: host sync (the reference handle's field; here a device read)
         return self.host_counts()["send_splits"]
 
     @property
-    def recv_splits(self) -> list[int]:
+    def recv_splits(self) -> list[int]:  # NOTE: host sync
         return self.host_counts()["recv_splits"]
 
     @property
-    def group_sizes_host(self) -> list[int]:
+    def group_sizes_host(self) -> list[int]:  # NOTE: host sync
         return self.host_counts()["group_sizes"]
 
 
@@ -471,7 +475,7 @@ def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch
     from .reference import RecvBuffers  # noqa: PLC0415
 
     rt = handle.runtime
-    torch.cuda.current_stream(rt.device).synchronize()
+    torch.cuda.current_stream(rt.device).synchronize()  # NOTE: host sync (tests only)
     r = min(int(handle.info[_I_R].item()), handle.recv_capacity)
     return _views(rt, r, hidden, handle.top_k, quantize, dtype, RecvBuffers)
 

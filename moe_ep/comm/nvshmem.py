@@ -107,7 +107,7 @@ def shutdown() -> None:
     rts = list(_state["runtimes"].values())
     _state["runtimes"].clear()
     if torch.cuda.is_available() and (rts or _state["nvshmem"]):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # NOTE: host sync (shutdown)
     for rt in rts:
         rt._free()
     if _state["nvshmem"]:
@@ -203,7 +203,7 @@ class EPRuntime:
                     raise NotImplementedError(f"EP rank {r} (PE {pe}) has no peer pointer (across nodes?)")
                 ptrs.append(p)
             self.peers = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # NOTE: host sync (buffer allocation, once per size)
             dist.barrier()  # every region is zeroed before any peer writes a flag into it
         self.offsets = offs
         self.cfg = cfg
@@ -223,7 +223,7 @@ class EPRuntime:
         if self.cfg is not None and self.cfg.covers(cfg):
             return
         new = cfg if self.cfg is None else self.cfg.union(cfg)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # NOTE: host sync (growing the buffers; not per step)
         self._free()
         self._allocate(new)
 
@@ -274,7 +274,7 @@ class EPRuntime:
 
     def check_errors(self) -> None:
         """Synchronize the current stream, then :meth:`raise_pending` (host sync: tests and step boundaries)."""
-        torch.cuda.current_stream(self.device).synchronize()
+        torch.cuda.current_stream(self.device).synchronize()  # NOTE: host sync (tests, step boundaries)
         self.raise_pending()
 
 
