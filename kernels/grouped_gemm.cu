@@ -17,7 +17,7 @@
 // Group sizes are an int32 device array [G]; each CTA scans them itself (warp 0, shuffles), so the host never
 // reads them. Negative sizes count as 0; rows past the end of the tensor are clamped (never read/written).
 // 2d3d with zero_rest != 0 also writes zeros to the output rows past the last group (rows sum(sizes) .. M-1),
-// using the CTAs that have no group tile (there are always enough: see gmm_2d3d).
+// using the CTAs that have no group tile (there are always enough: see gm_2d3d_tile).
 
 #define GM_THREADS 256
 #define GM_BM 128
@@ -298,13 +298,88 @@ __device__ __forceinline__ void zero_rows(void* out, long long r0, long long M, 
     }
 }
 
+// The operands of one 2d3d output tile and this thread's share of its loads, shared by gmm_2d3d (mma) and
+// wg_2d3d (kernels/grouped_gemm_wgmma.cu): rows crow and crow + 64 of the A and B tiles, k columns ck .. ck + 15
+// of each 64-wide k-step, and the one scale byte of each 16-byte chunk.
+struct Gm2d3dLoad {
+    // ap / bp point at column 0 of the thread's first row; load() adds the column k = s * 64 + ck (which already
+    // contains ck: adding ck to the pointers too read columns 2 ck .., i.e. wrong data and, on the last rows of the
+    // tensor, up to 48 bytes past its end). Rows crow and crow + 64 differ by 64 * K bytes and 8 scale bytes.
+    const unsigned char *ap, *bp, *a_so, *b_so;
+    long long step64;
+    int K, crow, ck;
+    bool aok0, aok1, bok0, bok1;
+    uint4 ra[2], rb[2];
+    unsigned sc;  // the four scale bytes packed: a0 | a1 << 8 | b0 << 16 | b1 << 24
+
+    __device__ __forceinline__ void load(int s) {
+        const int k = s * GM_BK + ck;
+        const bool kv = k < K;
+        const int c = k >> 5, coff = (c >> 2) * 512 + (c & 3);
+        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+        ra[0] = (aok0 && kv) ? ldg16(ap + k) : z;
+        ra[1] = (aok1 && kv) ? ldg16(ap + step64 + k) : z;
+        rb[0] = (bok0 && kv) ? ldg16(bp + k) : z;
+        rb[1] = (bok1 && kv) ? ldg16(bp + step64 + k) : z;
+        const unsigned a0 = (aok0 && kv) ? (unsigned)a_so[coff] : 127u;
+        const unsigned a1 = (aok1 && kv) ? (unsigned)a_so[coff + 8] : 127u;
+        const unsigned b0 = (bok0 && kv) ? (unsigned)b_so[coff] : 127u;
+        const unsigned b1 = (bok1 && kv) ? (unsigned)b_so[coff + 8] : 127u;
+        sc = a0 | (a1 << 8) | (b0 << 16) | (b1 << 24);
+    }
+};
+
+// Prologue of both 2d3d kernels. A: e4m3 [M, K] row-major; As: to_blocked_grouped(scale [M, K/32], sizes, "m")
+// (>= (ceil(M/128)+G) row tiles); B: e4m3 [G, N, K]; Bs: [G, blocked_size(N, K/32)] (to_blocked per group).
+// Grid: (ceil(M/128) + G) * ceil(N/128) CTAs; CTA b takes row tile b / n_tiles (in the concatenation of all
+// groups' tiles) and column tile b % n_tiles. Returns false when the CTA has no group tile; it then zero-fills
+// output rows sum(sizes) .. M-1 of its share if zero_rest (else those rows are untouched): spare row tile
+// j = m_t - T (T = total tiles) covers rows S + 128 j .. (S = total rows). There are enough spare tiles:
+// T <= sum_g (n_g / 128 + 127/128) < S/128 + G, so ceil(M/128) + G - T > (M - S) / 128.
+template <int OUT_F32>
+__device__ __forceinline__ bool gm_2d3d_tile(GroupInfo& gi, const unsigned char* __restrict__ A,
+                                             const unsigned char* __restrict__ As,
+                                             const unsigned char* __restrict__ B,
+                                             const unsigned char* __restrict__ Bs, const int* __restrict__ sizes,
+                                             void* __restrict__ out, int G, long long M, int N, int K, int zero_rest,
+                                             int& mrows, long long& arow0, int& n0, Gm2d3dLoad& L) {
+    const int n_tiles = (N + GM_BN - 1) / GM_BN;
+    const int m_t = blockIdx.x / n_tiles, n_t = blockIdx.x % n_tiles;
+    if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
+    __syncthreads();
+    if (gi.g < 0) {
+        if (zero_rest) zero_rows<OUT_F32>(out, gi.total_rows + (long long)(m_t - gi.total_tiles) * GM_BM, M, N,
+                                          n_t * GM_BN);
+        return false;
+    }
+    const int g = gi.g;
+    mrows = min(GM_BM, gi.rows - gi.tile * GM_BM);
+    if (mrows <= 0) return false;
+    arow0 = gi.row0 + (long long)gi.tile * GM_BM;
+    const int tpr = ((K >> 5) + 3) >> 2;  // 128x4 scale tiles per 128-row tile
+    const unsigned char* a_sc = As + (long long)(gi.toff + gi.tile) * tpr * 512;
+    const long long bstride = (long long)((N + 127) >> 7) * tpr * 512;
+    const unsigned char* b_sc = Bs + g * bstride + (long long)n_t * tpr * 512;
+    n0 = n_t * GM_BN;
+    const int tid = threadIdx.x, crow = tid >> 2;
+    L.K = K;
+    L.crow = crow;
+    L.ck = (tid & 3) * 16;
+    L.aok0 = crow < mrows;
+    L.aok1 = crow + 64 < mrows;
+    L.bok0 = n0 + crow < N;
+    L.bok1 = n0 + crow + 64 < N;
+    L.ap = A + (arow0 + (L.aok0 ? crow : 0)) * (long long)K;
+    L.bp = B + ((long long)g * N + (L.bok0 ? n0 + crow : 0)) * (long long)K;
+    L.step64 = 64LL * K;
+    L.a_so = a_sc + (crow & 31) * 16 + (crow >> 5) * 4;  // scale (crow, 0) of the tile
+    L.b_so = b_sc + (crow & 31) * 16 + (crow >> 5) * 4;
+    return true;
+}
+
 // ---------------------------------------------------------------------------------------------------------
-// fprop / dgrad: out[M, N] = A[M, K] x B[g][N, K]^T for the rows of each group g
+// fprop / dgrad (mma): out[M, N] = A[M, K] x B[g][N, K]^T for the rows of each group g (operands: gm_2d3d_tile)
 // ---------------------------------------------------------------------------------------------------------
-// A: e4m3 [M, K] row-major; As: to_blocked_grouped(scale [M, K/32], sizes, "m") (>= (ceil(M/128)+G) row tiles)
-// B: e4m3 [G, N, K]; Bs: [G, blocked_size(N, K/32)] (to_blocked per group). Grid: (ceil(M/128) + G) * ceil(N/128)
-// CTAs; CTA b takes row tile b / n_tiles (in the concatenation of all groups' tiles) and column tile b % n_tiles.
-// zero_rest: CTAs past the groups' tiles write zeros to rows sum(sizes) .. M-1 (else those rows are untouched).
 template <int OUT_F32>
 __device__ __forceinline__ void gmm_2d3d(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
                                          const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
@@ -312,43 +387,12 @@ __device__ __forceinline__ void gmm_2d3d(const unsigned char* __restrict__ A, co
                                          int N, int K, int zero_rest) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ GroupInfo gi;
-    const int n_tiles = (N + GM_BN - 1) / GM_BN;
-    const int m_t = blockIdx.x / n_tiles, n_t = blockIdx.x % n_tiles;
-    if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
-    __syncthreads();
-    if (gi.g < 0) {
-        // No group tile: m_t >= T = total_tiles (the groups' tiles are exactly [0, T)). Spare row tile
-        // j = m_t - T zero-fills output rows S + 128 j .. (S = total_rows) when asked. There are enough spare
-        // tiles: T <= sum_g (n_g / 128 + 127/128) < S/128 + G, so ceil(M/128) + G - T > (M - S) / 128.
-        if (zero_rest) zero_rows<OUT_F32>(out, gi.total_rows + (long long)(m_t - gi.total_tiles) * GM_BM, M, N,
-                                          n_t * GM_BN);
-        return;
-    }
-    const int g = gi.g;
-    const int mrows = min(GM_BM, gi.rows - gi.tile * GM_BM);
-    if (mrows <= 0) return;
-    const long long arow0 = gi.row0 + (long long)gi.tile * GM_BM;
-    const int tpr = ((K >> 5) + 3) >> 2;  // 128x4 scale tiles per 128-row tile
-    const unsigned char* a_sc = As + (long long)(gi.toff + gi.tile) * tpr * 512;
-    const long long bstride = (long long)((N + 127) >> 7) * tpr * 512;
-    const unsigned char* b_sc = Bs + g * bstride + (long long)n_t * tpr * 512;
-    const int n0 = n_t * GM_BN;
-
-    // this thread's two chunks per operand: tile row crow + 64 i, k columns ck .. ck + 15 of each k-step
-    const int tid = threadIdx.x, crow = tid >> 2, ck = (tid & 3) * 16;
-    // rows crow and crow + 64: pointers differ by 64 * K, scale offsets by 8 (= 2 * 4), smem rows by 64 rows.
-    // ap / bp point at column 0 of the thread's first row; load() adds the column k = s * 64 + ck (which
-    // already contains ck: adding ck here too read columns 2 ck .., i.e. wrong data and, on the last rows of
-    // the tensor, up to 48 bytes past its end).
-    const bool aok0 = crow < mrows, aok1 = crow + 64 < mrows;
-    const bool bok0 = n0 + crow < N, bok1 = n0 + crow + 64 < N;
-    const unsigned char* ap = A + (arow0 + (aok0 ? crow : 0)) * (long long)K;
-    const unsigned char* bp = B + ((long long)g * N + (bok0 ? n0 + crow : 0)) * (long long)K;
-    const long long step64 = 64LL * K;
-    const unsigned char* a_so = a_sc + (crow & 31) * 16 + (crow >> 5) * 4;  // scale (crow, 0) of the tile
-    const unsigned char* b_so = b_sc + (crow & 31) * 16 + (crow >> 5) * 4;
+    int mrows, n0;
+    long long arow0;
+    Gm2d3dLoad L;
+    if (!gm_2d3d_tile<OUT_F32>(gi, A, As, B, Bs, sizes, out, G, M, N, K, zero_rest, mrows, arow0, n0, L)) return;
     const unsigned sbase = smem_u32(smem);
-    const unsigned st0 = (unsigned)((crow * KM_LD + ck) * 2), st1 = st0 + 64 * KM_LD * 2;
+    const unsigned st0 = (unsigned)((L.crow * KM_LD + L.ck) * 2), st1 = st0 + 64 * KM_LD * 2;
 
     float acc[4][4][4];
 #pragma unroll
@@ -358,37 +402,19 @@ __device__ __forceinline__ void gmm_2d3d(const unsigned char* __restrict__ A, co
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
 
-    uint4 ra[2], rb[2];
-    unsigned sc;
     const int ksteps = (K + GM_BK - 1) / GM_BK;
-    auto load = [&](int s) {
-        const int k = s * GM_BK + ck;
-        const bool kv = k < K;
-        const int c = k >> 5, coff = (c >> 2) * 512 + (c & 3);
-        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-        ra[0] = (aok0 && kv) ? ldg16(ap + k) : z;
-        ra[1] = (aok1 && kv) ? ldg16(ap + step64 + k) : z;
-        rb[0] = (bok0 && kv) ? ldg16(bp + k) : z;
-        rb[1] = (bok1 && kv) ? ldg16(bp + step64 + k) : z;
-        // the four scale bytes packed in one register: a0 | a1 << 8 | b0 << 16 | b1 << 24
-        const unsigned a0 = (aok0 && kv) ? (unsigned)a_so[coff] : 127u;
-        const unsigned a1 = (aok1 && kv) ? (unsigned)a_so[coff + 8] : 127u;
-        const unsigned b0 = (bok0 && kv) ? (unsigned)b_so[coff] : 127u;
-        const unsigned b1 = (bok1 && kv) ? (unsigned)b_so[coff + 8] : 127u;
-        sc = a0 | (a1 << 8) | (b0 << 16) | (b1 << 24);
-    };
     auto store = [&](int stage) {
         const unsigned base = sbase + stage * GM_STAGE_BYTES;
-        cvt_store16_1s(ra[0], sc & 0xFFu, base + st0);
-        cvt_store16_1s(ra[1], (sc >> 8) & 0xFFu, base + st1);
-        cvt_store16_1s(rb[0], (sc >> 16) & 0xFFu, base + GM_OPER_BYTES + st0);
-        cvt_store16_1s(rb[1], sc >> 24, base + GM_OPER_BYTES + st1);
+        cvt_store16_1s(L.ra[0], L.sc & 0xFFu, base + st0);
+        cvt_store16_1s(L.ra[1], (L.sc >> 8) & 0xFFu, base + st1);
+        cvt_store16_1s(L.rb[0], (L.sc >> 16) & 0xFFu, base + GM_OPER_BYTES + st0);
+        cvt_store16_1s(L.rb[1], L.sc >> 24, base + GM_OPER_BYTES + st1);
     };
-    load(0);
+    L.load(0);
     store(0);
     __syncthreads();
     for (int s = 0; s < ksteps; ++s) {
-        if (s + 1 < ksteps) load(s + 1);
+        if (s + 1 < ksteps) L.load(s + 1);
         const unsigned base = sbase + (s & 1) * GM_STAGE_BYTES;
         compute_stage<false>(base, base + GM_OPER_BYTES, acc);
         if (s + 1 < ksteps) store((s + 1) & 1);
@@ -489,7 +515,7 @@ __device__ __forceinline__ void gmm_wgrad(const unsigned char* __restrict__ A, c
 
 // kernels/grouped_gemm_wgmma.cu includes this file for its helpers and defines GM_NO_MMA_KERNELS first.
 #ifndef GM_NO_MMA_KERNELS
-// zero_rest: 2d3d only (see gmm_2d3d); the wgrad kernels write every element of out and ignore it.
+// zero_rest: 2d3d only (see gm_2d3d_tile); the wgrad kernels write every element of out and ignore it.
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_2d3d_bf16(GM_ARGS) {
     gmm_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
 }

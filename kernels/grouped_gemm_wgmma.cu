@@ -100,34 +100,11 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
                                         int N, int K, int zero_rest) {
     extern __shared__ __align__(16) unsigned char smem[];  // the ring is aligned at run time
     __shared__ GroupInfo gi;
-    const int n_tiles = (N + GM_BN - 1) / GM_BN;
-    const int m_t = blockIdx.x / n_tiles, n_t = blockIdx.x % n_tiles;
-    if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
-    __syncthreads();
-    if (gi.g < 0) {  // no group tile: zero-fill spare rows (see gmm_2d3d)
-        if (zero_rest) zero_rows<OUT_F32>(out, gi.total_rows + (long long)(m_t - gi.total_tiles) * GM_BM, M, N,
-                                          n_t * GM_BN);
-        return;
-    }
-    const int g = gi.g;
-    const int mrows = min(GM_BM, gi.rows - gi.tile * GM_BM);
-    if (mrows <= 0) return;
-    const long long arow0 = gi.row0 + (long long)gi.tile * GM_BM;
-    const int tpr = ((K >> 5) + 3) >> 2;
-    const unsigned char* a_sc = As + (long long)(gi.toff + gi.tile) * tpr * 512;
-    const long long bstride = (long long)((N + 127) >> 7) * tpr * 512;
-    const unsigned char* b_sc = Bs + g * bstride + (long long)n_t * tpr * 512;
-    const int n0 = n_t * GM_BN;
-
-    // loader: identical to gmm_2d3d (rows crow, crow + 64; k columns ck .. ck + 15 of each k-step)
-    const int tid = threadIdx.x, crow = tid >> 2, ck = (tid & 3) * 16;
-    const bool aok0 = crow < mrows, aok1 = crow + 64 < mrows;
-    const bool bok0 = n0 + crow < N, bok1 = n0 + crow + 64 < N;
-    const unsigned char* ap = A + (arow0 + (aok0 ? crow : 0)) * (long long)K;
-    const unsigned char* bp = B + ((long long)g * N + (bok0 ? n0 + crow : 0)) * (long long)K;
-    const long long step64 = 64LL * K;
-    const unsigned char* a_so = a_sc + (crow & 31) * 16 + (crow >> 5) * 4;
-    const unsigned char* b_so = b_sc + (crow & 31) * 16 + (crow >> 5) * 4;
+    int mrows, n0;
+    long long arow0;
+    Gm2d3dLoad L;  // the same tile schedule, zero fill and loader as gmm_2d3d
+    if (!gm_2d3d_tile<OUT_F32>(gi, A, As, B, Bs, sizes, out, G, M, N, K, zero_rest, mrows, arow0, n0, L)) return;
+    const int tid = threadIdx.x, crow = L.crow, ck = L.ck;
     const unsigned sbase = (smem_u32(smem) + 1023u) & ~1023u;
     // swizzled byte offsets of this thread's logical chunks c = ck / 8 and c + 1 in tile row crow (row crow + 64:
     // + 8192, same swizzle since 64 % 8 == 0)
@@ -138,39 +115,22 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 
-    uint4 ra[2], rb[2];
-    unsigned sc;
     const int ksteps = (K + GM_BK - 1) / GM_BK;
-    auto load = [&](int s) {
-        const int k = s * GM_BK + ck;
-        const bool kv = k < K;
-        const int c = k >> 5, coff = (c >> 2) * 512 + (c & 3);
-        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-        ra[0] = (aok0 && kv) ? ldg16(ap + k) : z;
-        ra[1] = (aok1 && kv) ? ldg16(ap + step64 + k) : z;
-        rb[0] = (bok0 && kv) ? ldg16(bp + k) : z;
-        rb[1] = (bok1 && kv) ? ldg16(bp + step64 + k) : z;
-        const unsigned a0 = (aok0 && kv) ? (unsigned)a_so[coff] : 127u;
-        const unsigned a1 = (aok1 && kv) ? (unsigned)a_so[coff + 8] : 127u;
-        const unsigned b0 = (bok0 && kv) ? (unsigned)b_so[coff] : 127u;
-        const unsigned b1 = (bok1 && kv) ? (unsigned)b_so[coff + 8] : 127u;
-        sc = a0 | (a1 << 8) | (b0 << 16) | (b1 << 24);
-    };
     auto store = [&](int stage) {
         const unsigned base = sbase + (unsigned)stage * WG_STAGE_BYTES;
-        cvt_store16_sw(ra[0], sc & 0xFFu, base + so0, base + so1);
-        cvt_store16_sw(ra[1], (sc >> 8) & 0xFFu, base + 8192u + so0, base + 8192u + so1);
-        cvt_store16_sw(rb[0], (sc >> 16) & 0xFFu, base + WG_TILE_BYTES + so0, base + WG_TILE_BYTES + so1);
-        cvt_store16_sw(rb[1], sc >> 24, base + WG_TILE_BYTES + 8192u + so0, base + WG_TILE_BYTES + 8192u + so1);
+        cvt_store16_sw(L.ra[0], L.sc & 0xFFu, base + so0, base + so1);
+        cvt_store16_sw(L.ra[1], (L.sc >> 8) & 0xFFu, base + 8192u + so0, base + 8192u + so1);
+        cvt_store16_sw(L.rb[0], (L.sc >> 16) & 0xFFu, base + WG_TILE_BYTES + so0, base + WG_TILE_BYTES + so1);
+        cvt_store16_sw(L.rb[1], L.sc >> 24, base + WG_TILE_BYTES + 8192u + so0, base + WG_TILE_BYTES + 8192u + so1);
     };
     // descriptors of stage 0, k16 slice 0: A rows 64 wg .. (8 KiB per warpgroup), B all 128 rows
     const int wg = tid >> 7;
     const unsigned long long da0 = wg_desc(sbase + (unsigned)wg * 8192u);
     const unsigned long long db0 = wg_desc(sbase + WG_TILE_BYTES);
 
-    load(0);
+    L.load(0);
     store(0);
-    if (ksteps > 1) load(1);
+    if (ksteps > 1) L.load(1);
     fence_proxy_async();
     __syncthreads();
     int stage = 0;
@@ -183,7 +143,7 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
         wg_commit();
         const int nstage = stage == WG_STAGES - 1 ? 0 : stage + 1;
         if (s + 1 < ksteps) store(nstage);
-        if (s + 2 < ksteps) load(s + 2);
+        if (s + 2 < ksteps) L.load(s + 2);
         wg_wait<1>();
         fence_proxy_async();
         __syncthreads();
@@ -196,6 +156,7 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
     const int lane = tid & 31, q = (tid >> 5) & 3;
     // tile origin re-read from shared memory / blockIdx (keeps it out of registers during the mainloop)
     const long long erow0 = gi.row0 + (long long)gi.tile * GM_BM;
+    const int n_tiles = (N + GM_BN - 1) / GM_BN;
     const int en0 = (int)(blockIdx.x % n_tiles) * GM_BN, ncols = N - en0;
     const int erows = min(GM_BM, gi.rows - gi.tile * GM_BM);
     void* obase = OUT_F32 ? (void*)(static_cast<float*>(out) + erow0 * N + en0)

@@ -297,7 +297,7 @@ def new_acc():
 
 # ---------------------------------------------------------------------------------------------- 2d3d kernel
 def cta_2d3d(gi, n_t, n, k):
-    """The prologue of gmm_2d3d for a CTA with a group tile, vectorized over column tiles n_t (1-D) and threads.
+    """gm_2d3d_tile (the prologue of both 2d3d kernels) for a CTA with a group tile, vectorized over n_t and threads.
 
     Returns the per-thread constants as int64 / bool arrays [len(n_t), 256] (offsets in bytes / elements)."""
     n_t = np.asarray(n_t, dtype=np.int64).reshape(-1, 1)
@@ -334,7 +334,7 @@ def cta_2d3d(gi, n_t, n, k):
 
 
 def load_2d3d(c, s, k):
-    """load(s) of gmm_2d3d: {register: (valid, buffer, byte offset, bytes)} with [CTAs, 256] arrays."""
+    """Gm2d3dLoad::load(s): {register: (valid, buffer, byte offset, bytes)} with [CTAs, 256] arrays."""
     kk = s * 64 + c["ck"]
     kv = kk < k
     cc = kk >> 5
