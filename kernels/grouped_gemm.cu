@@ -151,8 +151,9 @@ __device__ __forceinline__ unsigned mult_slow1(unsigned s) {
 }
 #define BF16X2_2P120 0x7B807B80u
 
-// 16 e4m3 bytes sharing scale byte s -> 8 bf16x2 words stored at smem address addr (32 bytes).
-__device__ __forceinline__ void cvt_store16_1s(uint4 raw, unsigned s, unsigned addr) {
+// 16 e4m3 bytes sharing scale byte s -> 8 bf16x2 words: the first 16 bytes at smem address addr0, the last 16 at
+// addr1 (addr0 + 16 in the mma kernel's padded tiles; the swizzled chunk c + 1 in the wgmma kernel's tiles).
+__device__ __forceinline__ void cvt_store16_2(uint4 raw, unsigned s, unsigned addr0, unsigned addr1) {
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
     unsigned o[8];
 #pragma unroll
@@ -169,8 +170,12 @@ __device__ __forceinline__ void cvt_store16_1s(uint4 raw, unsigned s, unsigned a
 #pragma unroll
         for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m);
     }
-    sts128(addr, o[0], o[1], o[2], o[3]);
-    sts128(addr + 16, o[4], o[5], o[6], o[7]);
+    sts128(addr0, o[0], o[1], o[2], o[3]);
+    sts128(addr1, o[4], o[5], o[6], o[7]);
+}
+
+__device__ __forceinline__ void cvt_store16_1s(uint4 raw, unsigned s, unsigned addr) {
+    cvt_store16_2(raw, s, addr, addr + 16);
 }
 
 // Per-pair bf16x2 multipliers m[4] for 8 per-column scale bytes (MN-major operands); returns the fast-path flag.

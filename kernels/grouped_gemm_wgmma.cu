@@ -70,29 +70,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, unsigned long long da
         : "l"(da), "l"(db));
 }
 
-// 16 e4m3 bytes sharing scale byte s (tile row r, logical 16-byte chunks c, c + 1) -> bf16 at the swizzled
-// shared addresses addr0 (chunk c) and addr1 (chunk c + 1). Same arithmetic as cvt_store16_1s.
-__device__ __forceinline__ void cvt_store16_sw(uint4 raw, unsigned s, unsigned addr0, unsigned addr1) {
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-    unsigned o[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        o[2 * j] = e4m3x2_bits(w[j], 0x1404u);
-        o[2 * j + 1] = e4m3x2_bits(w[j], 0x3424u);
-    }
-    if (s < 128u) {
-        const unsigned m = mult_fast(s);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(o[j], m);
-    } else {
-        const unsigned m = mult_slow1(s) * 0x00010001u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m);
-    }
-    sts128(addr0, o[0], o[1], o[2], o[3]);
-    sts128(addr1, o[4], o[5], o[6], o[7]);
-}
-
 template <int OUT_F32>
 __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
                                         const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
@@ -118,10 +95,10 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
     const int ksteps = (K + GM_BK - 1) / GM_BK;
     auto store = [&](int stage) {
         const unsigned base = sbase + (unsigned)stage * WG_STAGE_BYTES;
-        cvt_store16_sw(L.ra[0], L.sc & 0xFFu, base + so0, base + so1);
-        cvt_store16_sw(L.ra[1], (L.sc >> 8) & 0xFFu, base + 8192u + so0, base + 8192u + so1);
-        cvt_store16_sw(L.rb[0], (L.sc >> 16) & 0xFFu, base + WG_TILE_BYTES + so0, base + WG_TILE_BYTES + so1);
-        cvt_store16_sw(L.rb[1], L.sc >> 24, base + WG_TILE_BYTES + 8192u + so0, base + WG_TILE_BYTES + 8192u + so1);
+        cvt_store16_2(L.ra[0], L.sc & 0xFFu, base + so0, base + so1);
+        cvt_store16_2(L.ra[1], (L.sc >> 8) & 0xFFu, base + 8192u + so0, base + 8192u + so1);
+        cvt_store16_2(L.rb[0], (L.sc >> 16) & 0xFFu, base + WG_TILE_BYTES + so0, base + WG_TILE_BYTES + so1);
+        cvt_store16_2(L.rb[1], L.sc >> 24, base + WG_TILE_BYTES + 8192u + so0, base + WG_TILE_BYTES + 8192u + so1);
     };
     // descriptors of stage 0, k16 slice 0: A rows 64 wg .. (8 KiB per warpgroup), B all 128 rows
     const int wg = tid >> 7;
