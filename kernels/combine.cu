@@ -132,6 +132,25 @@ __device__ __forceinline__ bool comb_row_of(int v, int W, const int* roff, int R
     return i < roff[s + 1] && i < R;
 }
 
+// Prologue of both combine sends (ep_combine_send, ep_combine): peers, received-row offsets per source rank and
+// the return bases into shared memory, then wait until every peer freed its combine buffer (epoch - 1).
+// Returns the work items V = W * (most rows from one rank) of comb_row_of, and R (rows received, capped).
+__device__ __forceinline__ int comb_send_setup(const EpCtl& c, const ep_u64* __restrict__ peers_g,
+                                               const int* __restrict__ info, int W, int me, int recv_cap,
+                                               ep_u64 epoch, ep_u64* peers, int* roff, int* rbase, int& R) {
+    if (threadIdx.x < W) {
+        peers[threadIdx.x] = peers_g[threadIdx.x];
+        rbase[threadIdx.x] = info[I_RET_BASE + threadIdx.x];
+    }
+    if (threadIdx.x <= W) roff[threadIdx.x] = info[I_RECV_OFF + threadIdx.x];
+    __syncthreads();
+    ep_cta_wait_all(c, peers[me], F_COMB_FREE, epoch - 1, W, me);
+    R = min(info[I_R], recv_cap);
+    int maxc = 0;
+    for (int s = 0; s < W; ++s) maxc = max(maxc, roff[s + 1] - roff[s]);
+    return W * maxc;
+}
+
 template <int YT, int BWD>
 __global__ void __launch_bounds__(COMB_THREADS) ep_combine_send(
     const unsigned char* __restrict__ y, const float* __restrict__ w, const int* __restrict__ recv_pos,
@@ -141,19 +160,10 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine_send(
     const EpCtl c{err, herr, ctr, timeout_ns};
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
-    if (threadIdx.x < W) {
-        peers[threadIdx.x] = peers_g[threadIdx.x];
-        rbase[threadIdx.x] = info[I_RET_BASE + threadIdx.x];
-    }
-    if (threadIdx.x <= W) roff[threadIdx.x] = info[I_RECV_OFF + threadIdx.x];
-    __syncthreads();
-    ep_cta_wait_all(c, peers[me], F_COMB_FREE, epoch - 1, W, me);
+    int R;
+    const int V = comb_send_setup(c, peers_g, info, W, me, recv_cap, epoch, peers, roff, rbase, R);
     const int lane = threadIdx.x & 31;
     const int nwarps = gridDim.x * (COMB_THREADS / 32);
-    const int R = min(info[I_R], recv_cap);
-    int maxc = 0;
-    for (int s = 0; s < W; ++s) maxc = max(maxc, roff[s + 1] - roff[s]);
-    const int V = W * maxc;
     for (int v = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); v < V; v += nwarps) {
         int s, i;
         if (!comb_row_of(v, W, roff, R, s, i)) continue;
@@ -260,20 +270,11 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
     const EpCtl c{err, herr, ctr, timeout_ns};
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
-    if (threadIdx.x < W) {
-        peers[threadIdx.x] = peers_g[threadIdx.x];
-        rbase[threadIdx.x] = info[I_RET_BASE + threadIdx.x];
-    }
-    if (threadIdx.x <= W) roff[threadIdx.x] = info[I_RECV_OFF + threadIdx.x];
-    __syncthreads();
-    ep_cta_wait_all(c, peers[me], F_COMB_FREE, epoch - 1, W, me);
+    int R;
+    const int V = comb_send_setup(c, peers_g, info, W, me, recv_cap, epoch, peers, roff, rbase, R);
     const int lane = threadIdx.x & 31;
 
     // ---- A: expert side -------------------------------------------------------------------------------------------
-    const int R = min(info[I_R], recv_cap);
-    int maxc = 0;
-    for (int s = 0; s < W; ++s) maxc = max(maxc, roff[s + 1] - roff[s]);
-    const int V = W * maxc;
     while (true) {
         const int v = ep_warp_ticket(c, CTR_TICKET_SEND);
         if (v >= V) break;
