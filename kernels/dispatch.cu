@@ -226,6 +226,36 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch(
     ep_grid_signal(c, 0, peers, F_DISP_READY, me, W, epoch);
 }
 
+// Slot `lane` (< K) of received row i: its local expert loc and expanded row pos from the row's metadata
+// (meta: [R, 3K] int32 = local experts | fp32 weights | expanded rows); pos = -1 for an empty or invalid slot.
+// Records recv_pos[i, lane] and, for a valid slot, w_out / exp_row / exp_slot at pos. CG: the metadata was
+// written by a peer during this kernel (fused path): L2-only loads.
+template <bool CG>
+__device__ __forceinline__ int expand_slot(int i, int lane, const int* meta, int K, int L, int expand_cap,
+                                           int* __restrict__ recv_pos, float* __restrict__ w_out,
+                                           int* __restrict__ exp_row, int* __restrict__ exp_slot, int& loc) {
+    int pos;
+    float wt;
+    if (CG) {
+        const int* m = meta + (long long)i * 3 * K;
+        loc = __ldcg(m + lane);
+        wt = __int_as_float(__ldcg(m + K + lane));
+        pos = __ldcg(m + 2 * K + lane);
+    } else {
+        loc = meta[(long long)i * 3 * K + lane];
+        wt = __int_as_float(meta[(long long)i * 3 * K + K + lane]);
+        pos = meta[(long long)i * 3 * K + 2 * K + lane];
+    }
+    if (loc < 0 || loc >= L || pos < 0 || pos >= expand_cap) pos = -1;
+    recv_pos[(long long)i * K + lane] = pos;
+    if (pos >= 0) {
+        if (w_out) w_out[pos] = wt;
+        if (exp_row) exp_row[pos] = i;
+        if (exp_slot) exp_slot[pos] = lane;
+    }
+    return pos;
+}
+
 template <int MODE, int QUANT, int OT>
 __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     const ep_u64* __restrict__ peers_g, int me, int W, long long data_off, long long scale_off, long long meta_off,
@@ -253,21 +283,11 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
 
     for (int i = gwarp; i < R; i += nwarps) {
         int pos = -1, loc = -1;
-        float wt = 0.f;
         if (lane < K) {
             if (MODE == MODE_BWD) {
                 pos = recv_pos[(long long)i * K + lane];
             } else {
-                loc = meta[(long long)i * 3 * K + lane];
-                wt = __int_as_float(meta[(long long)i * 3 * K + K + lane]);
-                pos = meta[(long long)i * 3 * K + 2 * K + lane];
-                if (loc < 0 || loc >= L || pos < 0 || pos >= expand_cap) pos = -1;
-                recv_pos[(long long)i * K + lane] = pos;
-                if (pos >= 0) {
-                    if (w_out) w_out[pos] = wt;
-                    if (exp_row) exp_row[pos] = i;
-                    if (exp_slot) exp_slot[pos] = lane;
-                }
+                pos = expand_slot<false>(i, lane, meta, K, L, expand_cap, recv_pos, w_out, exp_row, exp_slot, loc);
             }
         }
         const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
@@ -361,19 +381,7 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
                                               int* __restrict__ exp_slot) {
     const int C = H >> 5, tpr = (C + 3) >> 2;
     int pos = -1, loc = -1;
-    if (lane < K) {
-        const int* m = meta + (long long)i * 3 * K;
-        loc = __ldcg(m + lane);
-        const float wt = __int_as_float(__ldcg(m + K + lane));
-        pos = __ldcg(m + 2 * K + lane);
-        if (loc < 0 || loc >= L || pos < 0 || pos >= expand_cap) pos = -1;
-        recv_pos[(long long)i * K + lane] = pos;
-        if (pos >= 0) {
-            if (w_out) w_out[pos] = wt;
-            if (exp_row) exp_row[pos] = i;
-            if (exp_slot) exp_slot[pos] = lane;
-        }
-    }
+    if (lane < K) pos = expand_slot<true>(i, lane, meta, K, L, expand_cap, recv_pos, w_out, exp_row, exp_slot, loc);
     const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
     if (!vm) return;
     int srow = 0;
