@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import traceback
 
 os.environ.setdefault("MOE_EP_FORCE_REFERENCE", "1")  # the reference quantizer is pure torch: the specification
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -35,6 +34,7 @@ from moe_ep.comm import cuda_transport as ct  # noqa: E402
 from moe_ep.comm import nvshmem as nvs  # noqa: E402
 from moe_ep.comm import ops  # noqa: E402
 from moe_ep.comm import reference as ref  # noqa: E402
+from tests.multigpu._cases import run_cases  # noqa: E402
 
 TMAX, HMAX, KMAX, EMAX = 512, 1024, 8, 64
 RANK = WORLD = 0
@@ -52,6 +52,14 @@ ERRS: list[str] = []  # failed checks of the current case: recorded, not raised,
 
 def fail(msg: str) -> None:
     ERRS.append(msg)
+
+
+def checked(fn) -> None:
+    """Run a case; its recorded failed checks (``fail``) make it fail after it has issued all its collectives."""
+    ERRS.clear()
+    fn()
+    if ERRS:
+        raise CheckError("\n".join(ERRS))
 
 
 def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -364,24 +372,7 @@ def main() -> int:
         ("1000 dispatch/combine iterations", case_repeat),
         ("timeout raises instead of hanging", case_timeout),
     ]
-    passed = failed = 0
-    for name, fn in cases:
-        ERRS.clear()
-        try:
-            fn()
-            if ERRS:
-                raise CheckError("\n".join(ERRS))
-            ok = 1
-        except Exception:  # noqa: BLE001
-            ok = 0
-            print(f"[rank {RANK}] FAILED {name}\n{traceback.format_exc()}", flush=True)
-        flag = torch.tensor([ok], device=DEV)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        passed, failed = (passed + 1, failed) if flag.item() else (passed, failed + 1)
-        if RANK == 0:
-            print(f"{'PASS' if flag.item() else 'FAIL'} {name} (world={WORLD})", flush=True)
-    if RANK == 0:
-        print(f"{passed} passed, {failed} failed", flush=True)
+    _, failed = run_cases([(name, lambda fn=fn: checked(fn)) for name, fn in cases], DEV)
     torch.cuda.synchronize()
     dist.barrier()
     nvs.shutdown()

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.multigpu._cases import run_cases  # noqa: E402
 from tests.test_layer import _layer, _pipeline  # noqa: E402
 
 
@@ -29,24 +29,7 @@ def main() -> int:
     for ep in sorted({world, max(1, world // 2)}):
         for top_k in (1, 2, 8):
             cases.append((f"layer ep={ep} top_k={top_k}", lambda ep=ep, k=top_k: _layer(rank, world, ep, k, device)))
-    passed = failed = 0
-    for name, fn in cases:
-        try:
-            fn()
-            ok = 1
-        except Exception:  # noqa: BLE001
-            ok = 0
-            print(f"[rank {rank}] FAILED {name}\n{traceback.format_exc()}", flush=True)
-        flag = torch.tensor([ok], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if flag.item():
-            passed += 1
-        else:
-            failed += 1
-        if rank == 0:
-            print(f"{'PASS' if flag.item() else 'FAIL'} {name} (world={world})", flush=True)
-    if rank == 0:
-        print(f"{passed} passed, {failed} failed")
+    _, failed = run_cases(cases, device)
     dist.destroy_process_group()
     return 1 if failed else 0
 
