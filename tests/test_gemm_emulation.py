@@ -662,9 +662,9 @@ CASES_2D3D = [  # (sizes, trailing rows outside every group, K, N, fp32 out, zer
 ]
 
 
-@pytest.mark.parametrize("sizes,extra,k,n,out_f32,zero_rest", CASES_2D3D)
-def test_emulated_2d3d_matches_reference(sizes, extra, k, n, out_f32, zero_rest):
-    torch.manual_seed(sum(sizes) + k + n)
+def check_emulated_2d3d(emu, sizes, extra, k, n, out_f32, zero_rest, seed):
+    """Run an emulated 2d3d kernel (emu_2d3d, or emu_wg_2d3d of the wgmma file) against the float64 reference."""
+    torch.manual_seed(seed)
     g, s = len(sizes), sum(sizes)
     m = s + extra  # trailing rows outside every group: untouched, or zero with zero_rest
     x = torch.randn(m, k) * torch.logspace(-3, 3, k).reshape(1, k)[:, torch.randperm(k)]
@@ -674,10 +674,9 @@ def test_emulated_2d3d_matches_reference(sizes, extra, k, n, out_f32, zero_rest)
     xs = torch.cat([xs, torch.zeros(mxfp8.grouped_blocked_size(m, g, k // 32) - xs.numel(), dtype=torch.uint8)])
     wd, ws = gemm_cuda.weight_operand_ref(w)
     out = np.full(m * n, np.nan)
-    emu_2d3d(_u8(xd), _u8(xs), _u8(wd), _u8(ws), sizes, out, g, m, n, k, out_f32, zero_rest)
+    emu(_u8(xd), _u8(xs), _u8(wd), _u8(ws), sizes, out, g, m, n, k, out_f32, zero_rest)
     out = torch.from_numpy(out).reshape(m, n)
-    xq = mxfp8.fake_quantize(x[:s], -1)
-    ref = mm64(xq, mxfp8.fake_quantize(w, -1), sizes)
+    ref = mm64(mxfp8.fake_quantize(x[:s], -1), mxfp8.fake_quantize(w, -1), sizes)
     if zero_rest:
         assert (out[s:] == 0).all()
     else:
@@ -686,6 +685,11 @@ def test_emulated_2d3d_matches_reference(sizes, extra, k, n, out_f32, zero_rest)
     # bounds are twice that
     tol = 2.0**-23 if out_f32 else 2.0**-8
     torch.testing.assert_close(out[:s], ref, rtol=tol, atol=1e-30)
+
+
+@pytest.mark.parametrize("sizes,extra,k,n,out_f32,zero_rest", CASES_2D3D)
+def test_emulated_2d3d_matches_reference(sizes, extra, k, n, out_f32, zero_rest):
+    check_emulated_2d3d(emu_2d3d, sizes, extra, k, n, out_f32, zero_rest, seed=sum(sizes) + k + n)
 
 
 def test_emulated_dgrad_transposed_weights():

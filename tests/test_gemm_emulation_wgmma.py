@@ -13,20 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from moe_ep import gemm_cuda, mxfp8
+from moe_ep import gemm_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_gemm_emulation import (  # noqa: E402
-    _u8,
     bf16_to_f,
     byte,
+    check_emulated_2d3d,
     cta_2d3d,
     cvt_words_1s,
     f_to_bf16,
     load_2d3d,
-    mm64,
     scan_groups,
     words,
     zero_rows_range,
@@ -227,25 +225,7 @@ WG_CASES = [  # (sizes, extra rows, K, N, out_f32, zero_rest)
 
 @pytest.mark.parametrize("sizes,extra,k,n,out_f32,zero_rest", WG_CASES)
 def test_emulated_wg_2d3d_matches_reference(sizes, extra, k, n, out_f32, zero_rest):
-    torch.manual_seed(sum(sizes) + k + n + 7)
-    g, s = len(sizes), sum(sizes)
-    m = s + extra
-    x = torch.randn(m, k) * torch.logspace(-3, 3, k).reshape(1, k)[:, torch.randperm(k)]
-    w = torch.randn(g, n, k) * 0.5
-    xd, xs = gemm_cuda.rowwise_operand_ref(x[:s], sizes)
-    xd = torch.cat([xd, mxfp8.quantize_torch(x[s:], -1).data])
-    xs = torch.cat([xs, torch.zeros(mxfp8.grouped_blocked_size(m, g, k // 32) - xs.numel(), dtype=torch.uint8)])
-    wd, ws = gemm_cuda.weight_operand_ref(w)
-    out = np.full(m * n, np.nan)
-    emu_wg_2d3d(_u8(xd), _u8(xs), _u8(wd), _u8(ws), sizes, out, g, m, n, k, out_f32, zero_rest)
-    out = torch.from_numpy(out).reshape(m, n)
-    ref = mm64(mxfp8.fake_quantize(x[:s], -1), mxfp8.fake_quantize(w, -1), sizes)
-    if zero_rest:
-        assert (out[s:] == 0).all()
-    else:
-        assert torch.isnan(out[s:]).all()
-    tol = 1e-5 if out_f32 else 2.0**-8
-    torch.testing.assert_close(out[:s], ref, rtol=tol, atol=1e-30)
+    check_emulated_2d3d(emu_wg_2d3d, sizes, extra, k, n, out_f32, zero_rest, seed=sum(sizes) + k + n + 7)
 
 
 def test_wg_constants_match_the_source():
