@@ -310,6 +310,10 @@ def main(argv: list[str] | None = None) -> dict:
         s = log["summary"]
         print(f"done: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
               f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/GPU ({world} ranks)", flush=True)
+    # Every rank leaves its last collective before any rank tears its gloo/nccl connections down: a peer
+    # closing its sockets while another rank's worker thread is still inside that collective can abort
+    # the slower process at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return log
 
