@@ -24,6 +24,7 @@
 #define IN_F16 2
 #define IN_SWIGLU 3   // bf16 a [M, 2K] = (gate | up); the quantized values are h = silu(gate) * up in fp32 ([M, K])
 #define IN_SWIGLU_BWD 4  // bf16 a [M, K] = (gate | up) and fp32 dh [M, K/2] (x2); quantizes dA = swiglu_bwd(a, dh)
+#define IN_SWIGLU_BWD16 5  // IN_SWIGLU_BWD with a bf16 dh (what the dgrad GEMM writes): no fp32 copy of dh
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
@@ -149,9 +150,10 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             const int c = (p * PER + j) * NTHREADS + tid;
             const int r = c / CPR, cc = c % CPR;
             const bool ok = r < nrows && col0 + cc * VEC < K;
-            if (IN == IN_SWIGLU_BWD) {  // a: row stride K bf16; dh (x2): row stride K/2 fp32
-                v[j] = ok ? swiglu_bwd4(x + (row0 + r) * (2LL * K), x2 + (row0 + r) * (2LL * K),
-                                        col0 + cc * VEC, K >> 1)
+            if (IN == IN_SWIGLU_BWD || IN == IN_SWIGLU_BWD16) {  // a: row stride K bf16; dh (x2): K/2 values
+                constexpr int DHB = IN == IN_SWIGLU_BWD ? 4 : 2;
+                v[j] = ok ? swiglu_bwd4<DHB>(x + (row0 + r) * (2LL * K), x2 + (row0 + r) * (K / 2LL * DHB),
+                                             col0 + cc * VEC, K >> 1)
                           : make_uint4(0u, 0u, 0u, 0u);
             } else if (IN == IN_SWIGLU) {  // row stride 2K bf16; gate at column c, up at K + c
                 const unsigned char* rp = x + (row0 + r) * (4LL * K) + (col0 + cc * VEC) * 2;

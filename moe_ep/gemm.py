@@ -98,7 +98,7 @@ def quantize_grouped_dual_torch(
     """Reference of :func:`moe_ep.mxfp8_cuda.quantize_grouped_dual` (same signature, same bytes).
 
     x: [M, K] float (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32; or a: [M, 2F]
-    bf16 with swiglu_dh [M, F] fp32, quantizing ``swiglu_bwd(a, dh)`` [M, 2F] fp32);
+    bf16 with swiglu_dh [M, F] fp32 or bf16, quantizing ``swiglu_bwd(a, dh)`` [M, 2F] fp32);
     group_sizes: [G] int32 (read on the host: this is the specification, not the fast path), summing to M.
     Returns (data [M, K] e4m3 row-wise, scale u8 ``to_blocked_grouped`` along M, data_c [M, K] e4m3 in per-group
     32-row column blocks, scale_c u8 [ceil(M/32) + G, K] with unused rows zero).

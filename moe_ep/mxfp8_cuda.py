@@ -45,14 +45,14 @@ _TILE = 128
 _IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3, "uniform": 4}
 _CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3, "grouped_nt": 4}
-_IN_SWIGLU, _IN_SWIGLU_BWD = 3, 4
+_IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16 = 3, 4, 5
 
 _QUANT_COMBOS = (
     [(i, r, 0) for i in range(3) for r in (1, 2, 3, 4)]
     + [(i, 0, c) for i in range(3) for c in (1, 2, 3)]
     + [(i, r, c) for i in range(3) for r in (1, 2) for c in (1, 2)]
-    # grouped row-wise + per-group column-wise; 3 = SwiGLU of bf16 (gate | up), 4 = its backward (a, fp32 dh)
-    + [(i, 3, 4) for i in (0, 1, 3, 4)]
+    # grouped row-wise + per-group column-wise; 3 = SwiGLU of bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
+    + [(i, 3, 4) for i in (0, 1, 3, 4, 5)]
 )
 _NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
     f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2)
@@ -213,7 +213,7 @@ def _launch_quant(
         return
     in_code = _IN[x.dtype] if in_code is None else in_code
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
-    es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD) else x.element_size()
+    es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
     grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     stages = 2 * _TILE * _TILE * 2 + 16 if _effective_pipe(es, rs_mode, cs_mode) == 3 else 0  # PIPE 3 buffers
@@ -321,8 +321,9 @@ def quantize_grouped_dual_into(
 
     x: [M, K] bf16/fp32, or with ``apply_swiglu=True`` a: [M, 2K] bf16 = (gate | up), quantizing
         ``h = silu(gate) * up`` computed in fp32 exactly as ``moe_ep.gemm.swiglu``; or with ``swiglu_dh``
-        (dh: [M, F] fp32, the gradient of h) a: [M, 2F] bf16, quantizing ``dA = swiglu_bwd(a, dh)`` [M, 2F]
-        (K = 2F) computed exactly as ``moe_ep.gemm.swiglu_bwd``.
+        (dh: [M, F] fp32 or bf16, the gradient of h; bf16 is read as is and widened exactly, so no fp32 copy of
+        the dgrad output is needed) a: [M, 2F] bf16, quantizing ``dA = swiglu_bwd(a, dh)`` [M, 2F] (K = 2F)
+        computed exactly as ``moe_ep.gemm.swiglu_bwd``.
     group_sizes: [G] int32 on x's device (rows of each group, in order; not read on the host).
     data: [M, K] e4m3, row-wise (1x32 along K); scale: u8 [grouped_blocked_size(M, G, K//32, "m")] (fprop/dgrad).
     data_c: [M, K] e4m3, column-wise in 32-row blocks that restart at each group's first row (a group's last block
@@ -339,9 +340,9 @@ def quantize_grouped_dual_into(
         m, k = x.shape
         if k % (2 * BLOCK):
             raise ValueError(f"swiglu backward: a must be [M, 2F] with F % {BLOCK} == 0, got {tuple(x.shape)}")
-        if not isinstance(swiglu_dh, torch.Tensor) or swiglu_dh.dtype != torch.float32:
-            raise TypeError(f"swiglu backward: dh must be fp32, got {getattr(swiglu_dh, 'dtype', None)}")
-        _check_out(swiglu_dh, "dh", (m, k // 2), torch.float32, x.device)
+        if not isinstance(swiglu_dh, torch.Tensor) or swiglu_dh.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"swiglu backward: dh must be fp32 or bf16, got {getattr(swiglu_dh, 'dtype', None)}")
+        _check_out(swiglu_dh, "dh", (m, k // 2), swiglu_dh.dtype, x.device)
     elif apply_swiglu:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
             raise TypeError(f"swiglu: input must be a bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
@@ -362,8 +363,15 @@ def quantize_grouped_dual_into(
     _check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
     _launch_quant(x, m, k, _RS["grouped"], _CS["grouped_nt"], rq=data, rs=scale, cq=data_c, cs=scale_c,
                   gsizes=group_sizes, n_groups=g, n_row_tiles=_cdiv(m, _TILE) + g,
-                  in_code=_IN_SWIGLU_BWD if swiglu_dh is not None else _IN_SWIGLU if apply_swiglu else None,
+                  in_code=_swiglu_code(apply_swiglu, swiglu_dh),
                   x2=swiglu_dh)
+
+
+def _swiglu_code(apply_swiglu: bool, swiglu_dh: torch.Tensor | None) -> int | None:
+    """mx_quant's IN code for the SwiGLU variants (None: the input's own dtype)."""
+    if swiglu_dh is not None:
+        return _IN_SWIGLU_BWD if swiglu_dh.dtype == torch.float32 else _IN_SWIGLU_BWD16
+    return _IN_SWIGLU if apply_swiglu else None
 
 
 def quantize_grouped_dual(

@@ -523,19 +523,26 @@ def test_grouped_dual_bad_input():
         mxfp8_cuda.quantize_grouped_dual(a.float(), st, apply_swiglu=True)
     with pytest.raises(ValueError, match="device"):
         mxfp8_cuda.quantize_grouped_dual(a[:, :64].contiguous(), st.cpu())
+    a2 = torch.zeros(64, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        mxfp8_cuda.quantize_grouped_dual(a2, st, swiglu_dh=torch.zeros(64, 64, dtype=torch.float16, device="cuda"))
+    with pytest.raises(ValueError, match="dh: expected shape"):
+        mxfp8_cuda.quantize_grouped_dual(a2, st, swiglu_dh=torch.zeros(64, 128, dtype=torch.bfloat16, device="cuda"))
 
 
+@pytest.mark.parametrize("dh_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
-def test_swiglu_bwd_dual_matches_reference(dev, sizes):
+def test_swiglu_bwd_dual_matches_reference(dev, sizes, dh_dtype):
     """Backward SwiGLU fused with both quantizations of dA == torch's swiglu_bwd then the reference quantizer.
 
-    F = 96 puts the gate/up boundary of dA (column 96) inside the first 128-column tile.
+    F = 96 puts the gate/up boundary of dA (column 96) inside the first 128-column tile. A bf16 dh (the dgrad
+    GEMM's output) is read as is; the reference promotes it to fp32 exactly, so the bytes must match too.
     """
     from moe_ep.gemm import quantize_grouped_dual_torch
 
     m, f = sum(sizes), 96
     a = _dual_input(m, 2 * f, torch.bfloat16, seed=11 + m).to(dev)
-    dh = _dual_input(m, f, torch.float32, seed=13 + m).to(dev)
+    dh = _dual_input(m, f, torch.float32, seed=13 + m).to(dh_dtype).to(dev)
     st = torch.tensor(sizes, dtype=torch.int32)
     got = mxfp8_cuda.quantize_grouped_dual(a, st.to(dev), swiglu_dh=dh)
     want = quantize_grouped_dual_torch(a, st, swiglu_dh=dh)
