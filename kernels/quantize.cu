@@ -6,8 +6,9 @@
 //   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipe 3: by cp.async into a
 //            shared-memory double buffer); the TPB = 32/VEC lanes
 //            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
-//            scales go straight to global memory (plain) or into a 512-byte smem tile (blocked layouts: the
-//            128 rows x 4 scale columns of this tile are exactly one 128x4 cuBLAS tile, padding included).
+//            scales go straight to global memory (plain) or form one 128x4 cuBLAS tile (blocked layouts: the
+//            128 rows x 4 scale columns of this tile, padding included): gathered in registers by lane shuffles
+//            in row-only modes (so they need no CTA barrier at all), in a 512-byte smem tile otherwise.
 //            Column-wise modes also stage the raw chunk in smem (XOR-swizzled, conflict-free both ways).
 //   phase 2  (column-wise) a thread owns one 32-bit word column (2 bf16 / 1 fp32 columns) of one 32-row
 //            block: it reduces and quantizes the 32x1 block and stores 32 e4m3 bytes of the TRANSPOSED output
@@ -94,11 +95,14 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     constexpr int PER = 8;                    // chunks in flight per thread
     constexpr int PASSES = TILE * CPR / (NTHREADS * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
+    // Row-only blocked modes keep their scale tile in registers (no barrier); modes with a column-wise output
+    // need the CTA barrier for phase 2 anyway and keep the smem tile (fewer live registers through phase 1).
+    constexpr bool SREG = RTILE && CS == CS_NONE;
     static_assert((PIPE != 2 && PIPE != 3) || PASSES == 1, "prefetch needs a one-pass tile");
 
     MX_DYN_SMEM(smem);
     unsigned* tile = reinterpret_cast<unsigned*>(smem);  // [TILE][WPR] words, swizzled (CS != NONE)
-    unsigned char* stile = smem + (CS != CS_NONE ? TILE * WPR * 4 : 0);  // 512 B row-scale tile
+    unsigned char* stile = smem + (CS != CS_NONE ? TILE * WPR * 4 : 0);  // 512 B row-scale tile (!SREG)
     unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
     signed char* sexp = reinterpret_cast<signed char*>(ctile + 512);     // [4][128] col exponents (CS_NT)
     long long* g_rstart = reinterpret_cast<long long*>(stile + MX_SMEM_FIXED);  // [G + 1] (RS_GROUPED)
@@ -200,6 +204,14 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
         }
 
     // ---------------- phase 1: load, row-wise quantization, staging ----------------
+    // Blocked row scales stay in registers (no smem tile, no CTA barrier): chunk m = p * PER + j of this thread
+    // is row r = m * RPM + tid / CPR, i.e. word (r & 31) = tid / CPR + RPM * (m % NW) of the 128x4 tile, byte
+    // 4 * (r >> 5) + cb with r >> 5 = m / NW; sw[w] collects that word's 4 row blocks of column block cb.
+    constexpr int RPM = NTHREADS / CPR;  // tile rows per chunk step
+    constexpr int NW = 32 / RPM;         // 16-byte scale words per thread
+    unsigned sw[NW];
+#pragma unroll
+    for (int w = 0; w < NW; ++w) sw[w] = 0u;
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
         uint4 v[PER];
@@ -232,19 +244,39 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                     if (VEC == 8) *reinterpret_cast<uint2*>(dst) = q;
                     else *reinterpret_cast<unsigned*>(dst) = q.x;
                 }
-                if ((lane & (TPB - 1)) == 0) {
-                    const unsigned char sb = (unsigned char)(bad ? MX_SCALE_NAN : (unsigned)(e + 127));
-                    const int cb = cc / TPB;
-                    if (RS == RS_PLAIN) {
-                        if (ok) rs[(row0 + r) * C + ct * 4 + cb] = sb;
-                    } else {
-                        stile[tile_off(r, cb)] = ok ? sb : (unsigned char)0;
-                    }
+                const unsigned sb = bad ? MX_SCALE_NAN : (unsigned)(e + 127);
+                if (RS == RS_PLAIN) {
+                    if ((lane & (TPB - 1)) == 0 && ok) rs[(row0 + r) * C + ct * 4 + cc / TPB] = (unsigned char)sb;
+                } else if (SREG) {
+                    const int m = p * PER + j;
+                    sw[m % NW] |= (ok ? sb : 0u) << (8 * (m / NW));
+                } else if ((lane & (TPB - 1)) == 0) {
+                    stile[tile_off(r, cc / TPB)] = ok ? (unsigned char)sb : (unsigned char)0;
                 }
             }
         }
     }
-    if (CS != CS_NONE || RTILE) __syncthreads();
+    // ---------------- blocked row-scale tile from registers: 512 B, 16-byte stores ----------------
+    if (SREG) {
+        // The 4 column blocks of a row group sit on lanes TPB apart (cc / TPB = cb); the cb = 0 lane gathers
+        // them and writes whole 16-byte words (every lane takes part in the shuffles).
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const unsigned u0 = sw[w];
+            const unsigned u1 = __shfl_xor_sync(0xFFFFFFFFu, u0, TPB);
+            const unsigned u2 = __shfl_xor_sync(0xFFFFFFFFu, u0, 2 * TPB);
+            const unsigned u3 = __shfl_xor_sync(0xFFFFFFFFu, u0, 3 * TPB);
+            if (tid % CPR == 0) {
+                uint4 o;
+                o.x = (u0 & 0xFFu) | (u1 & 0xFFu) << 8 | (u2 & 0xFFu) << 16 | u3 << 24;
+                o.y = (u0 >> 8 & 0xFFu) | (u1 >> 8 & 0xFFu) << 8 | (u2 >> 8 & 0xFFu) << 16 | (u3 >> 8) << 24;
+                o.z = (u0 >> 16 & 0xFFu) | (u1 >> 16 & 0xFFu) << 8 | (u2 >> 16 & 0xFFu) << 16 | (u3 >> 16) << 24;
+                o.w = (u0 >> 24) | (u1 >> 24) << 8 | (u2 >> 24) << 16 | (u3 >> 24) << 24;
+                reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid / CPR + RPM * w] = o;
+            }
+        }
+    }
+    if (CS != CS_NONE) __syncthreads();
 
     // ---------------- phase 2: column-wise 32x1 blocks from the staged tile ----------------
     if (CS != CS_NONE) {
@@ -334,8 +366,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
         }
     }
 
-    // ---------------- blocked scale tiles: 512 B each, 16-byte stores ----------------
-    if (RTILE && tid < 32) {
+    // ---------------- blocked scale tiles from smem: 512 B each, 16-byte stores ----------------
+    if (RTILE && !SREG && tid < 32) {
         reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid] =
             reinterpret_cast<const uint4*>(stile)[tid];
     }
@@ -344,7 +376,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             reinterpret_cast<const uint4*>(ctile)[tid - 32];
     }
         if (!PIPE || Tn >= total) break;
-        if (CS != CS_NONE || RTILE) __syncthreads();  // the next tile rewrites the staged tile and scale tiles
+        if (CS != CS_NONE) __syncthreads();  // the next tile rewrites the staged tile and the column-scale tile
         T = Tn;
         buf ^= 1;
         if (PIPE >= 2) {
