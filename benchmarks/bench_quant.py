@@ -6,7 +6,8 @@ For every (variant, M, K): checks the kernel's bytes against the CPU reference o
 kernel and the ``torch.compile``-d reference in the same process with CUDA events (median of ``--reps``; the L2
 is flushed before each rep and a spin kernel keeps the GPU queue ahead of the CPU, so launch overhead is not
 timed). Bytes moved = input read + e4m3 data written + scale bytes written (fused: both outputs).
-Copy bandwidth = a large device-to-device copy, read + write bytes.
+Copy bandwidth = a large (2 GiB) device-to-device copy, read + write bytes: the targets are judged against it.
+Each shape also reports a copy of its own size (``pct_copy_same_size``), the ceiling that launch and tail leave.
 """
 
 from __future__ import annotations
@@ -152,6 +153,16 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
         return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "plain"), _ref_row_plain(xc)))
     if variant == "row_blocked":
         return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "blocked"), _ref_row_blocked(xc)))
+    if variant == "swiglu_bwd_dual":
+        from moe_ep.gemm import quantize_grouped_dual_torch  # noqa: PLC0415
+
+        a = x[:rows].contiguous().to(torch.bfloat16)
+        dh = _swiglu_dh(a)
+        sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
+        got = mxfp8_cuda.quantize_grouped_dual(a, sizes.to(a.device), swiglu_dh=dh)
+        want = quantize_grouped_dual_torch(a, sizes, swiglu_dh=dh)  # on the GPU: torch's CUDA exp, as the kernel
+        used = sum(-(-int(n) // 32) for n in sizes)
+        return all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used])
     if variant in ("grouped_dual", "swiglu_dual"):
         from moe_ep.gemm import quantize_grouped_dual_torch  # noqa: PLC0415
 
@@ -182,11 +193,24 @@ def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
     return torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
 
 
+def _swiglu_dh(a: torch.Tensor) -> torch.Tensor:
+    """A bf16 gradient of h for a: [M, 2F] -> [M, F] (what the dgrad GEMM of the down projection writes)."""
+    f = a.shape[1] // 2
+    return (a[:, :f].float() * 0.5 - a[:, f:].float()).to(torch.bfloat16).contiguous()
+
+
 def kernel_fn(variant: str, x: torch.Tensor, groups: int):
     """(closure launching the kernel into preallocated outputs, bytes moved)."""
     m, k = x.shape
     dev = x.device
     read = x.numel() * x.element_size()
+    if variant == "swiglu_bwd_dual":  # x plays a = (gate | up) [M, K], with a bf16 dh [M, K/2]; dA is [M, K]
+        a = x.to(torch.bfloat16)
+        dh = _swiglu_dh(a)
+        sizes = _random_sizes(m, groups, dev)
+        outs = mxfp8_cuda.quantize_grouped_dual(a, sizes, swiglu_dh=dh)
+        nbytes = 2 * m * k + 2 * m * (k // 2) + 2 * m * k + outs[1].numel() + -(-m // 32) * k
+        return (lambda: mxfp8_cuda.quantize_grouped_dual_into(a, sizes, *outs, swiglu_dh=dh)), nbytes
     if variant in ("grouped_dual", "swiglu_dual"):  # both grouped GEMM operands from one read
         sw = variant == "swiglu_dual"  # x plays a = (gate | up): h is [M, K/2]
         kh = k // 2 if sw else k
@@ -233,7 +257,8 @@ def main() -> None:
         help="torch.compile baseline: static shapes (one compile per shape), dynamic, or none",
     )
     ap.add_argument(
-        "--variants", default="row_plain,row_blocked,row_grouped,col_blocked,fused,grouped_dual,swiglu_dual"
+        "--variants",
+        default="row_plain,row_blocked,row_grouped,col_blocked,fused,grouped_dual,swiglu_dual,swiglu_bwd_dual",
     )
     ap.add_argument("--groups", type=int, default=32, help="groups of the row_grouped variant")
     ap.add_argument("--pipes", default="", help="MOE_EP_QUANT_PIPE values to sweep, e.g. auto,0,2,3 (default: current)")
@@ -275,6 +300,11 @@ def main() -> None:
         for k in ks:
             x = torch.randn(m, k, device="cuda", dtype=torch.float32).mul_(4.0).to(dtype)
             probes = probe_bandwidths(timer, x) if x.dtype == torch.bfloat16 else {}
+            # A copy of the same size as row-wise quantization's traffic (3 bytes per element, read + write): at
+            # the small shapes launch and tail cost the copy too, so this is the ceiling of each shape.
+            copy_same = copy_bandwidth(timer, 3 * m * k // 2)
+            print(f"  same-size copy: {copy_same / 1e9:.0f} GB/s ({100 * copy_same / copy_bw:.1f}% of the large copy)",
+                  flush=True)
             if probes:
                 print(
                     "  same-traffic probes (read bf16, write 1 B/element, no math): "
@@ -305,6 +335,8 @@ def main() -> None:
                     "bytes": nbytes,
                     "GBps": bw / 1e9,
                     "pct_copy": 100 * bw / copy_bw,
+                    "copy_same_size_GBps": copy_same / 1e9,
+                    "pct_copy_same_size": 100 * bw / copy_same,
                     **{f"probe_{n}_GBps": v / 1e9 for n, v in probes.items()},
                     **{f"pct_probe_{n}": 100 * bw / v for n, v in probes.items()},
                     "compile_ms": tc,
