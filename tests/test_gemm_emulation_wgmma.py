@@ -1,6 +1,6 @@
-"""CPU emulation of kernels/grouped_gemm_wgmma.cu (no GPU needed), on the helpers of test_gemm_emulation.py.
+"""CPU emulation of kernels/grouped_gemm_wgmma.cu (no GPU needed), on the helpers of gemm_emu.py.
 
-The wgmma kernel shares the mma kernel's loader and conversion (modelled in test_gemm_emulation.py); this file
+The wgmma kernel shares the mma kernel's loader and conversion (modelled in gemm_emu.py); this file
 models what differs: the 128B-swizzled bf16 stage ring, the shared-memory matrix descriptors, the m64nNk16
 accumulator fragment, the epilogue and the stage-reuse discipline.
 """
@@ -17,7 +17,7 @@ import pytest
 from moe_ep import gemm_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_gemm_emulation import (  # noqa: E402
+from gemm_emu import (  # noqa: E402
     bf16_to_f,
     byte,
     check_emulated_2d3d,
