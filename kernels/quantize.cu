@@ -339,7 +339,17 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             const int r = c / CPR, cc = c % CPR;
             if (!(r < nrows && col0 + cc * VEC < K)) continue;
             const uint4 v = *reinterpret_cast<const uint4*>(tile + r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3)));
+            // The chunk's VEC column exponents in one 8- or 4-byte shared load (offset is a multiple of VEC).
             const signed char* ex = sexp + (r >> 5) * TILE + cc * VEC;
+            unsigned exw[2];
+            if (VEC == 8) {
+                const uint2 t = *reinterpret_cast<const uint2*>(ex);
+                exw[0] = t.x;
+                exw[1] = t.y;
+            } else {
+                exw[0] = *reinterpret_cast<const unsigned*>(ex);
+                exw[1] = 0u;
+            }
             const unsigned vw[4] = {v.x, v.y, v.z, v.w};
             // Each element has its own column's exponent; pack 4 conversions per cvt (2 x e4m3x2), then patch
             // the NaN blocks (exponent -128) to 0x7F byte by byte.
@@ -347,7 +357,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             unsigned nanmask[2] = {0u, 0u};
 #pragma unroll
             for (int i = 0; i < VEC; ++i) {
-                const int e = ex[i];
+                const int e = (int)(signed char)(exw[i >> 2] >> (8 * (i & 3)));
                 const bool bad = e == -128;
                 f[i] = bad ? 0.0f : mx_mul(word_elem<IN>(vw[i * ES / 4], (i * ES / 2) & 1), mx_exp2i(-e));
                 if (bad) nanmask[i >> 2] |= 0xFFu << (8 * (i & 3));
