@@ -153,25 +153,13 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
         return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "plain"), _ref_row_plain(xc)))
     if variant == "row_blocked":
         return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "blocked"), _ref_row_blocked(xc)))
-    if variant == "swiglu_bwd_dual":
+    if variant in DUAL:
         from moe_ep.gemm import quantize_grouped_dual_torch  # noqa: PLC0415
 
-        a = x[:rows].contiguous().to(torch.bfloat16)
-        dh = _swiglu_dh(a)
+        xs, kw, kh = _dual_args(variant, x[:rows].contiguous())
         sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
-        got = mxfp8_cuda.quantize_grouped_dual(a, sizes.to(a.device), swiglu_dh=dh)
-        want = quantize_grouped_dual_torch(a, sizes, swiglu_dh=dh)  # on the GPU: torch's CUDA exp, as the kernel
-        used = sum(-(-int(n) // 32) for n in sizes)
-        return all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used])
-    if variant in ("grouped_dual", "swiglu_dual"):
-        from moe_ep.gemm import quantize_grouped_dual_torch  # noqa: PLC0415
-
-        sw = variant == "swiglu_dual"
-        xs = x[:rows].contiguous().to(torch.bfloat16 if sw else x.dtype)
-        kh = xs.shape[1] // 2 if sw else xs.shape[1]
-        sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
-        got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), sw)
-        want = quantize_grouped_dual_torch(xs, sizes, sw)  # swiglu on the GPU: torch's CUDA silu, as the kernel
+        got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), **kw)
+        want = quantize_grouped_dual_torch(xs, sizes, **kw)  # SwiGLU on the GPU: torch's CUDA ops, as the kernel
         used = sum(-(-int(n) // 32) for n in sizes)
         return (all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used])
                 and got[3].shape[1] == kh)
@@ -193,10 +181,23 @@ def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
     return torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
 
 
-def _swiglu_dh(a: torch.Tensor) -> torch.Tensor:
-    """A bf16 gradient of h for a: [M, 2F] -> [M, F] (what the dgrad GEMM of the down projection writes)."""
+DUAL = ("grouped_dual", "swiglu_dual", "swiglu_bwd_dual")  # both grouped GEMM operands from one read
+
+
+def _dual_args(variant: str, x: torch.Tensor) -> tuple[torch.Tensor, dict, int]:
+    """(input, quantize_grouped_dual keyword arguments, quantized width) of a DUAL variant on x [M, K].
+
+    swiglu_dual: x plays a = (gate | up), h is [M, K/2]; swiglu_bwd_dual: x plays a, with a bf16 dh [M, K/2]
+    (what the down projection's dgrad writes), dA is [M, K]. The SwiGLU variants take bf16 GEMM outputs.
+    """
+    if variant == "grouped_dual":
+        return x, {}, x.shape[1]
+    a = x.to(torch.bfloat16)
+    if variant == "swiglu_dual":
+        return a, {"apply_swiglu": True}, a.shape[1] // 2
     f = a.shape[1] // 2
-    return (a[:, :f].float() * 0.5 - a[:, f:].float()).to(torch.bfloat16).contiguous()
+    dh = (a[:, :f].float() * 0.5 - a[:, f:].float()).to(torch.bfloat16).contiguous()
+    return a, {"swiglu_dh": dh}, a.shape[1]
 
 
 def kernel_fn(variant: str, x: torch.Tensor, groups: int):
@@ -204,21 +205,13 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
     m, k = x.shape
     dev = x.device
     read = x.numel() * x.element_size()
-    if variant == "swiglu_bwd_dual":  # x plays a = (gate | up) [M, K], with a bf16 dh [M, K/2]; dA is [M, K]
-        a = x.to(torch.bfloat16)
-        dh = _swiglu_dh(a)
+    if variant in DUAL:
+        xin, kw, kh = _dual_args(variant, x)
         sizes = _random_sizes(m, groups, dev)
-        outs = mxfp8_cuda.quantize_grouped_dual(a, sizes, swiglu_dh=dh)
-        nbytes = 2 * m * k + 2 * m * (k // 2) + 2 * m * k + outs[1].numel() + -(-m // 32) * k
-        return (lambda: mxfp8_cuda.quantize_grouped_dual_into(a, sizes, *outs, swiglu_dh=dh)), nbytes
-    if variant in ("grouped_dual", "swiglu_dual"):  # both grouped GEMM operands from one read
-        sw = variant == "swiglu_dual"  # x plays a = (gate | up): h is [M, K/2]
-        kh = k // 2 if sw else k
-        sizes = _random_sizes(m, groups, dev)
-        xin = x.to(torch.bfloat16) if sw else x  # SwiGLU takes bf16 GEMM outputs
-        outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, sw)
-        nbytes = xin.numel() * xin.element_size() + 2 * m * kh + outs[1].numel() + -(-m // 32) * kh
-        return (lambda: mxfp8_cuda.quantize_grouped_dual_into(xin, sizes, *outs, sw)), nbytes
+        outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, **kw)
+        nbytes = (sum(t.numel() * t.element_size() for t in (xin, *kw.values()) if isinstance(t, torch.Tensor))
+                  + 2 * m * kh + outs[1].numel() + -(-m // 32) * kh)
+        return (lambda: mxfp8_cuda.quantize_grouped_dual_into(xin, sizes, *outs, **kw)), nbytes
     data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
     if variant in ("row_plain", "row_blocked", "row_grouped"):
         layout = variant.removeprefix("row_")

@@ -254,6 +254,22 @@ def compute_stage(sm: Smem, sa, sb, acc, mn):
                     mma(acc[w][mi][ni], [[af[mi][j][ln] for ln in range(32)] for j in range(4)], bfr[ni][0], bfr[ni][1])
 
 
+def mainloop(sm: Smem, load, store, ksteps: int, acc, mn: bool) -> None:
+    """The kernels' two-stage k loop: load k-step s+1 into registers while stage s is computed, then convert and
+    store it into the other stage; one barrier per step (both kernels share this schedule)."""
+    if ksteps > 0:
+        load(0)
+        store(0)
+    sm.syncthreads()
+    for s in range(ksteps):
+        if s + 1 < ksteps:
+            load(s + 1)
+        compute_stage(sm, (s & 1) * STAGE, (s & 1) * STAGE + OPER, acc, mn)
+        if s + 1 < ksteps:
+            store((s + 1) & 1)
+        sm.syncthreads()
+
+
 def store_tile(out, obase, ld, nrows, ncols, acc, out_f32):
     for w in range(8):
         wm, wn = w >> 2, w & 3
@@ -393,16 +409,7 @@ def emu_2d3d(a, a_sc, b, b_sc, sizes, out, g_count, m_total, n, k, out_f32, zero
                     sm.sts(addr, ws[:4])
                     sm.sts(addr + 16, ws[4:])
 
-        load(0)
-        store(0)
-        sm.syncthreads()
-        for s in range(ksteps):
-            if s + 1 < ksteps:
-                load(s + 1)
-            compute_stage(sm, (s & 1) * STAGE, (s & 1) * STAGE + OPER, acc, False)
-            if s + 1 < ksteps:
-                store((s + 1) & 1)
-            sm.syncthreads()
+        mainloop(sm, load, store, ksteps, acc, False)
         n0 = int(c["n0"][0, 0])
         store_tile(out, c["arow0"] * n + n0, n, c["mrows"], n - n0, acc, out_f32)
 
@@ -476,17 +483,7 @@ def emu_wgrad(a, a_sc, b, b_sc, sizes, out, g_count, m_total, n, k, out_f32):
                     sm.sts(base + st0 + i * MN_LD * 2, cvt_words_ps(regs[f"ra{i}"][t], ma, fa))
                     sm.sts(base + OPER + st0 + i * MN_LD * 2, cvt_words_ps(regs[f"rb{i}"][t], mb, fb))
 
-        if ksteps > 0:
-            load(0)
-            store(0)
-        sm.syncthreads()
-        for s in range(ksteps):
-            if s + 1 < ksteps:
-                load(s + 1)
-            compute_stage(sm, (s & 1) * STAGE, (s & 1) * STAGE + OPER, acc, True)
-            if s + 1 < ksteps:
-                store((s + 1) & 1)
-            sm.syncthreads()
+        mainloop(sm, load, store, ksteps, acc, True)
         i0, j0 = int(c["i0"][0, 0]), int(c["j0"][0, 0])
         store_tile(out, (g * n + i0) * k + j0, k, n - i0, k - j0, acc, out_f32)
 

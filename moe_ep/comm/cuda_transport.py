@@ -30,6 +30,7 @@ Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
 from .nvshmem import EPRuntime, get_runtime
+from .ops import _Combine, _Dispatch
 
 _LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
 _LAYOUT_TOKENS_PER_CTA = 128
@@ -421,35 +423,7 @@ def dispatch_bwd(grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: CudaEPHa
 
 
 # ----------------------------------------------------------------------------------------------------- autograd
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_w, handle, quantize):
-        ctx.handle, ctx.dtype, ctx.hidden = handle, x.dtype, x.shape[1]
-        return dispatch_fwd(x, topk_w, handle, quantize)
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_w):
-        h = ctx.handle
-        if grad_rows is None:
-            grad_rows = torch.zeros(h.expand_capacity, ctx.hidden, dtype=ctx.dtype, device=h.runtime.device)
-        if grad_w is None:
-            grad_w = torch.zeros(h.expand_capacity, dtype=torch.float32, device=h.runtime.device)
-        dx, dw = dispatch_bwd(grad_rows, grad_w, h, ctx.dtype)
-        return dx, dw, None, None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, w, handle, quantize):
-        ctx.save_for_backward(y, w)
-        ctx.handle, ctx.quantize = handle, quantize
-        return combine_fwd(y, w, handle)
-
-    @staticmethod
-    def backward(ctx, dy):
-        y, w = ctx.saved_tensors
-        dyr, dw = combine_bwd(dy, y, w, ctx.handle, ctx.quantize)
-        return dyr, dw, None, None
+# The autograd Functions are moe_ep.comm.ops' (_Dispatch / _Combine), called with this module as the transport.
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, group=None,
@@ -459,13 +433,13 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_
         raise ValueError(f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_w {tuple(topk_w.shape)} "
                          "do not match")
     handle = build_layout(topk_idx, num_experts, group, expand_capacity=expand_capacity)
-    rows, w = _Dispatch.apply(x, topk_w, handle, quantize)
+    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, sys.modules[__name__])
     return rows, w, handle
 
 
 def combine(y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize: bool = True) -> torch.Tensor:
     """:func:`moe_ep.comm.ops.combine` on the CUDA transport: y [Ncap, H], w [Ncap] -> [T, H] y.dtype."""
-    return _Combine.apply(y, w, handle, quantize)
+    return _Combine.apply(y, w, handle, quantize, sys.modules[__name__])
 
 
 def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):

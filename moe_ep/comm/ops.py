@@ -12,6 +12,8 @@ the backward pass (as in every MXFP8 training recipe); dy is quantized where the
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .. import mxfp8
@@ -65,29 +67,44 @@ def combine_bwd(
 
 
 class _Dispatch(torch.autograd.Function):
+    """Dispatch with autograd over a transport's ``dispatch_fwd`` / ``dispatch_bwd`` (``impl``: this module, or
+    :mod:`moe_ep.comm.cuda_transport`, which shares these two Functions)."""
+
     @staticmethod
-    def forward(ctx, x, topk_w, handle, quantize):
-        ctx.handle, ctx.dtype = handle, x.dtype
-        return dispatch_fwd(x, topk_w, handle, quantize)
+    def forward(ctx, x, topk_w, handle, quantize, impl):
+        ctx.handle, ctx.dtype, ctx.impl = handle, x.dtype, impl
+        rows, w = impl.dispatch_fwd(x, topk_w, handle, quantize)
+        ctx.rows_shape, ctx.w_shape, ctx.device = rows.shape, w.shape, rows.device
+        return rows, w
 
     @staticmethod
     def backward(ctx, grad_rows, grad_w):
-        dx, dw = dispatch_bwd(grad_rows, grad_w, ctx.handle, ctx.dtype)
-        return dx, dw, None, None
+        # An output that the loss does not use gets no gradient: it contributes zeros.
+        if grad_rows is None:
+            grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.dtype, device=ctx.device)
+        if grad_w is None:
+            grad_w = torch.zeros(ctx.w_shape, dtype=torch.float32, device=ctx.device)
+        dx, dw = ctx.impl.dispatch_bwd(grad_rows, grad_w, ctx.handle, ctx.dtype)
+        return dx, dw, None, None, None
 
 
 class _Combine(torch.autograd.Function):
+    """Combine with autograd over a transport's ``combine_fwd`` / ``combine_bwd`` (``impl`` as in _Dispatch)."""
+
     @staticmethod
-    def forward(ctx, y, w, handle, quantize):
+    def forward(ctx, y, w, handle, quantize, impl):
         ctx.save_for_backward(y, w)
-        ctx.handle, ctx.quantize = handle, quantize
-        return combine_fwd(y, w, handle)
+        ctx.handle, ctx.quantize, ctx.impl = handle, quantize, impl
+        return impl.combine_fwd(y, w, handle)
 
     @staticmethod
     def backward(ctx, dy):
         y, w = ctx.saved_tensors
-        dyr, dw = combine_bwd(dy, y, w, ctx.handle, ctx.quantize)
-        return dyr, dw, None, None
+        dyr, dw = ctx.impl.combine_bwd(dy, y, w, ctx.handle, ctx.quantize)
+        return dyr, dw, None, None, None
+
+
+_SELF = sys.modules[__name__]
 
 
 def dispatch(
@@ -114,7 +131,7 @@ def dispatch(
     if quantize and x.shape[1] % mxfp8.BLOCK:
         raise ValueError(f"hidden ({x.shape[1]}) must be a multiple of 32 for MXFP8 dispatch")
     handle = build_layout(topk_idx, num_experts, group)
-    rows, w = _Dispatch.apply(x, topk_w, handle, quantize)
+    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, _SELF)
     return rows, w, handle
 
 
@@ -129,4 +146,4 @@ def combine(y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize: bool =
             f"combine expects y [{handle.num_expanded}, H] and w [{handle.num_expanded}], "
             f"got {tuple(y.shape)} and {tuple(w.shape)}"
         )
-    return _Combine.apply(y, w, handle, quantize)
+    return _Combine.apply(y, w, handle, quantize, _SELF)
