@@ -151,11 +151,9 @@ __device__ __forceinline__ unsigned mult_slow1(unsigned s) {
 }
 #define BF16X2_2P120 0x7B807B80u
 
-// 16 e4m3 bytes sharing scale byte s -> 8 bf16x2 words: the first 16 bytes at smem address addr0, the last 16 at
-// addr1 (addr0 + 16 in the mma kernel's padded tiles; the swizzled chunk c + 1 in the wgmma kernel's tiles).
-__device__ __forceinline__ void cvt_store16_2(uint4 raw, unsigned s, unsigned addr0, unsigned addr1) {
+// 16 e4m3 bytes sharing scale byte s -> 8 bf16x2 words o[2 j + h] = bytes 4 j + 2 h, 4 j + 2 h + 1 (scaled).
+__device__ __forceinline__ void cvt16(uint4 raw, unsigned s, unsigned* o) {
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-    unsigned o[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         o[2 * j] = e4m3x2_bits(w[j], 0x1404u);
@@ -170,6 +168,13 @@ __device__ __forceinline__ void cvt_store16_2(uint4 raw, unsigned s, unsigned ad
 #pragma unroll
         for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m);
     }
+}
+
+// The same, stored: words 0-3 (bytes 0-7) at smem address addr0, words 4-7 at addr1 (addr0 + 16 in the mma
+// kernel's padded tiles; the swizzled chunk c + 1 in the wgmma kernel's tiles).
+__device__ __forceinline__ void cvt_store16_2(uint4 raw, unsigned s, unsigned addr0, unsigned addr1) {
+    unsigned o[8];
+    cvt16(raw, s, o);
     sts128(addr0, o[0], o[1], o[2], o[3]);
     sts128(addr1, o[4], o[5], o[6], o[7]);
 }

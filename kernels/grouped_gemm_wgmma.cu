@@ -158,9 +158,12 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
     }
 }
 
+// kernels/grouped_gemm_wg2.cu includes this file for its helpers and defines WG_NO_KERNELS first.
+#ifndef WG_NO_KERNELS
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wg_2d3d_bf16(GM_ARGS) {
     wg_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
 }
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 2) mx_gmm_wg_2d3d_f32(GM_ARGS) {
     wg_2d3d<1>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
 }
+#endif  // WG_NO_KERNELS

@@ -36,8 +36,10 @@ Everything runs on torch's current stream with no host synchronization.
 
 Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad: ``wgmma`` (default; in
 ``kernels/grouped_gemm_wgmma.cu``: dequantize into 128B-swizzled shared tiles read by wgmma.m64n128k16, 3 stages;
-measured 1.2-1.3x ``mma`` on H200) or ``mma`` (ldmatrix + mma.sync bf16, dequantize into shared memory, 128x128x64
-tiles, 2 CTAs/SM). wgrad always runs the ``mma`` kernel. Unknown values raise ValueError.
+measured 1.2-1.3x ``mma`` on H200), ``wgmma2`` (``kernels/grouped_gemm_wg2.cu``: 128x256 tiles, A dequantized
+straight into wgmma register fragments, B into a shared ring, wgmma.m64n256k16) or ``mma`` (ldmatrix + mma.sync
+bf16, dequantize into shared memory, 128x128x64 tiles, 2 CTAs/SM). wgrad always runs the ``mma`` kernel. Unknown
+values raise ValueError.
 
 The ``*_ref`` functions at the bottom are pure-PyTorch converters from plain tensors to these operand formats
 (used by the tests and the benchmark; they read group sizes on the host).
@@ -51,13 +53,16 @@ import torch
 
 from . import mxfp8
 
-IMPLS = ("mma", "wgmma")
+IMPLS = ("mma", "wgmma", "wgmma2")
 _KERNEL_FILE = "grouped_gemm.cu"
 _WGMMA_FILE = "grouped_gemm_wgmma.cu"
+_WGMMA2_FILE = "grouped_gemm_wg2.cu"
 _THREADS = 256
 _TILE = 128
 _SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
 _WGMMA_SMEM_BYTES = 99328  # 3 stages x (A + B) x 16384 B + 1024 (alignment), grouped_gemm_wgmma.cu WG_SMEM_BYTES
+_WGMMA2_SMEM_BYTES = 99328  # 3 stages x B 32768 B + 1024 (alignment), grouped_gemm_wg2.cu W2_SMEM_BYTES
+_WGMMA2_BN = 256  # output columns per CTA of the wgmma2 kernel (128 rows)
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -197,11 +202,14 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         )
     if tuple(out.shape) != (m, n):
         raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
-    grid = (_cdiv(m, _TILE) + g) * _cdiv(n, _TILE) if g else 0
+    bn = _WGMMA2_BN if impl == "wgmma2" else _TILE
+    grid = (_cdiv(m, _TILE) + g) * _cdiv(n, bn) if g else 0
     if grid == 0 and zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
         out.zero_()
     suffix = _OUT_SUFFIX[out.dtype]
-    if impl == "wgmma":
+    if impl == "wgmma2":
+        kernel, kfile, smem = f"mx_gmm_wg2_2d3d_{suffix}", _WGMMA2_FILE, _WGMMA2_SMEM_BYTES
+    elif impl == "wgmma":
         kernel, kfile, smem = f"mx_gmm_wg_2d3d_{suffix}", _WGMMA_FILE, _WGMMA_SMEM_BYTES
     else:
         kernel, kfile, smem = f"mx_gmm_2d3d_{suffix}", _KERNEL_FILE, _SMEM_BYTES

@@ -91,10 +91,14 @@ def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.d
     if pipe == 0:
         return tiles
     per_sm = 2 if pipe == 2 else 3
-    # Balanced persistent grid: as few CTAs as still give every CTA the same number of tiles (+-1), so no short
-    # last round runs with a fraction of the CTAs (2048 tiles: 342 CTAs x 6 instead of 396 x 5.17).
-    per_cta = _cdiv(tiles, per_sm * _sm_count(device))
-    return _cdiv(tiles, per_cta)
+    full = min(tiles, per_sm * _sm_count(device))
+    if os.environ.get("MOE_EP_QUANT_GRID", "full").strip().lower() != "balanced":
+        # Default: every CTA slot of the GPU. Measured on H200 (benchmarks/NOTES.md, pass 4): more bytes in
+        # flight beat an even tile count; the balanced grid lost 0-6 points of copy bandwidth.
+        return full
+    # Balanced: as few CTAs as still give every CTA the same number of tiles (+-1), so no short last round runs
+    # with a fraction of the CTAs (2048 tiles: 342 CTAs x 6 instead of 396 x 5.17).
+    return _cdiv(tiles, _cdiv(tiles, full))
 
 
 def _kernel(name: str, device: torch.device):

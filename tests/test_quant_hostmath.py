@@ -333,3 +333,22 @@ def install_emulator(monkeypatch, so) -> None:
 
 def test_emulator_builds(tmp_path):
     assert build_emulator(tmp_path) is not None
+
+
+def test_quant_grid_full_and_balanced(monkeypatch):
+    """MOE_EP_QUANT_GRID: the persistent grid of the row-wise kernels on a 132-SM GPU (hand-worked numbers)."""
+    from moe_ep import mxfp8_cuda
+
+    monkeypatch.setattr(mxfp8_cuda, "_sm_count", lambda d: 132)
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    dev = torch.device("cpu")
+    blocked, grouped = mxfp8_cuda._RS["blocked"], mxfp8_cuda._RS["grouped"]
+    monkeypatch.delenv("MOE_EP_QUANT_GRID", raising=False)
+    # blocked bf16: pipe 3, 3 CTAs per SM = 396 slots; grouped: pipe 2, 2 per SM = 264
+    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 396
+    assert mxfp8_cuda._quant_ctas(100, 2, blocked, 0, dev) == 100
+    assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 264
+    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, mxfp8_cuda._CS["blocked"], dev) == 2048  # pipe 0: one per tile
+    monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
+    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 342  # ceil(2048 / 6): 6 tiles per CTA
+    assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
