@@ -19,8 +19,9 @@
 //   * pipeline per k-step s (3-stage B ring, 2 A fragment buffers in registers):
 //       wgmma.fence; 4 x wgmma (A regs buffer s % 2, B stage s % 3); commit; wait_group 1 (step s - 1 done:
 //       its A registers and, by the barrier that ended step s - 1 on the other warpgroup, B stage (s + 1) % 3 =
-//       (s - 2) % 3 are free); convert A(s + 1) into buffer (s + 1) % 2 and B(s + 1) into stage (s + 1) % 3;
-//       issue the global loads of step s + 2; fence.proxy.async; __syncthreads.
+//       (s - 2) % 3 are free); convert B(s + 1) into stage (s + 1) % 3; fence.proxy.async (its MEMBAR waits for
+//       all loads in flight, so it comes before the next loads); convert A(s + 1) into buffer (s + 1) % 2; issue
+//       the global loads of step s + 2; __syncthreads.
 //     The registers of an A buffer stay pinned (wg_fence_regs) until the wait that ends the wgmma reading them.
 //   * epilogue: bf16 output through a padded shared tile (16-byte coalesced row stores); fp32 output directly
 //     from the accumulator fragments. Row masking as in the other kernels.
@@ -155,14 +156,66 @@ __device__ __forceinline__ void w2_step(float* acc, unsigned* cur, unsigned* nxt
     wg_wait<1>();
     wg_fence_regs<16>(nxt);  // read by the MMAs of step s - 1, which are done only now
     const int nstage = stage == W2_STAGES - 1 ? 0 : stage + 1;
-    if (s + 1 < ksteps) {
-        w2_cvt_a(L, nxt);
-        w2_store_b(L, bst + (unsigned)nstage * W2_TILE_BYTES, sw);
-    }
-    if (s + 2 < ksteps) L.load(s + 2);
+    if (s + 1 < ksteps) w2_store_b(L, bst + (unsigned)nstage * W2_TILE_BYTES, sw);
+    // fence.proxy.async compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, and the MEMBAR waits for every global
+    // load still in flight: fence before issuing the next step's loads, never right after them.
     fence_proxy_async();
+    if (s + 1 < ksteps) w2_cvt_a(L, nxt);
+    if (s + 2 < ksteps) L.load(s + 2);
     __syncthreads();
     stage = nstage;
+}
+
+// Epilogue of the 128 x 256 kernels (after every MMA of the CTA is complete): accumulator register 4 j + 2 h + e
+// of thread tid is tile row ar0 + 8 h (ar0 = 64 wg + 16 q + lane / 4), column 8 j + 2 (tid % 4) + e. Rows
+// >= mrows and columns >= N - n0 are not written.
+template <int OUT_F32>
+__device__ __forceinline__ void w2_epilogue(float* acc, void* __restrict__ out, long long arow0, int mrows, int n0,
+                                            int N, int ar0, unsigned sbase) {
+    const int tid = threadIdx.x, c = tid & 3;
+    const int ncols = N - n0;
+    if (OUT_F32) {
+        float* obase = static_cast<float*>(out) + arow0 * N + n0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = ar0 + 8 * h;
+            if (r >= mrows) continue;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int col = j * 8 + c * 2;
+                if (col < ncols)
+                    *reinterpret_cast<float2*>(obase + (long long)r * N + col) =
+                        make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+        }
+        return;
+    }
+    // bf16: through a [128][264] bf16 shared tile (row stride 528 B: a warp's 4-byte stores hit 32 banks), then
+    // each warp stores whole 512-byte row segments. The ring is free: every warpgroup waited for its MMAs and
+    // the barrier below orders those waits before any thread overwrites a stage.
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const unsigned rowa = sbase + (unsigned)(ar0 + 8 * h) * W2_EPI_LD + 4u * (unsigned)c;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            unsigned pk;
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
+            sts32(rowa + 16u * (unsigned)j, pk);
+        }
+    }
+    __syncthreads();
+    unsigned short* obase = static_cast<unsigned short*>(out) + arow0 * N + n0;
+#pragma unroll 4
+    for (int it = 0; it < 16; ++it) {
+        const int idx = tid + 256 * it, r = idx >> 5, ch = idx & 31;
+        if (r >= mrows || ch * 8 >= ncols) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(sbase + (unsigned)r * W2_EPI_LD + 16u * (unsigned)ch));
+        *reinterpret_cast<uint4*>(obase + (long long)r * N + ch * 8) = v;
+    }
 }
 
 template <int OUT_F32>
@@ -224,8 +277,8 @@ __device__ __forceinline__ void w2_2d3d(const unsigned char* __restrict__ A, con
     L.load(0);
     w2_cvt_a(L, fa);
     w2_store_b(L, bst, sw);
-    if (ksteps > 1) L.load(1);
     fence_proxy_async();
+    if (ksteps > 1) L.load(1);
     __syncthreads();
     int stage = 0;
     for (int s = 0; s < ksteps; s += 2) {
@@ -238,55 +291,15 @@ __device__ __forceinline__ void w2_2d3d(const unsigned char* __restrict__ A, con
     wg_fence_regs<16>(fa);
     wg_fence_regs<16>(fb);
 
-    // epilogue: accumulator register 4 j + 2 h + e = tile row 64 wg + 16 q + lane / 4 + 8 h, column 8 j + 2 c + e
-    const int ncols = N - n0;
-    if (OUT_F32) {
-        float* obase = static_cast<float*>(out) + arow0 * N + n0;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = ar0 + 8 * h;
-            if (r >= mrows) continue;
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                const int col = j * 8 + c * 2;
-                if (col < ncols)
-                    *reinterpret_cast<float2*>(obase + (long long)r * N + col) =
-                        make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            }
-        }
-        return;
-    }
-    // bf16: through a [128][264] bf16 shared tile (row stride 528 B: a warp's 4-byte stores hit 32 banks), then
-    // each warp stores whole 512-byte row segments. The ring is free: every warpgroup waited for its MMAs and
-    // the barrier below orders those waits before any thread overwrites a stage.
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const unsigned rowa = sbase + (unsigned)(ar0 + 8 * h) * W2_EPI_LD + 4u * (unsigned)c;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            unsigned pk;
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
-            sts32(rowa + 16u * (unsigned)j, pk);
-        }
-    }
-    __syncthreads();
-    unsigned short* obase = static_cast<unsigned short*>(out) + arow0 * N + n0;
-#pragma unroll 4
-    for (int it = 0; it < 16; ++it) {
-        const int idx = tid + 256 * it, r = idx >> 5, ch = idx & 31;
-        if (r >= mrows || ch * 8 >= ncols) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(sbase + (unsigned)r * W2_EPI_LD + 16u * (unsigned)ch));
-        *reinterpret_cast<uint4*>(obase + (long long)r * N + ch * 8) = v;
-    }
+    w2_epilogue<OUT_F32>(acc, out, arow0, mrows, n0, N, ar0, sbase);
 }
 
+// kernels/grouped_gemm_wg3.cu includes this file for its helpers and defines WG2_NO_KERNELS first.
+#ifndef WG2_NO_KERNELS
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 1) mx_gmm_wg2_2d3d_bf16(GM_ARGS) {
     w2_2d3d<0>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
 }
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 1) mx_gmm_wg2_2d3d_f32(GM_ARGS) {
     w2_2d3d<1>(A, As, B, Bs, sizes, out, G, M, N, K, zero_rest);
 }
+#endif  // WG2_NO_KERNELS

@@ -10,9 +10,10 @@
 //     stores the bf16 values into a 3-stage ring of shared tiles in the K-major 128-byte-swizzle layout of wgmma:
 //     tile row r (128 B = 64 bf16) at r * 128, its 16-byte chunk c (bf16 8c .. 8c + 7) at chunk c ^ (r % 8);
 //     8-row groups 1024 B apart (descriptor SBO = 1024), tiles 1024-byte aligned;
-//   * per k-step: wgmma.fence, 4 wgmma (k16 each: descriptor start + 32 B), commit; convert the next stage; issue
-//     the loads of the step after; wgmma.wait_group 1 (the previous step's MMAs are done); fence.proxy.async (the
-//     generic-proxy smem stores become visible to the wgmma async proxy); __syncthreads. So the MMAs of step s
+//   * per k-step: wgmma.fence, 4 wgmma (k16 each: descriptor start + 32 B), commit; convert the next stage;
+//     fence.proxy.async (the generic-proxy smem stores become visible to the wgmma async proxy; its MEMBAR waits
+//     for loads in flight, so it precedes the next loads); issue the loads of the step after; wgmma.wait_group 1
+//     (the previous step's MMAs are done); __syncthreads. So the MMAs of step s
 //     run while step s + 1 is converted; stage (s + 1) % 3 is last read by step s - 2, finished by both
 //     warpgroups before the barrier that ends step s - 1.
 //   * epilogue: accumulator fragment of m64nNk16 (warp q of the warpgroup: rows 16 q + lane / 4 (+ 8), columns
@@ -107,8 +108,8 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
 
     L.load(0);
     store(0);
-    if (ksteps > 1) L.load(1);
     fence_proxy_async();
+    if (ksteps > 1) L.load(1);
     __syncthreads();
     int stage = 0;
     for (int s = 0; s < ksteps; ++s) {
@@ -120,9 +121,9 @@ __device__ __forceinline__ void wg_2d3d(const unsigned char* __restrict__ A, con
         wg_commit();
         const int nstage = stage == WG_STAGES - 1 ? 0 : stage + 1;
         if (s + 1 < ksteps) store(nstage);
+        fence_proxy_async();  // MEMBAR.ALL.CTA inside: it waits for loads in flight, so before the next loads
         if (s + 2 < ksteps) L.load(s + 2);
         wg_wait<1>();
-        fence_proxy_async();
         __syncthreads();
         stage = nstage;
     }

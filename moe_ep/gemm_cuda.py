@@ -37,7 +37,9 @@ Everything runs on torch's current stream with no host synchronization.
 Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad: ``wgmma`` (default; in
 ``kernels/grouped_gemm_wgmma.cu``: dequantize into 128B-swizzled shared tiles read by wgmma.m64n128k16, 3 stages;
 measured 1.2-1.3x ``mma`` on H200), ``wgmma2`` (``kernels/grouped_gemm_wg2.cu``: 128x256 tiles, A dequantized
-straight into wgmma register fragments, B into a shared ring, wgmma.m64n256k16) or ``mma`` (ldmatrix + mma.sync
+straight into wgmma register fragments, B into a shared ring, wgmma.m64n256k16), ``wgmma3`` (``kernels/
+grouped_gemm_wg3.cu``: wgmma2 with the raw operands brought in by TMA through a 4-stage ring; needs the CUDA
+driver's ``cuTensorMapEncodeTiled``) or ``mma`` (ldmatrix + mma.sync
 bf16, dequantize into shared memory, 128x128x64 tiles, 2 CTAs/SM). wgrad always runs the ``mma`` kernel. Unknown
 values raise ValueError.
 
@@ -47,22 +49,26 @@ The ``*_ref`` functions at the bottom are pure-PyTorch converters from plain ten
 
 from __future__ import annotations
 
+import ctypes
 import os
 
+import numpy as np
 import torch
 
 from . import mxfp8
 
-IMPLS = ("mma", "wgmma", "wgmma2")
+IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3")
 _KERNEL_FILE = "grouped_gemm.cu"
 _WGMMA_FILE = "grouped_gemm_wgmma.cu"
 _WGMMA2_FILE = "grouped_gemm_wg2.cu"
+_WGMMA3_FILE = "grouped_gemm_wg3.cu"
 _THREADS = 256
 _TILE = 128
 _SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
 _WGMMA_SMEM_BYTES = 99328  # 3 stages x (A + B) x 16384 B + 1024 (alignment), grouped_gemm_wgmma.cu WG_SMEM_BYTES
 _WGMMA2_SMEM_BYTES = 99328  # 3 stages x B 32768 B + 1024 (alignment), grouped_gemm_wg2.cu W2_SMEM_BYTES
-_WGMMA2_BN = 256  # output columns per CTA of the wgmma2 kernel (128 rows)
+_WGMMA2_BN = 256  # output columns per CTA of the wgmma2 / wgmma3 kernels (128 rows)
+_WGMMA3_SMEM_BYTES = 203776  # bf16 ring 3 x 32768 + raw ring 4 x 26112 + 1024, grouped_gemm_wg3.cu W3_SMEM_BYTES
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -144,13 +150,14 @@ def _launch(
     zero_rest: bool = False,
     kernel_file: str = _KERNEL_FILE,
     smem: int = _SMEM_BYTES,
+    extra: tuple = (),
 ):
     if grid <= 0:
         return
     from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     fn = _cuda.get_function(kernel_file, kernel, device=out.device.index)
-    args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest)
+    args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest) + tuple(extra)
     _cuda.launch(fn, grid, _THREADS, args, shared_mem=smem, device=out.device)
 
 
@@ -160,6 +167,47 @@ def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: in
 
     ptrs = tuple(_cuda.ptr(t) for t in (a, a_scale, b, b_scale, group_sizes, out))
     return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))
+
+
+# CUtensorMap for the wgmma3 kernel: 128 opaque bytes, encoded by the driver and passed by value to a
+# ``const __grid_constant__`` struct parameter (a numpy structured scalar; CuPy passes its bytes).
+_TMA_MAP = np.dtype([("bytes", np.uint8, (128,))])
+_libcuda = None
+
+
+def _tma_map_2d(t: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: int) -> np.void:
+    """Tensor map of the 1-byte matrix at ``t`` ([rows, cols] row-major, ``cols`` bytes per row, 16-byte aligned)
+    for boxes of ``box_rows`` x ``box_cols`` bytes, no swizzle, out-of-range elements read as zero.
+
+    Host-only (``cuTensorMapEncodeTiled`` of the driver through ctypes): no device work, no synchronization.
+    """
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    raw = np.zeros(128 + 64, dtype=np.uint8)  # the driver wants a 64-byte aligned CUtensorMap
+    off = (-raw.ctypes.data) % 64
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    res = _libcuda.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(raw.ctypes.data + off),
+        ctypes.c_int(0),  # CU_TENSOR_MAP_DATA_TYPE_UINT8
+        u32(2),
+        ctypes.c_void_p(t.data_ptr()),
+        (u64 * 2)(cols, rows),  # sizes, innermost first
+        (u64 * 1)(cols),  # byte stride of dimension 1
+        (u32 * 2)(box_cols, box_rows),
+        (u32 * 2)(1, 1),
+        ctypes.c_int(0),  # CU_TENSOR_MAP_INTERLEAVE_NONE
+        ctypes.c_int(0),  # CU_TENSOR_MAP_SWIZZLE_NONE
+        ctypes.c_int(2),  # CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+        ctypes.c_int(0),  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (zeros)
+    )
+    if res != 0:
+        raise RuntimeError(
+            f"cuTensorMapEncodeTiled failed (CUresult {res}) for a [{rows}, {cols}] byte matrix, "
+            f"box {box_rows}x{box_cols}"
+        )
+    return raw[off : off + 128].copy().view(_TMA_MAP)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,18 +250,23 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         )
     if tuple(out.shape) != (m, n):
         raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
-    bn = _WGMMA2_BN if impl == "wgmma2" else _TILE
+    bn = _WGMMA2_BN if impl in ("wgmma2", "wgmma3") else _TILE
     grid = (_cdiv(m, _TILE) + g) * _cdiv(n, bn) if g else 0
     if grid == 0 and zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
         out.zero_()
     suffix = _OUT_SUFFIX[out.dtype]
-    if impl == "wgmma2":
+    extra = ()
+    if impl == "wgmma3":
+        kernel, kfile, smem = f"mx_gmm_wg3_2d3d_{suffix}", _WGMMA3_FILE, _WGMMA3_SMEM_BYTES
+        if grid > 0:  # A [M, K] in boxes of 128 rows x 64 bytes, B [G * N, K] in boxes of 256 rows x 64 bytes
+            extra = (_tma_map_2d(a, m, k, 128, 64), _tma_map_2d(b, g * n, k, 256, 64))
+    elif impl == "wgmma2":
         kernel, kfile, smem = f"mx_gmm_wg2_2d3d_{suffix}", _WGMMA2_FILE, _WGMMA2_SMEM_BYTES
     elif impl == "wgmma":
         kernel, kfile, smem = f"mx_gmm_wg_2d3d_{suffix}", _WGMMA_FILE, _WGMMA_SMEM_BYTES
     else:
         kernel, kfile, smem = f"mx_gmm_2d3d_{suffix}", _KERNEL_FILE, _SMEM_BYTES
-    _launch(kernel, grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest, kfile, smem)
+    _launch(kernel, grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest, kfile, smem, extra)
     return out
 
 
