@@ -35,6 +35,24 @@ struct __align__(64) TmaMap {
     unsigned long long v[16];
 };
 
+// Optional phase profile (compile with -DW3_PROF, e.g. MOE_EP_NVRTC_OPTIONS=-DW3_PROF; benchmarks/prof_gemm.py):
+// threads 0 and 128 add up the clock64 cycles of each phase of every k-step and store them per CTA (first
+// W3_PROF_CTAS CTAs) in w3_prof[(cta * 2 + warpgroup) * 8 + phase]; phase 7 is the whole CTA.
+#ifdef W3_PROF
+#define W3_PROF_CTAS 8192
+__device__ unsigned long long w3_prof[W3_PROF_CTAS * 16];
+#define W3_STAMP(i)                                    \
+    do {                                               \
+        const long long now_ = clock64();              \
+        prof[i] += (unsigned long long)(now_ - last_); \
+        last_ = now_;                                  \
+    } while (0)
+#else
+#define W3_STAMP(i) \
+    do {            \
+    } while (0)
+#endif
+
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -114,21 +132,31 @@ __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, in
         const uint4 r = lds128(raw + W3_RAW_B + T.b + 4096u * i);
         const unsigned sc = kv ? lds8(raw + W3_RAW_SC + T.sb[i] + blk) : 127u;
         unsigned o[8];
+#ifdef W3_NO_CVT  // timing experiment only (wrong results): the MMA / load / sync skeleton without the conversion
+        o[0] = r.x, o[1] = r.y, o[2] = r.z, o[3] = r.w, o[4] = r.x ^ sc, o[5] = r.y, o[6] = r.z, o[7] = r.w;
+#else
         cvt16(r, sc, o);
+#endif
 #pragma unroll
         for (int j = 0; j < 8; ++j) sts32(bst + (unsigned)i * 8192u + ((((unsigned)j) ^ sw) << 4), o[j]);
     }
 }
-__device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned raw, int s, unsigned* f) {
+// a_raw: the stage's raw A tile (128 rows x 64 B), a_sc: its A scale tile (512 B).
+__device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {
     const int k = s * 64 + T.c16;
     const bool kv = k < T.K;
     const unsigned blk = (unsigned)(k >> 5) & 3u;
-    const uint4 r0 = lds128(raw + W3_RAW_A + T.a0), r1 = lds128(raw + W3_RAW_A + T.a1);
-    const unsigned s0 = kv ? lds8(raw + W3_RAW_SC + T.sa + blk) : 127u;
-    const unsigned s1 = kv ? lds8(raw + W3_RAW_SC + T.sa + 128u + blk) : 127u;
+    const uint4 r0 = lds128(a_raw + T.a0), r1 = lds128(a_raw + T.a1);
+    const unsigned s0 = kv ? lds8(a_sc + T.sa + blk) : 127u;
+    const unsigned s1 = kv ? lds8(a_sc + T.sa + 128u + blk) : 127u;
     unsigned o0[8], o1[8];
+#ifdef W3_NO_CVT
+    o0[0] = r0.x ^ s0, o0[1] = r0.y, o0[2] = r0.z, o0[3] = r0.w, o0[4] = r0.x, o0[5] = r0.y, o0[6] = r0.z, o0[7] = r0.w;
+    o1[0] = r1.x ^ s1, o1[1] = r1.y, o1[2] = r1.z, o1[3] = r1.w, o1[4] = r1.x, o1[5] = r1.y, o1[6] = r1.z, o1[7] = r1.w;
+#else
     cvt16(r0, s0, o0);
     cvt16(r1, s1, o1);
+#endif
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         f[4 * q] = o0[2 * q];
@@ -147,24 +175,32 @@ struct W3Issue {  // what thread 0 needs to refill a stage
 
 __device__ __forceinline__ void w3_step(float* acc, unsigned* cur, unsigned* nxt, const W3Thread& T,
                                         const W3Issue& I, int s, int ksteps, int& stage, unsigned long long db0,
-                                        unsigned bst, unsigned sw, unsigned raw0, unsigned bar0) {
+                                        unsigned bst, unsigned sw, unsigned raw0, unsigned bar0,
+                                        unsigned long long* prof, long long& last_) {
     wg_fence();
     const unsigned long long soff = (unsigned long long)stage * (W2_TILE_BYTES >> 4);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs(acc, cur + 4 * kk, db0 + soff + 2 * kk);
     wg_commit();
+    W3_STAMP(0);
     wg_wait<1>();
     wg_fence_regs<16>(nxt);
+    W3_STAMP(1);
     const int nstage = stage == W2_STAGES - 1 ? 0 : stage + 1;
     if (s + 1 < ksteps) {
         const int j = (s + 1) & (W3_RAW_STAGES - 1);
         const unsigned raw = raw0 + (unsigned)j * W3_RAW_BYTES;
         mbar_wait(bar0 + 8u * (unsigned)j, (unsigned)((s + 1) / W3_RAW_STAGES) & 1u);
+        W3_STAMP(2);
         w3_convert_b(T, raw, s + 1, bst + (unsigned)nstage * W2_TILE_BYTES, sw);
-        w3_convert_a(T, raw, s + 1, nxt);
+        W3_STAMP(3);
+        w3_convert_a(T, raw + W3_RAW_A, raw + W3_RAW_SC, s + 1, nxt);
+        W3_STAMP(4);
     }
     fence_proxy_async();
+    W3_STAMP(5);
     __syncthreads();
+    W3_STAMP(6);
     // every thread has converted step s + 1: its raw stage takes step s + 5
     if (threadIdx.x == 0 && s + 5 < ksteps)
         w3_issue(s + 5, raw0, bar0, I.tmA, I.tmB, I.arow0, I.brow0, I.a_sc, I.b_sc, I.tpr, I.b_hi);
@@ -180,6 +216,9 @@ __device__ __forceinline__ void w3_2d3d(const unsigned char* __restrict__ As, co
     __shared__ __align__(8) unsigned long long full[W3_RAW_STAGES];
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
     const int m_t = blockIdx.x / n_tiles, n0 = (blockIdx.x % n_tiles) * W2_BN;
+    unsigned long long prof[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long long last_ = clock64();
+    const long long t_start = last_;
     if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
     __syncthreads();
     if (gi.g < 0) {
@@ -241,15 +280,15 @@ __device__ __forceinline__ void w3_2d3d(const unsigned char* __restrict__ As, co
 
     mbar_wait(bar0, 0u);
     w3_convert_b(T, raw0, 0, bst, sw);
-    w3_convert_a(T, raw0, 0, fa);
+    w3_convert_a(T, raw0 + W3_RAW_A, raw0 + W3_RAW_SC, 0, fa);
     fence_proxy_async();
     __syncthreads();
     if (tid == 0 && W3_RAW_STAGES < ksteps)
         w3_issue(W3_RAW_STAGES, raw0, bar0, tmA, tmB, I.arow0, I.brow0, I.a_sc, I.b_sc, tpr, I.b_hi);
     int stage = 0;
     for (int s = 0; s < ksteps; s += 2) {
-        w3_step(acc, fa, fb, T, I, s, ksteps, stage, db0, bst, sw, raw0, bar0);
-        if (s + 1 < ksteps) w3_step(acc, fb, fa, T, I, s + 1, ksteps, stage, db0, bst, sw, raw0, bar0);
+        w3_step(acc, fa, fb, T, I, s, ksteps, stage, db0, bst, sw, raw0, bar0, prof, last_);
+        if (s + 1 < ksteps) w3_step(acc, fb, fa, T, I, s + 1, ksteps, stage, db0, bst, sw, raw0, bar0, prof, last_);
     }
     wg_wait<0>();
 #pragma unroll
@@ -257,14 +296,28 @@ __device__ __forceinline__ void w3_2d3d(const unsigned char* __restrict__ As, co
     wg_fence_regs<16>(fa);
     wg_fence_regs<16>(fb);
     w2_epilogue<OUT_F32>(acc, out, arow0, mrows, n0, N, ar0, sbase);
+#ifdef W3_PROF
+    if ((tid & 127) == 0 && blockIdx.x < W3_PROF_CTAS) {
+        prof[7] = (unsigned long long)(clock64() - t_start);
+        for (int i = 0; i < 8; ++i) w3_prof[(blockIdx.x * 2 + wg) * 8 + i] = prof[i];
+    }
+#else
+    (void)t_start;
+    (void)prof;
+#endif
 }
 
+// Kernel parameters of the TMA kernels: GM_ARGS, then the tensor maps of A and B.
+#define W3_ARGS GM_ARGS, const __grid_constant__ TmaMap tmA, const __grid_constant__ TmaMap tmB
+
+// kernels/grouped_gemm_wg4.cu includes this file for its helpers and defines WG3_NO_KERNELS first.
+#ifndef WG3_NO_KERNELS
 // A and B are reached only through the tensor maps (the pointers stay in the argument list for the launcher's
 // shared checks and GM_ARGS order).
-#define W3_ARGS GM_ARGS, const __grid_constant__ TmaMap tmA, const __grid_constant__ TmaMap tmB
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 1) mx_gmm_wg3_2d3d_bf16(W3_ARGS) {
     w3_2d3d<0>(As, Bs, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB);
 }
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 1) mx_gmm_wg3_2d3d_f32(W3_ARGS) {
     w3_2d3d<1>(As, Bs, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB);
 }
+#endif  // WG3_NO_KERNELS

@@ -39,7 +39,9 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad: ``wg
 measured 1.2-1.3x ``mma`` on H200), ``wgmma2`` (``kernels/grouped_gemm_wg2.cu``: 128x256 tiles, A dequantized
 straight into wgmma register fragments, B into a shared ring, wgmma.m64n256k16), ``wgmma3`` (``kernels/
 grouped_gemm_wg3.cu``: wgmma2 with the raw operands brought in by TMA through a 4-stage ring; needs the CUDA
-driver's ``cuTensorMapEncodeTiled``) or ``mma`` (ldmatrix + mma.sync
+driver's ``cuTensorMapEncodeTiled``), ``wgmma4`` (``kernels/grouped_gemm_wg4.cu``: A as wgmma3, the weight as
+exact bf16 prepared once per weight version by ``prepare_weight_bf16`` and TMA-loaded with the 128-byte swizzle,
+no B conversion in the kernel) or ``mma`` (ldmatrix + mma.sync
 bf16, dequantize into shared memory, 128x128x64 tiles, 2 CTAs/SM). wgrad always runs the ``mma`` kernel. Unknown
 values raise ValueError.
 
@@ -57,11 +59,12 @@ import torch
 
 from . import mxfp8
 
-IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3")
+IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3", "wgmma4")
 _KERNEL_FILE = "grouped_gemm.cu"
 _WGMMA_FILE = "grouped_gemm_wgmma.cu"
 _WGMMA2_FILE = "grouped_gemm_wg2.cu"
 _WGMMA3_FILE = "grouped_gemm_wg3.cu"
+_WGMMA4_FILE = "grouped_gemm_wg4.cu"
 _THREADS = 256
 _TILE = 128
 _SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
@@ -69,6 +72,7 @@ _WGMMA_SMEM_BYTES = 99328  # 3 stages x (A + B) x 16384 B + 1024 (alignment), gr
 _WGMMA2_SMEM_BYTES = 99328  # 3 stages x B 32768 B + 1024 (alignment), grouped_gemm_wg2.cu W2_SMEM_BYTES
 _WGMMA2_BN = 256  # output columns per CTA of the wgmma2 / wgmma3 kernels (128 rows)
 _WGMMA3_SMEM_BYTES = 203776  # bf16 ring 3 x 32768 + raw ring 4 x 26112 + 1024, grouped_gemm_wg3.cu W3_SMEM_BYTES
+_WGMMA4_SMEM_BYTES = 168960  # 4 x (32768 + 8192 + 512 -> 41984) + 1024, grouped_gemm_wg4.cu W4_SMEM_BYTES
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -175,9 +179,12 @@ _TMA_MAP = np.dtype([("bytes", np.uint8, (128,))])
 _libcuda = None
 
 
-def _tma_map_2d(t: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: int) -> np.void:
-    """Tensor map of the 1-byte matrix at ``t`` ([rows, cols] row-major, ``cols`` bytes per row, 16-byte aligned)
-    for boxes of ``box_rows`` x ``box_cols`` bytes, no swizzle, out-of-range elements read as zero.
+def _tma_map_2d(
+    t: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: int, elem_bytes: int = 1, swizzle128: bool = False
+) -> np.void:
+    """Tensor map of the matrix at ``t`` ([rows, cols] row-major elements of ``elem_bytes`` = 1 or 2 bytes, rows
+    16-byte aligned) for boxes of ``box_rows`` x ``box_cols`` elements, out-of-range elements read as zero; no
+    swizzle, or the 128-byte swizzle (``swizzle128``: rows of exactly 128 bytes, the wgmma K-major layout).
 
     Host-only (``cuTensorMapEncodeTiled`` of the driver through ctypes): no device work, no synchronization.
     """
@@ -190,15 +197,15 @@ def _tma_map_2d(t: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: 
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     res = _libcuda.cuTensorMapEncodeTiled(
         ctypes.c_void_p(raw.ctypes.data + off),
-        ctypes.c_int(0),  # CU_TENSOR_MAP_DATA_TYPE_UINT8
+        ctypes.c_int({1: 0, 2: 1}[elem_bytes]),  # CU_TENSOR_MAP_DATA_TYPE_UINT8 / _UINT16
         u32(2),
         ctypes.c_void_p(t.data_ptr()),
         (u64 * 2)(cols, rows),  # sizes, innermost first
-        (u64 * 1)(cols),  # byte stride of dimension 1
+        (u64 * 1)(cols * elem_bytes),  # byte stride of dimension 1
         (u32 * 2)(box_cols, box_rows),
         (u32 * 2)(1, 1),
         ctypes.c_int(0),  # CU_TENSOR_MAP_INTERLEAVE_NONE
-        ctypes.c_int(0),  # CU_TENSOR_MAP_SWIZZLE_NONE
+        ctypes.c_int(3 if swizzle128 else 0),  # CU_TENSOR_MAP_SWIZZLE_128B / _NONE
         ctypes.c_int(2),  # CU_TENSOR_MAP_L2_PROMOTION_L2_128B
         ctypes.c_int(0),  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (zeros)
     )
@@ -210,18 +217,54 @@ def _tma_map_2d(t: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: 
     return raw[off : off + 128].copy().view(_TMA_MAP)[0]
 
 
+def k_permutation(device=None) -> torch.Tensor:
+    """int64 [64]: for the wgmma2/3/4 kernels' logical k position l = 16 s + 8 h + 2 c + e of a 64-wide k block, the
+    physical column 16 c + 4 s + 2 h + e it holds (s: k16 slice, h: fragment half, c: lane % 4, e: pair element).
+
+    Example: k_permutation()[:4] = [0, 1, 16, 17] (lane c = 1 holds physical columns 16, 17 at logical 2, 3).
+    """
+    lg = torch.arange(64)
+    s, h, c, e = lg // 16, (lg // 8) % 2, (lg // 2) % 4, lg % 2
+    return (16 * c + 4 * s + 2 * h + e).to(device)
+
+
+def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The weight operand of the ``wgmma4`` kernel: the exact bf16 dequantization of an MXFP8 weight, each 64-wide
+    k block in the kernels' permuted order (:func:`k_permutation`), K padded with zeros to a multiple of 64.
+
+    w: e4m3 [G, N, K] (K % 32 == 0); w_scale: u8 [G, blocked_size(N, K/32)] (``mxfp8.to_blocked``)
+    -> bf16 [G, N, ceil(K/64) * 64]. Pure torch on w's device (no host sync); meant to run once per weight
+    version and be cached with the quantized weight (e4m3 * 2^(s-127) is exact in bf16 down to 2^-133, like the
+    in-kernel conversion of the other kernels, so the GEMM products are the same).
+    """
+    g, n, k = w.shape
+    kb = k // 32
+    r = torch.arange(n, device=w.device)[:, None]
+    c = torch.arange(kb, device=w.device)[None, :]
+    tpr = _cdiv(kb, 4)
+    offs = ((r // 128) * tpr + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4  # [N, K/32]
+    scale = w_scale.reshape(g, -1)[:, offs.reshape(-1)].reshape(g, n, kb)
+    deq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(w, scale, 2), torch.bfloat16)
+    kp = _cdiv(k, 64) * 64
+    padded = torch.zeros(g, n, kp, dtype=torch.bfloat16, device=w.device)
+    padded[..., :k] = deq
+    return padded.view(g, n, kp // 64, 64)[..., k_permutation(w.device)].reshape(g, n, kp).contiguous()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # launchers (preallocated outputs) and allocating wrappers
 # ----------------------------------------------------------------------------------------------------------
 
 
-def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False):
+def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False, b_prepared=None):
     """out[rows of g] = dequant(a)[rows of g] @ dequant(b[g])^T for every group g (fprop and dgrad kernel).
 
     a: e4m3 [M, K]; a_scale: u8 per-group blocked along M (>= (ceil(M/128)+G) * ceil(K/128) * 512 bytes);
     b: e4m3 [G, N, K]; b_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32 [G] (device);
     out: bf16/fp32 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
     ``zero_rest`` (by the kernel, no extra pass), else left untouched. Returns ``out``.
+    b_prepared: ``wgmma4`` only: ``prepare_weight_bf16(b, b_scale)`` computed once per weight version; without it
+    the launcher prepares it on every call (correct, not fast).
     """
     impl = gemm_impl()
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
@@ -250,13 +293,27 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         )
     if tuple(out.shape) != (m, n):
         raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
-    bn = _WGMMA2_BN if impl in ("wgmma2", "wgmma3") else _TILE
+    bn = _WGMMA2_BN if impl in ("wgmma2", "wgmma3", "wgmma4") else _TILE
     grid = (_cdiv(m, _TILE) + g) * _cdiv(n, bn) if g else 0
     if grid == 0 and zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
         out.zero_()
     suffix = _OUT_SUFFIX[out.dtype]
     extra = ()
-    if impl == "wgmma3":
+    if impl == "wgmma4":
+        kernel, kfile, smem = f"mx_gmm_wg4_2d3d_{suffix}", _WGMMA4_FILE, _WGMMA4_SMEM_BYTES
+        if grid > 0:
+            kp = _cdiv(k, 64) * 64
+            if b_prepared is None:
+                b_prepared = prepare_weight_bf16(b, b_scale)
+            _check_dtype("b_prepared", b_prepared, (torch.bfloat16,))
+            _check_memory("b_prepared", b_prepared, out.device)
+            if tuple(b_prepared.shape) != (g, n, kp):
+                raise ValueError(f"b_prepared must be [{g}, {n}, {kp}] bf16, got {tuple(b_prepared.shape)}")
+            extra = (
+                _tma_map_2d(a, m, k, 128, 64),
+                _tma_map_2d(b_prepared, g * n, kp, 256, 64, elem_bytes=2, swizzle128=True),
+            )
+    elif impl == "wgmma3":
         kernel, kfile, smem = f"mx_gmm_wg3_2d3d_{suffix}", _WGMMA3_FILE, _WGMMA3_SMEM_BYTES
         if grid > 0:  # A [M, K] in boxes of 128 rows x 64 bytes, B [G * N, K] in boxes of 256 rows x 64 bytes
             extra = (_tma_map_2d(a, m, k, 128, 64), _tma_map_2d(b, g * n, k, 256, 64))
@@ -270,7 +327,9 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     return out
 
 
-def grouped_mm_fprop(x, x_scale, w, w_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None):
+def grouped_mm_fprop(
+    x, x_scale, w, w_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None, w_prepared=None
+):
     """Forward grouped GEMM: x e4m3 [M, K] (+ grouped blocked scales) x w e4m3 [G, N, K] -> [M, N] out_dtype.
 
     Without ``out``, every row of the result is defined: rows past sum(group_sizes) are zero (written by the
@@ -279,10 +338,12 @@ def grouped_mm_fprop(x, x_scale, w, w_scale, group_sizes, out_dtype: torch.dtype
     alloc = out is None
     if alloc:
         out = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device)
-    return grouped_mm_2d3d_out(x, x_scale, w, w_scale, group_sizes, out, zero_rest=alloc)
+    return grouped_mm_2d3d_out(x, x_scale, w, w_scale, group_sizes, out, zero_rest=alloc, b_prepared=w_prepared)
 
 
-def grouped_mm_dgrad(dy, dy_scale, wt, wt_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None):
+def grouped_mm_dgrad(
+    dy, dy_scale, wt, wt_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None, wt_prepared=None
+):
     """Input-gradient grouped GEMM: dy e4m3 [M, N] x wt e4m3 [G, K, N] (W^T, quantized along N) -> [M, K].
 
     Rows past sum(group_sizes) as in :func:`grouped_mm_fprop` (zero without ``out``, untouched with it).
@@ -290,7 +351,7 @@ def grouped_mm_dgrad(dy, dy_scale, wt, wt_scale, group_sizes, out_dtype: torch.d
     alloc = out is None
     if alloc:
         out = torch.empty(dy.shape[0], wt.shape[1], dtype=out_dtype, device=dy.device)
-    return grouped_mm_2d3d_out(dy, dy_scale, wt, wt_scale, group_sizes, out, zero_rest=alloc)
+    return grouped_mm_2d3d_out(dy, dy_scale, wt, wt_scale, group_sizes, out, zero_rest=alloc, b_prepared=wt_prepared)
 
 
 def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):

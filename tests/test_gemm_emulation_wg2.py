@@ -330,3 +330,37 @@ def test_w2_constants_match_the_source():
     assert gemm_cuda._WGMMA2_BN == W2_BN
     for suffix in gemm_cuda._OUT_SUFFIX.values():
         assert f"mx_gmm_wg2_2d3d_{suffix}(GM_ARGS)" in src
+
+
+def test_k_permutation_matches_the_fragment_model():
+    """gemm_cuda.k_permutation (the host side of wgmma4's prepared weights) is the kernels' logical -> physical map
+    (the same one a_fragments and b_word_offsets realise above)."""
+    perm = gemm_cuda.k_permutation().tolist()
+    for c in range(4):
+        for s in range(4):
+            for hh in range(2):
+                for e in range(2):
+                    assert perm[16 * s + 8 * hh + 2 * c + e] == 16 * c + 4 * s + 2 * hh + e
+    assert sorted(perm) == list(range(64))
+
+
+@pytest.mark.parametrize("k", [32, 96, 128])
+def test_prepare_weight_bf16_is_the_permuted_exact_dequantization(k):
+    """prepare_weight_bf16 == dequantize (exact in bf16) with each 64-block of k permuted, zero past K; the blocked
+    scales are read back through the same offsets as to_blocked (N = 136: two 128-row scale tiles)."""
+    import torch
+
+    torch.manual_seed(k)
+    w = torch.randn(3, 136, k) * torch.logspace(-4, 4, k)[torch.randperm(k)]
+    wq = mxfp8.quantize_torch(w, -1)
+    prep = gemm_cuda.prepare_weight_bf16(wq.data, mxfp8.to_blocked(wq.scale))
+    kp = -(-k // 64) * 64
+    assert prep.dtype == torch.bfloat16 and prep.shape == (3, 136, kp)
+    deq = mxfp8.dequantize_torch(wq, torch.float32)
+    assert torch.equal(deq.bfloat16().float(), deq)  # exact in bf16 (no value below 2^-133 here)
+    full = torch.zeros(3, 136, kp)
+    full[..., :k] = deq
+    perm = gemm_cuda.k_permutation()
+    for j in range(kp // 64):
+        for lg in range(64):
+            assert torch.equal(prep[..., 64 * j + lg].float(), full[..., 64 * j + int(perm[lg])])

@@ -1,0 +1,105 @@
+"""Diagnostics of the wgmma3 grouped GEMM (kernels/grouped_gemm_wg3.cu): a phase profile and a timing experiment.
+
+* ``-DW3_PROF`` build: threads 0 and 128 (one per warpgroup) add up the clock64 cycles of each phase of every
+  k-step; printed as cycles per k-step, averaged over CTAs (the stamps perturb the schedule a little).
+* ``-DW3_NO_CVT`` build: the same loads, MMAs and synchronization without the e4m3 -> bf16 conversion (wrong
+  results, timing only): how fast the skeleton is.
+Each build is timed with CUDA events (median of 20) next to the normal kernel on the same operands.
+
+    python benchmarks/prof_gemm.py [--shape dsv3_up] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemm import SHAPES, uneven_sizes  # noqa: E402
+
+from moe_ep import _cuda, gemm_cuda, mxfp8  # noqa: E402
+
+PHASES = ["issue", "wait_mma", "wait_tma", "convert_b", "convert_a", "fence", "barrier"]
+
+
+def launcher(opts, xq, xs, wq, ws, sz, out):
+    m, k = xq.data.shape
+    g, n, _ = wq.data.shape
+    fn = _cuda.get_function(gemm_cuda._WGMMA3_FILE, "mx_gmm_wg3_2d3d_bf16", extra_options=opts)
+    grid = (-(-m // 128) + g) * (-(-n // 256))
+    args = gemm_cuda._kernel_args(xq.data, xs, wq.data, ws, sz, out, g, m, n, k, True) + (
+        gemm_cuda._tma_map_2d(xq.data, m, k, 128, 64),
+        gemm_cuda._tma_map_2d(wq.data, g * n, k, 256, 64),
+    )
+
+    def run():
+        _cuda.launch(fn, grid, 256, args, shared_mem=gemm_cuda._WGMMA3_SMEM_BYTES)
+
+    return run, fn
+
+
+def time_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    evs = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        evs.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in evs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="dsv3_up")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    m, k, n, g = SHAPES[args.shape]
+    sizes = uneven_sizes(m, g, seed=sum(map(ord, args.shape)))
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
+    xq, wq = mxfp8.quantize_torch(x, -1), mxfp8.quantize_torch(w, -1)
+    xs, ws = mxfp8.to_blocked_grouped(xq.scale, sz, "m"), mxfp8.to_blocked(wq.scale)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    ref = gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz)  # whatever MOE_EP_GEMM_IMPL selects
+    flops = 2.0 * sum(sizes) * n * k
+    res = {"shape": args.shape, "M": m, "K": k, "N": n, "G": g, "ksteps": -(-k // 64), "tflops": {}}
+    for name, opts in (("normal", ()), ("prof", ("-DW3_PROF",)), ("no_cvt", ("-DW3_NO_CVT",))):
+        run, _ = launcher(opts, xq, xs, wq, ws, sz, out)
+        ms = time_ms(run)
+        res["tflops"][name] = flops / ms / 1e9
+        if name == "normal":
+            torch.cuda.synchronize()
+            res["normal_matches_default_impl"] = bool(torch.equal(out, ref))
+    ctas = min(8192, (-(-m // 128) + g) * (-(-n // 256)))
+    mod = _cuda.get_module(gemm_cuda._WGMMA3_FILE, extra_options=("-DW3_PROF",))
+    cp = _cuda.cupy()
+    prof = cp.ndarray((8192, 2, 8), dtype=cp.uint64, memptr=mod.get_global("w3_prof")).get().astype(np.float64)
+    prof = prof[:ctas]
+    live = prof[:, 0, 7] > 0
+    res["ctas_profiled"] = int(live.sum())
+    for wg in range(2):
+        p = prof[live, wg]
+        res[f"wg{wg}_cycles_per_step"] = {
+            ph: round(float(p[:, i].mean() / res["ksteps"]), 1) for i, ph in enumerate(PHASES)
+        }
+        res[f"wg{wg}_cta_cycles"] = float(p[:, 7].mean())
+    print(json.dumps(res, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
