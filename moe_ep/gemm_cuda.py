@@ -34,16 +34,20 @@ Shape rules: K (the reduction axis of fprop/dgrad) % 32 == 0; output columns % 8
 Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are clamped, never touched).
 Everything runs on torch's current stream with no host synchronization.
 
-Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad: ``wgmma`` (default; in
-``kernels/grouped_gemm_wgmma.cu``: dequantize into 128B-swizzled shared tiles read by wgmma.m64n128k16, 3 stages;
-measured 1.2-1.3x ``mma`` on H200), ``wgmma2`` (``kernels/grouped_gemm_wg2.cu``: 128x256 tiles, A dequantized
-straight into wgmma register fragments, B into a shared ring, wgmma.m64n256k16), ``wgmma3`` (``kernels/
-grouped_gemm_wg3.cu``: wgmma2 with the raw operands brought in by TMA through a 4-stage ring; needs the CUDA
-driver's ``cuTensorMapEncodeTiled``), ``wgmma4`` (``kernels/grouped_gemm_wg4.cu``: A as wgmma3, the weight as
-exact bf16 prepared once per weight version by ``prepare_weight_bf16`` and TMA-loaded with the 128-byte swizzle,
-no B conversion in the kernel) or ``mma`` (ldmatrix + mma.sync
-bf16, dequantize into shared memory, 128x128x64 tiles, 2 CTAs/SM). wgrad always runs the ``mma`` kernel. Unknown
-values raise ValueError.
+Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200 TFLOP/s ratios to torch bf16
+``_grouped_mm`` in benchmarks/NOTES.md):
+  ``wgmma3`` (default; ``kernels/grouped_gemm_wg3.cu``): 128x256 tiles; the raw MXFP8 operands arrive by TMA in a
+      4-stage ring (tensor maps from the driver's ``cuTensorMapEncodeTiled``); A is dequantized straight into
+      wgmma register fragments (k permuted inside each 64-block, ``k_permutation``), B into a bf16 shared ring
+      read by wgmma.m64n256k16. 0.50-0.58x.
+  ``wgmma4`` (``kernels/grouped_gemm_wg4.cu``): A as wgmma3; the weight is exact bf16 prepared once per weight
+      version (``prepare_weight_bf16``, pass it as ``w_prepared`` / ``wt_prepared``; without it every call
+      prepares it) and TMA-loaded with the 128-byte swizzle: no conversion of B in the kernel. 0.86-0.95x.
+  ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
+  ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
+      tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
+  ``mma`` (``grouped_gemm.cu``): ldmatrix + mma.sync bf16, 128x128x64 tiles, 2 CTAs/SM. 0.33-0.41x.
+wgrad always runs the ``mma`` kernel. Unknown values raise ValueError.
 
 The ``*_ref`` functions at the bottom are pure-PyTorch converters from plain tensors to these operand formats
 (used by the tests and the benchmark; they read group sizes on the host).
@@ -81,8 +85,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def gemm_impl() -> str:
-    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``wgmma``)."""
-    impl = os.environ.get("MOE_EP_GEMM_IMPL", "wgmma").strip().lower() or "wgmma"
+    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``wgmma3``: the fastest that takes MXFP8 weights
+    as they are; ``wgmma4`` is faster but wants weights prepared once as bf16, see ``prepare_weight_bf16``)."""
+    impl = os.environ.get("MOE_EP_GEMM_IMPL", "wgmma3").strip().lower() or "wgmma3"
     if impl not in IMPLS:
         raise ValueError(f"MOE_EP_GEMM_IMPL={impl!r} is not one of {IMPLS}")
     return impl
@@ -223,9 +228,9 @@ def k_permutation(device=None) -> torch.Tensor:
 
     Example: k_permutation()[:4] = [0, 1, 16, 17] (lane c = 1 holds physical columns 16, 17 at logical 2, 3).
     """
-    lg = torch.arange(64)
+    lg = torch.arange(64, device=device)  # built on the device: no host-to-device copy (sync-free)
     s, h, c, e = lg // 16, (lg // 8) % 2, (lg // 2) % 4, lg % 2
-    return (16 * c + 4 * s + 2 * h + e).to(device)
+    return 16 * c + 4 * s + 2 * h + e
 
 
 def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
