@@ -4,7 +4,7 @@
   k-step; printed as cycles per k-step, averaged over CTAs (the stamps perturb the schedule a little).
 * ``-DW3_NO_CVT`` build: the same loads, MMAs and synchronization without the e4m3 -> bf16 conversion (wrong
   results, timing only): how fast the skeleton is.
-Each build is timed with CUDA events (median of 20) next to the normal kernel on the same operands.
+Each build is timed with bench_gemm's CUDA-event timer (median of 20) next to the normal kernel on the same operands.
 
     python benchmarks/prof_gemm.py [--shape dsv3_up] [--json PATH]
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import SHAPES, uneven_sizes  # noqa: E402
+from bench_gemm import SHAPES, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep import _cuda, gemm_cuda, mxfp8  # noqa: E402
 
@@ -46,20 +45,6 @@ def launcher(opts, xq, xs, wq, ws, sz, out):
     return run, fn
 
 
-def time_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    evs = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        evs.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in evs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="dsv3_up")
@@ -78,7 +63,7 @@ def main() -> None:
     res = {"shape": args.shape, "M": m, "K": k, "N": n, "G": g, "ksteps": -(-k // 64), "tflops": {}}
     for name, opts in (("normal", ()), ("prof", ("-DW3_PROF",)), ("no_cvt", ("-DW3_NO_CVT",))):
         run, _ = launcher(opts, xq, xs, wq, ws, sz, out)
-        ms = time_ms(run)
+        ms = time_ms(run, 3, 20)
         res["tflops"][name] = flops / ms / 1e9
         if name == "normal":
             torch.cuda.synchronize()

@@ -218,17 +218,17 @@ __device__ __forceinline__ void w2_epilogue(float* acc, void* __restrict__ out, 
     }
 }
 
+// The CTA's tile in the 128 x 256 kernels (wgmma2/3/4). Grid: (ceil(M/128) + G) * ceil(N/256) CTAs, row tile
+// b / n_tiles, column tile b % n_tiles (gm_2d3d_tile's schedule and zero-fill argument with 256-wide column
+// tiles). Returns false when the CTA has no rows to compute (after zero-filling its share of the rows past the
+// groups when zero_rest); else sets the column origin n0, the valid rows mrows and the first row arow0.
 template <int OUT_F32>
-__device__ __forceinline__ void w2_2d3d(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
-                                        const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
-                                        const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
-                                        int N, int K, int zero_rest) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ GroupInfo gi;
-    // Grid: (ceil(M/128) + G) * ceil(N/256) CTAs, row tile b / n_tiles, column tile b % n_tiles (gm_2d3d_tile's
-    // schedule and zero-fill argument with 256-wide column tiles).
+__device__ __forceinline__ bool w2_tile(GroupInfo& gi, const int* __restrict__ sizes, void* __restrict__ out,
+                                        int G, long long M, int N, int zero_rest, int& n0, int& mrows,
+                                        long long& arow0) {
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
-    const int m_t = blockIdx.x / n_tiles, n0 = (blockIdx.x % n_tiles) * W2_BN;
+    const int m_t = blockIdx.x / n_tiles;
+    n0 = (blockIdx.x % n_tiles) * W2_BN;
     if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
     __syncthreads();
     if (gi.g < 0) {
@@ -237,12 +237,24 @@ __device__ __forceinline__ void w2_2d3d(const unsigned char* __restrict__ A, con
             zero_rows<OUT_F32>(out, r0, M, N, n0);
             zero_rows<OUT_F32>(out, r0, M, N, n0 + GM_BN);
         }
-        return;
+        return false;
     }
+    mrows = min(W2_BM, gi.rows - gi.tile * W2_BM);
+    arow0 = gi.row0 + (long long)gi.tile * W2_BM;
+    return mrows > 0;
+}
+
+template <int OUT_F32>
+__device__ __forceinline__ void w2_2d3d(const unsigned char* __restrict__ A, const unsigned char* __restrict__ As,
+                                        const unsigned char* __restrict__ B, const unsigned char* __restrict__ Bs,
+                                        const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
+                                        int N, int K, int zero_rest) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ GroupInfo gi;
+    int n0, mrows;
+    long long arow0;
+    if (!w2_tile<OUT_F32>(gi, sizes, out, G, M, N, zero_rest, n0, mrows, arow0)) return;
     const int g = gi.g;
-    const int mrows = min(W2_BM, gi.rows - gi.tile * W2_BM);
-    if (mrows <= 0) return;
-    const long long arow0 = gi.row0 + (long long)gi.tile * W2_BM;
     const int tpr = ((K >> 5) + 3) >> 2;  // 128x4 scale tiles per 128-row tile
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, q = (tid >> 5) & 3, c = tid & 3, rb = tid >> 2;
 

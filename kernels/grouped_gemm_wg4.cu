@@ -43,22 +43,10 @@ __device__ __forceinline__ void w4_2d3d(const unsigned char* __restrict__ As, co
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ GroupInfo gi;
     __shared__ __align__(8) unsigned long long full[W4_STAGES];
-    const int n_tiles = (N + W2_BN - 1) / W2_BN;
-    const int m_t = blockIdx.x / n_tiles, n0 = (blockIdx.x % n_tiles) * W2_BN;
-    if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
-    __syncthreads();
-    if (gi.g < 0) {
-        if (zero_rest) {
-            const long long r0 = gi.total_rows + (long long)(m_t - gi.total_tiles) * W2_BM;
-            zero_rows<OUT_F32>(out, r0, M, N, n0);
-            zero_rows<OUT_F32>(out, r0, M, N, n0 + GM_BN);
-        }
-        return;
-    }
+    int n0, mrows;
+    long long arow0;
+    if (!w2_tile<OUT_F32>(gi, sizes, out, G, M, N, zero_rest, n0, mrows, arow0)) return;
     const int g = gi.g;
-    const int mrows = min(W2_BM, gi.rows - gi.tile * W2_BM);
-    if (mrows <= 0) return;
-    const long long arow0 = gi.row0 + (long long)gi.tile * W2_BM;
     const int tpr = ((K >> 5) + 3) >> 2;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, q = (tid >> 5) & 3, c = tid & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
