@@ -166,6 +166,16 @@ __device__ __forceinline__ void w2_step(float* acc, unsigned* cur, unsigned* nxt
     stage = nstage;
 }
 
+// End of the mainloop of the 128 x 256 kernels: every MMA of this warpgroup retired, and the accumulators and
+// both A fragment buffers pinned up to here (the compiler must not reuse their registers earlier).
+__device__ __forceinline__ void w2_drain(float* acc, unsigned* fa, unsigned* fb) {
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+    wg_fence_regs<16>(fa);
+    wg_fence_regs<16>(fb);
+}
+
 // Epilogue of the 128 x 256 kernels (after every MMA of the CTA is complete): accumulator register 4 j + 2 h + e
 // of thread tid is tile row ar0 + 8 h (ar0 = 64 wg + 16 q + lane / 4), column 8 j + 2 (tid % 4) + e. Rows
 // >= mrows and columns >= N - n0 are not written.
@@ -297,11 +307,7 @@ __device__ __forceinline__ void w2_2d3d(const unsigned char* __restrict__ A, con
         w2_step(acc, fa, fb, L, s, ksteps, stage, db0, bst, sw);
         if (s + 1 < ksteps) w2_step(acc, fb, fa, L, s + 1, ksteps, stage, db0, bst, sw);
     }
-    wg_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-    wg_fence_regs<16>(fa);
-    wg_fence_regs<16>(fb);
+    w2_drain(acc, fa, fb);
 
     w2_epilogue<OUT_F32>(acc, out, arow0, mrows, n0, N, ar0, sbase);
 }

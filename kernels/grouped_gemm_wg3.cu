@@ -278,11 +278,7 @@ __device__ __forceinline__ void w3_2d3d(const unsigned char* __restrict__ As, co
         w3_step(acc, fa, fb, T, I, s, ksteps, stage, db0, bst, sw, raw0, bar0, prof, last_);
         if (s + 1 < ksteps) w3_step(acc, fb, fa, T, I, s + 1, ksteps, stage, db0, bst, sw, raw0, bar0, prof, last_);
     }
-    wg_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-    wg_fence_regs<16>(fa);
-    wg_fence_regs<16>(fb);
+    w2_drain(acc, fa, fb);
     w2_epilogue<OUT_F32>(acc, out, arow0, mrows, n0, N, ar0, sbase);
 #ifdef W3_PROF
     if ((tid & 127) == 0 && blockIdx.x < W3_PROF_CTAS) {

@@ -103,11 +103,7 @@ __device__ __forceinline__ void w4_2d3d(const unsigned char* __restrict__ As, co
             stage = nstage;
         }
     }
-    wg_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-    wg_fence_regs<16>(fa);
-    wg_fence_regs<16>(fb);
+    w2_drain(acc, fa, fb);
     w2_epilogue<OUT_F32>(acc, out, arow0, mrows, n0, N, ar0, sbase);
 }
 
