@@ -3,8 +3,8 @@
 For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgrad, wgrad) it first checks the
 kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median) and
 reports TFLOP/s (2*M*N*K / time) for:
-  mxfp8_<impl>  our kernels, every family of gemm_cuda.IMPLS for fprop/dgrad (wgmma4 with its bf16 weight prepared
-                once, outside the timing: see prepare_weight_ms); wgrad has only mma
+  mxfp8_<impl>  our kernels, every family of gemm_cuda.IMPLS for fprop/dgrad (wgmma4/5 with the bf16 weight prepared
+                once, outside the timing: see "prepare_weight" for that pass); wgrad has only mma
                 (bf16 output here, fp32 as "mxfp8_f32"). Each family is checked first; a family whose check fails
                 (or raises) is reported and not timed, the others go on.
   bf16          torch._grouped_mm on bf16 operands (offs = cumsum int32) -- the reference point for ratios
@@ -139,14 +139,23 @@ def run_shape(name, m, k, n, g, args, out_rows):
 
     impls = list(gemm_cuda.IMPLS)
     ours = {"fprop": {}, "dgrad": {}, "wgrad": {}}
-    # wgmma4 takes the weights as exact bf16 prepared once per weight version (gemm_cuda.prepare_weight_bf16): timed
-    # here as the kernel alone; the preparation is reported separately ("prepare_weight_ms", per weight version)
+    # wgmma4/5 take the weights as exact bf16 prepared once per weight version (gemm_cuda.prepare_weight_bf16): timed
+    # here as the kernel alone; the preparation (kernels/weight_prep.cu) is reported separately, per weight version,
+    # with its bandwidth (e4m3 + scale bytes read, bf16 written) and the torch reference's time
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     wtprep = gemm_cuda.prepare_weight_bf16(wtq.data, wts)
-    res["prepare_weight_ms"] = {
-        "fprop_w": time_ms(lambda: gemm_cuda.prepare_weight_bf16(wq.data, ws), 2, 5),
-        "dgrad_wt": time_ms(lambda: gemm_cuda.prepare_weight_bf16(wtq.data, wts), 2, 5),
-    }
+    prep = {"matches_torch_reference": True}
+    for key, (wd_, ws_, pp) in {"fprop_w": (wq.data, ws, wprep), "dgrad_wt": (wtq.data, wts, wtprep)}.items():
+        prep["matches_torch_reference"] &= bool(torch.equal(pp, gemm_cuda.prepare_weight_bf16_torch(wd_, ws_)))
+        ms = time_ms(lambda wd_=wd_, ws_=ws_, pp=pp: gemm_cuda.prepare_weight_bf16(wd_, ws_, out=pp), 3, 10)
+        nbytes = wd_.numel() + ws_.numel() + 2 * pp.numel()
+        prep[key] = {
+            "ms": ms,
+            "gb_s": nbytes / ms / 1e6,
+            "torch_ref_ms": time_ms(lambda wd_=wd_, ws_=ws_: gemm_cuda.prepare_weight_bf16_torch(wd_, ws_), 1, 3),
+        }
+    res["prepare_weight"] = prep
+    print(f"[{name}] prepare_weight: {prep}")
     for impl in impls:
         ours["fprop"][f"mxfp8_{impl}"] = with_impl(
             impl, lambda: gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, w_prepared=wprep)

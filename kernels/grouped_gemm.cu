@@ -170,6 +170,36 @@ __device__ __forceinline__ void cvt16(uint4 raw, unsigned s, unsigned* o) {
     }
 }
 
+// 4 x 4 transpose of 32-bit words inside each quad of lanes (lane c = lane % 4 holds row c: w[i] = M[c][i]; after
+// the call w[i] = M[i][c]): two xor-shuffle rounds, first the 2 x 2 blocks, then the blocks. Every lane of the
+// warp must take part. Used to turn 4-byte fragments spread over a quad into 16-byte row segments per lane.
+__device__ __forceinline__ void quad_transpose4(unsigned* w) {
+    const unsigned c = threadIdx.x & 3u;
+    const bool odd = c & 1u, hi = c & 2u;
+    // round 1 (lanes c, c ^ 1): entries with (i & 1) != (c & 1) <- the partner's M[c ^ 1][i ^ 1]
+    unsigned s0 = odd ? w[0] : w[1], s1 = odd ? w[2] : w[3];
+    unsigned r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+    if (odd) {
+        w[0] = r0;
+        w[2] = r1;
+    } else {
+        w[1] = r0;
+        w[3] = r1;
+    }
+    // round 2 (lanes c, c ^ 2): entries with (i & 2) != (c & 2) <- the partner's M[c ^ 2][i ^ 2]
+    s0 = hi ? w[0] : w[2];
+    s1 = hi ? w[1] : w[3];
+    r0 = __shfl_xor_sync(0xffffffffu, s0, 2);
+    r1 = __shfl_xor_sync(0xffffffffu, s1, 2);
+    if (hi) {
+        w[0] = r0;
+        w[1] = r1;
+    } else {
+        w[2] = r0;
+        w[3] = r1;
+    }
+}
+
 // The same, stored: words 0-3 (bytes 0-7) at smem address addr0, words 4-7 at addr1 (addr0 + 16 in the mma
 // kernel's padded tiles; the swizzled chunk c + 1 in the wgmma kernel's tiles).
 __device__ __forceinline__ void cvt_store16_2(uint4 raw, unsigned s, unsigned addr0, unsigned addr1) {

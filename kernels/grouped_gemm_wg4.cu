@@ -107,6 +107,8 @@ __device__ __forceinline__ void w4_2d3d(const unsigned char* __restrict__ As, co
     w2_epilogue<OUT_F32>(acc, out, arow0, mrows, n0, N, ar0, sbase);
 }
 
+// kernels/grouped_gemm_wg5.cu includes this file for its helpers and defines WG4_NO_KERNELS first.
+#ifndef WG4_NO_KERNELS
 // B is the prepared bf16 weight [G, N, Kp] (Kp = K rounded up to 64), reached only through tmB; A through tmA.
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 1) mx_gmm_wg4_2d3d_bf16(W3_ARGS) {
     w4_2d3d<0>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB);
@@ -114,3 +116,4 @@ extern "C" __global__ void __launch_bounds__(GM_THREADS, 1) mx_gmm_wg4_2d3d_bf16
 extern "C" __global__ void __launch_bounds__(GM_THREADS, 1) mx_gmm_wg4_2d3d_f32(W3_ARGS) {
     w4_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB);
 }
+#endif  // WG4_NO_KERNELS

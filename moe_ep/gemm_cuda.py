@@ -43,6 +43,9 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
   ``wgmma4`` (``kernels/grouped_gemm_wg4.cu``): A as wgmma3; the weight is exact bf16 prepared once per weight
       version (``prepare_weight_bf16``, pass it as ``w_prepared`` / ``wt_prepared``; without it every call
       prepares it) and TMA-loaded with the 128-byte swizzle: no conversion of B in the kernel. 0.86-0.95x.
+  ``wgmma5`` (``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a producer
+      warp loads ahead across tiles, 2 consumer warpgroups, mbarrier full/empty ring of 5 stages, epilogue from
+      registers). Same prepared weight.
   ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
@@ -63,12 +66,14 @@ import torch
 
 from . import mxfp8
 
-IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3", "wgmma4")
+IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3", "wgmma4", "wgmma5")
 _KERNEL_FILE = "grouped_gemm.cu"
 _WGMMA_FILE = "grouped_gemm_wgmma.cu"
 _WGMMA2_FILE = "grouped_gemm_wg2.cu"
 _WGMMA3_FILE = "grouped_gemm_wg3.cu"
 _WGMMA4_FILE = "grouped_gemm_wg4.cu"
+_WGMMA5_FILE = "grouped_gemm_wg5.cu"
+_PREP_FILE = "weight_prep.cu"
 _THREADS = 256
 _TILE = 128
 _SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
@@ -77,6 +82,9 @@ _WGMMA2_SMEM_BYTES = 99328  # 3 stages x B 32768 B + 1024 (alignment), grouped_g
 _WGMMA2_BN = 256  # output columns per CTA of the wgmma2 / wgmma3 kernels (128 rows)
 _WGMMA3_SMEM_BYTES = 203776  # bf16 ring 3 x 32768 + raw ring 4 x 26112 + 1024, grouped_gemm_wg3.cu W3_SMEM_BYTES
 _WGMMA4_SMEM_BYTES = 168960  # 4 x (32768 + 8192 + 512 -> 41984) + 1024, grouped_gemm_wg4.cu W4_SMEM_BYTES
+_WGMMA5_SMEM_BYTES = 210944  # 5 x 41984 + 1024, grouped_gemm_wg5.cu W5_SMEM_BYTES
+_WGMMA5_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (grouped_gemm_wg5.cu W5_THREADS)
+_PREPARED_IMPLS = ("wgmma4", "wgmma5")  # the kernels that read the weight as prepare_weight_bf16's output
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -160,6 +168,7 @@ def _launch(
     kernel_file: str = _KERNEL_FILE,
     smem: int = _SMEM_BYTES,
     extra: tuple = (),
+    threads: int = _THREADS,
 ):
     if grid <= 0:
         return
@@ -167,7 +176,7 @@ def _launch(
 
     fn = _cuda.get_function(kernel_file, kernel, device=out.device.index)
     args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest) + tuple(extra)
-    _cuda.launch(fn, grid, _THREADS, args, shared_mem=smem, device=out.device)
+    _cuda.launch(fn, grid, threads, args, shared_mem=smem, device=out.device)
 
 
 def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int, zero_rest: bool) -> tuple:
@@ -233,15 +242,22 @@ def k_permutation(device=None) -> torch.Tensor:
     return 16 * c + 4 * s + 2 * h + e
 
 
-def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """The weight operand of the ``wgmma4`` kernel: the exact bf16 dequantization of an MXFP8 weight, each 64-wide
-    k block in the kernels' permuted order (:func:`k_permutation`), K padded with zeros to a multiple of 64.
+def _check_weight_prep(w: torch.Tensor, w_scale: torch.Tensor) -> None:
+    _check_dtype("w", w, (torch.float8_e4m3fn,))
+    _check_dtype("w_scale", w_scale, (torch.uint8,))
+    if w.dim() != 3 or w.shape[2] % 32:
+        raise ValueError(f"w must be [G, N, K] with K % 32 == 0, got {tuple(w.shape)}")
+    g, n, k = w.shape
+    bsz = mxfp8.blocked_size(n, k // 32)
+    if w_scale.numel() != g * bsz:
+        raise ValueError(
+            f"w_scale must hold [G, blocked_size(N, K/32)] = [{g}, {bsz}] bytes, got {tuple(w_scale.shape)}"
+        )
 
-    w: e4m3 [G, N, K] (K % 32 == 0); w_scale: u8 [G, blocked_size(N, K/32)] (``mxfp8.to_blocked``)
-    -> bf16 [G, N, ceil(K/64) * 64]. Pure torch on w's device (no host sync); meant to run once per weight
-    version and be cached with the quantized weight (e4m3 * 2^(s-127) is exact in bf16 down to 2^-133, like the
-    in-kernel conversion of the other kernels, so the GEMM products are the same).
-    """
+
+def prepare_weight_bf16_torch(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`prepare_weight_bf16` (same signature and bytes): pure torch on w's device."""
+    _check_weight_prep(w, w_scale)
     g, n, k = w.shape
     kb = k // 32
     r = torch.arange(n, device=w.device)[:, None]
@@ -256,6 +272,43 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return padded.view(g, n, kp // 64, 64)[..., k_permutation(w.device)].reshape(g, n, kp).contiguous()
 
 
+def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight operand of the ``wgmma4`` / ``wgmma5`` kernels: the exact bf16 dequantization of an MXFP8 weight,
+    each 64-wide k block in the kernels' permuted order (:func:`k_permutation`), K padded with zeros to a multiple
+    of 64.
+
+    w: e4m3 [G, N, K] (K % 32 == 0); w_scale: u8 [G, blocked_size(N, K/32)] (``mxfp8.to_blocked``)
+    -> bf16 [G, N, ceil(K/64) * 64] (into ``out`` when given). CUDA tensors: one memory-bound kernel
+    (``kernels/weight_prep.cu``), no host sync; others: :func:`prepare_weight_bf16_torch` (the same bytes). Meant
+    to run once per weight version and be cached with the quantized weight (e4m3 * 2^(s-127) is exact in bf16
+    down to 2^-133, like the in-kernel conversion of the other kernels, so the GEMM products are the same).
+    """
+    if w.device.type != "cuda":
+        ref = prepare_weight_bf16_torch(w, w_scale)
+        return ref if out is None else out.copy_(ref)
+    _check_weight_prep(w, w_scale)
+    g, n, k = w.shape
+    kp = _cdiv(k, 64) * 64
+    if out is None:
+        out = torch.empty(g, n, kp, dtype=torch.bfloat16, device=w.device)
+    _check_dtype("out", out, (torch.bfloat16,))
+    if tuple(out.shape) != (g, n, kp):
+        raise ValueError(f"out must be [{g}, {n}, {kp}] bf16, got {tuple(out.shape)}")
+    for name, t in (("w", w), ("w_scale", w_scale), ("out", out)):
+        _check_memory(name, t, w.device)
+    chunks = g * n * (kp // 64) * 4
+    if chunks == 0:
+        return out
+    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+
+    fn = _cuda.get_function(_PREP_FILE, "mx_prepare_weight_bf16", device=w.device.index)
+    grid = min(_cdiv(chunks, 256), _cuda.num_sms(w.device) * 8)
+    args = (_cuda.ptr(w), _cuda.ptr(w_scale), _cuda.ptr(out), _cuda.i32(g), _cuda.i32(n), _cuda.i32(k))
+    args += (_cuda.i64(mxfp8.blocked_size(n, k // 32)),)
+    _cuda.launch(fn, grid, 256, args, device=w.device)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # launchers (preallocated outputs) and allocating wrappers
 # ----------------------------------------------------------------------------------------------------------
@@ -268,8 +321,8 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     b: e4m3 [G, N, K]; b_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32 [G] (device);
     out: bf16/fp32 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
     ``zero_rest`` (by the kernel, no extra pass), else left untouched. Returns ``out``.
-    b_prepared: ``wgmma4`` only: ``prepare_weight_bf16(b, b_scale)`` computed once per weight version; without it
-    the launcher prepares it on every call (correct, not fast).
+    b_prepared: ``wgmma4`` / ``wgmma5`` only: ``prepare_weight_bf16(b, b_scale)`` computed once per weight
+    version; without it the launcher prepares it on every call (one memory-bound pass over the weight).
     """
     impl = gemm_impl()
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
@@ -298,14 +351,20 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         )
     if tuple(out.shape) != (m, n):
         raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
-    bn = _WGMMA2_BN if impl in ("wgmma2", "wgmma3", "wgmma4") else _TILE
+    bn = _WGMMA2_BN if impl in ("wgmma2", "wgmma3", "wgmma4", "wgmma5") else _TILE
     grid = (_cdiv(m, _TILE) + g) * _cdiv(n, bn) if g else 0
     if grid == 0 and zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
         out.zero_()
     suffix = _OUT_SUFFIX[out.dtype]
     extra = ()
-    if impl == "wgmma4":
-        kernel, kfile, smem = f"mx_gmm_wg4_2d3d_{suffix}", _WGMMA4_FILE, _WGMMA4_SMEM_BYTES
+    threads = _THREADS
+    if impl in _PREPARED_IMPLS:
+        if impl == "wgmma5":  # persistent: one CTA per SM walks the tiles (a host-side property, cached by torch)
+            kernel, kfile, smem = f"mx_gmm_wg5_2d3d_{suffix}", _WGMMA5_FILE, _WGMMA5_SMEM_BYTES
+            threads = _WGMMA5_THREADS
+            grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)
+        else:
+            kernel, kfile, smem = f"mx_gmm_wg4_2d3d_{suffix}", _WGMMA4_FILE, _WGMMA4_SMEM_BYTES
         if grid > 0:
             kp = _cdiv(k, 64) * 64
             if b_prepared is None:
@@ -328,7 +387,7 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         kernel, kfile, smem = f"mx_gmm_wg_2d3d_{suffix}", _WGMMA_FILE, _WGMMA_SMEM_BYTES
     else:
         kernel, kfile, smem = f"mx_gmm_2d3d_{suffix}", _KERNEL_FILE, _SMEM_BYTES
-    _launch(kernel, grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest, kfile, smem, extra)
+    _launch(kernel, grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest, kfile, smem, extra, threads)
     return out
 
 

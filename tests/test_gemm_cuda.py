@@ -424,6 +424,62 @@ def test_large_uneven_groups(impl):
     _assert_close(o_w, ref64, ref32, asum, torch.float32, "large wgrad", max(sizes))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("g", "n", "k"), [(2, 8, 32), (3, 136, 96), (2, 264, 160), (4, 520, 7168)])
+def test_weight_prep_kernel_matches_reference(g, n, k):
+    """kernels/weight_prep.cu == prepare_weight_bf16_torch: bit-equal bf16 (NaN where the reference has NaN: the
+    payload of a 0xFF-scale block is the hardware's canonical NaN), on every e4m3 code, scales 0 / 254 / 0xFF,
+    K % 64 == 32 (zero padding), N not a multiple of 128; with no host sync; into a given ``out`` too."""
+    _skip_without_gpu()
+    from tests.test_gemm_emulation_wg5 import _awkward_weight, assert_same_bf16  # noqa: PLC0415
+
+    w, ws = _awkward_weight(g, n, k, seed=k + n)
+    ref = gemm_cuda.prepare_weight_bf16_torch(w, ws)
+    wd, wsd = _guarded(w.cuda(), 0x7F), _guarded(ws.cuda(), 0xFF)
+    kp = -(-k // 64) * 64
+    buf = torch.full((g * n * kp + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[: g * n * kp].view(g, n, kp)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = gemm_cuda.prepare_weight_bf16(wd, wsd)
+        gemm_cuda.prepare_weight_bf16(wd, wsd, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert_same_bf16(got.cpu(), ref)
+    assert_same_bf16(out.cpu(), ref)
+    assert torch.isnan(buf[g * n * kp :]).all(), "written past the end of out"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [32, 64, 160])
+def test_many_tiles_per_cta(k, impl):
+    """More tiles than SMs with 1-3 k-steps each: the persistent wgmma5 CTAs walk ~5 tiles each, so the ring's
+    stage/phase counters wrap at every offset and the producer runs ahead across tiles (the other families just
+    launch more CTAs). Uneven groups, empty ones, trailing rows (zero-filled by the tiles past the groups)."""
+    _skip_without_gpu()
+    sizes = _rand_sizes(7, 40000, torch.Generator().manual_seed(k))
+    g, s, n = len(sizes), sum(sizes), 264
+    m = s + 77
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = _varied(m, k, gen)
+    w = torch.randn(g, n, k, generator=gen, device="cuda") * 0.05
+    xd, xs = gemm_cuda.rowwise_operand_ref(x[:s], sizes)
+    xd = torch.cat([xd, mxfp8.quantize_torch(x[s:], -1).data])
+    xs = torch.cat([xs, xs.new_zeros(mxfp8.grouped_blocked_size(m, g, k // 32, "m") - xs.numel())])
+    wd, ws = gemm_cuda.weight_operand_ref(w)
+    wp = gemm_cuda.prepare_weight_bf16(wd, ws)
+    sz = _sizes_t(sizes)
+    o1 = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, w_prepared=wp)
+    o2 = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, w_prepared=wp)
+    torch.cuda.synchronize()
+    xq = mxfp8.dequantize_torch(mxfp8.quantize_torch(x[:s], -1), torch.float32)
+    wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -1), torch.float32)
+    _assert_close(o1[:s], _mm64(xq, wq, sizes), None, _mm64(xq.abs(), wq.abs(), sizes), torch.bfloat16, "fprop", k)
+    assert (o1[s:] == 0).all(), "rows past the groups must be zero"
+    assert torch.equal(o1, o2), "not deterministic"
+
+
 # ------------------------------------------------------------------------------------------- argument errors
 # (checked before anything touches the GPU: these run on CPU too)
 

@@ -1,0 +1,193 @@
+"""CPU models of the index logic new in ``kernels/grouped_gemm_wg5.cu`` and ``kernels/weight_prep.cu``.
+
+* ``quad_transpose4`` (kernels/grouped_gemm.cu): the two xor-shuffle rounds, lane by lane.
+* ``w5_epilogue_bf16``: which (row, column) pair every 16-byte store of a warp carries.
+* ``mx_prepare_weight_bf16``: the whole kernel (thread -> chunk mapping, blocked scale offset, the exact conversion
+  of ``gemm_emu.cvt_words_1s``, the quad transpose, the store offsets) against ``prepare_weight_bf16_torch``,
+  byte for byte, on awkward weights (K % 64 == 32, N not a multiple of 128, scales 0 / 254 / 0xFF, e4m3
+  subnormals).
+The GPU tests (tests/test_gemm_cuda.py) run the real kernels against the same references.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_ep import gemm_cuda, mxfp8
+from tests.gemm_emu import cvt_words_1s
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def shfl_xor(vals: list, mask: int) -> list:
+    """__shfl_xor_sync over one quad: lane c receives lane c ^ mask's value."""
+    return [vals[c ^ mask] for c in range(4)]
+
+
+def quad_transpose4(w: list[list]) -> list[list]:
+    """Model of quad_transpose4: w[c] = the 4 words of lane c (any values); returns the lanes' words after it."""
+    w = [list(x) for x in w]
+    odd = [bool(c & 1) for c in range(4)]
+    hi = [bool(c & 2) for c in range(4)]
+    s0 = [w[c][0] if odd[c] else w[c][1] for c in range(4)]
+    s1 = [w[c][2] if odd[c] else w[c][3] for c in range(4)]
+    r0, r1 = shfl_xor(s0, 1), shfl_xor(s1, 1)
+    for c in range(4):
+        if odd[c]:
+            w[c][0], w[c][2] = r0[c], r1[c]
+        else:
+            w[c][1], w[c][3] = r0[c], r1[c]
+    s0 = [w[c][0] if hi[c] else w[c][2] for c in range(4)]
+    s1 = [w[c][1] if hi[c] else w[c][3] for c in range(4)]
+    r0, r1 = shfl_xor(s0, 2), shfl_xor(s1, 2)
+    for c in range(4):
+        if hi[c]:
+            w[c][0], w[c][1] = r0[c], r1[c]
+        else:
+            w[c][2], w[c][3] = r0[c], r1[c]
+    return w
+
+
+def test_quad_transpose4_transposes():
+    m = [[(c, i) for i in range(4)] for c in range(4)]
+    t = quad_transpose4(m)
+    for c in range(4):
+        for i in range(4):
+            assert t[c][i] == (i, c), (c, i, t[c][i])
+
+
+def test_quad_transpose4_model_matches_the_source():
+    """The model's selects are the kernel's (a changed lane predicate or shuffle distance in the source fails)."""
+    src = (KERNELS / "grouped_gemm.cu").read_text()
+    body = src[src.index("void quad_transpose4") :]
+    body = body[: body.index("\n}\n")]
+    norm = re.sub(r"\s+", " ", body)
+    for frag in (
+        "unsigned s0 = odd ? w[0] : w[1], s1 = odd ? w[2] : w[3];",
+        "__shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);",
+        "if (odd) { w[0] = r0; w[2] = r1; } else { w[1] = r0; w[3] = r1; }",
+        "s0 = hi ? w[0] : w[2]; s1 = hi ? w[1] : w[3];",
+        "r0 = __shfl_xor_sync(0xffffffffu, s0, 2); r1 = __shfl_xor_sync(0xffffffffu, s1, 2);",
+        "if (hi) { w[0] = r0; w[1] = r1; } else { w[2] = r0; w[3] = r1; }",
+    ):
+        assert frag in norm, frag
+
+
+def test_w5_epilogue_stores_cover_each_tile_element_once():
+    """Accumulator 4 j + 2 h + e of lane (q, l) is tile row 16 q + l / 4 + 8 h, column 8 j + 2 (l % 4) + e (the
+    wgmma m64n256 layout); after the epilogue's per-(h, m) quad transpose, lane c's 16-byte store at column
+    32 m + 8 c holds columns 32 m + 8 c .. + 7 of its row in order."""
+    seen = np.zeros((64, 256), dtype=np.int64)
+    for q in range(4):
+        for quad in range(8):
+            for h in range(2):
+                for m in range(8):
+                    # word i of lane c: the bf16 pair of accumulators 4 (4 m + i) + 2 h, + 1
+                    lanes = []
+                    for c in range(4):
+                        row = 16 * q + quad + 8 * h
+                        lanes.append([(row, 8 * (4 * m + i) + 2 * c) for i in range(4)])
+                    out = quad_transpose4(lanes)
+                    for c in range(4):
+                        row, col = 16 * q + quad + 8 * h, 32 * m + 8 * c
+                        for i, (r, cc) in enumerate(out[c]):
+                            assert (r, cc) == (row, col + 2 * i)
+                            seen[r, cc : cc + 2] += 1
+    assert (seen == 1).all()
+
+
+def emulate_prepare_weight(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """mx_prepare_weight_bf16, thread by thread (quads of lanes = the 4 chunks of one (row, 64-block))."""
+    g_count, n, k = w.shape
+    nblk, tpr = -(-k // 64), -(-(k // 32) // 4)
+    bsz = mxfp8.blocked_size(n, k // 32)
+    wb = w.contiguous().view(torch.uint8).reshape(-1).numpy()
+    ws = w_scale.contiguous().reshape(-1).numpy()
+    out = np.full(g_count * n * nblk * 64, 0xDEAD, dtype=np.uint16)  # poison: every element must be written
+    total = g_count * n * nblk * 4
+    assert total % 4 == 0
+    for quad0 in range(0, total, 4):
+        lanes = []
+        for c in range(4):
+            idx = quad0 + c
+            rb = idx >> 2
+            row, b = divmod(rb, nblk)
+            k0 = b * 64 + 16 * c
+            o = [0] * 8
+            if k0 < k:
+                g, nn = divmod(row, n)
+                kb = k0 >> 5
+                raw = [int(v) for v in wb[row * k + k0 : row * k + k0 + 16].view(np.uint32)]
+                off = ((nn >> 7) * tpr + (kb >> 2)) * 512 + (nn & 31) * 16 + ((nn >> 5) & 3) * 4 + (kb & 3)
+                s = int(ws[g * bsz + off])
+                o = cvt_words_1s(raw, s)
+            lanes.append(o)
+        lo = quad_transpose4([x[:4] for x in lanes])
+        hi = quad_transpose4([x[4:] for x in lanes])
+        row, b = divmod(quad0 >> 2, nblk)
+        base = row * nblk * 64 + b * 64
+        for c in range(4):
+            for half, words in ((0, lo[c]), (1, hi[c])):
+                off = base + 8 * (4 * half + c)  # uint4 index 4 half + c = 8 bf16
+                for i, wd in enumerate(words):
+                    out[off + 2 * i] = wd & 0xFFFF
+                    out[off + 2 * i + 1] = wd >> 16
+    return torch.from_numpy(out.view(np.int16).copy()).view(torch.bfloat16).reshape(g_count, n, nblk * 64)
+
+
+def assert_same_bf16(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit-equal bf16, except that NaN payloads may differ (torch's fp32 NaN product keeps its sign and payload,
+    the hardware's bf16 multiply returns a canonical NaN): NaN exactly where the reference has NaN."""
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+def _awkward_weight(g: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (g, n, k), generator=gen, dtype=torch.int32).to(torch.uint8)
+    codes[codes == 0x7F] = 0x3C  # e4m3fn NaN codes replaced (the data of a quantized weight is never NaN)
+    codes[codes == 0xFF] = 0xBC
+    codes[0, 0, :8] = torch.tensor([1, 2, 7, 0x81, 0x87, 0, 0x80, 8], dtype=torch.uint8)  # subnormals, +-0
+    data = codes.view(torch.float8_e4m3fn)
+    scale = torch.randint(100, 160, (g, n, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale.view(-1)[:4] = torch.tensor([0, 254, 0xFF, 127], dtype=torch.uint8)
+    scale[-1, -1, -1] = 1
+    return data, mxfp8.to_blocked(scale)
+
+
+@pytest.mark.parametrize(("g", "n", "k"), [(2, 8, 32), (1, 136, 96), (2, 16, 160)])
+def test_emulated_weight_prep_matches_reference_bytes(g, n, k):
+    w, ws = _awkward_weight(g, n, k, seed=k)
+    ref = gemm_cuda.prepare_weight_bf16_torch(w, ws)
+    emu = emulate_prepare_weight(w, ws)
+    assert torch.isnan(ref).sum() == 32 and (ref == 0).any()  # the 0xFF block is there, and the padding / zeros
+    assert_same_bf16(emu, ref)
+
+
+def test_weight_prep_rejects_bad_inputs():
+    w, ws = _awkward_weight(1, 8, 64, seed=0)
+    with pytest.raises(TypeError, match="w must be"):
+        gemm_cuda.prepare_weight_bf16(w.view(torch.uint8), ws)
+    with pytest.raises(ValueError, match="K % 32"):
+        gemm_cuda.prepare_weight_bf16(w[..., :48], ws)
+    with pytest.raises(ValueError, match="w_scale must hold"):
+        gemm_cuda.prepare_weight_bf16(w, ws[..., :-1])
+
+
+def test_w5_constants_match_the_launcher():
+    src = (KERNELS / "grouped_gemm_wg5.cu").read_text()
+    stages = int(re.search(r"#define W5_STAGES (\d+)", src).group(1))
+    threads = int(re.search(r"#define W5_THREADS (\d+)", src).group(1))
+    w4 = (KERNELS / "grouped_gemm_wg4.cu").read_text()
+    stage_bytes = int(re.search(r"#define W4_STAGE_BYTES (\d+)", w4).group(1))
+    assert gemm_cuda._WGMMA5_SMEM_BYTES == stages * stage_bytes + 1024
+    assert gemm_cuda._WGMMA5_THREADS == threads
+    assert gemm_cuda._WGMMA5_SMEM_BYTES + 1024 <= 232448  # dynamic + static shared memory of one H100/H200 CTA
+    for suffix in gemm_cuda._OUT_SUFFIX.values():
+        assert f"mx_gmm_wg5_2d3d_{suffix}(W3_ARGS)" in src
