@@ -1,4 +1,6 @@
-"""Diagnostics of the wgmma3 grouped GEMM (kernels/grouped_gemm_wg3.cu): a phase profile and a timing experiment.
+"""Diagnostics of the grouped GEMMs: wgmma3's phase profile and timing experiments (wgmma3, wgmma5).
+
+wgmma3 (kernels/grouped_gemm_wg3.cu, the default ``--kernel wgmma3``):
 
 * ``-DW3_PROF`` build: threads 0 and 128 (one per warpgroup) add up the clock64 cycles of each phase of every
   k-step; printed as cycles per k-step, averaged over CTAs (the stamps perturb the schedule a little).
@@ -6,7 +8,11 @@
   results, timing only): how fast the skeleton is.
 Each build is timed with bench_gemm's CUDA-event timer (median of 20) next to the normal kernel on the same operands.
 
-    python benchmarks/prof_gemm.py [--shape dsv3_up] [--json PATH]
+wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing-only builds with wrong results:
+``-DW3_NO_CVT`` (no A conversion), ``-DW5_HALF_B`` (B loaded on every other k-step: half the B bytes from L2), ``-DW5_NO_EPI`` (no
+output stores); what each removes from the time says what bounds the kernel.
+
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -45,11 +51,74 @@ def launcher(opts, xq, xs, wq, ws, sz, out):
     return run, fn
 
 
+def launcher_w5(opts, xq, xs, wprep, sz, out):
+    m, k = xq.data.shape
+    g, n, kp = wprep.shape
+    fn = _cuda.get_function(gemm_cuda._WGMMA5_FILE, "mx_gmm_wg5_2d3d_bf16", extra_options=opts)
+    grid = min((-(-m // 128) + g) * (-(-n // 256)), _cuda.num_sms())
+    args = gemm_cuda._kernel_args(xq.data, xs, xq.data, xs, sz, out, g, m, n, k, True) + (
+        gemm_cuda._tma_map_2d(xq.data, m, k, 128, 64),
+        gemm_cuda._tma_map_2d(wprep, g * n, kp, 256, 64, elem_bytes=2, swizzle128=True),
+        gemm_cuda._tma_map_2d(out, m, n, 64, 64, elem_bytes=2, swizzle128=True),
+    )
+
+    def run():
+        _cuda.launch(fn, grid, gemm_cuda._WGMMA5_THREADS, args, shared_mem=gemm_cuda._WGMMA5_SMEM_BYTES)
+
+    return run
+
+
+def experiments_w5(args) -> dict:
+    m, k, n, g = SHAPES[args.shape]
+    sizes = uneven_sizes(m, g, seed=sum(map(ord, args.shape)))
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
+    xq, wq = mxfp8.quantize_torch(x, -1), mxfp8.quantize_torch(w, -1)
+    xs, ws = mxfp8.to_blocked_grouped(xq.scale, sz, "m"), mxfp8.to_blocked(wq.scale)
+    wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    flops = 2.0 * sum(sizes) * n * k
+    res = {"kernel": "wgmma5", "shape": args.shape, "M": m, "K": k, "N": n, "G": g, "tflops": {}}
+    builds = {
+        "normal": (),
+        "no_cvt": ("-DW3_NO_CVT",),
+        "half_b": ("-DW5_HALF_B",),
+        "no_epi": ("-DW5_NO_EPI",),
+        "half_b_no_cvt": ("-DW5_HALF_B", "-DW3_NO_CVT"),
+    }
+    exact = ("normal",)  # builds that must give correct bytes
+    normal_out = None
+    for name, opts in builds.items():
+        run = launcher_w5(opts, xq, xs, wprep, sz, out)
+        ms = time_ms(run, 3, 20)
+        res["tflops"][name] = flops / ms / 1e9
+        if name in exact:
+            torch.cuda.synchronize()
+            if name == "normal":
+                normal_out = out.clone()
+                ref = gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz)
+                res["normal_matches_default_impl"] = bool(torch.equal(out, ref))
+            else:
+                res[f"{name}_matches_normal"] = bool(torch.equal(out, normal_out))
+    torch.cuda.synchronize()
+    bf = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(sz, 0, dtype=torch.int32))  # noqa: E731
+    res["tflops"]["torch_bf16"] = flops / time_ms(bf, 3, 20) / 1e9
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5"))
     ap.add_argument("--shape", default="dsv3_up")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.kernel == "wgmma5":
+        res = experiments_w5(args)
+        print(json.dumps(res, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return
     m, k, n, g = SHAPES[args.shape]
     sizes = uneven_sizes(m, g, seed=sum(map(ord, args.shape)))
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")

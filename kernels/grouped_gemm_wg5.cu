@@ -16,24 +16,37 @@
 //     t / n_tiles, column tile t % n_tiles; (ceil(M/128) + G) * n_tiles tiles, those past the groups zero-fill
 //     rows past sum(sizes) when zero_rest). Each warp scans the group sizes itself (its own GroupInfo, no block
 //     barrier; the sizes stay in L1 after the first tile).
-//   * ring: W5_STAGES stages of [B bf16 256 x 128 B | A raw 128 x 64 B | A scale tile 512 B] (wgmma4's layout),
-//     two mbarriers each: full (count 1 + transaction bytes, the producer's expect_tx) and empty (count 8: lane 0
-//     of every consumer warp arrives once the MMAs that read the stage have retired, i.e. after the wait_group
-//     that follows the next step's MMAs, or after the drain for a tile's last step). A step's stage and phase
-//     come from one running counter shared by producer and consumers: step i of the CTA uses stage i % S with
-//     phase (i / S) & 1.
-//   * epilogue straight from registers (the ring is busy with the next tile): bf16 pairs are transposed inside
-//     each quad (quad_transpose4) so that each thread holds 8 consecutive columns of one row, stored as one
-//     16-byte store (a warp writes 8 rows x 64 contiguous bytes). fp32 output as w2_epilogue (float2 stores).
-// Shared memory: W5_STAGES x 41984 B + 1 KiB alignment (5 stages: 210944 B).
+//   * ring: W5_STAGES stages of [B bf16 256 x 128 B (SW128) | A raw 128 x 64 B] plus one A scale tile (512 B) per
+//     stage, two mbarriers each: full (count 1 + transaction bytes, the producer's expect_tx) and empty (count 8:
+//     lane 0 of every consumer warp arrives once the MMAs that read the stage have retired). A step's stage and
+//     phase come from one running counter replayed by producer and consumers: step i of the CTA uses stage i % S
+//     with phase (i / S) & 1.
+//   * mainloop per consumer warpgroup: issue M(s) (4 x wgmma.m64n256k16, A from registers), convert A(s + 1) into
+//     the third of 3 fragment buffers, then wait for M(s - 1) and release its stage. The two warpgroups issue
+//     their MMAs strictly in turn (named barriers 1 and 2), so that one converts while the other's MMAs run.
+//   * epilogue: a warpgroup whose 64 rows are all inside the group writes its bf16 tile into its own 32 KiB of
+//     shared memory (128-byte swizzle) and one thread issues TMA stores, which drain while the next tile runs;
+//     otherwise (rows past the group belong to another tile) masked 16-byte stores from registers after a quad
+//     transpose. fp32 output: float2 stores (w2_epilogue).
+// Timing experiments (wrong results; benchmarks/prof_gemm.py --kernel wgmma5): -DW5_HALF_B loads B on even
+// k-steps only, -DW5_NO_EPI skips the output stores, -DW3_NO_CVT skips the A conversion.
+// Shared memory (all dynamic): 4 x 40960 ring + 65536 output tile + 4 x 512 scales + barriers + 9 GroupInfo =
+// 231920 B of the 232448 an H100/H200 CTA may have.
 
 #define WG4_NO_KERNELS
 #include "grouped_gemm_wg4.cu"
 
 #define W5_THREADS 384
 #define W5_CONSUMER_WARPS 8
-#define W5_STAGES 5
-#define W5_SMEM_BYTES (W5_STAGES * W4_STAGE_BYTES + 1024)  // 210944
+#define W5_STAGES 4
+#define W5_STAGE_BYTES 40960  // B bf16 256 x 128 B (SW128) at 0 | A raw 128 x 64 B at W5_A
+#define W5_A 32768
+#define W5_EPI (W5_STAGES * W5_STAGE_BYTES)  // 163840: bf16 output tile, 2 warpgroups x 4 chunks x 64 rows x 128 B
+#define W5_EPI_BYTES 65536
+#define W5_SC (W5_EPI + W5_EPI_BYTES)        // A scale tiles, 512 B per stage
+#define W5_BAR (W5_SC + 512 * W5_STAGES)     // mbarriers full[S], empty[S]
+#define W5_GI (W5_BAR + 16 * W5_STAGES)      // one GroupInfo per warp (9)
+#define W5_SMEM_BYTES (W5_GI + 9 * 48)       // 231920 (sizeof(GroupInfo) = 48); no static shared memory
 
 template <int R>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -44,8 +57,20 @@ __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
 }
 
+static_assert(sizeof(GroupInfo) == 48, "W5_SMEM_BYTES assumes 48-byte GroupInfo entries");
+
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// The two consumer warpgroups issue their MMAs strictly in turn (named barriers 1 and 2: warpgroup 0 waits on 1
+// before issuing, warpgroup 1 on 2; each arrives on the other's barrier after issuing), so that one converts its A
+// fragments while the other's MMAs run (measured: +4-6 % over unordered issue).
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
 // The tile t of the persistent schedule, computed by one warp into its own GroupInfo (no block barrier).
@@ -98,6 +123,50 @@ __device__ __forceinline__ void w5_epilogue_bf16(const float* acc, unsigned shor
     }
 }
 
+// bf16 epilogue of one warpgroup's 64 full rows through shared memory and TMA stores, so that the consumers go
+// on with the next tile while the output drains to memory. The warpgroup's 32 KiB region holds 4 chunks of 64
+// columns, each 64 rows x 128 B in the 128-byte swizzle (16-byte unit u of row r at ((u ^ (r % 8)) << 4)), the
+// layout of a 64 x 64 TMA box. Lane c holds, after quad_transpose4, columns 32 m + 8 c .. + 7 = chunk m / 2,
+// unit 4 (m % 2) + c. Order: the leader waits until the previous tile's stores have read the region; barrier;
+// everyone writes; proxy fence; barrier; the leader issues the (up to 4) stores (columns >= N are clipped by the
+// tensor map: it spans exactly [M, N]) and commits them as one bulk group.
+__device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned region, int wg, long long arow0, int n0,
+                                                int N, const TmaMap* tmO) {
+    const int tid = threadIdx.x, lane = tid & 31, c = tid & 3, q = (tid >> 5) & 3;
+    const bool leader = (tid & 127) == 0;
+    const int bar = 3 + wg;  // named barriers 3, 4: one per warpgroup (0: __syncthreads, 1-2: MMA turns)
+    if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    named_bar_sync(bar, 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = q * 16 + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            unsigned w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int a = 4 * (4 * m + i) + 2 * h;
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[a + 1]), "f"(acc[a]));
+            }
+            quad_transpose4(w);
+            const unsigned u = (unsigned)(4 * (m & 1) + c);
+            const unsigned addr = region + (unsigned)(m >> 1) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4);
+            sts128(addr, w[0], w[1], w[2], w[3]);
+        }
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    named_bar_sync(bar, 128);
+    if (leader) {
+        const int row = (int)(arow0 + 64 * wg);
+        for (int ch = 0; ch < 4 && n0 + 64 * ch < N; ++ch)
+            asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                             reinterpret_cast<unsigned long long>(tmO)),
+                         "r"(n0 + 64 * ch), "r"(row), "r"(region + 8192u * (unsigned)ch)
+                         : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+}
+
 // Producer (warp 8): for every tile of this CTA, every k-step, wait for the stage to be free and load it.
 __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* __restrict__ As,
                                            const int* __restrict__ sizes, int G, long long M, int N, int K,
@@ -116,12 +185,17 @@ __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* _
         const int brow0 = gi->g * N + n0;
         for (int s = 0; s < ksteps; ++s) {
             if (lane == 0) {
-                const unsigned st = sbase + (unsigned)stage * W4_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
+                const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
                 mbar_wait(empty0 + 8u * (unsigned)stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
-                mbar_expect_tx(full, 32768u + 8192u + 512u);
-                tma_2d(st + W4_B, tmB, s * 64, brow0, full);
-                tma_2d(st + W4_A, tmA, s * 64, (int)arow0, full);
-                bulk_copy(st + W4_SC, a_sc + (long long)(s >> 1) * 512, 512u, full);
+#ifdef W5_HALF_B  // timing experiment only (wrong results): B loaded on even k-steps only = half the B traffic
+                const bool load_b = (s & 1) == 0;
+#else
+                const bool load_b = true;
+#endif
+                mbar_expect_tx(full, (load_b ? 32768u : 0u) + 8192u + 512u);
+                if (load_b) tma_2d(st, tmB, s * 64, brow0, full);
+                tma_2d(st + W5_A, tmA, s * 64, (int)arow0, full);
+                bulk_copy(sbase + W5_SC + 512u * (unsigned)stage, a_sc + (long long)(s >> 1) * 512, 512u, full);
             }
             if (++stage == W5_STAGES) {
                 stage = 0;
@@ -134,13 +208,14 @@ __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* _
 template <int OUT_F32>
 __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, const int* __restrict__ sizes,
                                         void* __restrict__ out, int G, long long M, int N, int K, int zero_rest,
-                                        const TmaMap* tmA, const TmaMap* tmB) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ GroupInfo gis[W5_CONSUMER_WARPS + 1];
-    __shared__ __align__(8) unsigned long long bars[2 * W5_STAGES];  // full[S], empty[S]
+                                        const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmO) {
+    // Everything lives in dynamic shared memory (no static): it then starts at the 1024-aligned base of the
+    // CTA's shared window, which the 128-byte swizzle of B and of the output tile needs (checked below).
+    extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const unsigned sbase = (smem_u32(smem) + 1023u) & ~1023u;
-    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8u * W5_STAGES;
+    const unsigned sbase = smem_u32(smem);
+    if (sbase & 1023u) __trap();
+    const unsigned full0 = sbase + W5_BAR, empty0 = full0 + 8u * W5_STAGES;
     if (tid == 0) {
         for (int j = 0; j < W5_STAGES; ++j) {
             mbar_init(full0 + 8u * j, 1u);
@@ -149,7 +224,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the only block-wide barrier: the mbarriers exist before anyone uses them
-    GroupInfo* gi = &gis[warp];
+    GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + W5_GI) + warp;
     if (warp >= W5_CONSUMER_WARPS) {
         setmaxnreg_dec<40>();
         if (warp == W5_CONSUMER_WARPS) w5_produce(gi, As, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0);
@@ -159,7 +234,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
 
     const int wg = tid >> 7, q = warp & 3, c = tid & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
-    W3Thread T;  // only the A fields (w3_convert_a with the raw A tile at W4_A and the scale tile at W4_SC)
+    W3Thread T;  // only the A fields (w3_convert_a with the raw A tile at W5_A and the stage's scale tile)
     T.c16 = c * 16;
     T.K = K;
     T.a0 = (unsigned)ar0 * 64u + 16u * c;
@@ -171,6 +246,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     const int ksteps = (K + 63) / 64;
     int stage = 0;  // stage and phase of the CTA's next k-step (the producer's counter, replayed)
     unsigned phase = 0;
+    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int n0, mrows;
         long long arow0, r_zero;
@@ -187,53 +263,69 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-        unsigned fa[16], fb[16];
+        // 3 A fragment buffers: A(s + 1) is converted right after M(s) is issued, before waiting for M(s - 1)
+        // (more MMA work queued while converting); its buffer was read by M(s - 2), retired at the previous wait.
+        unsigned f0[16], f1[16], f2[16];
         mbar_wait(full0 + 8u * (unsigned)stage, phase);
         {
-            const unsigned st = sbase + (unsigned)stage * W4_STAGE_BYTES;
-            w3_convert_a(T, st + W4_A, st + W4_SC, 0, fa);
+            const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
+            w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
         }
         int prev = 0;  // stage of the previous k-step
-        for (int s = 0; s < ksteps; s += 2) {
+        for (int s = 0; s < ksteps; s += 3) {
 #pragma unroll
-            for (int u = 0; u < 2; ++u) {
+            for (int u = 0; u < 3; ++u) {
                 const int ss = s + u;
                 if (ss >= ksteps) break;
-                unsigned* cur = u == 0 ? fa : fb;
-                unsigned* nxt = u == 0 ? fb : fa;
+                unsigned* cur = u == 0 ? f0 : (u == 1 ? f1 : f2);
+                unsigned* nxt = u == 0 ? f1 : (u == 1 ? f2 : f0);
+                unsigned* old = u == 0 ? f2 : (u == 1 ? f0 : f1);
+                named_bar_sync(wg == 0 ? 1 : 2, 256);
                 wg_fence();
-                const unsigned long long db = wg_desc(sbase + (unsigned)stage * W4_STAGE_BYTES + W4_B);
+                const unsigned long long db = wg_desc(sbase + (unsigned)stage * W5_STAGE_BYTES);
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs(acc, cur + 4 * kk, db + 2 * kk);
                 wg_commit();
-                wg_wait<1>();  // step ss - 1 retired: its A registers (nxt) and its stage are free
-                wg_fence_regs<16>(nxt);
-                if (ss >= 1 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
-                prev = stage;
+                named_bar_arrive(wg == 0 ? 2 : 1, 256);
+                const int cur_stage = stage;
                 if (++stage == W5_STAGES) {
                     stage = 0;
                     phase ^= 1u;
                 }
                 if (ss + 1 < ksteps) {
                     mbar_wait(full0 + 8u * (unsigned)stage, phase);
-                    const unsigned st = sbase + (unsigned)stage * W4_STAGE_BYTES;
-                    w3_convert_a(T, st + W4_A, st + W4_SC, ss + 1, nxt);
+                    const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
+                    w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
                 }
+                wg_wait<1>();  // M(ss - 1) retired: its A buffer (old) and its stage are free
+                wg_fence_regs<16>(old);
+                if (ss >= 1 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
+                prev = cur_stage;
             }
         }
-        w2_drain(acc, fa, fb);
+        w2_drain(acc, f0, f1);
+        wg_fence_regs<16>(f2);
         if (lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
+#ifdef W5_NO_EPI  // timing experiment only: no output stores
+        if (mrows < 0)
+#endif
         if (OUT_F32)
             w2_epilogue<1>(acc, out, arow0, mrows, n0, N, ar0, sbase);  // direct float2 stores, no shared memory
-        else
+        else if (mrows >= 64 * (wg + 1))  // the warpgroup's 64 rows are all in the group: TMA store
+            w5_epilogue_tma(acc, sbase + W5_EPI + 32768u * (unsigned)wg, wg, arow0, n0, N, tmO);
+        else  // rows past the group belong to another tile: masked stores from registers
             w5_epilogue_bf16(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, ar0);
     }
+    if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before exit
+    if (wg == 0) named_bar_sync(1, 256);  // takes warpgroup 1's arrive after its last MMAs
 }
 
 // Same parameters as the wgmma4 kernels (B = the prepared bf16 weight [G, N, Kp], reached only through tmB).
-extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_bf16(W3_ARGS) {
-    w5_2d3d<0>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB);
+// tmO: the bf16 output [M, N] in boxes of 64 rows x 64 columns with the 128-byte swizzle (unused for fp32).
+#define W5_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO
+extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_bf16(W5_ARGS) {
+    w5_2d3d<0>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }
-extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_f32(W3_ARGS) {
-    w5_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB);
+extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_f32(W5_ARGS) {
+    w5_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }

@@ -44,8 +44,8 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
       version (``prepare_weight_bf16``, pass it as ``w_prepared`` / ``wt_prepared``; without it every call
       prepares it) and TMA-loaded with the 128-byte swizzle: no conversion of B in the kernel. 0.86-0.95x.
   ``wgmma5`` (``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a producer
-      warp loads ahead across tiles, 2 consumer warpgroups, mbarrier full/empty ring of 5 stages, epilogue from
-      registers). Same prepared weight.
+      warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs in
+      turn, TMA-store epilogue). Same prepared weight.
   ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
@@ -82,7 +82,7 @@ _WGMMA2_SMEM_BYTES = 99328  # 3 stages x B 32768 B + 1024 (alignment), grouped_g
 _WGMMA2_BN = 256  # output columns per CTA of the wgmma2 / wgmma3 kernels (128 rows)
 _WGMMA3_SMEM_BYTES = 203776  # bf16 ring 3 x 32768 + raw ring 4 x 26112 + 1024, grouped_gemm_wg3.cu W3_SMEM_BYTES
 _WGMMA4_SMEM_BYTES = 168960  # 4 x (32768 + 8192 + 512 -> 41984) + 1024, grouped_gemm_wg4.cu W4_SMEM_BYTES
-_WGMMA5_SMEM_BYTES = 210944  # 5 x 41984 + 1024, grouped_gemm_wg5.cu W5_SMEM_BYTES
+_WGMMA5_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, grouped_gemm_wg5.cu W5_SMEM_BYTES
 _WGMMA5_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (grouped_gemm_wg5.cu W5_THREADS)
 _PREPARED_IMPLS = ("wgmma4", "wgmma5")  # the kernels that read the weight as prepare_weight_bf16's output
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -377,6 +377,8 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
                 _tma_map_2d(a, m, k, 128, 64),
                 _tma_map_2d(b_prepared, g * n, kp, 256, 64, elem_bytes=2, swizzle128=True),
             )
+            if impl == "wgmma5":  # the output for the TMA-store epilogue (bf16: boxes of 64 x 64, 128-byte swizzle)
+                extra += (extra[0] if out.dtype == torch.float32 else _tma_map_2d(out, m, n, 64, 64, 2, True),)
     elif impl == "wgmma3":
         kernel, kfile, smem = f"mx_gmm_wg3_2d3d_{suffix}", _WGMMA3_FILE, _WGMMA3_SMEM_BYTES
         if grid > 0:  # A [M, K] in boxes of 128 rows x 64 bytes, B [G * N, K] in boxes of 256 rows x 64 bytes
