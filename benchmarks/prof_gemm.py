@@ -9,8 +9,8 @@ wgmma3 (kernels/grouped_gemm_wg3.cu, the default ``--kernel wgmma3``):
 Each build is timed with bench_gemm's CUDA-event timer (median of 20) next to the normal kernel on the same operands.
 
 wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing-only builds with wrong results:
-``-DW3_NO_CVT`` (no A conversion), ``-DW5_HALF_B`` (B loaded on every other k-step: half the B bytes from L2), ``-DW5_NO_EPI`` (no
-output stores); what each removes from the time says what bounds the kernel.
+``-DW3_NO_CVT`` (no A conversion), ``-DW5_HALF_B`` (B loaded on every other k-step: half the B bytes from L2),
+``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel.
 
     python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5] [--shape dsv3_up] [--json PATH]
 """
