@@ -10,7 +10,8 @@ Each build is timed with bench_gemm's CUDA-event timer (median of 20) next to th
 
 wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing-only builds with wrong results:
 ``-DW3_NO_CVT`` (no A conversion), ``-DW5_HALF_B`` (B loaded on every other k-step: half the B bytes from L2),
-``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel.
+``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
+variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
     python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5] [--shape dsv3_up] [--json PATH]
 """
@@ -63,7 +64,8 @@ def launcher_w5(opts, xq, xs, wprep, sz, out):
     )
 
     def run():
-        _cuda.launch(fn, grid, gemm_cuda._WGMMA5_THREADS, args, shared_mem=gemm_cuda._WGMMA5_SMEM_BYTES)
+        # the most a CTA may have: the experiment builds lay shared memory out differently
+        _cuda.launch(fn, grid, gemm_cuda._WGMMA5_THREADS, args, shared_mem=232448)
 
     return run
 
@@ -82,12 +84,14 @@ def experiments_w5(args) -> dict:
     res = {"kernel": "wgmma5", "shape": args.shape, "M": m, "K": k, "N": n, "G": g, "tflops": {}}
     builds = {
         "normal": (),
+        "reg_epi": ("-DW5_REG_EPI",),
+        "reg_epi_5stages": ("-DW5_REG_EPI", "-DW5_STAGES=5"),
         "no_cvt": ("-DW3_NO_CVT",),
         "half_b": ("-DW5_HALF_B",),
         "no_epi": ("-DW5_NO_EPI",),
         "half_b_no_cvt": ("-DW5_HALF_B", "-DW3_NO_CVT"),
     }
-    exact = ("normal",)  # builds that must give correct bytes
+    exact = ("normal", "reg_epi", "reg_epi_5stages")  # builds that must give correct bytes
     normal_out = None
     for name, opts in builds.items():
         run = launcher_w5(opts, xq, xs, wprep, sz, out)
@@ -101,6 +105,7 @@ def experiments_w5(args) -> dict:
                 res["normal_matches_default_impl"] = bool(torch.equal(out, ref))
             else:
                 res[f"{name}_matches_normal"] = bool(torch.equal(out, normal_out))
+            out.fill_(float("nan"))
     torch.cuda.synchronize()
     bf = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(sz, 0, dtype=torch.int32))  # noqa: E731
     res["tflops"]["torch_bf16"] = flops / time_ms(bf, 3, 20) / 1e9

@@ -38,11 +38,17 @@
 
 #define W5_THREADS 384
 #define W5_CONSUMER_WARPS 8
+#ifndef W5_STAGES  // (-DW5_STAGES=5 -DW5_REG_EPI: an experiment of prof_gemm.py)
 #define W5_STAGES 4
+#endif
 #define W5_STAGE_BYTES 40960  // B bf16 256 x 128 B (SW128) at 0 | A raw 128 x 64 B at W5_A
 #define W5_A 32768
 #define W5_EPI (W5_STAGES * W5_STAGE_BYTES)  // 163840: bf16 output tile, 2 warpgroups x 4 chunks x 64 rows x 128 B
+#ifdef W5_REG_EPI  // experiment: every bf16 tile through the register epilogue, no shared output tile
+#define W5_EPI_BYTES 0
+#else
 #define W5_EPI_BYTES 65536
+#endif
 #define W5_SC (W5_EPI + W5_EPI_BYTES)        // A scale tiles, 512 B per stage
 #define W5_BAR (W5_SC + 512 * W5_STAGES)     // mbarriers full[S], empty[S]
 #define W5_GI (W5_BAR + 16 * W5_STAGES)      // one GroupInfo per warp (9)
@@ -168,10 +174,13 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
 }
 
 // Producer (warp 8): for every tile of this CTA, every k-step, wait for the stage to be free and load it.
+// stage_bytes / a_off / sc_off: the ring layout (stage j at sbase + j * stage_bytes with B at 0 and the raw A tile
+// at a_off; scale tile j at sbase + sc_off + 512 j), also used by the wgmma6 kernel.
 __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* __restrict__ As,
                                            const int* __restrict__ sizes, int G, long long M, int N, int K,
                                            const TmaMap* tmA, const TmaMap* tmB, unsigned sbase, unsigned full0,
-                                           unsigned empty0) {
+                                           unsigned empty0, int nstages, unsigned stage_bytes, unsigned a_off,
+                                           unsigned sc_off) {
     const int lane = threadIdx.x & 31, n_tiles = (N + W2_BN - 1) / W2_BN;
     const int total = ((int)((M + W2_BM - 1) / W2_BM) + G) * n_tiles;
     const int tpr = ((K >> 5) + 3) >> 2, ksteps = (K + 63) / 64;
@@ -185,7 +194,7 @@ __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* _
         const int brow0 = gi->g * N + n0;
         for (int s = 0; s < ksteps; ++s) {
             if (lane == 0) {
-                const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
+                const unsigned st = sbase + (unsigned)stage * stage_bytes, full = full0 + 8u * (unsigned)stage;
                 mbar_wait(empty0 + 8u * (unsigned)stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
 #ifdef W5_HALF_B  // timing experiment only (wrong results): B loaded on even k-steps only = half the B traffic
                 const bool load_b = (s & 1) == 0;
@@ -194,10 +203,10 @@ __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* _
 #endif
                 mbar_expect_tx(full, (load_b ? 32768u : 0u) + 8192u + 512u);
                 if (load_b) tma_2d(st, tmB, s * 64, brow0, full);
-                tma_2d(st + W5_A, tmA, s * 64, (int)arow0, full);
-                bulk_copy(sbase + W5_SC + 512u * (unsigned)stage, a_sc + (long long)(s >> 1) * 512, 512u, full);
+                tma_2d(st + a_off, tmA, s * 64, (int)arow0, full);
+                bulk_copy(sbase + sc_off + 512u * (unsigned)stage, a_sc + (long long)(s >> 1) * 512, 512u, full);
             }
-            if (++stage == W5_STAGES) {
+            if (++stage == nstages) {
                 stage = 0;
                 phase ^= 1u;
             }
@@ -227,7 +236,9 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + W5_GI) + warp;
     if (warp >= W5_CONSUMER_WARPS) {
         setmaxnreg_dec<40>();
-        if (warp == W5_CONSUMER_WARPS) w5_produce(gi, As, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0);
+        if (warp == W5_CONSUMER_WARPS)
+            w5_produce(gi, As, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0, W5_STAGES, W5_STAGE_BYTES, W5_A,
+                       W5_SC);
         return;
     }
     setmaxnreg_inc<232>();
@@ -311,7 +322,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
 #endif
         if (OUT_F32)
             w2_epilogue<1>(acc, out, arow0, mrows, n0, N, ar0, sbase);  // direct float2 stores, no shared memory
-        else if (mrows >= 64 * (wg + 1))  // the warpgroup's 64 rows are all in the group: TMA store
+        else if (mrows >= 64 * (wg + 1) && W5_EPI_BYTES)  // the warpgroup's 64 rows are all in the group: TMA
             w5_epilogue_tma(acc, sbase + W5_EPI + 32768u * (unsigned)wg, wg, arow0, n0, N, tmO);
         else  // rows past the group belong to another tile: masked stores from registers
             w5_epilogue_bf16(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, ar0);
@@ -320,6 +331,8 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     if (wg == 0) named_bar_sync(1, 256);  // takes warpgroup 1's arrive after its last MMAs
 }
 
+// kernels/grouped_gemm_wg6.cu includes this file for its helpers and defines WG5_NO_KERNELS first.
+#ifndef WG5_NO_KERNELS
 // Same parameters as the wgmma4 kernels (B = the prepared bf16 weight [G, N, Kp], reached only through tmB).
 // tmO: the bf16 output [M, N] in boxes of 64 rows x 64 columns with the 128-byte swizzle (unused for fp32).
 #define W5_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO
@@ -329,3 +342,4 @@ extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_bf16
 extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_f32(W5_ARGS) {
     w5_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }
+#endif  // WG5_NO_KERNELS
