@@ -183,8 +183,8 @@ def test_weight_prep_rejects_bad_inputs():
 def test_w5_constants_match_the_launcher():
     src = (KERNELS / "grouped_gemm_wg5.cu").read_text()
 
-    def define(name: str) -> int:
-        return int(re.search(rf"#define {name} (\d+)", src).group(1))
+    def define(name: str) -> int:  # the last definition: the default after an experiment's #ifdef branch
+        return int(re.findall(rf"#define {name} (\d+)", src)[-1])
 
     stages, stage_bytes, epi = define("W5_STAGES"), define("W5_STAGE_BYTES"), define("W5_EPI_BYTES")
     assert stage_bytes == 256 * 128 + 128 * 64 and stage_bytes % 1024 == 0  # B bf16 + A raw, SW128-aligned
