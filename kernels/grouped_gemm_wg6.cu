@@ -30,6 +30,7 @@
 #define W6_BAR (W6_SC + 512 * W6_STAGES)    // full[S], converted[S], empty[S]
 #define W6_GI (W6_BAR + 24 * W6_STAGES)     // one GroupInfo per warp (12)
 #define W6_SMEM_BYTES (W6_GI + 12 * 48)     // 232096
+#define W6_PER 6                            // chunks per converter thread: ceil(512 / 96)
 
 // d[128] += A(64 x 16, smem desc da) x B(256 x 16, smem desc db)^T, both bf16 K-major with the 128-byte swizzle.
 __device__ __forceinline__ void wgmma_m64n256k16_ss(float* d, unsigned long long da, unsigned long long db) {
@@ -83,17 +84,30 @@ __device__ __forceinline__ void w6_convert(GroupInfo* gi, const int* __restrict_
             mbar_wait(full0 + 8u * (unsigned)stage, phase);
             const unsigned st = sbase + (unsigned)stage * W6_STAGE_BYTES;
             const unsigned sc = sbase + W6_SC + 512u * (unsigned)stage;
-            for (int i = ct; i < 512; i += 96) {
-                const int r = i >> 2, c = i & 3, k = s * 64 + 16 * c;
-                const uint4 raw = lds128(st + W6_ARAW + (unsigned)(r * 64 + 16 * c));
-                // past K the data is TMA zero fill and the scale byte may be anything: take 127 (x 1)
-                const unsigned scale =
-                    k < K ? lds8(sc + (unsigned)((r & 31) * 16 + (r >> 5) * 4 + ((k >> 5) & 3))) : 127u;
-                unsigned o[8];
-                cvt16(raw, scale, o);
-                const unsigned row = st + W6_ABF + (unsigned)r * 128u + 4u * (unsigned)c, sw = (unsigned)(r & 7);
+            // all loads first (6 independent chains per thread): one warp per SMSP would otherwise wait out
+            // the shared-memory latency of every chunk in turn
+            uint4 raw[W6_PER];
+            unsigned scl[W6_PER];
 #pragma unroll
-                for (int q = 0; q < 8; ++q) sts32(row + (((unsigned)q ^ sw) << 4), o[q]);
+            for (int j = 0; j < W6_PER; ++j) {
+                const int i = ct + 96 * j, r = i >> 2, c = i & 3, k = s * 64 + 16 * c;
+                if (i < 512) {
+                    raw[j] = lds128(st + W6_ARAW + (unsigned)(r * 64 + 16 * c));
+                    // past K the data is TMA zero fill and the scale byte may be anything: take 127 (x 1)
+                    scl[j] = k < K ? lds8(sc + (unsigned)((r & 31) * 16 + (r >> 5) * 4 + ((k >> 5) & 3))) : 127u;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < W6_PER; ++j) {
+                const int i = ct + 96 * j, r = i >> 2, c = i & 3;
+                if (i < 512) {
+                    unsigned o[8];
+                    cvt16(raw[j], scl[j], o);
+                    const unsigned row = st + W6_ABF + (unsigned)r * 128u + 4u * (unsigned)c;
+                    const unsigned sw = (unsigned)(r & 7);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) sts32(row + (((unsigned)q ^ sw) << 4), o[q]);
+                }
             }
             fence_proxy_async();  // this thread's generic stores -> visible to the MMAs (async proxy)
             __syncwarp();
@@ -126,7 +140,7 @@ __device__ __forceinline__ void w6_2d3d(const unsigned char* __restrict__ As, co
     __syncthreads();  // the only block-wide barrier
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + W6_GI) + warp;
     if (warp >= W5_CONSUMER_WARPS) {
-        setmaxnreg_dec<56>();
+        setmaxnreg_dec<96>();
         if (warp == W5_CONSUMER_WARPS)
             w5_produce(gi, As, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0, W6_STAGES, W6_STAGE_BYTES,
                        W6_ARAW, W6_SC);
@@ -134,7 +148,7 @@ __device__ __forceinline__ void w6_2d3d(const unsigned char* __restrict__ As, co
             w6_convert(gi, sizes, G, M, N, K, sbase, full0, conv0);
         return;
     }
-    setmaxnreg_inc<224>();  // 256 x 224 + 128 x 56 = 64512 registers
+    setmaxnreg_inc<208>();  // 256 x 208 + 128 x 96 = 65536 registers
 
     const int wg = tid >> 7, q = warp & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
