@@ -148,7 +148,7 @@ __device__ __forceinline__ void w6_2d3d(const unsigned char* __restrict__ As, co
             w6_convert(gi, sizes, G, M, N, K, sbase, full0, conv0);
         return;
     }
-    setmaxnreg_inc<208>();  // 256 x 208 + 128 x 96 = 65536 registers
+    setmaxnreg_inc<200>();  // 256 x 200 + 128 x 96 = 63488 <= 384 x 168 (the CTA's registers; more would hang)
 
     const int wg = tid >> 7, q = warp & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
