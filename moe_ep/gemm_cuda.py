@@ -36,13 +36,14 @@ Everything runs on torch's current stream with no host synchronization.
 
 Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200 TFLOP/s ratios to torch bf16
 ``_grouped_mm`` in benchmarks/NOTES.md):
-  ``wgmma3`` (default; ``kernels/grouped_gemm_wg3.cu``): 128x256 tiles; the raw MXFP8 operands arrive by TMA in a
+  ``wgmma3`` (``kernels/grouped_gemm_wg3.cu``): 128x256 tiles; the raw MXFP8 operands arrive by TMA in a
       4-stage ring (tensor maps from the driver's ``cuTensorMapEncodeTiled``); A is dequantized straight into
       wgmma register fragments (k permuted inside each 64-block, ``k_permutation``), B into a bf16 shared ring
       read by wgmma.m64n256k16. 0.50-0.58x.
-  ``wgmma4`` (``kernels/grouped_gemm_wg4.cu``): A as wgmma3; the weight is exact bf16 prepared once per weight
-      version (``prepare_weight_bf16``, pass it as ``w_prepared`` / ``wt_prepared``; without it every call
-      prepares it) and TMA-loaded with the 128-byte swizzle: no conversion of B in the kernel. 0.86-0.95x.
+  ``wgmma4`` (default; ``kernels/grouped_gemm_wg4.cu``): A as wgmma3; the weight is exact bf16 prepared once per
+      weight version (``weight_operands`` with a ``WeightQuantCache``, or ``prepare_weight_bf16``; pass it as
+      ``w_prepared`` / ``wt_prepared``; without it every call prepares it: one memory-bound pass and a
+      transient bf16 copy of the weight) and TMA-loaded with the 128-byte swizzle: no conversion of B. 0.86-0.97x.
   ``wgmma5`` (``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a producer
       warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs in
       turn, TMA-store epilogue). Same prepared weight.
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -96,10 +98,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+DEFAULT_IMPL = "wgmma4"
+
+
 def gemm_impl() -> str:
-    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``wgmma3``: the fastest that takes MXFP8 weights
-    as they are; ``wgmma4`` is faster but wants weights prepared once as bf16, see ``prepare_weight_bf16``)."""
-    impl = os.environ.get("MOE_EP_GEMM_IMPL", "wgmma3").strip().lower() or "wgmma3"
+    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``wgmma4``: the weight as exact bf16, prepared
+    once per weight version by :func:`weight_operands` / :func:`prepare_weight_bf16`, or on every call when the
+    caller passes none; ``wgmma3`` is the fastest that reads MXFP8 weights as they are)."""
+    impl = os.environ.get("MOE_EP_GEMM_IMPL", DEFAULT_IMPL).strip().lower() or DEFAULT_IMPL
     if impl not in IMPLS:
         raise ValueError(f"MOE_EP_GEMM_IMPL={impl!r} is not one of {IMPLS}")
     return impl
@@ -311,6 +317,45 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     args += (_cuda.i64(mxfp8.blocked_size(n, k // 32)),)
     _cuda.launch(fn, grid, 256, args, device=w.device)
     return out
+
+
+@dataclass(frozen=True)
+class WeightOperands:
+    """The fprop and dgrad operands of one expert weight ``W [G, N, K]`` (see the module docstring's formats).
+
+    w: e4m3 [G, N, K] quantized along K; w_scale: u8 [G, blocked_size(N, K/32)]; w_prepared: bf16 [G, N, Kp];
+    wt: e4m3 [G, K, N] = W^T quantized along N; wt_scale: u8 [G, blocked_size(K, N/32)]; wt_prepared: bf16 [G, K, Np].
+    """
+
+    w: torch.Tensor
+    w_scale: torch.Tensor
+    w_prepared: torch.Tensor
+    wt: torch.Tensor
+    wt_scale: torch.Tensor
+    wt_prepared: torch.Tensor
+
+
+def _weight_operands(w: torch.Tensor) -> WeightOperands:
+    q = mxfp8.quantize(w, -1)
+    qt = mxfp8.quantize(w.transpose(1, 2).contiguous(), -1)
+    ws, wts = mxfp8.to_blocked(q.scale), mxfp8.to_blocked(qt.scale)
+    return WeightOperands(q.data, ws, prepare_weight_bf16(q.data, ws), qt.data, wts, prepare_weight_bf16(qt.data, wts))
+
+
+def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:
+    """Quantize an expert weight for fprop and dgrad and prepare both bf16 operands of the ``wgmma4`` kernels.
+
+    w: bf16/fp32 [G, N, K] (N, K multiples of 32), any device (CUDA: quantization and preparation kernels, no host
+    sync). With ``cache`` (a ``moe_ep.weight_cache.WeightQuantCache``) the result is computed once per weight
+    version (an optimizer step or an FSDP2 all-gather write recomputes it) and shared by every micro-batch.
+    Memory: 2 bytes + 2 bytes (prepared) + 2 bytes (e4m3 both ways) per weight element.
+    """
+    if w.dim() != 3 or w.shape[1] % 32 or w.shape[2] % 32:
+        raise ValueError(f"w must be [G, N, K] with N and K multiples of 32, got {tuple(w.shape)}")
+    if cache is None:
+        with torch.no_grad():
+            return _weight_operands(w.detach())
+    return cache.get(w, "gemm_operands", _weight_operands)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -452,6 +452,19 @@ def test_weight_prep_kernel_matches_reference(g, n, k):
 
 
 @pytest.mark.gpu
+def test_weight_operands_on_gpu_match_cpu():
+    """weight_operands on CUDA (quantization + preparation kernels) == on CPU (the references), byte for byte."""
+    _skip_without_gpu()
+    import dataclasses  # noqa: PLC0415
+
+    w = _varied(3 * 160, 96, torch.Generator(device="cuda").manual_seed(5)).reshape(3, 160, 96)
+    gpu, cpu = gemm_cuda.weight_operands(w), gemm_cuda.weight_operands(w.cpu())
+    for f in dataclasses.fields(gpu):
+        a, b = getattr(gpu, f.name).cpu(), getattr(cpu, f.name)
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f.name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", [32, 64, 160])
 def test_many_tiles_per_cta(k, impl):
     """More tiles than SMs with 1-3 k-steps each: the persistent wgmma5 CTAs walk ~5 tiles each, so the ring's
@@ -512,7 +525,7 @@ def test_errors_env_switch(monkeypatch):
     monkeypatch.setenv("MOE_EP_GEMM_IMPL", " WGMMA ")
     assert gemm_cuda.gemm_impl() == "wgmma"
     monkeypatch.delenv("MOE_EP_GEMM_IMPL")
-    assert gemm_cuda.gemm_impl() == "wgmma3"  # the default (seen correct and the fastest on MXFP8 weights, H200)
+    assert gemm_cuda.gemm_impl() == "wgmma4"  # the default (prepared bf16 weights; seen correct and fast, H200)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from moe_ep import mxfp8
@@ -54,3 +55,26 @@ def test_dead_weights_are_released():
     cache.get(keep, "fprop", _q)  # a miss on another weight prunes the dead entry
     assert len(cache._entries) == 1
     assert all(e.ref() is keep for e in cache._entries.values())
+
+
+def test_weight_operands_match_the_reference_and_are_cached():
+    """gemm_cuda.weight_operands: fprop and dgrad operands (the reference converters' bytes) and both prepared bf16
+    weights; with a cache, computed once per weight version."""
+    from moe_ep import gemm_cuda
+
+    w = torch.nn.Parameter(torch.randn(2, 64, 96) * 0.1)
+    cache = WeightQuantCache()
+    ops = gemm_cuda.weight_operands(w, cache)
+    wd, ws = gemm_cuda.weight_operand_ref(w.detach())
+    wtd, wts = gemm_cuda.weight_t_operand_ref(w.detach())
+    assert _same((ops.w, ops.w_scale), (wd, ws)) and _same((ops.wt, ops.wt_scale), (wtd, wts))
+    assert torch.equal(ops.w_prepared, gemm_cuda.prepare_weight_bf16_torch(wd, ws))
+    assert torch.equal(ops.wt_prepared, gemm_cuda.prepare_weight_bf16_torch(wtd, wts))
+    assert ops.w_prepared.shape == (2, 64, 128) and ops.wt_prepared.shape == (2, 96, 64)
+    assert gemm_cuda.weight_operands(w, cache) is ops and cache.misses == 1
+    with torch.no_grad():
+        w.mul_(2.0)  # the version moves: new operands (every scale one higher, the same e4m3 codes)
+    ops2 = gemm_cuda.weight_operands(w, cache)
+    assert cache.misses == 2 and torch.equal(ops2.w_prepared, 2 * ops.w_prepared)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        gemm_cuda.weight_operands(torch.randn(2, 48, 96))
