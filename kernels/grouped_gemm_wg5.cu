@@ -175,7 +175,7 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
 
 // Producer (warp 8): for every tile of this CTA, every k-step, wait for the stage to be free and load it.
 // stage_bytes / a_off / sc_off: the ring layout (stage j at sbase + j * stage_bytes with B at 0 and the raw A tile
-// at a_off; scale tile j at sbase + sc_off + 512 j), also used by the wgmma6 kernel.
+// at a_off; scale tile j at sbase + sc_off + 512 j).
 __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* __restrict__ As,
                                            const int* __restrict__ sizes, int G, long long M, int N, int K,
                                            const TmaMap* tmA, const TmaMap* tmB, unsigned sbase, unsigned full0,
@@ -331,8 +331,6 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     if (wg == 0) named_bar_sync(1, 256);  // takes warpgroup 1's arrive after its last MMAs
 }
 
-// kernels/grouped_gemm_wg6.cu includes this file for its helpers and defines WG5_NO_KERNELS first.
-#ifndef WG5_NO_KERNELS
 // Same parameters as the wgmma4 kernels (B = the prepared bf16 weight [G, N, Kp], reached only through tmB).
 // tmO: the bf16 output [M, N] in boxes of 64 rows x 64 columns with the 128-byte swizzle (unused for fp32).
 #define W5_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO
@@ -342,4 +340,3 @@ extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_bf16
 extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_f32(W5_ARGS) {
     w5_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }
-#endif  // WG5_NO_KERNELS

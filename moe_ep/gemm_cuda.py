@@ -47,8 +47,6 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
   ``wgmma5`` (``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a producer
       warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs in
       turn, TMA-store epilogue). Same prepared weight.
-  ``wgmma6`` (``kernels/grouped_gemm_wg6.cu``): wgmma5's schedule with A dequantized into a bf16 shared tile by 3
-      converter warps, so that the MMA warpgroups issue shared-memory-only wgmma. Same prepared weight.
   ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
@@ -70,14 +68,13 @@ import torch
 
 from . import mxfp8
 
-IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3", "wgmma4", "wgmma5", "wgmma6")
+IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3", "wgmma4", "wgmma5")
 _KERNEL_FILE = "grouped_gemm.cu"
 _WGMMA_FILE = "grouped_gemm_wgmma.cu"
 _WGMMA2_FILE = "grouped_gemm_wg2.cu"
 _WGMMA3_FILE = "grouped_gemm_wg3.cu"
 _WGMMA4_FILE = "grouped_gemm_wg4.cu"
 _WGMMA5_FILE = "grouped_gemm_wg5.cu"
-_WGMMA6_FILE = "grouped_gemm_wg6.cu"
 _PREP_FILE = "weight_prep.cu"
 _THREADS = 256
 _TILE = 128
@@ -88,9 +85,8 @@ _WGMMA2_BN = 256  # output columns per CTA of the wgmma2 / wgmma3 kernels (128 r
 _WGMMA3_SMEM_BYTES = 203776  # bf16 ring 3 x 32768 + raw ring 4 x 26112 + 1024, grouped_gemm_wg3.cu W3_SMEM_BYTES
 _WGMMA4_SMEM_BYTES = 168960  # 4 x (32768 + 8192 + 512 -> 41984) + 1024, grouped_gemm_wg4.cu W4_SMEM_BYTES
 _WGMMA5_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, grouped_gemm_wg5.cu W5_SMEM_BYTES
-_WGMMA5_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (grouped_gemm_wg5.cu W5_THREADS; wgmma6 too)
-_WGMMA6_SMEM_BYTES = 232096  # 4 x 57344 + 4 x 512 + 96 + 12 x 48, grouped_gemm_wg6.cu W6_SMEM_BYTES
-_PREPARED_IMPLS = ("wgmma4", "wgmma5", "wgmma6")  # the kernels that read the weight as prepare_weight_bf16's output
+_WGMMA5_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (grouped_gemm_wg5.cu W5_THREADS)
+_PREPARED_IMPLS = ("wgmma4", "wgmma5")  # the kernels that read the weight as prepare_weight_bf16's output
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -408,11 +404,8 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     extra = ()
     threads = _THREADS
     if impl in _PREPARED_IMPLS:
-        if impl in ("wgmma5", "wgmma6"):  # persistent: one CTA per SM walks the tiles (host-side property, cached)
-            if impl == "wgmma5":
-                kernel, kfile, smem = f"mx_gmm_wg5_2d3d_{suffix}", _WGMMA5_FILE, _WGMMA5_SMEM_BYTES
-            else:
-                kernel, kfile, smem = f"mx_gmm_wg6_2d3d_{suffix}", _WGMMA6_FILE, _WGMMA6_SMEM_BYTES
+        if impl == "wgmma5":  # persistent: one CTA per SM walks the tiles (host-side property, cached by torch)
+            kernel, kfile, smem = f"mx_gmm_wg5_2d3d_{suffix}", _WGMMA5_FILE, _WGMMA5_SMEM_BYTES
             threads = _WGMMA5_THREADS
             grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)
         else:
