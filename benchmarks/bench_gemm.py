@@ -4,8 +4,10 @@ For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgra
 kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median) and
 reports TFLOP/s (2*M*N*K / time) for:
   mxfp8_<impl>  our kernels, every family of gemm_cuda.IMPLS for fprop/dgrad (wgmma4/5 with the bf16 weight prepared
-                once, outside the timing: see "prepare_weight" for that pass); wgrad has only mma
-                (bf16 output here, fp32 as "mxfp8_f32"). Each family is checked first; a family whose check fails
+                once, outside the timing: see "prepare_weight" for that pass); wgrad: gemm_cuda.WGRAD_IMPLS
+                (mxfp8_wgmma / mxfp8_mma, bf16 output; "mxfp8_f32" = the default kernel with fp32 output;
+                the wgmma wgrad's per-call operand preparation is included in its time and also timed
+                alone: "prepare_colwise_ms"). Each family is checked first; a family whose check fails
                 (or raises) is reported and not timed, the others go on.
   bf16          torch._grouped_mm on bf16 operands (offs = cumsum int32) -- the reference point for ratios
   deq+bf16      dequantize the MXFP8 operands to bf16, then torch._grouped_mm
@@ -155,6 +157,10 @@ def run_shape(name, m, k, n, g, args, out_rows):
             "torch_ref_ms": time_ms(lambda wd_=wd_, ws_=ws_: gemm_cuda.prepare_weight_bf16_torch(wd_, ws_), 1, 3),
         }
     res["prepare_weight"] = prep
+    res["prepare_colwise_ms"] = {  # the wgmma wgrad's per-call pass over each operand (included in its timing)
+        "dy": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz), 3, 10),
+        "x": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(xc, xcs, sz), 3, 10),
+    }
     print(f"[{name}] prepare_weight: {prep}")
     for impl in impls:
         ours["fprop"][f"mxfp8_{impl}"] = with_impl(
@@ -163,7 +169,26 @@ def run_shape(name, m, k, n, g, args, out_rows):
         ours["dgrad"][f"mxfp8_{impl}"] = with_impl(
             impl, lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz, wt_prepared=wtprep)
         )
-    ours["wgrad"]["mxfp8_mma"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16)
+
+    def with_wgrad(impl, fn):
+        def run():
+            old = os.environ.get("MOE_EP_WGRAD_IMPL")
+            os.environ["MOE_EP_WGRAD_IMPL"] = impl
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    del os.environ["MOE_EP_WGRAD_IMPL"]
+                else:
+                    os.environ["MOE_EP_WGRAD_IMPL"] = old
+
+        return run
+
+    for wimpl in gemm_cuda.WGRAD_IMPLS:  # bf16 output, like the torch baselines
+        ours["wgrad"][f"mxfp8_{wimpl}"] = with_wgrad(
+            wimpl, lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16)
+        )
+    # the launcher's default: fp32 output, default kernel (prepare passes included, as in every wgmma wgrad call)
     ours["wgrad"]["mxfp8_f32"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
 
     # ---- correctness on a subsample before timing (per kernel family; a failing family is not timed)
@@ -192,14 +217,16 @@ def run_shape(name, m, k, n, g, args, out_rows):
                 fin = bool(torch.isfinite(o_f).all() and torch.isfinite(o_d).all())
                 errs["finite"] = 0.0 if fin else float("inf")
                 del o_f, o_d
-                if impl == "mma":
-                    o_w = gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+                if impl == "mma":  # once: both wgrad kernels (fp32 output)
                     dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
                     xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
-                    for gi in pick[:2]:
-                        r = slice(starts[gi], starts[gi] + sizes[gi])
-                        errs[f"wgrad_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
-                    del o_w, dcf, xcf
+                    for wimpl in gemm_cuda.WGRAD_IMPLS:
+                        o_w = with_wgrad(wimpl, lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz))()
+                        for gi in pick[:2]:
+                            r = slice(starts[gi], starts[gi] + sizes[gi])
+                            errs[f"wgrad_{wimpl}_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
+                        del o_w
+                    del dcf, xcf
                 bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
             except Exception as e:  # noqa: BLE001  (report and go on with the other families)
                 bad = {"exception": f"{type(e).__name__}: {str(e)[:300]}"}

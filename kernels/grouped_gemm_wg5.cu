@@ -331,6 +331,8 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     if (wg == 0) named_bar_sync(1, 256);  // takes warpgroup 1's arrive after its last MMAs
 }
 
+// kernels/grouped_gemm_wgrad.cu includes this file for its helpers and defines WG5_NO_KERNELS first.
+#ifndef WG5_NO_KERNELS
 // Same parameters as the wgmma4 kernels (B = the prepared bf16 weight [G, N, Kp], reached only through tmB).
 // tmO: the bf16 output [M, N] in boxes of 64 rows x 64 columns with the 128-byte swizzle (unused for fp32).
 #define W5_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO
@@ -340,3 +342,4 @@ extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_bf16
 extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_f32(W5_ARGS) {
     w5_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }
+#endif  // WG5_NO_KERNELS

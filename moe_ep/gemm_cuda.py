@@ -51,7 +51,10 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
   ``mma`` (``grouped_gemm.cu``): ldmatrix + mma.sync bf16, 128x128x64 tiles, 2 CTAs/SM. 0.33-0.41x.
-wgrad always runs the ``mma`` kernel. Unknown values raise ValueError.
+``MOE_EP_WGRAD_IMPL`` selects the wgrad kernel: ``wgmma`` (default; ``kernels/grouped_gemm_wgrad.cu``: both
+operands dequantized to bf16 by one pass per call, ``prepare_colwise_bf16``, then TMA + wgmma with MN-major
+operands, persistent and warp-specialized as wgmma5) or ``mma`` (the design-1 kernel). Unknown values raise
+ValueError.
 
 The ``*_ref`` functions at the bottom are pure-PyTorch converters from plain tensors to these operand formats
 (used by the tests and the benchmark; they read group sizes on the host).
@@ -75,6 +78,9 @@ _WGMMA2_FILE = "grouped_gemm_wg2.cu"
 _WGMMA3_FILE = "grouped_gemm_wg3.cu"
 _WGMMA4_FILE = "grouped_gemm_wg4.cu"
 _WGMMA5_FILE = "grouped_gemm_wg5.cu"
+_WGRAD_FILE = "grouped_gemm_wgrad.cu"
+WGRAD_IMPLS = ("wgmma", "mma")
+_WGRAD_SMEM_BYTES = 197104  # 4 x 49152 + 64 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
 _PREP_FILE = "weight_prep.cu"
 _THREADS = 256
 _TILE = 128
@@ -104,6 +110,15 @@ def gemm_impl() -> str:
     impl = os.environ.get("MOE_EP_GEMM_IMPL", DEFAULT_IMPL).strip().lower() or DEFAULT_IMPL
     if impl not in IMPLS:
         raise ValueError(f"MOE_EP_GEMM_IMPL={impl!r} is not one of {IMPLS}")
+    return impl
+
+
+def wgrad_impl() -> str:
+    """The wgrad kernel selected by ``MOE_EP_WGRAD_IMPL``: ``wgmma`` (default; operands dequantized to bf16 by one
+    pass per call, then TMA + wgmma) or ``mma`` (dequantized inside the kernel, mma.sync)."""
+    impl = os.environ.get("MOE_EP_WGRAD_IMPL", "wgmma").strip().lower() or "wgmma"
+    if impl not in WGRAD_IMPLS:
+        raise ValueError(f"MOE_EP_WGRAD_IMPL={impl!r} is not one of {WGRAD_IMPLS}")
     return impl
 
 
@@ -315,6 +330,61 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     return out
 
 
+def prepare_colwise_bf16_torch(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
+    """Reference of :func:`prepare_colwise_bf16` (host group sizes): rows of blocks past the groups are zero here
+    (the kernel leaves them unwritten; nothing reads them)."""
+    sizes = _host_sizes(group_sizes)
+    m, c = data.shape
+    out = torch.zeros(32 * colwise_scale_rows(m, len(sizes)), c, dtype=torch.bfloat16, device=data.device)
+    deq = colwise_dequantize_ref(data, scale, sizes)
+    start = boff = 0
+    for rows in sizes:
+        out[32 * boff : 32 * boff + rows] = deq[start : start + rows].to(torch.bfloat16)
+        start += rows
+        boff += _cdiv(rows, 32)
+    return out
+
+
+def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor, out=None) -> torch.Tensor:
+    """A wgrad operand (grouped column-wise MXFP8, see the module docstring) as exact bf16 with every group on a
+    32-row boundary: data e4m3 [M, C], scale u8 [>= ceil(M/32) + G, C], group_sizes int32 [G] (device)
+    -> bf16 [32 * (ceil(M/32) + G), C] where block j of group g is rows 32 (boff_g + j) .. + 31 (boff_g =
+    sum_{h<g} ceil(n_h/32), the scale row of that block); the last block of a group is zero padded.
+
+    Example: sizes [40, 0, 8] -> group 0 at rows 0-39 (rows 40-63 zero), group 2 at rows 64-71 (72-95 zero).
+    CUDA: one memory-bound kernel (``kernels/weight_prep.cu``), no host sync; rows of blocks past the groups are
+    left unwritten. Other devices: :func:`prepare_colwise_bf16_torch`.
+    """
+    if data.device.type != "cuda":
+        ref = prepare_colwise_bf16_torch(data, scale, group_sizes)
+        return ref if out is None else out.copy_(ref)
+    _check_dtype("data", data, (torch.float8_e4m3fn,))
+    _check_dtype("scale", scale, (torch.uint8,))
+    _check_dtype("group_sizes", group_sizes, (torch.int32,))
+    m, c = data.shape
+    g = group_sizes.numel()
+    rows = colwise_scale_rows(m, g)
+    if c % 8 or scale.dim() != 2 or scale.shape[1] != c or scale.shape[0] < rows:
+        raise ValueError(
+            f"expected data [M, C] (C % 8 == 0) and scale [>= {rows}, C], got {tuple(data.shape)}, {tuple(scale.shape)}"
+        )
+    if out is None:
+        out = torch.empty(32 * rows, c, dtype=torch.bfloat16, device=data.device)
+    if tuple(out.shape) != (32 * rows, c) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be [{32 * rows}, {c}] bf16, got {tuple(out.shape)} {out.dtype}")
+    for name, t in (("data", data), ("scale", scale), ("group_sizes", group_sizes), ("out", out)):
+        _check_memory(name, t, data.device)
+    if g == 0 or c == 0:
+        return out
+    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+
+    fn = _cuda.get_function(_PREP_FILE, "mx_prepare_colwise_bf16", device=data.device.index)
+    args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(group_sizes), _cuda.ptr(out), _cuda.i32(g))
+    args += (_cuda.i64(m), _cuda.i32(c))
+    _cuda.launch(fn, rows * _cdiv(c, 256), 256, args, device=data.device)
+    return out
+
+
 @dataclass(frozen=True)
 class WeightOperands:
     """The fprop and dgrad operands of one expert weight ``W [G, N, K]`` (see the module docstring's formats).
@@ -473,6 +543,7 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
     out: fp32/bf16 [G, N, K] (every element written; zeros for empty groups). Returns ``out``.
     """
     gemm_impl()
+    impl = wgrad_impl()
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(f"expected a [M, N] and b [M, K], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -487,8 +558,38 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
             raise ValueError(f"{name} must be [>= ceil(M/32) + G = {rows}, {cols}], got {tuple(s.shape)}")
     if tuple(out.shape) != (g, n, k):
         raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
-    grid = g * _cdiv(n, _TILE) * _cdiv(k, _TILE)
-    _launch(f"mx_gmm_wgrad_{_OUT_SUFFIX[out.dtype]}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
+    suffix = _OUT_SUFFIX[out.dtype]
+    if impl == "mma":
+        grid = g * _cdiv(n, _TILE) * _cdiv(k, _TILE)
+        _launch(f"mx_gmm_wgrad_{suffix}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
+        return out
+    tiles = g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN)
+    if tiles == 0:
+        return out
+    ap = prepare_colwise_bf16(a, a_scale, group_sizes)  # [32 * rows, N] bf16, transient
+    bp = prepare_colwise_bf16(b, b_scale, group_sizes)  # [32 * rows, K]
+    rp = ap.shape[0]
+    extra = (_tma_map_2d(ap, rp, n, 64, 64, 2, True), _tma_map_2d(bp, rp, k, 64, 64, 2, True))
+    grid = min(tiles, torch.cuda.get_device_properties(out.device).multi_processor_count)
+    _launch(
+        f"mx_gmm_wgrad_wg_{suffix}",
+        grid,
+        a,
+        a_scale,
+        b,
+        b_scale,
+        group_sizes,
+        out,
+        g,
+        m,
+        n,
+        k,
+        False,
+        _WGRAD_FILE,
+        _WGRAD_SMEM_BYTES,
+        extra,
+        _WGMMA5_THREADS,
+    )
     return out
 
 

@@ -194,8 +194,10 @@ WGRAD_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(range(len(WGRAD_CASES))))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_wgrad_matches_reference(case, out_dtype):
+@pytest.mark.parametrize("wgrad_impl", gemm_cuda.WGRAD_IMPLS)
+def test_wgrad_matches_reference(case, out_dtype, wgrad_impl, monkeypatch):
     _skip_without_gpu()
+    monkeypatch.setenv("MOE_EP_WGRAD_IMPL", wgrad_impl)
     sizes, n, k = WGRAD_CASES[case]
     gen = torch.Generator(device="cuda").manual_seed(10 + case)
     g, m = len(sizes), sum(sizes)
@@ -452,6 +454,37 @@ def test_weight_prep_kernel_matches_reference(g, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [0, 0, 0], [1, 2, 3, 4097], [31, 32, 33]])
+def test_colwise_prep_kernel_matches_reference(sizes):
+    """kernels/weight_prep.cu mx_prepare_colwise_bf16 == prepare_colwise_bf16_torch on every row a group owns
+    (its 32-row blocks, padding zeros included); NaN-scale blocks NaN in the same places; nothing past out."""
+    _skip_without_gpu()
+    from tests.test_gemm_emulation_wg5 import assert_same_bf16  # noqa: PLC0415
+
+    gen = torch.Generator(device="cuda").manual_seed(len(sizes) + sum(sizes))
+    m, c = sum(sizes) + 7, 264
+    data, scale = gemm_cuda.colwise_operand_ref(_varied(m, c, gen)[: sum(sizes)], sizes)
+    data = torch.cat([data, data.new_zeros(7, c)])
+    if scale.shape[0]:
+        scale[0, :16] = 0xFF  # a NaN block
+    rows = gemm_cuda.colwise_scale_rows(m, len(sizes))
+    scale = torch.cat([scale, scale.new_zeros(rows - scale.shape[0], c)])
+    ref = gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes)
+    buf = torch.full((32 * rows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[: 32 * rows * c].view(32 * rows, c)
+    sz = _sizes_t(sizes)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gemm_cuda.prepare_colwise_bf16(_guarded(data, 0x7F), _guarded(scale, 0xFF), sz, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    used = 32 * sum(-(-n // 32) for n in sizes)
+    assert_same_bf16(out[:used].cpu(), ref[:used])
+    assert torch.isnan(buf[32 * rows * c :]).all(), "written past the end of out"
+
+
+@pytest.mark.gpu
 def test_weight_operands_on_gpu_match_cpu():
     """weight_operands on CUDA (quantization + preparation kernels) == on CPU (the references), byte for byte."""
     _skip_without_gpu()
@@ -524,6 +557,11 @@ def test_errors_env_switch(monkeypatch):
     assert gemm_cuda.gemm_impl() == "mma"
     monkeypatch.setenv("MOE_EP_GEMM_IMPL", " WGMMA ")
     assert gemm_cuda.gemm_impl() == "wgmma"
+    monkeypatch.setenv("MOE_EP_WGRAD_IMPL", "nope")
+    with pytest.raises(ValueError, match="MOE_EP_WGRAD_IMPL"):
+        gemm_cuda.wgrad_impl()
+    monkeypatch.delenv("MOE_EP_WGRAD_IMPL")
+    assert gemm_cuda.wgrad_impl() == "wgmma"
     monkeypatch.delenv("MOE_EP_GEMM_IMPL")
     assert gemm_cuda.gemm_impl() == "wgmma4"  # the default (prepared bf16 weights; seen correct and fast, H200)
 

@@ -195,3 +195,85 @@ def test_w5_constants_match_the_launcher():
     assert gemm_cuda._WGMMA5_SMEM_BYTES <= 232448  # all of it dynamic; an H100/H200 CTA may have 227 KiB
     for suffix in gemm_cuda._OUT_SUFFIX.values():
         assert f"mx_gmm_wg5_2d3d_{suffix}(W5_ARGS)" in src
+
+
+# ------------------------------------------------------------------------- wgrad: prepared operands, k-steps
+def test_prepare_colwise_bf16_worked_example():
+    """Docstring example: sizes [40, 0, 8] -> group 0 at rows 0-39 (40-63 zero), group 2 at rows 64-71 (72-95
+    zero); each row is the exact dequantization of its source row."""
+    sizes = [40, 0, 8]
+    x = torch.randn(48, 16)
+    data, scale = gemm_cuda.colwise_operand_ref(x, sizes)
+    out = gemm_cuda.prepare_colwise_bf16(data, scale, torch.tensor(sizes, dtype=torch.int32))
+    deq = gemm_cuda.colwise_dequantize_ref(data, scale, sizes)
+    assert out.shape == (32 * (2 + 3), 16)
+    assert torch.equal(out[:40].float(), deq[:40]) and torch.equal(out[64:72].float(), deq[40:48])
+    assert (out[40:64] == 0).all() and (out[72:] == 0).all()
+
+
+def block_group_model(sizes: list[int], m_total: int, b: int) -> tuple[int, int]:
+    """colwise_block_group (kernels/weight_prep.cu) on one lane set: the lane-parallel inclusive scan of the
+    sizes and of their 32-row block counts in chunks of 32 groups, then the hit test -> (row0, rows)."""
+    crow = cblk = 0
+    row0, rows = -1, 0
+    for base in range(0, len(sizes), 32):
+        chunk = [max(v, 0) for v in sizes[base : base + 32]]
+        nbs = [(n + 31) // 32 for n in chunk]
+        r_inc = np.cumsum(chunk)
+        b_inc = np.cumsum(nbs)
+        for lane, n in enumerate(chunk):
+            r_ex, b_ex = crow + int(r_inc[lane]) - n, cblk + int(b_inc[lane]) - nbs[lane]
+            if b_ex <= b < b_ex + nbs[lane]:
+                first = r_ex + 32 * (b - b_ex)
+                avail = min(n - 32 * (b - b_ex), 32)
+                row0, rows = first, max(0, min(avail, m_total - first))
+        crow += int(r_inc[-1])
+        cblk += int(b_inc[-1])
+    return row0, rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_group_scan_matches_direct_indexing(seed):
+    """Every 32-row block of the prepared layout maps to the right data rows (70 groups: 3 scan chunks, empty
+    groups, sizes summing past M: the rows past M are dropped, as the kernels clamp them)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 100, (70,), generator=gen)
+    sizes[torch.randperm(70, generator=gen)[:20]] = 0
+    sizes = sizes.tolist()
+    m_total = sum(sizes) - 50 * (seed % 2)
+    expect, start = {}, 0
+    blk = 0
+    for n in sizes:
+        for j in range((n + 31) // 32):
+            first = start + 32 * j
+            expect[blk + j] = (first, max(0, min(32, n - 32 * j, m_total - first)))
+        start += n
+        blk += (n + 31) // 32
+    for b in range(blk + 3):
+        assert block_group_model(sizes, m_total, b) == expect.get(b, (-1, 0)), b
+
+
+@pytest.mark.parametrize("rows", [0, 1, 31, 32, 33, 64, 65, 96, 130])
+def test_wgrad_ksteps_cover_the_group_blocks_once(rows):
+    """grouped_gemm_wgrad.cu: ksteps = ceil(nblk / 2) steps of 64 prepared rows, the last with 2 k16 slices when
+    nblk is odd: the MMAs read exactly the group's 32 * nblk rows, each once."""
+    nblk = (rows + 31) // 32
+    read = []
+    for s in range((nblk + 1) // 2):
+        slices = 4 if 2 * s + 1 < nblk else 2
+        for kk in range(slices):
+            read += list(range(64 * s + 16 * kk, 64 * s + 16 * kk + 16))
+    assert read == list(range(32 * nblk))
+
+
+def test_wgrad_constants_match_the_launcher():
+    src = (KERNELS / "grouped_gemm_wgrad.cu").read_text()
+
+    def define(name: str) -> int:
+        return int(re.findall(rf"#define {name} (\d+)", src)[-1])
+
+    stages, stage = define("WR_STAGES"), define("WR_STAGE_BYTES")
+    assert define("WR_A_BYTES") == 2 * 64 * 128 and stage == define("WR_A_BYTES") + 4 * 64 * 128
+    assert gemm_cuda._WGRAD_SMEM_BYTES == stages * stage + 16 * stages + 9 * 48 <= 232448
+    for suffix in gemm_cuda._OUT_SUFFIX.values():
+        assert f"mx_gmm_wgrad_wg_{suffix}(W3_ARGS)" in src

@@ -1,0 +1,203 @@
+// Grouped MXFP8 wgrad for Hopper, implementation "wgmma" (MOE_EP_WGRAD_IMPL=wgmma, the default): dW[g] = dY_g^T X_g
+// -> [G, N, K], the reduction over each group's rows.
+//
+//   * why: the mma wgrad kernel (design 1) runs at 0.33-0.38x torch bf16. Both wgrad operands are activations
+//     quantized column-wise (scales along the reduction), so neither can be prepared once like a weight; but a
+//     per-call pass that dequantizes them exactly to bf16 (kernels/weight_prep.cu mx_prepare_colwise_bf16:
+//     memory-bound, ~3 bytes per element) costs ~10 % of the GEMM at the benchmark shapes, and the GEMM itself
+//     then needs no conversion at all: both operands go by TMA straight into the layout wgmma reads.
+//   * prepared operands: dY' [32 (ceil(M/32) + G), N], X' [same rows, K] bf16, block j of group g at rows
+//     32 (boff_g + j) ..: groups start on 32-row boundaries, their last block zero padded. A group's reduction is
+//     its ceil(n_g / 32) blocks: k-steps of 64 rows, the last one with 2 instead of 4 k16 slices when the block
+//     count is odd (the other 32 rows belong to the next group).
+//   * both operands are MN-major (the N or K values of one row are contiguous): TMA boxes of 64 rows x 64
+//     columns (128 bytes, 128-byte swizzle) and wgmma with both transpose flags; A = 2 boxes (tile rows n0 ..
+//     n0 + 127, one per consumer warpgroup), B = 4 boxes (256 columns of K). Descriptor: the 64-wide MN atoms are
+//     8192 bytes apart (leading byte offset), 8-row k groups 1024 bytes (stride byte offset).
+//   * schedule as wgmma5 (grouped_gemm_wg5.cu): persistent grid over G x ceil(N/128) x ceil(K/256) tiles, a
+//     producer warp, 2 consumer warpgroups (64 x 256 each, 128 fp32 accumulators), a 4-stage full/empty
+//     mbarrier ring; empty groups store zeros. Epilogue from registers (fp32 float2 / bf16 16-byte stores).
+// Shared memory (all dynamic): 4 x 49152 + barriers + 9 GroupInfo.
+
+#define WG5_NO_KERNELS
+#include "grouped_gemm_wg5.cu"
+
+#define WR_STAGES 4
+#define WR_A_BYTES 16384                               // 2 boxes of 64 rows x 128 B
+#define WR_STAGE_BYTES 49152                           // A | B (4 boxes)
+#define WR_BAR (WR_STAGES * WR_STAGE_BYTES)            // full[S], empty[S]
+#define WR_GI (WR_BAR + 16 * WR_STAGES)
+#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 197104
+
+// d[128] += A(64 x 16) x B(256 x 16)^T from shared memory, both bf16 and MN-major ("transposed": the 64 / 256
+// output-dimension values of one k are contiguous), 128-byte swizzle; fp32 accumulation.
+__device__ __forceinline__ void wgmma_m64n256k16_ss_mn(float* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+        "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+        "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "
+        "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, "
+        "%101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, "
+        "%117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+          "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+          "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+          "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+          "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+          "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]),
+          "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
+          "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]),
+          "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
+          "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]),
+          "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+          "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
+          "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db));
+}
+
+// MN-major, 128-byte swizzle descriptor: start address, leading byte offset (next 64-wide MN atom), stride byte
+// offset (next group of 8 k rows of 128 bytes).
+__device__ __forceinline__ unsigned long long wg_desc_mn(unsigned saddr) {
+#ifdef WR_SWAP_LBO_SBO  // diagnostic: the other reading of the two offsets
+    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | ((unsigned long long)(1024 >> 4) << 16) |
+           ((unsigned long long)(8192 >> 4) << 32) | (1ull << 62);
+#else
+    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | ((unsigned long long)(8192 >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+#endif
+}
+
+// Tile t -> group g, row tile n0 (128 rows of N), column tile k0 (256 columns of K); the group's blocks via
+// the warp's own scan (gm_scan_groups by group index: boff and rows).
+__device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
+                                         int K, int t, int& g, int& n0, int& k0, int& nblk, int& prow0) {
+    const int nt = (N + 127) / 128, kt = (K + 255) / 256;
+    g = t / (nt * kt);
+    const int rem = t - g * nt * kt;
+    n0 = (rem / kt) * 128;
+    k0 = (rem % kt) * 256;
+    gm_scan_groups(sizes, G, M, 0, g, gi);
+    __syncwarp();
+    nblk = (int)(((unsigned)gi->rows + 31u) >> 5);
+    prow0 = 32 * gi->boff;
+    __syncwarp();
+}
+
+__device__ __forceinline__ void wgr_produce(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
+                                            int K, const TmaMap* tmA, const TmaMap* tmB, unsigned sbase,
+                                            unsigned full0, unsigned empty0) {
+    const int lane = threadIdx.x & 31;
+    const int total = G * ((N + 127) / 128) * ((K + 255) / 256);
+    int stage = 0;
+    unsigned phase = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        int g, n0, k0, nblk, prow0;
+        wgr_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nblk, prow0);
+        const int ksteps = (nblk + 1) >> 1;
+        for (int s = 0; s < ksteps; ++s) {
+            if (lane == 0) {
+                const unsigned st = sbase + (unsigned)stage * WR_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
+                mbar_wait(empty0 + 8u * (unsigned)stage, phase ^ 1u);
+                mbar_expect_tx(full, (unsigned)WR_STAGE_BYTES);
+                const int row = prow0 + 64 * s;
+#pragma unroll
+                for (int j = 0; j < 2; ++j) tma_2d(st + 8192u * j, tmA, n0 + 64 * j, row, full);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) tma_2d(st + WR_A_BYTES + 8192u * j, tmB, k0 + 64 * j, row, full);
+            }
+            if (++stage == WR_STAGES) {
+                stage = 0;
+                phase ^= 1u;
+            }
+        }
+    }
+}
+
+template <int OUT_F32>
+__device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
+                                           int N, int K, const TmaMap* tmA, const TmaMap* tmB) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned sbase = smem_u32(smem);
+    if (sbase & 1023u) __trap();  // the 128-byte swizzle needs 1024-aligned tiles (no static shared memory)
+    const unsigned full0 = sbase + WR_BAR, empty0 = full0 + 8u * WR_STAGES;
+    if (tid == 0) {
+        for (int j = 0; j < WR_STAGES; ++j) {
+            mbar_init(full0 + 8u * j, 1u);
+            mbar_init(empty0 + 8u * j, W5_CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + WR_GI) + warp;
+    if (warp >= W5_CONSUMER_WARPS) {
+        setmaxnreg_dec<40>();
+        if (warp == W5_CONSUMER_WARPS) wgr_produce(gi, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0);
+        return;
+    }
+    setmaxnreg_inc<232>();
+    const int wg = tid >> 7, q = warp & 3;
+    const int ar0 = wg * 64 + q * 16 + (lane >> 2);
+    const int total = G * ((N + 127) / 128) * ((K + 255) / 256);
+    int stage = 0;
+    unsigned phase = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        int g, n0, k0, nblk, prow0;
+        wgr_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nblk, prow0);
+        const int ksteps = (nblk + 1) >> 1;
+        float acc[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        int prev = 0;
+        for (int s = 0; s < ksteps; ++s) {
+            mbar_wait(full0 + 8u * (unsigned)stage, phase);
+            const unsigned st = sbase + (unsigned)stage * WR_STAGE_BYTES;
+            const unsigned long long da = wg_desc_mn(st + 8192u * (unsigned)wg), db = wg_desc_mn(st + WR_A_BYTES);
+            wg_fence();
+            // k16 slice kk: rows 16 kk .. of the 64-row stage = + 2048 bytes (128 descriptor units)
+            wgmma_m64n256k16_ss_mn(acc, da, db);
+            wgmma_m64n256k16_ss_mn(acc, da + 128, db + 128);
+            if (2 * s + 1 < nblk) {  // an odd block count ends with half a step: those rows are the next group's
+                wgmma_m64n256k16_ss_mn(acc, da + 256, db + 256);
+                wgmma_m64n256k16_ss_mn(acc, da + 384, db + 384);
+            }
+            wg_commit();
+            wg_wait<1>();  // M(s - 1) retired: its stage is free
+            if (s >= 1 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
+            prev = stage;
+            if (++stage == WR_STAGES) {
+                stage = 0;
+                phase ^= 1u;
+            }
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+        if (ksteps > 0 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
+        // out[g] is [N, K]: tile rows n0 .., columns k0 ..; as a [G * N, K] matrix its first row is g * N + n0
+        const long long orow = (long long)g * N + n0;
+        if (OUT_F32)
+            w2_epilogue<1>(acc, out, orow, N - n0, k0, K, ar0, sbase);
+        else
+            w5_epilogue_bf16(acc, static_cast<unsigned short*>(out), orow, N - n0, k0, K, ar0);
+    }
+}
+
+// Kernel parameters: GM_ARGS (A, B and their scales unused: the operands are reached through the tensor maps of
+// the prepared bf16 copies; M, N, K and the group sizes as in the other wgrad kernel), tmA over dY' [R, N], tmB
+// over X' [R, K], both in boxes of 64 rows x 64 columns with the 128-byte swizzle.
+extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_f32(W3_ARGS) {
+    wgr_kernel<1>(sizes, out, G, M, N, K, &tmA, &tmB);
+}
+extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_bf16(W3_ARGS) {
+    wgr_kernel<0>(sizes, out, G, M, N, K, &tmA, &tmB);
+}
