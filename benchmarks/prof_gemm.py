@@ -13,7 +13,10 @@ wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
 variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5] [--shape dsv3_up] [--json PATH]
+wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
+without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
+
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -112,14 +115,58 @@ def experiments_w5(args) -> dict:
     return res
 
 
+def experiments_wgrad(args) -> dict:
+    """The wgmma wgrad kernel: the operand preparation alone, the GEMM alone (prepared operands given), and the
+    GEMM without its output stores (-DWR_NO_EPI), next to torch bf16 wgrad on the same shape."""
+    m, k, n, g = SHAPES[args.shape]
+    sizes = uneven_sizes(m, g, seed=sum(map(ord, args.shape)))
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    dy = torch.randn(m, n, device="cuda").bfloat16()
+    dyc, dycs = gemm_cuda.colwise_operand_ref(dy, sizes)
+    xc, xcs = gemm_cuda.colwise_operand_ref(x, sizes)
+    out = torch.empty(g, n, k, dtype=torch.float32, device="cuda")
+    flops = 2.0 * m * n * k
+    ap = gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz)
+    bp = gemm_cuda.prepare_colwise_bf16(xc, xcs, sz)
+    rp = ap.shape[0]
+    res = {"kernel": "wgrad", "shape": args.shape, "M": m, "K": k, "N": n, "G": g, "ms": {}, "tflops": {}}
+    res["ms"]["prepare_dy"] = time_ms(lambda: gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz, out=ap), 3, 20)
+    res["ms"]["prepare_x"] = time_ms(lambda: gemm_cuda.prepare_colwise_bf16(xc, xcs, sz, out=bp), 3, 20)
+    for name, opts in (("gemm_only", ()), ("gemm_no_epi", ("-DWR_NO_EPI",))):
+        fn = _cuda.get_function(gemm_cuda._WGRAD_FILE, "mx_gmm_wgrad_wg_f32", extra_options=opts)
+        tiles = g * (-(-n // 128)) * (-(-k // 256))
+        kargs = gemm_cuda._kernel_args(dyc, dycs, xc, xcs, sz, out, g, m, n, k, False) + (
+            gemm_cuda._tma_map_2d(ap, rp, n, 64, 64, 2, True),
+            gemm_cuda._tma_map_2d(bp, rp, k, 64, 64, 2, True),
+        )
+
+        def run(fn=fn, kargs=kargs, tiles=tiles):
+            _cuda.launch(
+                fn,
+                min(tiles, _cuda.num_sms()),
+                gemm_cuda._WGMMA5_THREADS,
+                kargs,
+                shared_mem=gemm_cuda._WGRAD_SMEM_BYTES,
+            )
+
+        res["ms"][name] = time_ms(run, 3, 20)
+    res["ms"]["full_call"] = time_ms(lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, out=out), 3, 20)
+    offs = torch.cumsum(sz, 0, dtype=torch.int32)
+    dyt = dy.t().contiguous()
+    res["ms"]["torch_bf16"] = time_ms(lambda: torch._grouped_mm(dyt, x, offs=offs), 3, 20)
+    res["tflops"] = {kk: flops / v / 1e9 for kk, v in res["ms"].items() if not kk.startswith("prepare")}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5"))
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad"))
     ap.add_argument("--shape", default="dsv3_up")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.kernel == "wgmma5":
-        res = experiments_w5(args)
+    if args.kernel in ("wgmma5", "wgrad"):
+        res = experiments_w5(args) if args.kernel == "wgmma5" else experiments_wgrad(args)
         print(json.dumps(res, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))

@@ -17,6 +17,7 @@
 //   * schedule as wgmma5 (grouped_gemm_wg5.cu): persistent grid over G x ceil(N/128) x ceil(K/256) tiles, a
 //     producer warp, 2 consumer warpgroups (64 x 256 each, 128 fp32 accumulators), a 4-stage full/empty
 //     mbarrier ring; empty groups store zeros. Epilogue from registers (fp32 float2 / bf16 16-byte stores).
+// Timing experiment: -DWR_NO_EPI (no output stores; benchmarks/prof_gemm.py --kernel wgrad).
 // Shared memory (all dynamic): 4 x 49152 + barriers + 9 GroupInfo.
 
 #define WG5_NO_KERNELS
@@ -185,6 +186,9 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
         if (ksteps > 0 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
         // out[g] is [N, K]: tile rows n0 .., columns k0 ..; as a [G * N, K] matrix its first row is g * N + n0
         const long long orow = (long long)g * N + n0;
+#ifdef WR_NO_EPI  // timing experiment only (prof_gemm.py --kernel wgrad): no output stores
+        if (orow < 0)
+#endif
         if (OUT_F32)
             w2_epilogue<1>(acc, out, orow, N - n0, k0, K, ar0, sbase);
         else
