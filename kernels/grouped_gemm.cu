@@ -36,6 +36,7 @@ struct GroupInfo {
     int tile;        // 2d3d: this CTA's 128-row tile inside the group
     int toff;        // sum over earlier groups of ceil(n / 128): the group's first blocked scale row tile
     int boff;        // sum over earlier groups of ceil(n / 32): the group's first column-wise scale row
+    int poff;        // sum over earlier groups of ceil(n / 64): the group's first 64-row chunk (wgmma wgrad)
     long long total_rows;  // sum over all groups of n (negative sizes count as 0)
     int total_tiles;       // sum over all groups of ceil(n / 128)
 };
@@ -47,28 +48,31 @@ __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, in
     if (lane == 0) gi->g = -1;
     __syncwarp();
     long long crow = 0;
-    int ctile = 0, cblk = 0;
+    int ctile = 0, cblk = 0, cchunk = 0;
     for (int base = 0; base < G; base += 32) {
         const int h = base + lane;
         int n = h < G ? sizes[h] : 0;
         n = n > 0 ? n : 0;
         // unsigned: n + 127 must not overflow for n close to INT_MAX
         const int nt = (int)(((unsigned)n + 127u) >> 7), nb = (int)(((unsigned)n + 31u) >> 5);
+        const int np = (int)(((unsigned)n + 63u) >> 6);
         long long r = n;
-        int t = nt, b = nb;
+        int t = nt, b = nb, pc = np;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const long long r2 = __shfl_up_sync(0xffffffffu, r, o);
             const int t2 = __shfl_up_sync(0xffffffffu, t, o);
             const int b2 = __shfl_up_sync(0xffffffffu, b, o);
+            const int p2 = __shfl_up_sync(0xffffffffu, pc, o);
             if (lane >= o) {
                 r += r2;
                 t += t2;
                 b += b2;
+                pc += p2;
             }
         }
         const long long r_ex = crow + r - n;
-        const int t_ex = ctile + t - nt, b_ex = cblk + b - nb;
+        const int t_ex = ctile + t - nt, b_ex = cblk + b - nb, p_ex = cchunk + pc - np;
         const bool hit = h < G && (by_tile ? (n > 0 && target >= t_ex && target < t_ex + nt) : (h == target));
         if (hit) {
             long long avail = M - r_ex;
@@ -79,10 +83,12 @@ __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, in
             gi->tile = by_tile ? target - t_ex : 0;
             gi->toff = t_ex;
             gi->boff = b_ex;
+            gi->poff = p_ex;
         }
         crow += __shfl_sync(0xffffffffu, r, 31);
         ctile += __shfl_sync(0xffffffffu, t, 31);
         cblk += __shfl_sync(0xffffffffu, b, 31);
+        cchunk += __shfl_sync(0xffffffffu, pc, 31);
     }
     if (lane == 0) {  // the same value in every lane
         gi->total_rows = crow;

@@ -9,8 +9,9 @@
 //   * block = 384 threads: warpgroups 0 and 1 are the consumers (tile rows 64 wg .. 64 wg + 63, as wgmma4; 128
 //     fp32 accumulators per thread), warpgroup 2 the producer: its warp 8 scans the groups and its lane 0 issues
 //     the TMA loads; warps 9-11 leave at once. The kernel is compiled for 384 threads (168 registers each, which
-//     would spill the accumulators), so the producer gives registers back (setmaxnreg.dec to 40) and the
-//     consumers take them (setmaxnreg.inc to 232): 128 x 40 + 256 x 232 = 64512 <= 65536. (A 288-thread block
+//     would spill the accumulators), so the producer gives registers back (setmaxnreg.dec to 56) and the
+//     consumers take them (setmaxnreg.inc to 224): 128 x 56 + 256 x 224 = 64512 = 384 x 168, all the CTA holds
+//     (a larger inc waits forever for registers nobody frees). (A 288-thread block
 //     does not help: ptxas still budgets 12 warps.)
 //   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... of the same tile order as wgmma4 (row tile
 //     t / n_tiles, column tile t % n_tiles; (ceil(M/128) + G) * n_tiles tiles, those past the groups zero-fill
@@ -235,13 +236,13 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     __syncthreads();  // the only block-wide barrier: the mbarriers exist before anyone uses them
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + W5_GI) + warp;
     if (warp >= W5_CONSUMER_WARPS) {
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<56>();
         if (warp == W5_CONSUMER_WARPS)
             w5_produce(gi, As, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0, W5_STAGES, W5_STAGE_BYTES, W5_A,
                        W5_SC);
         return;
     }
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<224>();
 
     const int wg = tid >> 7, q = warp & 3, c = tid & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);

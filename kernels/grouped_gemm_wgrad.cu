@@ -6,10 +6,10 @@
 //     per-call pass that dequantizes them exactly to bf16 (kernels/weight_prep.cu mx_prepare_colwise_bf16:
 //     memory-bound, ~3 bytes per element) costs ~10 % of the GEMM at the benchmark shapes, and the GEMM itself
 //     then needs no conversion at all: both operands go by TMA straight into the layout wgmma reads.
-//   * prepared operands: dY' [32 (ceil(M/32) + G), N], X' [same rows, K] bf16, block j of group g at rows
-//     32 (boff_g + j) ..: groups start on 32-row boundaries, their last block zero padded. A group's reduction is
-//     its ceil(n_g / 32) blocks: k-steps of 64 rows, the last one with 2 instead of 4 k16 slices when the block
-//     count is odd (the other 32 rows belong to the next group).
+//   * prepared operands: dY' [64 (ceil(M/64) + G), N], X' [same rows, K] bf16: group g at rows 64 poff_g ..
+//     (poff_g = sum_{h<g} ceil(n_h / 64)), zero padded to a multiple of 64 rows, so a group's reduction is
+//     ceil(n_g / 64) k-steps of 64 rows, 4 k16 slices each. (A first version aligned groups to 32 rows and issued
+//     2 slices in an odd last step; ptxas then serialized every wgmma, "WG.AR in divergent path".)
 //   * both operands are MN-major (the N or K values of one row are contiguous): TMA boxes of 64 rows x 64
 //     columns (128 bytes, 128-byte swizzle) and wgmma with both transpose flags; A = 2 boxes (tile rows n0 ..
 //     n0 + 127, one per consumer warpgroup), B = 4 boxes (256 columns of K). Descriptor: the 64-wide MN atoms are
@@ -78,9 +78,9 @@ __device__ __forceinline__ unsigned long long wg_desc_mn(unsigned saddr) {
 }
 
 // Tile t -> group g, row tile n0 (128 rows of N), column tile k0 (256 columns of K); the group's blocks via
-// the warp's own scan (gm_scan_groups by group index: boff and rows).
+// the warp's own scan (gm_scan_groups by group index: poff and rows).
 __device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
-                                         int K, int t, int& g, int& n0, int& k0, int& nblk, int& prow0) {
+                                         int K, int t, int& g, int& n0, int& k0, int& ksteps, int& prow0) {
     const int nt = (N + 127) / 128, kt = (K + 255) / 256;
     g = t / (nt * kt);
     const int rem = t - g * nt * kt;
@@ -88,8 +88,8 @@ __device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ 
     k0 = (rem % kt) * 256;
     gm_scan_groups(sizes, G, M, 0, g, gi);
     __syncwarp();
-    nblk = (int)(((unsigned)gi->rows + 31u) >> 5);
-    prow0 = 32 * gi->boff;
+    ksteps = (int)(((unsigned)gi->rows + 63u) >> 6);
+    prow0 = 64 * gi->poff;
     __syncwarp();
 }
 
@@ -101,9 +101,8 @@ __device__ __forceinline__ void wgr_produce(GroupInfo* gi, const int* __restrict
     int stage = 0;
     unsigned phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        int g, n0, k0, nblk, prow0;
-        wgr_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nblk, prow0);
-        const int ksteps = (nblk + 1) >> 1;
+        int g, n0, k0, ksteps, prow0;
+        wgr_tile(gi, sizes, G, M, N, K, t, g, n0, k0, ksteps, prow0);
         for (int s = 0; s < ksteps; ++s) {
             if (lane == 0) {
                 const unsigned st = sbase + (unsigned)stage * WR_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
@@ -141,20 +140,19 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
     __syncthreads();
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + WR_GI) + warp;
     if (warp >= W5_CONSUMER_WARPS) {
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<56>();
         if (warp == W5_CONSUMER_WARPS) wgr_produce(gi, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0);
         return;
     }
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<224>();
     const int wg = tid >> 7, q = warp & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
     const int total = G * ((N + 127) / 128) * ((K + 255) / 256);
     int stage = 0;
     unsigned phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        int g, n0, k0, nblk, prow0;
-        wgr_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nblk, prow0);
-        const int ksteps = (nblk + 1) >> 1;
+        int g, n0, k0, ksteps, prow0;
+        wgr_tile(gi, sizes, G, M, N, K, t, g, n0, k0, ksteps, prow0);
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -165,12 +163,8 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
             const unsigned long long da = wg_desc_mn(st + 8192u * (unsigned)wg), db = wg_desc_mn(st + WR_A_BYTES);
             wg_fence();
             // k16 slice kk: rows 16 kk .. of the 64-row stage = + 2048 bytes (128 descriptor units)
-            wgmma_m64n256k16_ss_mn(acc, da, db);
-            wgmma_m64n256k16_ss_mn(acc, da + 128, db + 128);
-            if (2 * s + 1 < nblk) {  // an odd block count ends with half a step: those rows are the next group's
-                wgmma_m64n256k16_ss_mn(acc, da + 256, db + 256);
-                wgmma_m64n256k16_ss_mn(acc, da + 384, db + 384);
-            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss_mn(acc, da + 128 * kk, db + 128 * kk);
             wg_commit();
             wg_wait<1>();  // M(s - 1) retired: its stage is free
             if (s >= 1 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);

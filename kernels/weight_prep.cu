@@ -54,63 +54,71 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 // Activation preparation for the wgmma wgrad kernel (moe_ep.gemm_cuda.prepare_colwise_bf16; reference:
 // prepare_colwise_bf16_torch): a wgrad operand in the grouped column-wise MXFP8 format (data [M, C] e4m3 in its
 // own row order, scales [ceil(M/32) + G, C] where block j of group g is scale row boff_g + j) -> exact bf16
-// [32 * (ceil(M/32) + G), C] in which block j of group g occupies rows 32 (boff_g + j) .. + 31: every group starts
-// on a 32-row boundary and its last block is zero padded, so the GEMM reduces over whole blocks of one group.
-// Rows of blocks past the last group are not written (the GEMM never multiplies them).
+// [64 (ceil(M/64) + G), C] in which group g occupies rows 64 poff_g .. (poff_g = sum_{h<g} ceil(n_h / 64)), zero
+// padded to a multiple of 64 rows: the GEMM reduces over whole 64-row steps of one group. Rows past the last
+// group are not written (the GEMM never reads them into an MMA).
 //
-//   * CTA = one 32-row block b x 256 columns; warp 0 finds the block's group (shuffle scan of the sizes, as
-//     gm_scan_groups); thread t converts columns 8 (t % 32) .. + 7 of rows t / 32 + 8 i (i < 4): 8 data bytes,
-//     the 8 scale bytes of scale row b (per-column scales: pair_mults8), one 16-byte store.
+//   * CTA = one padded 32-row block pb x 256 columns; warp 0 finds the block's group (shuffle scan of the sizes,
+//     as gm_scan_groups, with the 32-row scale blocks and the padded 32-row blocks 2 ceil(n / 64)); thread t
+//     converts columns 8 (t % 32) .. + 7 of rows t / 32 + 8 i (i < 4): 8 data bytes, the 8 scale bytes of the
+//     block's scale row (per-column scales: pair_mults8), one 16-byte store. Padding blocks are zeros.
 // ---------------------------------------------------------------------------------------------------------
 struct BlockGroup {
-    long long row0;  // first data row of the block (-1: no group)
-    int rows;        // valid rows of the block (0 .. 32)
+    long long row0;  // first data row of the block; -1: the block belongs to no group
+    int rows;        // valid rows of the block (0: a padding block of zeros)
+    int srow;        // its scale row
 };
 
-__device__ __forceinline__ void colwise_block_group(const int* __restrict__ sizes, int G, long long M, int b,
+__device__ __forceinline__ void colwise_block_group(const int* __restrict__ sizes, int G, long long M, int pb,
                                                     BlockGroup* bg) {
     const int lane = threadIdx.x & 31;
     if (lane == 0) {
         bg->row0 = -1;
         bg->rows = 0;
+        bg->srow = 0;
     }
     __syncwarp();
     long long crow = 0;
-    int cblk = 0;
+    int cblk = 0, cpad = 0;
     for (int base = 0; base < G; base += 32) {
         const int h = base + lane;
         int n = h < G ? sizes[h] : 0;
         n = n > 0 ? n : 0;
-        const int nb = (int)(((unsigned)n + 31u) >> 5);
+        const int nb = (int)(((unsigned)n + 31u) >> 5), npb = 2 * (int)(((unsigned)n + 63u) >> 6);
         long long r = n;
-        int bb = nb;
+        int bb = nb, pp = npb;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const long long r2 = __shfl_up_sync(0xffffffffu, r, o);
             const int b2 = __shfl_up_sync(0xffffffffu, bb, o);
+            const int p2 = __shfl_up_sync(0xffffffffu, pp, o);
             if (lane >= o) {
                 r += r2;
                 bb += b2;
+                pp += p2;
             }
         }
         const long long r_ex = crow + r - n;
-        const int b_ex = cblk + bb - nb;
-        if (h < G && b >= b_ex && b < b_ex + nb) {
-            const long long first = r_ex + 32LL * (b - b_ex);  // the block's first data row
-            long long avail = (long long)n - 32LL * (b - b_ex);  // rows of the group from there on
+        const int b_ex = cblk + bb - nb, p_ex = cpad + pp - npb;
+        if (h < G && pb >= p_ex && pb < p_ex + npb) {
+            const int j = pb - p_ex;  // the group's j-th 32-row block (j == nb: the zero half of its last 64 rows)
+            const long long first = r_ex + 32LL * j;
+            long long avail = j < nb ? (long long)n - 32LL * j : 0;
             avail = avail > 32 ? 32 : avail;
             const long long in_m = M - first;  // rows past M are never read (sizes summing past M are clamped)
             avail = avail < in_m ? avail : (in_m > 0 ? in_m : 0);
             bg->row0 = first;
             bg->rows = (int)avail;
+            bg->srow = b_ex + j;
         }
         crow += __shfl_sync(0xffffffffu, r, 31);
         cblk += __shfl_sync(0xffffffffu, bb, 31);
+        cpad += __shfl_sync(0xffffffffu, pp, 31);
     }
 }
 
-// data: [M, C] e4m3; scale: [>= ceil(M/32) + G, C] u8; out: [32 * (ceil(M/32) + G), C] bf16. Grid: (ceil(M/32) + G)
-// blocks x ceil(C / 256) column chunks (blockIdx.x = b * chunks + chunk).
+// data: [M, C] e4m3; scale: [>= ceil(M/32) + G, C] u8; out: [64 (ceil(M/64) + G), C] bf16. Grid: 2 (ceil(M/64) + G)
+// padded blocks x ceil(C / 256) column chunks (blockIdx.x = pb * chunks + chunk).
 extern "C" __global__ void __launch_bounds__(256) mx_prepare_colwise_bf16(const unsigned char* __restrict__ data,
                                                                            const unsigned char* __restrict__ scale,
                                                                            const int* __restrict__ sizes,
@@ -118,24 +126,26 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_colwise_bf16(const 
                                                                            long long M, int C) {
     __shared__ BlockGroup bg;
     const int chunks = (C + 255) >> 8;
-    const int b = blockIdx.x / chunks, col = (blockIdx.x - b * chunks) * 256 + (threadIdx.x & 31) * 8;
-    if (threadIdx.x < 32) colwise_block_group(sizes, G, M, b, &bg);
+    const int pb = blockIdx.x / chunks, col = (blockIdx.x - pb * chunks) * 256 + (threadIdx.x & 31) * 8;
+    if (threadIdx.x < 32) colwise_block_group(sizes, G, M, pb, &bg);
     __syncthreads();
     if (bg.row0 < 0 || col >= C) return;
-    unsigned m[4];
-    const bool fast = pair_mults8(__ldg(reinterpret_cast<const uint2*>(scale + (long long)b * C + col)), m);
+    unsigned m[4] = {0u, 0u, 0u, 0u};
+    bool fast = true;
+    if (bg.rows > 0) fast = pair_mults8(__ldg(reinterpret_cast<const uint2*>(scale + (long long)bg.srow * C + col)), m);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int rr = (threadIdx.x >> 5) + 8 * i;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);  // rows past the group inside its last block: zeros
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);  // rows past the group inside its last 64: zeros
         if (rr < bg.rows) {
             const uint2 raw = __ldg(reinterpret_cast<const uint2*>(data + (bg.row0 + rr) * C + col));
             unsigned o[4] = {e4m3x2_bits(raw.x, 0x1404u), e4m3x2_bits(raw.x, 0x3424u), e4m3x2_bits(raw.y, 0x1404u),
                              e4m3x2_bits(raw.y, 0x3424u)};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) o[j] = fast ? hmul2_bf16(o[j], m[j]) : hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m[j]);
+            for (int j = 0; j < 4; ++j)
+                o[j] = fast ? hmul2_bf16(o[j], m[j]) : hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m[j]);
             v = make_uint4(o[0], o[1], o[2], o[3]);
         }
-        *reinterpret_cast<uint4*>(out + ((long long)b * 32 + rr) * C + col) = v;
+        *reinterpret_cast<uint4*>(out + ((long long)pb * 32 + rr) * C + col) = v;
     }
 }

@@ -330,30 +330,35 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     return out
 
 
+def colwise_prep_rows(m: int, num_groups: int) -> int:
+    """Rows of a prepared wgrad operand (static bound ``64 (ceil(M/64) + G)`` >= sum of ceil64(n_g), no sync)."""
+    return 64 * (_cdiv(m, 64) + num_groups)
+
+
 def prepare_colwise_bf16_torch(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
-    """Reference of :func:`prepare_colwise_bf16` (host group sizes): rows of blocks past the groups are zero here
-    (the kernel leaves them unwritten; nothing reads them)."""
+    """Reference of :func:`prepare_colwise_bf16` (host group sizes): rows past the groups are zero here (the
+    kernel leaves them unwritten; nothing reads them)."""
     sizes = _host_sizes(group_sizes)
     m, c = data.shape
-    out = torch.zeros(32 * colwise_scale_rows(m, len(sizes)), c, dtype=torch.bfloat16, device=data.device)
+    out = torch.zeros(colwise_prep_rows(m, len(sizes)), c, dtype=torch.bfloat16, device=data.device)
     deq = colwise_dequantize_ref(data, scale, sizes)
-    start = boff = 0
+    start = poff = 0
     for rows in sizes:
-        out[32 * boff : 32 * boff + rows] = deq[start : start + rows].to(torch.bfloat16)
+        out[poff : poff + rows] = deq[start : start + rows].to(torch.bfloat16)
         start += rows
-        boff += _cdiv(rows, 32)
+        poff += 64 * _cdiv(rows, 64)
     return out
 
 
 def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor, out=None) -> torch.Tensor:
     """A wgrad operand (grouped column-wise MXFP8, see the module docstring) as exact bf16 with every group on a
-    32-row boundary: data e4m3 [M, C], scale u8 [>= ceil(M/32) + G, C], group_sizes int32 [G] (device)
-    -> bf16 [32 * (ceil(M/32) + G), C] where block j of group g is rows 32 (boff_g + j) .. + 31 (boff_g =
-    sum_{h<g} ceil(n_h/32), the scale row of that block); the last block of a group is zero padded.
+    64-row boundary: data e4m3 [M, C], scale u8 [>= ceil(M/32) + G, C], group_sizes int32 [G] (device)
+    -> bf16 [64 (ceil(M/64) + G), C] where group g is rows 64 poff_g .. (poff_g = sum_{h<g} ceil(n_h/64)), zero
+    padded to a multiple of 64 rows.
 
-    Example: sizes [40, 0, 8] -> group 0 at rows 0-39 (rows 40-63 zero), group 2 at rows 64-71 (72-95 zero).
-    CUDA: one memory-bound kernel (``kernels/weight_prep.cu``), no host sync; rows of blocks past the groups are
-    left unwritten. Other devices: :func:`prepare_colwise_bf16_torch`.
+    Example: sizes [40, 0, 8] -> group 0 at rows 0-39 (rows 40-63 zero), group 2 at rows 64-71 (72-127 zero).
+    CUDA: one memory-bound kernel (``kernels/weight_prep.cu``), no host sync; rows past the groups are left
+    unwritten. Other devices: :func:`prepare_colwise_bf16_torch`.
     """
     if data.device.type != "cuda":
         ref = prepare_colwise_bf16_torch(data, scale, group_sizes)
@@ -363,15 +368,15 @@ def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: t
     _check_dtype("group_sizes", group_sizes, (torch.int32,))
     m, c = data.shape
     g = group_sizes.numel()
-    rows = colwise_scale_rows(m, g)
+    rows, prows = colwise_scale_rows(m, g), colwise_prep_rows(m, g)
     if c % 8 or scale.dim() != 2 or scale.shape[1] != c or scale.shape[0] < rows:
         raise ValueError(
             f"expected data [M, C] (C % 8 == 0) and scale [>= {rows}, C], got {tuple(data.shape)}, {tuple(scale.shape)}"
         )
     if out is None:
-        out = torch.empty(32 * rows, c, dtype=torch.bfloat16, device=data.device)
-    if tuple(out.shape) != (32 * rows, c) or out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be [{32 * rows}, {c}] bf16, got {tuple(out.shape)} {out.dtype}")
+        out = torch.empty(prows, c, dtype=torch.bfloat16, device=data.device)
+    if tuple(out.shape) != (prows, c) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be [{prows}, {c}] bf16, got {tuple(out.shape)} {out.dtype}")
     for name, t in (("data", data), ("scale", scale), ("group_sizes", group_sizes), ("out", out)):
         _check_memory(name, t, data.device)
     if g == 0 or c == 0:
@@ -381,7 +386,7 @@ def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: t
     fn = _cuda.get_function(_PREP_FILE, "mx_prepare_colwise_bf16", device=data.device.index)
     args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(group_sizes), _cuda.ptr(out), _cuda.i32(g))
     args += (_cuda.i64(m), _cuda.i32(c))
-    _cuda.launch(fn, rows * _cdiv(c, 256), 256, args, device=data.device)
+    _cuda.launch(fn, (prows // 32) * _cdiv(c, 256), 256, args, device=data.device)
     return out
 
 
@@ -566,8 +571,8 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
     tiles = g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN)
     if tiles == 0:
         return out
-    ap = prepare_colwise_bf16(a, a_scale, group_sizes)  # [32 * rows, N] bf16, transient
-    bp = prepare_colwise_bf16(b, b_scale, group_sizes)  # [32 * rows, K]
+    ap = prepare_colwise_bf16(a, a_scale, group_sizes)  # [64 (ceil(M/64) + G), N] bf16, transient
+    bp = prepare_colwise_bf16(b, b_scale, group_sizes)  # [same rows, K]
     rp = ap.shape[0]
     extra = (_tma_map_2d(ap, rp, n, 64, 64, 2, True), _tma_map_2d(bp, rp, k, 64, 64, 2, True))
     grid = min(tiles, torch.cuda.get_device_properties(out.device).multi_processor_count)

@@ -457,7 +457,7 @@ def test_weight_prep_kernel_matches_reference(g, n, k):
 @pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [0, 0, 0], [1, 2, 3, 4097], [31, 32, 33]])
 def test_colwise_prep_kernel_matches_reference(sizes):
     """kernels/weight_prep.cu mx_prepare_colwise_bf16 == prepare_colwise_bf16_torch on every row a group owns
-    (its 32-row blocks, padding zeros included); NaN-scale blocks NaN in the same places; nothing past out."""
+    (its 64-row chunks, padding zeros included); NaN-scale blocks NaN in the same places; nothing past out."""
     _skip_without_gpu()
     from tests.test_gemm_emulation_wg5 import assert_same_bf16  # noqa: PLC0415
 
@@ -467,11 +467,11 @@ def test_colwise_prep_kernel_matches_reference(sizes):
     data = torch.cat([data, data.new_zeros(7, c)])
     if scale.shape[0]:
         scale[0, :16] = 0xFF  # a NaN block
-    rows = gemm_cuda.colwise_scale_rows(m, len(sizes))
+    rows, prows = gemm_cuda.colwise_scale_rows(m, len(sizes)), gemm_cuda.colwise_prep_rows(m, len(sizes))
     scale = torch.cat([scale, scale.new_zeros(rows - scale.shape[0], c)])
     ref = gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes)
-    buf = torch.full((32 * rows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = buf[: 32 * rows * c].view(32 * rows, c)
+    buf = torch.full((prows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[: prows * c].view(prows, c)
     sz = _sizes_t(sizes)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -479,9 +479,9 @@ def test_colwise_prep_kernel_matches_reference(sizes):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    used = 32 * sum(-(-n // 32) for n in sizes)
+    used = 64 * sum(-(-n // 64) for n in sizes)
     assert_same_bf16(out[:used].cpu(), ref[:used])
-    assert torch.isnan(buf[32 * rows * c :]).all(), "written past the end of out"
+    assert torch.isnan(buf[prows * c :]).all(), "written past the end of out"
 
 
 @pytest.mark.gpu

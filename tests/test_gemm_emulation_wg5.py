@@ -199,71 +199,70 @@ def test_w5_constants_match_the_launcher():
 
 # ------------------------------------------------------------------------- wgrad: prepared operands, k-steps
 def test_prepare_colwise_bf16_worked_example():
-    """Docstring example: sizes [40, 0, 8] -> group 0 at rows 0-39 (40-63 zero), group 2 at rows 64-71 (72-95
+    """Docstring example: sizes [40, 0, 8] -> group 0 at rows 0-39 (40-63 zero), group 2 at rows 64-71 (72-127
     zero); each row is the exact dequantization of its source row."""
     sizes = [40, 0, 8]
     x = torch.randn(48, 16)
     data, scale = gemm_cuda.colwise_operand_ref(x, sizes)
     out = gemm_cuda.prepare_colwise_bf16(data, scale, torch.tensor(sizes, dtype=torch.int32))
     deq = gemm_cuda.colwise_dequantize_ref(data, scale, sizes)
-    assert out.shape == (32 * (2 + 3), 16)
+    assert out.shape == (gemm_cuda.colwise_prep_rows(48, 3), 16) == (64 * (1 + 3), 16)
     assert torch.equal(out[:40].float(), deq[:40]) and torch.equal(out[64:72].float(), deq[40:48])
     assert (out[40:64] == 0).all() and (out[72:] == 0).all()
 
 
-def block_group_model(sizes: list[int], m_total: int, b: int) -> tuple[int, int]:
-    """colwise_block_group (kernels/weight_prep.cu) on one lane set: the lane-parallel inclusive scan of the
-    sizes and of their 32-row block counts in chunks of 32 groups, then the hit test -> (row0, rows)."""
-    crow = cblk = 0
-    row0, rows = -1, 0
+def block_group_model(sizes: list[int], m_total: int, pb: int) -> tuple[int, int, int]:
+    """colwise_block_group (kernels/weight_prep.cu): lane-parallel inclusive scans (chunks of 32 groups) of the
+    sizes, their 32-row scale blocks and their padded 32-row blocks 2 ceil(n / 64), then the hit test
+    -> (first data row or -1, valid rows, scale row)."""
+    crow = cblk = cpad = 0
+    hit = (-1, 0, 0)
     for base in range(0, len(sizes), 32):
         chunk = [max(v, 0) for v in sizes[base : base + 32]]
         nbs = [(n + 31) // 32 for n in chunk]
-        r_inc = np.cumsum(chunk)
-        b_inc = np.cumsum(nbs)
+        npbs = [2 * ((n + 63) // 64) for n in chunk]
+        r_inc, b_inc, p_inc = np.cumsum(chunk), np.cumsum(nbs), np.cumsum(npbs)
         for lane, n in enumerate(chunk):
-            r_ex, b_ex = crow + int(r_inc[lane]) - n, cblk + int(b_inc[lane]) - nbs[lane]
-            if b_ex <= b < b_ex + nbs[lane]:
-                first = r_ex + 32 * (b - b_ex)
-                avail = min(n - 32 * (b - b_ex), 32)
-                row0, rows = first, max(0, min(avail, m_total - first))
-        crow += int(r_inc[-1])
-        cblk += int(b_inc[-1])
-    return row0, rows
+            r_ex = crow + int(r_inc[lane]) - n
+            b_ex, p_ex = cblk + int(b_inc[lane]) - nbs[lane], cpad + int(p_inc[lane]) - npbs[lane]
+            if p_ex <= pb < p_ex + npbs[lane]:
+                j = pb - p_ex
+                first = r_ex + 32 * j
+                avail = min(n - 32 * j, 32) if j < nbs[lane] else 0
+                hit = (first, max(0, min(avail, m_total - first)), b_ex + j)
+        crow, cblk, cpad = crow + int(r_inc[-1]), cblk + int(b_inc[-1]), cpad + int(p_inc[-1])
+    return hit
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_block_group_scan_matches_direct_indexing(seed):
-    """Every 32-row block of the prepared layout maps to the right data rows (70 groups: 3 scan chunks, empty
-    groups, sizes summing past M: the rows past M are dropped, as the kernels clamp them)."""
+    """Every padded 32-row block maps to the right data rows and scale row, or is a zero block (70 groups: 3
+    scan chunks, empty groups, sizes summing past M: rows past M are dropped, as the kernels clamp them)."""
     gen = torch.Generator().manual_seed(seed)
     sizes = torch.randint(0, 100, (70,), generator=gen)
     sizes[torch.randperm(70, generator=gen)[:20]] = 0
     sizes = sizes.tolist()
     m_total = sum(sizes) - 50 * (seed % 2)
-    expect, start = {}, 0
-    blk = 0
+    expect, start, blk, pad = {}, 0, 0, 0
     for n in sizes:
-        for j in range((n + 31) // 32):
+        nb = (n + 31) // 32
+        for j in range(2 * ((n + 63) // 64)):
             first = start + 32 * j
-            expect[blk + j] = (first, max(0, min(32, n - 32 * j, m_total - first)))
-        start += n
-        blk += (n + 31) // 32
-    for b in range(blk + 3):
-        assert block_group_model(sizes, m_total, b) == expect.get(b, (-1, 0)), b
+            rows = max(0, min(32, n - 32 * j, m_total - first)) if j < nb else 0
+            expect[pad + j] = (first, rows, blk + j)
+        start, blk, pad = start + n, blk + nb, pad + 2 * ((n + 63) // 64)
+    assert 32 * pad <= gemm_cuda.colwise_prep_rows(m_total, len(sizes)) or m_total < sum(sizes)
+    for pb in range(pad + 3):
+        assert block_group_model(sizes, m_total, pb) == expect.get(pb, (-1, 0, 0)), pb
 
 
-@pytest.mark.parametrize("rows", [0, 1, 31, 32, 33, 64, 65, 96, 130])
-def test_wgrad_ksteps_cover_the_group_blocks_once(rows):
-    """grouped_gemm_wgrad.cu: ksteps = ceil(nblk / 2) steps of 64 prepared rows, the last with 2 k16 slices when
-    nblk is odd: the MMAs read exactly the group's 32 * nblk rows, each once."""
-    nblk = (rows + 31) // 32
-    read = []
-    for s in range((nblk + 1) // 2):
-        slices = 4 if 2 * s + 1 < nblk else 2
-        for kk in range(slices):
-            read += list(range(64 * s + 16 * kk, 64 * s + 16 * kk + 16))
-    assert read == list(range(32 * nblk))
+@pytest.mark.parametrize("rows", [0, 1, 63, 64, 65, 128, 130])
+def test_wgrad_ksteps_cover_the_group_rows(rows):
+    """grouped_gemm_wgrad.cu: ksteps = ceil(rows / 64) full steps of 64 prepared rows: every row of the group is
+    reduced once, and the rows past it that a step reads are the group's zero padding (never another group's)."""
+    ksteps = (rows + 63) // 64
+    read = [64 * s + r for s in range(ksteps) for r in range(64)]
+    assert read[:rows] == list(range(rows)) and len(read) == 64 * ((rows + 63) // 64) < rows + 64
 
 
 def test_wgrad_constants_match_the_launcher():
