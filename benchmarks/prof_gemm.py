@@ -139,6 +139,7 @@ def experiments_wgrad(args) -> dict:
         kargs = gemm_cuda._kernel_args(dyc, dycs, xc, xcs, sz, out, g, m, n, k, False) + (
             gemm_cuda._tma_map_2d(ap, rp, n, 64, 64, 2, True),
             gemm_cuda._tma_map_2d(bp, rp, k, 64, 64, 2, True),
+            gemm_cuda._tma_map_2d(out, g * n, k, 64, 32, 4, True),
         )
 
         def run(fn=fn, kargs=kargs, tiles=tiles):

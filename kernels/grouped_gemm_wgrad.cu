@@ -16,19 +16,25 @@
 //     8192 bytes apart (leading byte offset), 8-row k groups 1024 bytes (stride byte offset).
 //   * schedule as wgmma5 (grouped_gemm_wg5.cu): persistent grid over G x ceil(N/128) x ceil(K/256) tiles, a
 //     producer warp, 2 consumer warpgroups (64 x 256 each, 128 fp32 accumulators), a 4-stage full/empty
-//     mbarrier ring; empty groups store zeros. Epilogue from registers (fp32 float2 / bf16 16-byte stores).
+//     mbarrier ring; empty groups store zeros.
+//   * epilogue through shared memory and TMA stores (it is the largest cost otherwise: dW in fp32 is 3.8 GB at
+//     dsv3_up, and a register epilogue kept the MMAs idle while it drained; measured without stores: 2.42 against
+//     3.44 ms): bf16 as wgmma5 (w5_epilogue_tma), fp32 in two halves of 128 columns (wr_epilogue_tma_f32); a
+//     warpgroup whose 64 rows run past N (they would land in the next group's rows) stores from registers.
+//     The 64 KiB of staging leave room for 3 stages.
 // Timing experiment: -DWR_NO_EPI (no output stores; benchmarks/prof_gemm.py --kernel wgrad).
-// Shared memory (all dynamic): 4 x 49152 + barriers + 9 GroupInfo.
+// Shared memory (all dynamic): 3 x 49152 + 65536 staging + barriers + 9 GroupInfo = 213472 B.
 
 #define WG5_NO_KERNELS
 #include "grouped_gemm_wg5.cu"
 
-#define WR_STAGES 4
+#define WR_STAGES 3
 #define WR_A_BYTES 16384                               // 2 boxes of 64 rows x 128 B
 #define WR_STAGE_BYTES 49152                           // A | B (4 boxes)
-#define WR_BAR (WR_STAGES * WR_STAGE_BYTES)            // full[S], empty[S]
+#define WR_EPI (WR_STAGES * WR_STAGE_BYTES)            // output staging: 32 KiB per consumer warpgroup
+#define WR_BAR (WR_EPI + 65536)                        // full[S], empty[S]
 #define WR_GI (WR_BAR + 16 * WR_STAGES)
-#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 197104
+#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 213472
 
 // d[128] += A(64 x 16) x B(256 x 16)^T from shared memory, both bf16 and MN-major ("transposed": the 64 / 256
 // output-dimension values of one k are contiguous), 128-byte swizzle; fp32 accumulation.
@@ -93,6 +99,48 @@ __device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ 
     __syncwarp();
 }
 
+// fp32 epilogue of one warpgroup's 64 full rows: 64 x 256 fp32 = 64 KiB through its 32 KiB region, in two halves
+// of 128 columns; a half is 4 TMA boxes of 64 rows x 32 columns (128-byte rows, 128-byte swizzle: 16-byte unit u of
+// row r at (u ^ (r % 8)) << 4). Accumulator 4 j + 2 h + e is column 8 j + 2 c + e: half j / 16, box (j % 16) / 4,
+// unit 2 (j % 4) + c / 2, byte 8 (c % 2) within it. Before writing a half the leader waits until the previous
+// stores (the other half, or the previous tile) have read the region.
+__device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned region, int wg, long long orow, int k0,
+                                                    int K, const TmaMap* tmO) {
+    const int tid = threadIdx.x, lane = tid & 31, c = tid & 3, q = (tid >> 5) & 3;
+    const bool leader = (tid & 127) == 0;
+    const int bar = 3 + wg;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        named_bar_sync(bar, 128);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = q * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int jj = 0; jj < 16; ++jj) {
+                const int j = 16 * hf + jj;
+                const unsigned u = (unsigned)(2 * (jj & 3) + (c >> 1));
+                const unsigned addr = region + (unsigned)(jj >> 2) * 8192u + (unsigned)r * 128u +
+                                      ((u ^ (unsigned)(r & 7)) << 4) + 8u * (unsigned)(c & 1);
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(acc[4 * j + 2 * h]),
+                             "f"(acc[4 * j + 2 * h + 1])
+                             : "memory");
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        named_bar_sync(bar, 128);
+        if (leader) {
+            const int row = (int)(orow + 64 * wg);
+            for (int b = 0; b < 4 && k0 + 128 * hf + 32 * b < K; ++b)
+                asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                                 reinterpret_cast<unsigned long long>(tmO)),
+                             "r"(k0 + 128 * hf + 32 * b), "r"(row), "r"(region + 8192u * (unsigned)b)
+                             : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+    }
+}
+
 __device__ __forceinline__ void wgr_produce(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
                                             int K, const TmaMap* tmA, const TmaMap* tmB, unsigned sbase,
                                             unsigned full0, unsigned empty0) {
@@ -124,7 +172,7 @@ __device__ __forceinline__ void wgr_produce(GroupInfo* gi, const int* __restrict
 
 template <int OUT_F32>
 __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
-                                           int N, int K, const TmaMap* tmA, const TmaMap* tmB) {
+                                           int N, int K, const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmO) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const unsigned sbase = smem_u32(smem);
@@ -180,22 +228,32 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
         if (ksteps > 0 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
         // out[g] is [N, K]: tile rows n0 .., columns k0 ..; as a [G * N, K] matrix its first row is g * N + n0
         const long long orow = (long long)g * N + n0;
+        const unsigned region = sbase + WR_EPI + 32768u * (unsigned)wg;
 #ifdef WR_NO_EPI  // timing experiment only (prof_gemm.py --kernel wgrad): no output stores
-        if (orow < 0)
+        if (orow >= 0) continue;
 #endif
-        if (OUT_F32)
-            w2_epilogue<1>(acc, out, orow, N - n0, k0, K, ar0, sbase);
-        else
-            w5_epilogue_bf16(acc, static_cast<unsigned short*>(out), orow, N - n0, k0, K, ar0);
+        if (N - n0 < 64 * (wg + 1)) {  // rows past N: masked stores from registers
+            if (OUT_F32)
+                w2_epilogue<1>(acc, out, orow, N - n0, k0, K, ar0, sbase);
+            else
+                w5_epilogue_bf16(acc, static_cast<unsigned short*>(out), orow, N - n0, k0, K, ar0);
+        } else if (OUT_F32) {
+            wr_epilogue_tma_f32(acc, region, wg, orow, k0, K, tmO);
+        } else {
+            w5_epilogue_tma(acc, region, wg, orow, k0, K, tmO);
+        }
     }
+    if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before exit
 }
 
 // Kernel parameters: GM_ARGS (A, B and their scales unused: the operands are reached through the tensor maps of
 // the prepared bf16 copies; M, N, K and the group sizes as in the other wgrad kernel), tmA over dY' [R, N], tmB
-// over X' [R, K], both in boxes of 64 rows x 64 columns with the 128-byte swizzle.
-extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_f32(W3_ARGS) {
-    wgr_kernel<1>(sizes, out, G, M, N, K, &tmA, &tmB);
+// over X' [R, K], both in boxes of 64 rows x 64 columns with the 128-byte swizzle, tmO over out as [G N, K] in
+// boxes of 64 rows x 128 bytes (64 bf16 / 32 fp32 columns), 128-byte swizzle.
+#define WR_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO
+extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_f32(WR_ARGS) {
+    wgr_kernel<1>(sizes, out, G, M, N, K, &tmA, &tmB, &tmO);
 }
-extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_bf16(W3_ARGS) {
-    wgr_kernel<0>(sizes, out, G, M, N, K, &tmA, &tmB);
+extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_bf16(WR_ARGS) {
+    wgr_kernel<0>(sizes, out, G, M, N, K, &tmA, &tmB, &tmO);
 }

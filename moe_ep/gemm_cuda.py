@@ -80,7 +80,7 @@ _WGMMA4_FILE = "grouped_gemm_wg4.cu"
 _WGMMA5_FILE = "grouped_gemm_wg5.cu"
 _WGRAD_FILE = "grouped_gemm_wgrad.cu"
 WGRAD_IMPLS = ("wgmma", "mma")
-_WGRAD_SMEM_BYTES = 197104  # 4 x 49152 + 64 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
+_WGRAD_SMEM_BYTES = 213472  # 3 x 49152 + 65536 + 48 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
 _PREP_FILE = "weight_prep.cu"
 _THREADS = 256
 _TILE = 128
@@ -217,7 +217,7 @@ _libcuda = None
 def _tma_map_2d(
     t: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: int, elem_bytes: int = 1, swizzle128: bool = False
 ) -> np.void:
-    """Tensor map of the matrix at ``t`` ([rows, cols] row-major elements of ``elem_bytes`` = 1 or 2 bytes, rows
+    """Tensor map of the matrix at ``t`` ([rows, cols] row-major elements of ``elem_bytes`` = 1, 2 or 4 bytes, rows
     16-byte aligned) for boxes of ``box_rows`` x ``box_cols`` elements, out-of-range elements read as zero; no
     swizzle, or the 128-byte swizzle (``swizzle128``: rows of exactly 128 bytes, the wgmma K-major layout).
 
@@ -232,7 +232,7 @@ def _tma_map_2d(
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     res = _libcuda.cuTensorMapEncodeTiled(
         ctypes.c_void_p(raw.ctypes.data + off),
-        ctypes.c_int({1: 0, 2: 1}[elem_bytes]),  # CU_TENSOR_MAP_DATA_TYPE_UINT8 / _UINT16
+        ctypes.c_int({1: 0, 2: 1, 4: 2}[elem_bytes]),  # CU_TENSOR_MAP_DATA_TYPE_UINT8 / _UINT16 / _UINT32
         u32(2),
         ctypes.c_void_p(t.data_ptr()),
         (u64 * 2)(cols, rows),  # sizes, innermost first
@@ -574,7 +574,12 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
     ap = prepare_colwise_bf16(a, a_scale, group_sizes)  # [64 (ceil(M/64) + G), N] bf16, transient
     bp = prepare_colwise_bf16(b, b_scale, group_sizes)  # [same rows, K]
     rp = ap.shape[0]
-    extra = (_tma_map_2d(ap, rp, n, 64, 64, 2, True), _tma_map_2d(bp, rp, k, 64, 64, 2, True))
+    eo = out.element_size()  # the output as [G N, K] in boxes of 64 rows x 128 bytes for the TMA-store epilogue
+    extra = (
+        _tma_map_2d(ap, rp, n, 64, 64, 2, True),
+        _tma_map_2d(bp, rp, k, 64, 64, 2, True),
+        _tma_map_2d(out, g * n, k, 64, 128 // eo, eo, True),
+    )
     grid = min(tiles, torch.cuda.get_device_properties(out.device).multi_processor_count)
     _launch(
         f"mx_gmm_wgrad_wg_{suffix}",
