@@ -125,19 +125,25 @@ def run_shape(name, m, k, n, g, args, out_rows):
     flops = 2.0 * m * n * k
     res = {"M": m, "K": k, "N": n, "G": g, "group_sizes": sizes, "variants": {}}
 
-    def with_impl(impl, fn):
+    def with_env(var, value, fn):  # run fn with the environment switch var=value (restored after)
         def run():
-            old = os.environ.get("MOE_EP_GEMM_IMPL")
-            os.environ["MOE_EP_GEMM_IMPL"] = impl
+            old = os.environ.get(var)
+            os.environ[var] = value
             try:
                 return fn()
             finally:
                 if old is None:
-                    del os.environ["MOE_EP_GEMM_IMPL"]
+                    del os.environ[var]
                 else:
-                    os.environ["MOE_EP_GEMM_IMPL"] = old
+                    os.environ[var] = old
 
         return run
+
+    def with_impl(impl, fn):
+        return with_env("MOE_EP_GEMM_IMPL", impl, fn)
+
+    def with_wgrad(impl, fn):
+        return with_env("MOE_EP_WGRAD_IMPL", impl, fn)
 
     impls = list(gemm_cuda.IMPLS)
     ours = {"fprop": {}, "dgrad": {}, "wgrad": {}}
@@ -169,20 +175,6 @@ def run_shape(name, m, k, n, g, args, out_rows):
         ours["dgrad"][f"mxfp8_{impl}"] = with_impl(
             impl, lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz, wt_prepared=wtprep)
         )
-
-    def with_wgrad(impl, fn):
-        def run():
-            old = os.environ.get("MOE_EP_WGRAD_IMPL")
-            os.environ["MOE_EP_WGRAD_IMPL"] = impl
-            try:
-                return fn()
-            finally:
-                if old is None:
-                    del os.environ["MOE_EP_WGRAD_IMPL"]
-                else:
-                    os.environ["MOE_EP_WGRAD_IMPL"] = old
-
-        return run
 
     for wimpl in gemm_cuda.WGRAD_IMPLS:  # bf16 output, like the torch baselines
         ours["wgrad"][f"mxfp8_{wimpl}"] = with_wgrad(

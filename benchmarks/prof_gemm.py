@@ -73,16 +73,23 @@ def launcher_w5(opts, xq, xs, wprep, sz, out):
     return run
 
 
-def experiments_w5(args) -> dict:
-    m, k, n, g = SHAPES[args.shape]
-    sizes = uneven_sizes(m, g, seed=sum(map(ord, args.shape)))
+def fprop_operands(shape: str):
+    """The benchmark shape's fprop operands (bench_gemm's uneven group sizes): (M, K, N, G, sizes, sz, x, w, xq,
+    wq, xs, ws, out) with x/w bf16, xq/wq their MXFP8 quantization, xs/ws the blocked scales, out bf16 [M, N]."""
+    m, k, n, g = SHAPES[shape]
+    sizes = uneven_sizes(m, g, seed=sum(map(ord, shape)))
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
     x = torch.randn(m, k, device="cuda").bfloat16()
     w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
     xq, wq = mxfp8.quantize_torch(x, -1), mxfp8.quantize_torch(w, -1)
     xs, ws = mxfp8.to_blocked_grouped(xq.scale, sz, "m"), mxfp8.to_blocked(wq.scale)
-    wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    return m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out
+
+
+def experiments_w5(args) -> dict:
+    m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(args.shape)
+    wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     flops = 2.0 * sum(sizes) * n * k
     res = {"kernel": "wgmma5", "shape": args.shape, "M": m, "K": k, "N": n, "G": g, "tflops": {}}
     builds = {
@@ -172,14 +179,7 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         return
-    m, k, n, g = SHAPES[args.shape]
-    sizes = uneven_sizes(m, g, seed=sum(map(ord, args.shape)))
-    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
-    x = torch.randn(m, k, device="cuda").bfloat16()
-    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
-    xq, wq = mxfp8.quantize_torch(x, -1), mxfp8.quantize_torch(w, -1)
-    xs, ws = mxfp8.to_blocked_grouped(xq.scale, sz, "m"), mxfp8.to_blocked(wq.scale)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(args.shape)
     ref = gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz)  # whatever MOE_EP_GEMM_IMPL selects
     flops = 2.0 * sum(sizes) * n * k
     res = {"shape": args.shape, "M": m, "K": k, "N": n, "G": g, "ksteps": -(-k // 64), "tflops": {}}

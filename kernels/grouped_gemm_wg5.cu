@@ -80,6 +80,19 @@ __device__ __forceinline__ void named_bar_arrive(int id, int n) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
+// The full/empty mbarrier pairs of an S-stage ring (full: the producer's arrival + TMA bytes; empty: one arrival
+// per consumer warp), then the kernel's only block-wide barrier: they exist before anyone uses them.
+__device__ __forceinline__ void ring_init(unsigned full0, unsigned empty0, int stages) {
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < stages; ++j) {
+            mbar_init(full0 + 8u * j, 1u);
+            mbar_init(empty0 + 8u * j, W5_CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
 // The tile t of the persistent schedule, computed by one warp into its own GroupInfo (no block barrier).
 // Returns 1 when the tile has rows to compute (sets n0, mrows, arow0), 0 when it is a tile past the groups
 // (sets r_zero: its first row past sum(sizes)), -1 when it has nothing to do.
@@ -102,11 +115,21 @@ __device__ __forceinline__ int w5_tile(GroupInfo* gi, const int* __restrict__ si
     return mrows > 0 ? 1 : -1;
 }
 
-// bf16 epilogue from registers. Accumulator 4 j + 2 h + e of this thread is tile row ar0 + 8 h, column
-// 8 j + 2 c + e (c = lane % 4). For each row half h and each group of 4 j's (j = 4 m + i), the quad holds a 4 x 4
-// matrix of bf16x2 words w[c][i]; after quad_transpose4 thread c holds the 4 words of j = 4 m + c: columns
-// 32 m + 8 c .. + 7 of its row, one 16-byte store (a warp writes 8 rows x 64 contiguous bytes). Every lane takes
-// part in the shuffles; only the stores are masked (rows >= mrows, columns >= N - n0; N % 8 == 0).
+// The bf16 outputs of row half h, column group m of the 64 x 256 accumulator fragment: accumulator 4 j + 2 h + e
+// of this thread is row 16 q + lane / 4 + 8 h, column 8 j + 2 c + e (c = lane % 4). For the 4 j's = 4 m + i the
+// quad holds a 4 x 4 matrix of bf16x2 words w[c][i]; after quad_transpose4 lane c holds the 4 words of j = 4 m + c:
+// columns 32 m + 8 c .. + 7 of its row, in order (16 bytes). Every lane of the warp must call it.
+__device__ __forceinline__ void w5_bf16_words(const float* acc, int h, int m, unsigned* w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int a = 4 * (4 * m + i) + 2 * h;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[a + 1]), "f"(acc[a]));
+    }
+    quad_transpose4(w);
+}
+
+// bf16 epilogue from registers: per (h, m) one 16-byte store of w5_bf16_words (a warp writes 8 rows x 64
+// contiguous bytes); rows >= mrows and columns >= N - n0 are not stored (N % 8 == 0).
 __device__ __forceinline__ void w5_epilogue_bf16(const float* acc, unsigned short* __restrict__ out, long long arow0,
                                                  int mrows, int n0, int N, int ar0) {
     const int c = threadIdx.x & 3;
@@ -118,12 +141,7 @@ __device__ __forceinline__ void w5_epilogue_bf16(const float* acc, unsigned shor
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             unsigned w[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int a = 4 * (4 * m + i) + 2 * h;
-                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[a + 1]), "f"(acc[a]));
-            }
-            quad_transpose4(w);
+            w5_bf16_words(acc, h, m, w);
             const int col = 32 * m + 8 * c;
             if (r < mrows && col < ncols) *reinterpret_cast<uint4*>(rowp + col) = make_uint4(w[0], w[1], w[2], w[3]);
         }
@@ -150,12 +168,7 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             unsigned w[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int a = 4 * (4 * m + i) + 2 * h;
-                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[a + 1]), "f"(acc[a]));
-            }
-            quad_transpose4(w);
+            w5_bf16_words(acc, h, m, w);
             const unsigned u = (unsigned)(4 * (m & 1) + c);
             const unsigned addr = region + (unsigned)(m >> 1) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4);
             sts128(addr, w[0], w[1], w[2], w[3]);
@@ -226,14 +239,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     const unsigned sbase = smem_u32(smem);
     if (sbase & 1023u) __trap();
     const unsigned full0 = sbase + W5_BAR, empty0 = full0 + 8u * W5_STAGES;
-    if (tid == 0) {
-        for (int j = 0; j < W5_STAGES; ++j) {
-            mbar_init(full0 + 8u * j, 1u);
-            mbar_init(empty0 + 8u * j, W5_CONSUMER_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();  // the only block-wide barrier: the mbarriers exist before anyone uses them
+    ring_init(full0, empty0, W5_STAGES);
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + W5_GI) + warp;
     if (warp >= W5_CONSUMER_WARPS) {
         setmaxnreg_dec<56>();

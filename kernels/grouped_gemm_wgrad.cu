@@ -178,14 +178,7 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
     const unsigned sbase = smem_u32(smem);
     if (sbase & 1023u) __trap();  // the 128-byte swizzle needs 1024-aligned tiles (no static shared memory)
     const unsigned full0 = sbase + WR_BAR, empty0 = full0 + 8u * WR_STAGES;
-    if (tid == 0) {
-        for (int j = 0; j < WR_STAGES; ++j) {
-            mbar_init(full0 + 8u * j, 1u);
-            mbar_init(empty0 + 8u * j, W5_CONSUMER_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    ring_init(full0, empty0, WR_STAGES);
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + WR_GI) + warp;
     if (warp >= W5_CONSUMER_WARPS) {
         setmaxnreg_dec<56>();
