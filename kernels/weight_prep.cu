@@ -58,10 +58,11 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 // padded to a multiple of 64 rows: the GEMM reduces over whole 64-row steps of one group. Rows past the last
 // group are not written (the GEMM never reads them into an MMA).
 //
-//   * CTA = one padded 32-row block pb x 256 columns; warp 0 finds the block's group (shuffle scan of the sizes,
-//     as gm_scan_groups, with the 32-row scale blocks and the padded 32-row blocks 2 ceil(n / 64)); thread t
-//     converts columns 8 (t % 32) .. + 7 of rows t / 32 + 8 i (i < 4): 8 data bytes, the 8 scale bytes of the
-//     block's scale row (per-column scales: pair_mults8), one 16-byte store. Padding blocks are zeros.
+//   * one warp per padded 32-row block pb and 1024 columns: it finds the block's group (shuffle scan of the sizes, as
+//     gm_scan_groups, with the 32-row scale blocks and the padded 32-row blocks 2 ceil(n / 64)), then converts
+//     8 columns per lane: 8 data bytes per row, the 8 scale bytes of the block's scale row (per-column scales:
+//     pair_mults8), one 16-byte store per row. Padding blocks are zeros. (A first version used a CTA per block
+//     and 256 columns: 2.3 TB/s at the "small" shape, the per-CTA scan and barrier dominating.)
 // ---------------------------------------------------------------------------------------------------------
 struct BlockGroup {
     long long row0;  // first data row of the block; -1: the block belongs to no group
@@ -117,35 +118,50 @@ __device__ __forceinline__ void colwise_block_group(const int* __restrict__ size
     }
 }
 
-// data: [M, C] e4m3; scale: [>= ceil(M/32) + G, C] u8; out: [64 (ceil(M/64) + G), C] bf16. Grid: 2 (ceil(M/64) + G)
-// padded blocks x ceil(C / 256) column chunks (blockIdx.x = pb * chunks + chunk).
+// data: [M, C] e4m3; scale: [>= ceil(M/32) + G, C] u8; out: [64 (ceil(M/64) + G), C] bf16. One warp per (padded
+// 32-row block pb, 1024 columns) (8 warps per CTA, no block-wide barrier): the warp finds the block's group, then
+// walks its columns 256 at a time (lane: 8 columns; the 8 scale bytes once per 256) and the 32 rows 4 at a time
+// (4 independent 8-byte loads in flight per lane).
 extern "C" __global__ void __launch_bounds__(256) mx_prepare_colwise_bf16(const unsigned char* __restrict__ data,
                                                                            const unsigned char* __restrict__ scale,
                                                                            const int* __restrict__ sizes,
                                                                            unsigned short* __restrict__ out, int G,
-                                                                           long long M, int C) {
-    __shared__ BlockGroup bg;
-    const int chunks = (C + 255) >> 8;
-    const int pb = blockIdx.x / chunks, col = (blockIdx.x - pb * chunks) * 256 + (threadIdx.x & 31) * 8;
-    if (threadIdx.x < 32) colwise_block_group(sizes, G, M, pb, &bg);
-    __syncthreads();
-    if (bg.row0 < 0 || col >= C) return;
-    unsigned m[4] = {0u, 0u, 0u, 0u};
-    bool fast = true;
-    if (bg.rows > 0) fast = pair_mults8(__ldg(reinterpret_cast<const uint2*>(scale + (long long)bg.srow * C + col)), m);
+                                                                           long long M, int C, int nblocks) {
+    __shared__ BlockGroup bgs[8];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ncc = (C + 1023) >> 10, wid = blockIdx.x * 8 + warp;
+    const int pb = wid / ncc, c0 = (wid - pb * ncc) * 1024;
+    if (pb >= nblocks) return;
+    BlockGroup* bgp = &bgs[warp];
+    colwise_block_group(sizes, G, M, pb, bgp);
+    __syncwarp();
+    const BlockGroup bg = *bgp;
+    if (bg.row0 < 0) return;
+    unsigned short* ob = out + (long long)pb * 32 * C;
+    const int c1 = C < c0 + 1024 ? C : c0 + 1024;
+    for (int col = c0 + lane * 8; col < c1; col += 256) {
+        unsigned m[4] = {0u, 0u, 0u, 0u};
+        bool fast = true;
+        if (bg.rows > 0) fast = pair_mults8(__ldg(reinterpret_cast<const uint2*>(scale + (long long)bg.srow * C + col)), m);
+        for (int r0 = 0; r0 < 32; r0 += 4) {
+            uint2 raw[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int rr = (threadIdx.x >> 5) + 8 * i;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);  // rows past the group inside its last 64: zeros
-        if (rr < bg.rows) {
-            const uint2 raw = __ldg(reinterpret_cast<const uint2*>(data + (bg.row0 + rr) * C + col));
-            unsigned o[4] = {e4m3x2_bits(raw.x, 0x1404u), e4m3x2_bits(raw.x, 0x3424u), e4m3x2_bits(raw.y, 0x1404u),
-                             e4m3x2_bits(raw.y, 0x3424u)};
+            for (int i = 0; i < 4; ++i)
+                raw[i] = r0 + i < bg.rows ? __ldg(reinterpret_cast<const uint2*>(data + (bg.row0 + r0 + i) * C + col))
+                                          : make_uint2(0u, 0u);
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                o[j] = fast ? hmul2_bf16(o[j], m[j]) : hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m[j]);
-            v = make_uint4(o[0], o[1], o[2], o[3]);
+            for (int i = 0; i < 4; ++i) {
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);  // rows past the group inside its last 64: zeros
+                if (r0 + i < bg.rows) {
+                    unsigned o[4] = {e4m3x2_bits(raw[i].x, 0x1404u), e4m3x2_bits(raw[i].x, 0x3424u),
+                                     e4m3x2_bits(raw[i].y, 0x1404u), e4m3x2_bits(raw[i].y, 0x3424u)};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        o[j] = fast ? hmul2_bf16(o[j], m[j]) : hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m[j]);
+                    v = make_uint4(o[0], o[1], o[2], o[3]);
+                }
+                *reinterpret_cast<uint4*>(ob + (long long)(r0 + i) * C + col) = v;
+            }
         }
-        *reinterpret_cast<uint4*>(out + ((long long)pb * 32 + rr) * C + col) = v;
     }
 }

@@ -385,8 +385,9 @@ def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: t
 
     fn = _cuda.get_function(_PREP_FILE, "mx_prepare_colwise_bf16", device=data.device.index)
     args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(group_sizes), _cuda.ptr(out), _cuda.i32(g))
-    args += (_cuda.i64(m), _cuda.i32(c))
-    _cuda.launch(fn, (prows // 32) * _cdiv(c, 256), 256, args, device=data.device)
+    nblocks = prows // 32  # one warp per (padded 32-row block, 1024 columns), 8 per CTA
+    args += (_cuda.i64(m), _cuda.i32(c), _cuda.i32(nblocks))
+    _cuda.launch(fn, _cdiv(nblocks * _cdiv(c, 1024), 8), 256, args, device=data.device)
     return out
 
 
