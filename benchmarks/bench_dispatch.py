@@ -43,8 +43,15 @@ def _spawn_or_skip(args) -> int:
             with open(args.json, "w") as f:
                 json.dump({"skipped": msg}, f)
         return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           os.path.abspath(__file__), *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        os.path.abspath(__file__),
+        *sys.argv[1:],
+    ]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
     return subprocess.call(cmd, env=env)
 
@@ -173,7 +180,7 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     q = ref.dispatch_send(x, w, rh, True)
     ok_data = torch.equal(data[:n].view(torch.uint8), q.data[rh.expand_row].view(torch.uint8))
     want = mxfp8.to_blocked_grouped(q.scale[rh.expand_row], rh.group_sizes, "m")
-    ok_scale = torch.equal(scale[:want.numel()], want)
+    ok_scale = torch.equal(scale[: want.numel()], want)
     y = (torch.randn(ncap, h, device=dev) * 0.1).to(torch.bfloat16)
     out = ct.combine_fwd(y, wm, handle)
     rout = ops.combine_fwd(y[:n], wm[:n], rh)
@@ -183,16 +190,25 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     del q, want, rout
 
     # ---- timings
-    res = {"shape": shape, "routing": routing, **cfg, "ep_size": world, "expand_capacity": ncap,
-           "correct": bool(ok.item()), "correct_rank0": dict(data=ok_data, scales=ok_scale, combine=ok_comb)}
+    res = {
+        "shape": shape,
+        "routing": routing,
+        **cfg,
+        "ep_size": world,
+        "expand_capacity": ncap,
+        "correct": bool(ok.item()),
+        "correct_rank0": dict(data=ok_data, scales=ok_scale, combine=ok_comb),
+    }
     res["layout_us"] = _time(lambda: ct.build_layout(idx, e, group, expand_capacity=ncap), args.iters)
     res["dispatch_us"] = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters)
-    res["layout_dispatch_us"] = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, ct.build_layout(
-        idx, e, group, expand_capacity=ncap)), args.iters)
+    res["layout_dispatch_us"] = _time(
+        lambda: ct.dispatch_fwd_mxfp8(x, w, ct.build_layout(idx, e, group, expand_capacity=ncap)), args.iters
+    )
     res["combine_us"] = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters)
     # the same three without the CPU running ahead: includes Python/CuPy launch latency (host-bound when larger)
-    res["layout_us_cpu_bound"] = _time(lambda: ct.build_layout(idx, e, group, expand_capacity=ncap), args.iters,
-                                       cpu_ahead=False)
+    res["layout_us_cpu_bound"] = _time(
+        lambda: ct.build_layout(idx, e, group, expand_capacity=ncap), args.iters, cpu_ahead=False
+    )
     res["dispatch_us_cpu_bound"] = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters, cpu_ahead=False)
     res["combine_us_cpu_bound"] = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters, cpu_ahead=False)
     res["send_us"], res["expand_us"] = _split_dispatch(ct, x, w, handle, args.iters)
@@ -205,8 +221,7 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
             flat = idx.reshape(-1).long()
             order = torch.argsort(flat, stable=True)
             tok = order // k
-            sc = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(
-                0, flat // lcl, torch.ones_like(flat))
+            sc = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(0, flat // lcl, torch.ones_like(flat))
             rc = torch.empty_like(sc)
             dist.all_to_all_single(rc, sc)
             ss, rs = sc.tolist(), rc.tolist()
@@ -214,6 +229,7 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
             outb = torch.empty(sum(rs), rows.shape[1], dtype=rows.dtype, device=dev)
             dist.all_to_all_single(outb, rows, rs, ss)
             return outb
+
         return run
 
     def bf16_rows(tok):
@@ -227,7 +243,8 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     res["nccl_bf16_dispatch_us"] = _time(nccl_dispatch(bf16_rows), args.iters)
     res["nccl_mxfp8_dispatch_us"] = _time(nccl_dispatch(mx_rows), args.iters)
     pair_cnt = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(
-        0, idx.reshape(-1).long() // lcl, torch.ones(t * k, dtype=torch.int64, device=dev))
+        0, idx.reshape(-1).long() // lcl, torch.ones(t * k, dtype=torch.int64, device=dev)
+    )
     pair_recv = torch.empty_like(pair_cnt)
     dist.all_to_all_single(pair_recv, pair_cnt)
     pss, prs = pair_cnt.tolist(), pair_recv.tolist()
@@ -274,8 +291,13 @@ def main() -> int:
     from moe_ep.comm import nvshmem as nvs  # noqa: PLC0415
 
     shapes = [s for s in args.shapes.split(",") if s]
-    nvs.init_runtime(dist.group.WORLD, max(SHAPES[s]["T"] for s in shapes), max(SHAPES[s]["H"] for s in shapes),
-                     max(SHAPES[s]["K"] for s in shapes), max(SHAPES[s]["E"] for s in shapes))
+    nvs.init_runtime(
+        dist.group.WORLD,
+        max(SHAPES[s]["T"] for s in shapes),
+        max(SHAPES[s]["H"] for s in shapes),
+        max(SHAPES[s]["K"] for s in shapes),
+        max(SHAPES[s]["E"] for s in shapes),
+    )
     quant, quant_name = _quantizer(args.quant)
     results = []
     for shape in shapes:
@@ -284,20 +306,29 @@ def main() -> int:
             res = run_case(shape, routing, args, quant, quant_name)
             results.append(res)
             if dist.get_rank() == 0:
-                print(f"{shape:6s} {routing:8s} ok={res['correct']} layout {res['layout_us']:8.1f}us  dispatch "
-                      f"{res['dispatch_us']:8.1f}us ({res['dispatch_GBps']:6.1f} GB/s, "
-                      f"{res['dispatch_pct_nvlink']:5.1f}% NVLink; send {res['send_us']:.1f} + expand "
-                      f"{res['expand_us']:.1f})  combine {res['combine_us']:8.1f}us "
-                      f"({res['combine_GBps']:6.1f} GB/s)  | nccl bf16 {res['nccl_bf16_dispatch_us']:8.1f}  mxfp8 "
-                      f"{res['nccl_mxfp8_dispatch_us']:8.1f}  comb {res['nccl_bf16_combine_us']:8.1f}us | x"
-                      f"{res['speedup_dispatch_vs_nccl_mxfp8']:.2f} vs (b), combine x"
-                      f"{res['speedup_combine_vs_nccl_bf16']:.2f}  (launch-bound: layout "
-                      f"{res['layout_us_cpu_bound']:.0f}"
-                      f" dispatch {res['dispatch_us_cpu_bound']:.0f} combine {res['combine_us_cpu_bound']:.0f})"
-                      f"  [{time.time() - t0:.0f}s]", flush=True)
+                print(
+                    f"{shape:6s} {routing:8s} ok={res['correct']} layout {res['layout_us']:8.1f}us  dispatch "
+                    f"{res['dispatch_us']:8.1f}us ({res['dispatch_GBps']:6.1f} GB/s, "
+                    f"{res['dispatch_pct_nvlink']:5.1f}% NVLink; send {res['send_us']:.1f} + expand "
+                    f"{res['expand_us']:.1f})  combine {res['combine_us']:8.1f}us "
+                    f"({res['combine_GBps']:6.1f} GB/s)  | nccl bf16 {res['nccl_bf16_dispatch_us']:8.1f}  mxfp8 "
+                    f"{res['nccl_mxfp8_dispatch_us']:8.1f}  comb {res['nccl_bf16_combine_us']:8.1f}us | x"
+                    f"{res['speedup_dispatch_vs_nccl_mxfp8']:.2f} vs (b), combine x"
+                    f"{res['speedup_combine_vs_nccl_bf16']:.2f}  (launch-bound: layout "
+                    f"{res['layout_us_cpu_bound']:.0f}"
+                    f" dispatch {res['dispatch_us_cpu_bound']:.0f} combine {res['combine_us_cpu_bound']:.0f})"
+                    f"  [{time.time() - t0:.0f}s]",
+                    flush=True,
+                )
     if dist.get_rank() == 0 and args.json:
-        meta = {"device": torch.cuda.get_device_name(), "commit": _commit(), "ep_size": dist.get_world_size(),
-                "torch": torch.__version__, "iters": args.iters, "nvlink_GBps": NVLINK_GBS}
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "commit": _commit(),
+            "ep_size": dist.get_world_size(),
+            "torch": torch.__version__,
+            "iters": args.iters,
+            "nvlink_GBps": NVLINK_GBS,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     ok = all(r["correct"] for r in results)

@@ -93,8 +93,12 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
     res = {}
     for name, fn in (
         ("linear", lambda: _cuda.launch(lin, grid_lin, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(nchunks)))),
-        ("tile", lambda: _cuda.launch(
-            til, grid_tile, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles)))),
+        (
+            "tile",
+            lambda: _cuda.launch(
+                til, grid_tile, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
+            ),
+        ),
     ):
         fn()
         torch.cuda.synchronize()
@@ -161,8 +165,7 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
         got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), **kw)
         want = quantize_grouped_dual_torch(xs, sizes, **kw)  # SwiGLU on the GPU: torch's CUDA ops, as the kernel
         used = sum(-(-int(n) // 32) for n in sizes)
-        return (all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used])
-                and got[3].shape[1] == kh)
+        return all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used]) and got[3].shape[1] == kh
     if variant == "row_grouped":
         sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
         d, s = mxfp8_cuda.quantize_rowwise(xs, "grouped", sizes.to(xs.device))
@@ -209,8 +212,12 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
         xin, kw, kh = _dual_args(variant, x)
         sizes = _random_sizes(m, groups, dev)
         outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, **kw)
-        nbytes = (sum(t.numel() * t.element_size() for t in (xin, *kw.values()) if isinstance(t, torch.Tensor))
-                  + 2 * m * kh + outs[1].numel() + -(-m // 32) * kh)
+        nbytes = (
+            sum(t.numel() * t.element_size() for t in (xin, *kw.values()) if isinstance(t, torch.Tensor))
+            + 2 * m * kh
+            + outs[1].numel()
+            + -(-m // 32) * kh
+        )
         return (lambda: mxfp8_cuda.quantize_grouped_dual_into(xin, sizes, *outs, **kw)), nbytes
     data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
     if variant in ("row_plain", "row_blocked", "row_grouped"):
@@ -219,19 +226,13 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
         if layout == "grouped":
             g = torch.Generator().manual_seed(0)
             cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
-            sizes = (
-                torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
-            )
+            sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
         scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, layout, groups), dtype=torch.uint8, device=dev)
-        return (
-            lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, layout, sizes)
-        ), read + m * k + scale.numel()
+        return (lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, layout, sizes)), read + m * k + scale.numel()
     data_t = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev)
     scale_t = torch.empty(mxfp8_cuda.col_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=dev)
     if variant == "col_blocked":
-        return (
-            lambda: mxfp8_cuda.quantize_colwise_into(x, data_t, scale_t, "blocked")
-        ), read + m * k + scale_t.numel()
+        return (lambda: mxfp8_cuda.quantize_colwise_into(x, data_t, scale_t, "blocked")), read + m * k + scale_t.numel()
     scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=dev)
     fn = lambda: mxfp8_cuda.quantize_fused_into(x, data, scale, data_t, scale_t, "blocked", "blocked")
     return fn, read + 2 * m * k + scale.numel() + scale_t.numel()
@@ -296,8 +297,10 @@ def main() -> None:
             # A copy of the same size as row-wise quantization's traffic (3 bytes per element, read + write): at
             # the small shapes launch and tail cost the copy too, so this is the ceiling of each shape.
             copy_same = copy_bandwidth(timer, 3 * m * k // 2)
-            print(f"  same-size copy: {copy_same / 1e9:.0f} GB/s ({100 * copy_same / copy_bw:.1f}% of the large copy)",
-                  flush=True)
+            print(
+                f"  same-size copy: {copy_same / 1e9:.0f} GB/s ({100 * copy_same / copy_bw:.1f}% of the large copy)",
+                flush=True,
+            )
             if probes:
                 print(
                     "  same-traffic probes (read bf16, write 1 B/element, no math): "
@@ -337,9 +340,7 @@ def main() -> None:
                 }
                 if v in TARGETS:
                     row["target_pct_copy"] = 100 * TARGETS[v]
-                    row["meets_target"] = bool(
-                        bw >= TARGETS[v] * copy_bw and (tc is None or tc / t >= MIN_RATIO)
-                    )
+                    row["meets_target"] = bool(bw >= TARGETS[v] * copy_bw and (tc is None or tc / t >= MIN_RATIO))
                 rows.append(row)
                 ctxt = f"{tc * 1e3:10.1f} {tc / t:11.2f}x" if tc else f"{'-':>10} {'-':>12}"
                 print(

@@ -46,16 +46,41 @@ def _steps(args, out: Path, ngpu: int) -> list[tuple[str, list[str], dict, int, 
     trun2 = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env_ref = {"MOE_EP_FORCE_REFERENCE": "1"}
     steps = [
-        ("env", [py, "-c", (
-            "import torch,importlib.util as u;print('torch',torch.__version__,'cuda',torch.version.cuda);"
-            "print([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]);"
-            "print({m: u.find_spec(m) is not None for m in ('cupy','nvshmem','triton')})")], {}, 120, None),
+        (
+            "env",
+            [
+                py,
+                "-c",
+                (
+                    "import torch,importlib.util as u;print('torch',torch.__version__,'cuda',torch.version.cuda);"
+                    "print([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]);"
+                    "print({m: u.find_spec(m) is not None for m in ('cupy','nvshmem','triton')})"
+                ),
+            ],
+            {},
+            120,
+            None,
+        ),
         ("gpu_tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"], {}, 900, None),
         ("ep_reference", [*trun, "tests/multigpu/ep_reference.py"], env_ref, 900, None),
         ("ep_nvshmem_2", [*trun2, "tests/multigpu/ep_nvshmem.py"], {}, 600, None),
         (f"ep_nvshmem_{ngpu}", [*trun, "tests/multigpu/ep_nvshmem.py"], {}, 600, None),
-        ("train", [*trun, "launch/train.py", "--steps", str(args.train_steps), "--preset", "small",
-                   "--log-json", str(out / "train.json")], {}, 1200, out / "train.json"),
+        (
+            "train",
+            [
+                *trun,
+                "launch/train.py",
+                "--steps",
+                str(args.train_steps),
+                "--preset",
+                "small",
+                "--log-json",
+                str(out / "train.json"),
+            ],
+            {},
+            1200,
+            out / "train.json",
+        ),
     ]
     if ngpu < 2:
         steps = [s for s in steps if not s[0].startswith(("ep_", "train"))]
@@ -83,8 +108,12 @@ def main() -> int:
     ngpu = _num_gpus()
     only = {s for s in args.only.split(",") if s}
     skip = {s for s in args.skip.split(",") if s}
-    summary: dict = {"commit": _git_commit(), "num_gpus": ngpu, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                     "steps": {}}
+    summary: dict = {
+        "commit": _git_commit(),
+        "num_gpus": ngpu,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "steps": {},
+    }
     env_base = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     with open(out / "log.txt", "a") as log:
         for name, cmd, extra_env, timeout, js in _steps(args, out, ngpu):
@@ -96,8 +125,15 @@ def main() -> int:
                 timeout = min(timeout, args.max_step_s)
             t0 = time.time()
             try:
-                r = subprocess.run(cmd, cwd=ROOT, env={**env_base, **extra_env}, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                r = subprocess.run(
+                    cmd,
+                    cwd=ROOT,
+                    env={**env_base, **extra_env},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    timeout=timeout,
+                )
                 rc, text = r.returncode, r.stdout
             except subprocess.TimeoutExpired as e:
                 partial = e.stdout or ""
@@ -105,8 +141,12 @@ def main() -> int:
                 rc, text = 124, text + f"\n[harness] TIMEOUT after {timeout}s"
             log.write(text)
             log.flush()
-            rec = {"rc": rc, "ok": rc == 0, "seconds": round(time.time() - t0, 1),
-                   "tail": text.strip().splitlines()[-25:]}
+            rec = {
+                "rc": rc,
+                "ok": rc == 0,
+                "seconds": round(time.time() - t0, 1),
+                "tail": text.strip().splitlines()[-25:],
+            }
             if js is not None and js.exists():
                 try:
                     rec["json"] = json.loads(js.read_text())

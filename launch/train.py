@@ -42,18 +42,46 @@ from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noq
 # Model and optimizer presets. "tiny" runs in seconds on 2 CPU cores; "small" is a GPU-sized model
 # (~8k tokens per rank per step). Any field can be overridden on the command line.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(dim=64, n_layers=2, n_heads=4, seq_len=64, ffn_hidden=64, num_experts=4, top_k=2,
-                 batch_size=8, lr=3e-3, warmup=5, steps=30, log_every=5),
-    "small": dict(dim=768, n_layers=8, n_heads=12, seq_len=1024, ffn_hidden=768, num_experts=16, top_k=4,
-                  batch_size=8, lr=1e-3, warmup=20, steps=200, log_every=10),
+    "tiny": dict(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        seq_len=64,
+        ffn_hidden=64,
+        num_experts=4,
+        top_k=2,
+        batch_size=8,
+        lr=3e-3,
+        warmup=5,
+        steps=30,
+        log_every=5,
+    ),
+    "small": dict(
+        dim=768,
+        n_layers=8,
+        n_heads=12,
+        seq_len=1024,
+        ffn_hidden=768,
+        num_experts=16,
+        top_k=4,
+        batch_size=8,
+        lr=1e-3,
+        warmup=20,
+        steps=200,
+        log_every=10,
+    ),
 }
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="model/optimizer preset (default: small with CUDA, tiny on CPU)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model/optimizer preset (default: small with CUDA, tiny on CPU)",
+    )
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: world size)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--backend", choices=["auto", "reference", "cuda"], default="auto", help="MoE backend")
@@ -75,8 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
-                   help="parameter/compute dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="parameter/compute dtype (default: bf16 on GPU, fp32 on CPU)",
+    )
     p.add_argument("--data-bytes", type=int, default=None, help="read at most this many corpus bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     args = p.parse_args(argv)
@@ -115,12 +147,13 @@ def load_corpus(max_bytes: int | None = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def get_batch(corpus: torch.Tensor, step: int, seed: int, batch: int, seq_len: int, rank: int,
-              world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    corpus: torch.Tensor, step: int, seed: int, batch: int, seq_len: int, rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of the global batch of ``step``: (inputs, targets), both int64 [batch, seq_len], CPU."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch * world,), generator=g)
-    starts = starts[rank * batch:(rank + 1) * batch]
+    starts = starts[rank * batch : (rank + 1) * batch]
     windows = corpus[starts[:, None] + torch.arange(seq_len + 1)].long()
     return windows[:, :-1], windows[:, 1:]
 
@@ -208,10 +241,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokens_per_rank = args.batch_size * args.seq_len
     cfg = ModelConfig(
-        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len,
-        ffn_hidden=args.ffn_hidden, num_experts=args.num_experts, top_k=args.top_k,
-        max_tokens_per_rank=tokens_per_rank, aux_loss_coef=args.aux_loss_coef,
-        quantize=not args.no_quantize, backend=args.backend,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        seq_len=args.seq_len,
+        ffn_hidden=args.ffn_hidden,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        max_tokens_per_rank=tokens_per_rank,
+        aux_loss_coef=args.aux_loss_coef,
+        quantize=not args.no_quantize,
+        backend=args.backend,
     )
     # Same seed everywhere: non-expert weights come out identical on all ranks (broadcast_params below is
     # only the safety net); experts are then re-drawn per global expert index, independent of the EP size.
@@ -225,13 +265,15 @@ def main(argv: list[str] | None = None) -> dict:
     n_params = n_local - n_expert + n_expert * ep
     n_active = n_local - n_expert + n_expert * ep * cfg.top_k // cfg.num_experts
     broadcast_params(model, mesh)
-    apply_fsdp(model, mesh, param_dtype=dtype if dtype != torch.float32 else None,
-               reduce_dtype=torch.float32)
+    apply_fsdp(model, mesh, param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
 
     corpus = load_corpus(args.data_bytes)
@@ -241,17 +283,32 @@ def main(argv: list[str] | None = None) -> dict:
     device_name = torch.cuda.get_device_name(device) if use_cuda else (platform.processor() or "cpu")
     log: dict = {
         "config": {"args": vars(args), "model": asdict(cfg)},
-        "world_size": world, "ep": ep, "dp": world // ep, "device": device_name, "device_type": device.type,
-        "dist_backend": dist.get_backend(), "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
-        "corpus_bytes": corpus.numel(), "params": n_params, "params_active": n_active,
-        "loss": [], "aux_loss": [], "grad_norm": [], "windows": [],
+        "world_size": world,
+        "ep": ep,
+        "dp": world // ep,
+        "device": device_name,
+        "device_type": device.type,
+        "dist_backend": dist.get_backend(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "corpus_bytes": corpus.numel(),
+        "params": n_params,
+        "params_active": n_active,
+        "loss": [],
+        "aux_loss": [],
+        "grad_norm": [],
+        "windows": [],
     }
     if rank == 0:
-        print(f"moe_ep train: world={world} ep={ep} dp={world // ep} device={device_name} dtype={log['dtype']} "
-              f"preset={args.preset} quantize={cfg.quantize} backend={cfg.backend} "
-              f"params={n_params / 1e6:.2f}M (active {n_active / 1e6:.2f}M) corpus={corpus.numel() / 1e6:.1f} MB "
-              f"tokens/rank/step={tokens_per_rank}", flush=True)
+        print(
+            f"moe_ep train: world={world} ep={ep} dp={world // ep} device={device_name} dtype={log['dtype']} "
+            f"preset={args.preset} quantize={cfg.quantize} backend={cfg.backend} "
+            f"params={n_params / 1e6:.2f}M (active {n_active / 1e6:.2f}M) corpus={corpus.numel() / 1e6:.1f} MB "
+            f"tokens/rank/step={tokens_per_rank}",
+            flush=True,
+        )
 
     def write_log() -> None:
         if rank == 0 and args.log_json:
@@ -286,8 +343,15 @@ def main(argv: list[str] | None = None) -> dict:
             log["loss"] += [v[0] for v in vals]
             log["aux_loss"] += [v[1] for v in vals]
             log["grad_norm"] += [v[2] for v in vals]
-            log["windows"].append({"step": step + 1, "steps": n_steps, "seconds": now - t_last,
-                                   "tokens_per_sec_per_gpu": tps, "lr": sched.get_last_lr()[0]})
+            log["windows"].append(
+                {
+                    "step": step + 1,
+                    "steps": n_steps,
+                    "seconds": now - t_last,
+                    "tokens_per_sec_per_gpu": tps,
+                    "lr": sched.get_last_lr()[0],
+                }
+            )
             pending.clear()
             t_last, step_last = now, step + 1
             msg = f"loss {vals[-1][0]:.4f} aux {vals[-1][1]:.4f} tok/s/gpu {tps:,.0f}"
@@ -301,15 +365,20 @@ def main(argv: list[str] | None = None) -> dict:
     steady = log["windows"][1:] or log["windows"]
     tps = sum(w["steps"] for w in steady) * tokens_per_rank / sum(w["seconds"] for w in steady)
     log["summary"] = {
-        "final_loss": log["loss"][-1], "first_loss": log["loss"][0],
-        "tokens_per_sec_per_gpu": tps, "tokens_per_sec_total": tps * world,
+        "final_loss": log["loss"][-1],
+        "first_loss": log["loss"][0],
+        "tokens_per_sec_per_gpu": tps,
+        "tokens_per_sec_total": tps * world,
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else None,
     }
     write_log()
     if rank == 0:
         s = log["summary"]
-        print(f"done: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
-              f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/GPU ({world} ranks)", flush=True)
+        print(
+            f"done: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
+            f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/GPU ({world} ranks)",
+            flush=True,
+        )
     # Every rank leaves its last collective before any rank tears its gloo/nccl connections down: a peer
     # closing its sockets while another rank's worker thread is still inside that collective can abort
     # the slower process at exit ("terminate called without an active exception").

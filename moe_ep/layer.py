@@ -52,8 +52,7 @@ class MoE(nn.Module):
     cfg.aux_loss_coef). Nothing is kept on the module between calls: the dispatch handle lives in autograd.
     """
 
-    def __init__(self, cfg: MoEConfig, mesh: DeviceMesh | None = None, device=None, dtype=None,
-                 seed: int = 0) -> None:
+    def __init__(self, cfg: MoEConfig, mesh: DeviceMesh | None = None, device=None, dtype=None, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         if mesh is not None and mesh.mesh_dim_names and "ep" in mesh.mesh_dim_names:

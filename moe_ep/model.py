@@ -61,9 +61,15 @@ class ModelConfig:
     def moe_config(self) -> MoEConfig:
         """The :class:`MoEConfig` of every MoE layer of this model."""
         return MoEConfig(
-            hidden=self.dim, ffn_hidden=self.ffn_hidden, num_experts=self.num_experts, top_k=self.top_k,
-            max_tokens_per_rank=self.max_tokens_per_rank, renormalize=self.renormalize,
-            aux_loss_coef=self.aux_loss_coef, quantize=self.quantize, backend=self.backend,
+            hidden=self.dim,
+            ffn_hidden=self.ffn_hidden,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            renormalize=self.renormalize,
+            aux_loss_coef=self.aux_loss_coef,
+            quantize=self.quantize,
+            backend=self.backend,
             init_std=self.init_std,
         )
 
@@ -126,9 +132,7 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe = MoE(cfg.moe_config(), mesh=mesh)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, S, dim] -> (x': [B, S, dim] same dtype, aux_loss: fp32 scalar of this block's MoE)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         y, aux = self.moe(self.moe_norm(x))
@@ -192,9 +196,7 @@ class MoETransformer(nn.Module):
                 w13[i].copy_(torch.randn(w13.shape[1:], generator=g, device="cpu") * self.cfg.init_std)
                 w2[i].copy_(torch.randn(w2.shape[1:], generator=g, device="cpu") * self.cfg.init_std)
 
-    def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the LM.
 
         tokens:  int64 [B, S] (S <= cfg.seq_len), values in [0, vocab).

@@ -163,9 +163,7 @@ def _check_groups(group_sizes: torch.Tensor | None, device: torch.device) -> tor
     if group_sizes is None:
         raise ValueError("scale_layout='grouped' needs group_sizes ([G] int32 on the GPU)")
     if not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int32:
-        raise TypeError(
-            f"group_sizes must be an int32 tensor, got {getattr(group_sizes, 'dtype', type(group_sizes))}"
-        )
+        raise TypeError(f"group_sizes must be an int32 tensor, got {getattr(group_sizes, 'dtype', type(group_sizes))}")
     if group_sizes.dim() != 1:
         raise ValueError(f"group_sizes must be 1-D, got shape {tuple(group_sizes.shape)}")
     if group_sizes.device != device:
@@ -368,10 +366,22 @@ def quantize_grouped_dual_into(
     _check_out(scale, "scale", row_scale_shape(m, k, "grouped", g), torch.uint8, x.device)
     _check_out(data_c, "data_c", (m, k), torch.float8_e4m3fn, x.device)
     _check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
-    _launch_quant(x, m, k, _RS["grouped"], _CS["grouped_nt"], rq=data, rs=scale, cq=data_c, cs=scale_c,
-                  gsizes=group_sizes, n_groups=g, n_row_tiles=_cdiv(m, _TILE) + g,
-                  in_code=_swiglu_code(apply_swiglu, swiglu_dh),
-                  x2=swiglu_dh)
+    _launch_quant(
+        x,
+        m,
+        k,
+        _RS["grouped"],
+        _CS["grouped_nt"],
+        rq=data,
+        rs=scale,
+        cq=data_c,
+        cs=scale_c,
+        gsizes=group_sizes,
+        n_groups=g,
+        n_row_tiles=_cdiv(m, _TILE) + g,
+        in_code=_swiglu_code(apply_swiglu, swiglu_dh),
+        x2=swiglu_dh,
+    )
 
 
 def _swiglu_code(apply_swiglu: bool, swiglu_dh: torch.Tensor | None) -> int | None:
@@ -402,9 +412,7 @@ def quantize_grouped_dual(
 
 def _check_colwise(x: torch.Tensor, what: str) -> None:
     if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] % BLOCK:
-        raise ValueError(
-            f"{what}: M = {x.shape[0]} is not a multiple of {BLOCK} (column-wise blocks run along M)"
-        )
+        raise ValueError(f"{what}: M = {x.shape[0]} is not a multiple of {BLOCK} (column-wise blocks run along M)")
     _check_input(x, 2, what)
 
 
@@ -569,13 +577,9 @@ def dequantize_into(t: MXFP8Tensor, out: torch.Tensor) -> None:
     colw = t.axis == 0 and nd >= 2
     if not colw and t.axis != nd - 1:
         raise ValueError(f"dequantize_into supports axis = last or 0, got {t.axis}")
-    exp_scale = (
-        (data.shape[0] // BLOCK, *data.shape[1:]) if colw else (*data.shape[:-1], data.shape[-1] // BLOCK)
-    )
+    exp_scale = (data.shape[0] // BLOCK, *data.shape[1:]) if colw else (*data.shape[:-1], data.shape[-1] // BLOCK)
     if data.shape[t.axis] % BLOCK or tuple(scale.shape) != tuple(exp_scale):
-        raise ValueError(
-            f"data {tuple(data.shape)} and scale {tuple(scale.shape)} do not match (axis {t.axis})"
-        )
+        raise ValueError(f"data {tuple(data.shape)} and scale {tuple(scale.shape)} do not match (axis {t.axis})")
     data = data.contiguous()
     scale = scale.contiguous()
     if data.data_ptr() % 16 or (colw and scale.data_ptr() % 16):

@@ -41,8 +41,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> RouterOutput:
 class Router(nn.Module):
     """Linear gate without bias. weight: [E, H]; forward(x: [T, H]) -> RouterOutput."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool = True,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, renormalize: bool = True, device=None, dtype=None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype))
         self.top_k, self.renormalize = top_k, renormalize

@@ -558,7 +558,6 @@ def addresses_wgrad(sizes, m_total, n, k):
         assert (last < g_count * n * k).all() and ((g * n + i0) * k + j0 >= 0).all()
 
 
-
 # ---------------------------------------------------------------------------------------------- reference helpers
 def mm64(a, b, sizes):
     """grouped_mm_torch in float64 (the reference accumulates in fp32, which cancellation makes inexact)."""

@@ -21,8 +21,9 @@ class _QuantizeGrad(torch.autograd.Function):
         return mxfp8.fake_quantize(dy.contiguous(), -1)
 
 
-def dense_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, quantize: bool) -> torch.Tensor:
+def dense_moe(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, quantize: bool
+) -> torch.Tensor:
     """x: [T, H], topk_idx/topk_w: [T, k], w13: [E, 2F, H], w2: [E, H, F] (all experts) -> y [T, H]."""
     num_tokens, k = topk_idx.shape
     xq = x + (mxfp8.fake_quantize(x, -1) - x).detach() if quantize else x  # straight-through

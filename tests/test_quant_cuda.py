@@ -33,9 +33,7 @@ HAS_CUDA = torch.cuda.is_available()
 _EMU = {}
 
 BACKENDS = [
-    pytest.param(
-        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
-    ),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
     pytest.param("emu", marks=pytest.mark.skipif(hostmath.CXX is None, reason="no C++ compiler")),
 ]
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
@@ -129,9 +127,7 @@ def assert_bytes(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     if not torch.equal(g, r):
         bad = (g != r).nonzero()
         i = tuple(bad[0].tolist())
-        raise AssertionError(
-            f"{what}: {bad.shape[0]} bytes differ; first at {i}: got {int(g[i])}, ref {int(r[i])}"
-        )
+        raise AssertionError(f"{what}: {bad.shape[0]} bytes differ; first at {i}: got {int(g[i])}, ref {int(r[i])}")
 
 
 def assert_same_floats(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -143,9 +139,7 @@ def assert_same_floats(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     gi, ri = g[ok].view(ib), ref[ok].view(ib)
     if not torch.equal(gi, ri):
         j = int((gi != ri).nonzero()[0])
-        raise AssertionError(
-            f"{what}: values differ, e.g. got {g[ok][j].item()!r}, ref {ref[ok][j].item()!r}"
-        )
+        raise AssertionError(f"{what}: values differ, e.g. got {g[ok][j].item()!r}, ref {ref[ok][j].item()!r}")
 
 
 def _shapes(dev, small, big):
@@ -168,9 +162,7 @@ def test_rowwise(dev, dtype, layout):
         ref = quantize_torch(x, -1)
         data, scale = mxfp8_cuda.quantize_rowwise(x.to(dev), layout)
         assert_bytes(data, ref.data, f"data {m}x{k}")
-        assert_bytes(
-            scale, ref.scale if layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k} {layout}"
-        )
+        assert_bytes(scale, ref.scale if layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k} {layout}")
 
 
 GROUP_CASES = [
@@ -196,9 +188,7 @@ def _sizes(m: int, spec, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rowwise_grouped(dev, dtype):
-    cases = (
-        GROUP_CASES if (_big(dev) or dtype == torch.bfloat16) else GROUP_CASES[:-1]
-    )  # the emulator is slow
+    cases = GROUP_CASES if (_big(dev) or dtype == torch.bfloat16) else GROUP_CASES[:-1]  # the emulator is slow
     cases = cases + ([(32768 + 100, 256, "random64")] if _big(dev) else [])
     for i, (m, k, spec) in enumerate(cases):
         sizes = _sizes(m, spec, i)
@@ -267,9 +257,7 @@ def test_fused(dev, dtype, row_layout, col_layout):
         assert_bytes(data, ref.data, f"data {m}x{k}")
         assert_bytes(scale, ref.scale if row_layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k}")
         assert_bytes(data_t, reft.data, f"data_t {m}x{k}")
-        assert_bytes(
-            scale_t, reft.scale if col_layout == "plain" else to_blocked(reft.scale), f"scale_t {m}x{k}"
-        )
+        assert_bytes(scale_t, reft.scale if col_layout == "plain" else to_blocked(reft.scale), f"scale_t {m}x{k}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -329,9 +317,7 @@ def test_dequantize(dev, out_dtype, axis):
         t = MXFP8Tensor(data.view(torch.float8_e4m3fn), scale, ax)
         ref = dequantize_torch(t, out_dtype)
         td = MXFP8Tensor(t.data.to(dev), t.scale.to(dev), ax)
-        assert_same_floats(
-            mxfp8_cuda.dequantize(td, out_dtype), ref, f"dequantize {shape} axis {ax} {out_dtype}"
-        )
+        assert_same_floats(mxfp8_cuda.dequantize(td, out_dtype), ref, f"dequantize {shape} axis {ax} {out_dtype}")
         x = make_input(shape[0], 96, torch.float32, seed=51)[:, :96]
         q = quantize_torch(x, 0 if ax == 0 else -1)
         qd = MXFP8Tensor(q.data.to(dev), q.scale.to(dev), q.axis)
@@ -354,9 +340,7 @@ def test_errors(dev):
     with pytest.raises(ValueError, match="contiguous"):
         mxfp8_cuda.quantize_rowwise(torch.zeros(64, 128, dtype=torch.bfloat16, device=dev)[:, :64])
     with pytest.raises(ValueError, match="aligned"):
-        mxfp8_cuda.quantize_rowwise(
-            torch.zeros(64 * 64 + 4, dtype=torch.bfloat16, device=dev)[4:].view(64, 64)
-        )
+        mxfp8_cuda.quantize_rowwise(torch.zeros(64 * 64 + 4, dtype=torch.bfloat16, device=dev)[4:].view(64, 64))
     with pytest.raises(ValueError, match="2-D"):
         mxfp8_cuda.quantize_rowwise(torch.zeros(2, 64, 64, dtype=torch.bfloat16, device=dev))
     with pytest.raises(ValueError, match="group_sizes"):
@@ -375,9 +359,7 @@ def test_errors(dev):
             x, data.view(torch.uint8), torch.empty(64, 2, dtype=torch.uint8, device=dev), "plain"
         )
     with pytest.raises(TypeError):
-        mxfp8_cuda.dequantize(
-            MXFP8Tensor(data, torch.zeros(64, 2, dtype=torch.uint8, device=dev), 1), torch.int32
-        )
+        mxfp8_cuda.dequantize(MXFP8Tensor(data, torch.zeros(64, 2, dtype=torch.uint8, device=dev), 1), torch.int32)
 
 
 @pytest.mark.gpu
@@ -414,9 +396,7 @@ def test_public_api_on_cuda(dtype):
         got = mxfp8.quantize(x.cuda(), axis)
         assert_bytes(got.data, ref.data, f"mxfp8.quantize data axis {axis}")
         assert_bytes(got.scale, ref.scale, f"mxfp8.quantize scale axis {axis}")
-        assert_same_floats(
-            mxfp8.dequantize(got, torch.float32), dequantize_torch(ref, torch.float32), "dequantize"
-        )
+        assert_same_floats(mxfp8.dequantize(got, torch.float32), dequantize_torch(ref, torch.float32), "dequantize")
 
 
 @pytest.mark.gpu

@@ -65,9 +65,7 @@ def harness(tmp_path_factory) -> Path:
     src = d / "h.cpp"
     src.write_text(HARNESS)
     exe = d / "h"
-    subprocess.run(
-        [CXX, "-O2", "-std=c++17", "-x", "c++", f"-I{KERNELS}", str(src), "-o", str(exe)], check=True
-    )
+    subprocess.run([CXX, "-O2", "-std=c++17", "-x", "c++", f"-I{KERNELS}", str(src), "-o", str(exe)], check=True)
     return exe
 
 
@@ -134,9 +132,7 @@ def test_special_blocks(harness, tmp_path):
 
 def test_random_fp32_blocks(harness, tmp_path):
     g = torch.Generator().manual_seed(1)
-    v = torch.randn(20000, 32, generator=g) * torch.exp2(
-        torch.randint(-140, 120, (20000, 1), generator=g).float()
-    )
+    v = torch.randn(20000, 32, generator=g) * torch.exp2(torch.randint(-140, 120, (20000, 1), generator=g).float())
     _check_blocks(harness, tmp_path, v)
 
 
@@ -277,12 +273,9 @@ def build_emulator(workdir: Path):
     if CXX is None:
         return None
     qt = " ".join(
-        f"if (in == {i} && rs == {r} && cs == {c}) fn = &mx_quant<{i},{r},{c}>;"
-        for i, r, c in mxfp8_cuda._QUANT_COMBOS
+        f"if (in == {i} && rs == {r} && cs == {c}) fn = &mx_quant<{i},{r},{c}>;" for i, r, c in mxfp8_cuda._QUANT_COMBOS
     )
-    dt = " ".join(
-        f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2)
-    )
+    dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
     src = workdir / "emu.cpp"
     src.write_text(EMU_SHIM.replace("QUANT_TABLE", qt).replace("DEQ_TABLE", dt))
     lib = workdir / "libmxemu.so"

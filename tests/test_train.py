@@ -22,12 +22,29 @@ TRAIN = REPO / "launch" / "train.py"
 def run_train(tmp_path: Path, nproc: int, *args: str, name: str = "log") -> dict:
     """Run launch/train.py on ``nproc`` CPU processes; return its JSON log (fails with the output on error)."""
     log = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(TRAIN), "--preset", "tiny", "--no-progress", "--data-bytes", "4000000",
-           "--log-json", str(log), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(TRAIN),
+        "--preset",
+        "tiny",
+        "--no-progress",
+        "--data-bytes",
+        "4000000",
+        "--log-json",
+        str(log),
+        *args,
+    ]
     # CUDA_VISIBLE_DEVICES="": the CPU/gloo path even on a GPU machine; one thread per rank (2-core CI).
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode:
         pytest.fail(f"train.py failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

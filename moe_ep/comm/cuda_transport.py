@@ -46,11 +46,14 @@ _LAYOUT_TOKENS_PER_CTA = 128
 _THREADS = 512
 _I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/layout.cu)
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-_DISPATCH_NAMES = ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>", "ep_expand<0,1,1>") + tuple(
-    f"ep_expand<{m},{q},{o}>" for m in (1, 2) for q in (0, 1) for o in (0, 1)
-) + ("ep_dispatch_mx<0>", "ep_dispatch_mx<1>")
+_DISPATCH_NAMES = (
+    ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>", "ep_expand<0,1,1>")
+    + tuple(f"ep_expand<{m},{q},{o}>" for m in (1, 2) for q in (0, 1) for o in (0, 1))
+    + ("ep_dispatch_mx<0>", "ep_dispatch_mx<1>")
+)
 _COMBINE_NAMES = tuple(f"ep_combine_{k}<{y},{b}>" for k in ("send", "recv") for y in (0, 1) for b in (0, 1)) + tuple(
-    f"ep_combine<{y},{b}>" for y in (0, 1) for b in (0, 1))
+    f"ep_combine<{y},{b}>" for y in (0, 1) for b in (0, 1)
+)
 # CTAs per SM of the fused kernels (ep_dispatch_mx: 56 registers, ep_combine: <= 62 at 512 threads -> 2 fit)
 _FUSED_CTAS_PER_SM = 2
 MODE_MX, MODE_VAL, MODE_BWD = 0, 1, 2
@@ -156,7 +159,7 @@ class CudaEPHandle:
             "send_splits": cnt[me, :w].tolist(),
             "recv_splits": cnt[:, me].tolist(),
             "group_sizes": [int(v) for v in self.group_sizes.cpu()],
-            "gstart": info[_I_GSTART:_I_GSTART + lcl + 1],
+            "gstart": info[_I_GSTART : _I_GSTART + lcl + 1],
         }
 
     @property
@@ -196,13 +199,21 @@ def _check_capacity(rt: EPRuntime, h: int, elem: int, top_k: int, num_tokens: in
     if top_k > cfg.top_k:
         raise ValueError(f"top_k {top_k} exceeds the runtime's top_k {cfg.top_k}")
     if num_tokens is not None and num_tokens > cfg.max_tokens_per_rank:
-        raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank} (it sizes the "
-                         "receive buffers); raise it in init_runtime / MoEConfig")
+        raise ValueError(
+            f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank} (it sizes the "
+            "receive buffers); raise it in init_runtime / MoEConfig"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------- layout
-def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None, *, expand_capacity: int | None = None,
-                 runtime: EPRuntime | None = None) -> CudaEPHandle:
+def build_layout(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    group=None,
+    *,
+    expand_capacity: int | None = None,
+    runtime: EPRuntime | None = None,
+) -> CudaEPHandle:
     """Routing layout on the GPU: topk_idx [T, K] int32/int64 global expert ids -> :class:`CudaEPHandle`.
 
     Invalid ids are reported (ValueError) by the next transport call / ``runtime.check_errors()``; their slots
@@ -239,22 +250,66 @@ def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None, *, expand
     nb = max(1, min(-(-t // _LAYOUT_TOKENS_PER_CTA), rt.num_sms))
     rw = w + num_experts
     part = torch.empty(nb * rw, dtype=torch.int32, device=dev)
-    head = (_p(idx), _i32(t), _i32(k), _i32(num_experts), _i32(w), _i32(me), _p(rt.peers), _i64(rt.region("counts")),
-            np.uint64(u))
-    _cuda.launch(_fn("layout.cu", "ep_layout_count"), nb, _LAYOUT_WARPS * 32, (*head, _p(part), *rt.ctl_args()),
-                 shared_mem=(_LAYOUT_WARPS * num_experts + rw) * 4, device=dev)
-    args = (*head, _i32(recv_cap), _i32(ncap), _p(part), _p(tok_dst), _p(send_row_of), _p(slot_pos), _p(counts),
-            _p(info), _p(group_sizes), *rt.ctl_args())
-    _cuda.launch(_fn("layout.cu", "ep_layout_place"), nb, _LAYOUT_WARPS * 32, args,
-                 shared_mem=(_LAYOUT_WARPS + 2) * num_experts * 4, device=dev)
+    head = (
+        _p(idx),
+        _i32(t),
+        _i32(k),
+        _i32(num_experts),
+        _i32(w),
+        _i32(me),
+        _p(rt.peers),
+        _i64(rt.region("counts")),
+        np.uint64(u),
+    )
+    _cuda.launch(
+        _fn("layout.cu", "ep_layout_count"),
+        nb,
+        _LAYOUT_WARPS * 32,
+        (*head, _p(part), *rt.ctl_args()),
+        shared_mem=(_LAYOUT_WARPS * num_experts + rw) * 4,
+        device=dev,
+    )
+    args = (
+        *head,
+        _i32(recv_cap),
+        _i32(ncap),
+        _p(part),
+        _p(tok_dst),
+        _p(send_row_of),
+        _p(slot_pos),
+        _p(counts),
+        _p(info),
+        _p(group_sizes),
+        *rt.ctl_args(),
+    )
+    _cuda.launch(
+        _fn("layout.cu", "ep_layout_place"),
+        nb,
+        _LAYOUT_WARPS * 32,
+        args,
+        shared_mem=(_LAYOUT_WARPS + 2) * num_experts * 4,
+        device=dev,
+    )
     return CudaEPHandle(
-        num_tokens=t, top_k=k, ep_size=w, num_local_experts=lcl, num_experts=num_experts, recv_capacity=recv_cap,
-        expand_capacity=ncap, topk_idx=idx, tok_dst=tok_dst, send_row_of=send_row_of, slot_pos=slot_pos,
-        counts=counts, info=info, group_sizes=group_sizes,
+        num_tokens=t,
+        top_k=k,
+        ep_size=w,
+        num_local_experts=lcl,
+        num_experts=num_experts,
+        recv_capacity=recv_cap,
+        expand_capacity=ncap,
+        topk_idx=idx,
+        tok_dst=tok_dst,
+        send_row_of=send_row_of,
+        slot_pos=slot_pos,
+        counts=counts,
+        info=info,
+        group_sizes=group_sizes,
         recv_pos=torch.empty(recv_cap, k, dtype=torch.int32, device=dev),
         expand_row=torch.empty(ncap, dtype=torch.int32, device=dev),
         expand_slot=torch.empty(ncap, dtype=torch.int32, device=dev),
-        runtime=rt, group=group,
+        runtime=rt,
+        group=group,
     )
 
 
@@ -280,31 +335,83 @@ def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantiz
     tw = _send_prep(x, topk_w, h, quantize)
     u = rt.next_epoch("disp")
     name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
-    args = (_p(x), _p(tw), _p(h.topk_idx), _p(h.tok_dst), _p(h.slot_pos), _i32(h.num_tokens), _i32(x.shape[1]),
-            _i32(h.top_k), _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), _p(rt.peers),
-            _i64(rt.region("disp_data")), _i64(rt.region("disp_scale")), _i64(rt.region("disp_meta")),
-            _i32(x.shape[1] * es), _i32(1 if tw is not None else 0), np.uint64(u), *rt.ctl_args())
+    args = (
+        _p(x),
+        _p(tw),
+        _p(h.topk_idx),
+        _p(h.tok_dst),
+        _p(h.slot_pos),
+        _i32(h.num_tokens),
+        _i32(x.shape[1]),
+        _i32(h.top_k),
+        _i32(h.num_local_experts),
+        _i32(h.ep_size),
+        _i32(rt.rank),
+        _p(rt.peers),
+        _i64(rt.region("disp_data")),
+        _i64(rt.region("disp_scale")),
+        _i64(rt.region("disp_meta")),
+        _i32(x.shape[1] * es),
+        _i32(1 if tw is not None else 0),
+        np.uint64(u),
+        *rt.ctl_args(),
+    )
     _cuda.launch(_fn("dispatch.cu", name, _DISPATCH_NAMES), _grid(h.num_tokens, rt), _THREADS, args, device=x.device)
     return u
 
 
-def _expand(h: CudaEPHandle, u: int, mode: int, quantize: bool, hid: int, out_dtype, out, out_scale=None,
-            w_out=None, y=None, w_in=None, dw=None, zero_pad=True) -> None:
+def _expand(
+    h: CudaEPHandle,
+    u: int,
+    mode: int,
+    quantize: bool,
+    hid: int,
+    out_dtype,
+    out,
+    out_scale=None,
+    w_out=None,
+    y=None,
+    w_in=None,
+    dw=None,
+    zero_pad=True,
+) -> None:
     rt = h.runtime
     ot = _DT.get(out_dtype, 1)
     name = "ep_expand<0,1,1>" if mode == MODE_MX else f"ep_expand<{mode},{int(quantize)},{ot}>"
     fwd = mode != MODE_BWD
-    args = (_p(rt.peers), _i32(rt.rank), _i32(h.ep_size), _i64(rt.region("disp_data")),
-            _i64(rt.region("disp_scale")), _i64(rt.region("disp_meta")), _p(h.info), _i32(hid), _i32(h.top_k),
-            _i32(h.num_local_experts), _i32(h.recv_capacity), _i32(h.expand_capacity), _i32(int(zero_pad)),
-            _p(h.recv_pos), _p(out), _p(out_scale), _p(w_out), _p(h.expand_row if fwd else None),
-            _p(h.expand_slot if fwd else None), _p(y), _p(w_in), _p(dw), np.uint64(u), *rt.ctl_args())
+    args = (
+        _p(rt.peers),
+        _i32(rt.rank),
+        _i32(h.ep_size),
+        _i64(rt.region("disp_data")),
+        _i64(rt.region("disp_scale")),
+        _i64(rt.region("disp_meta")),
+        _p(h.info),
+        _i32(hid),
+        _i32(h.top_k),
+        _i32(h.num_local_experts),
+        _i32(h.recv_capacity),
+        _i32(h.expand_capacity),
+        _i32(int(zero_pad)),
+        _p(h.recv_pos),
+        _p(out),
+        _p(out_scale),
+        _p(w_out),
+        _p(h.expand_row if fwd else None),
+        _p(h.expand_slot if fwd else None),
+        _p(y),
+        _p(w_in),
+        _p(dw),
+        np.uint64(u),
+        *rt.ctl_args(),
+    )
     grid = _grid(max(h.recv_capacity, h.expand_capacity), rt)
     _cuda.launch(_fn("dispatch.cu", name, _DISPATCH_NAMES), grid, _THREADS, args, device=out.device)
 
 
-def dispatch_fwd(x: torch.Tensor, topk_w: torch.Tensor, handle: CudaEPHandle,
-                 quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch_fwd(
+    x: torch.Tensor, topk_w: torch.Tensor, handle: CudaEPHandle, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], topk_w [T, K] -> (expanded rows [expand_capacity, H] x.dtype, weights [expand_capacity] fp32).
 
     Rows are the dequantized MXFP8 payload (quantize) or x's rows, in the reference's expanded order; rows past
@@ -319,8 +426,9 @@ def dispatch_fwd(x: torch.Tensor, topk_w: torch.Tensor, handle: CudaEPHandle,
     return out, w_out
 
 
-def dispatch_fwd_mxfp8(x: torch.Tensor, topk_w: torch.Tensor,
-                       handle: CudaEPHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dispatch_fwd_mxfp8(
+    x: torch.Tensor, topk_w: torch.Tensor, handle: CudaEPHandle
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fast path: x [T, H] -> (data [expand_capacity, H] e4m3, scales u8 in the per-group blocked layout
     ``[grouped_blocked_size(expand_capacity, L, H // 32, "m")]`` (== ``to_blocked_grouped(plain, group_sizes)``
     on its used tiles, zero elsewhere), weights [expand_capacity] fp32). Group sizes: ``handle.group_sizes``.
@@ -340,25 +448,51 @@ def dispatch_fwd_mxfp8(x: torch.Tensor, topk_w: torch.Tensor,
     return data, scale, w_out
 
 
-def _dispatch_mx_fused(x: torch.Tensor, topk_w: torch.Tensor, h: CudaEPHandle, data: torch.Tensor,
-                       scale: torch.Tensor, w_out: torch.Tensor) -> None:
+def _dispatch_mx_fused(
+    x: torch.Tensor, topk_w: torch.Tensor, h: CudaEPHandle, data: torch.Tensor, scale: torch.Tensor, w_out: torch.Tensor
+) -> None:
     """ep_dispatch_mx: the send of ep_dispatch<IN,1> and the MODE_MX expand in one kernel (per-row flags)."""
     rt = h.runtime
     tw = _send_prep(x, topk_w, h, True)
     u = rt.next_epoch("disp")
-    args = (_p(x), _p(tw), _p(h.topk_idx), _p(h.tok_dst), _p(h.slot_pos), _i32(h.num_tokens), _i32(x.shape[1]),
-            _i32(h.top_k), _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), _p(rt.peers),
-            _i64(rt.region("disp_data")), _i64(rt.region("disp_scale")), _i64(rt.region("disp_meta")),
-            _i64(rt.region("disp_flag")), _p(h.info), _i32(h.recv_capacity), _i32(h.expand_capacity),
-            _p(h.recv_pos), _p(data), _p(scale), _p(w_out), _p(h.expand_row), _p(h.expand_slot), np.uint64(u),
-            *rt.ctl_args())
+    args = (
+        _p(x),
+        _p(tw),
+        _p(h.topk_idx),
+        _p(h.tok_dst),
+        _p(h.slot_pos),
+        _i32(h.num_tokens),
+        _i32(x.shape[1]),
+        _i32(h.top_k),
+        _i32(h.num_local_experts),
+        _i32(h.ep_size),
+        _i32(rt.rank),
+        _p(rt.peers),
+        _i64(rt.region("disp_data")),
+        _i64(rt.region("disp_scale")),
+        _i64(rt.region("disp_meta")),
+        _i64(rt.region("disp_flag")),
+        _p(h.info),
+        _i32(h.recv_capacity),
+        _i32(h.expand_capacity),
+        _p(h.recv_pos),
+        _p(data),
+        _p(scale),
+        _p(w_out),
+        _p(h.expand_row),
+        _p(h.expand_slot),
+        np.uint64(u),
+        *rt.ctl_args(),
+    )
     grid = _fused_grid(max(h.num_tokens, h.recv_capacity), rt)
-    _cuda.launch(_fn("dispatch.cu", f"ep_dispatch_mx<{_DT[x.dtype]}>", _DISPATCH_NAMES), grid, _THREADS, args,
-                 device=x.device)
+    _cuda.launch(
+        _fn("dispatch.cu", f"ep_dispatch_mx<{_DT[x.dtype]}>", _DISPATCH_NAMES), grid, _THREADS, args, device=x.device
+    )
 
 
-def combine_bwd(dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle,
-                quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_bwd(
+    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 dispatch of dy [T, H] -> (dy_rows * w [expand_capacity, H] y.dtype, dw [expand_capacity] fp32)."""
     handle.runtime.raise_pending()
     y = _check_rows(y, "y", None)
@@ -366,8 +500,7 @@ def combine_bwd(dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: Cuda
     u = _send(dy, None, handle, quantize)
     out = torch.empty_like(y)
     dw = torch.empty(handle.expand_capacity, dtype=torch.float32, device=y.device)
-    _expand(handle, u, MODE_BWD, quantize, y.shape[1], y.dtype, out, y=y, w_in=w.to(torch.float32).contiguous(),
-            dw=dw)
+    _expand(handle, u, MODE_BWD, quantize, y.shape[1], y.dtype, out, y=y, w_in=w.to(torch.float32).contiguous(), dw=dw)
     return out, dw
 
 
@@ -376,8 +509,10 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
     rt = h.runtime
     _check_capacity(rt, rows.shape[1], rows.element_size(), h.top_k)
     if rows.shape[0] != h.expand_capacity or wv.shape != (h.expand_capacity,):
-        raise ValueError(f"combine expects [{h.expand_capacity}, H] rows and [{h.expand_capacity}] weights, got "
-                         f"{tuple(rows.shape)} and {tuple(wv.shape)}")
+        raise ValueError(
+            f"combine expects [{h.expand_capacity}, H] rows and [{h.expand_capacity}] weights, got "
+            f"{tuple(rows.shape)} and {tuple(wv.shape)}"
+        )
     wv = wv.to(torch.float32).contiguous()
     yt, b = _DT[rows.dtype], int(bwd)
     u = rt.next_epoch("comb")
@@ -385,25 +520,75 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
     out = torch.empty(h.num_tokens, hid, dtype=rows.dtype, device=rows.device)
     dtw = torch.empty(h.num_tokens, h.top_k, dtype=torch.float32, device=rows.device) if bwd else None
     if _fused():
-        args = (_p(rows), _p(wv), _p(h.recv_pos), _p(h.info), _i32(h.recv_capacity), _p(out), _p(dtw),
-                _p(h.send_row_of), _p(h.tok_dst), _p(h.topk_idx), _i32(h.num_tokens), _i32(hid), _i32(h.top_k),
-                _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), _p(rt.peers),
-                _i64(rt.region("comb_data")), _i64(rt.region("comb_meta")), _i64(rt.region("comb_flag")),
-                np.uint64(u), *rt.ctl_args())
+        args = (
+            _p(rows),
+            _p(wv),
+            _p(h.recv_pos),
+            _p(h.info),
+            _i32(h.recv_capacity),
+            _p(out),
+            _p(dtw),
+            _p(h.send_row_of),
+            _p(h.tok_dst),
+            _p(h.topk_idx),
+            _i32(h.num_tokens),
+            _i32(hid),
+            _i32(h.top_k),
+            _i32(h.num_local_experts),
+            _i32(h.ep_size),
+            _i32(rt.rank),
+            _p(rt.peers),
+            _i64(rt.region("comb_data")),
+            _i64(rt.region("comb_meta")),
+            _i64(rt.region("comb_flag")),
+            np.uint64(u),
+            *rt.ctl_args(),
+        )
         grid = _fused_grid(max(h.recv_capacity, h.num_tokens), rt)
-        _cuda.launch(_fn("combine.cu", f"ep_combine<{yt},{b}>", _COMBINE_NAMES), grid, _THREADS, args,
-                     device=rows.device)
+        _cuda.launch(
+            _fn("combine.cu", f"ep_combine<{yt},{b}>", _COMBINE_NAMES), grid, _THREADS, args, device=rows.device
+        )
         return out, dtw
-    common = (_p(rt.peers), _i64(rt.region("comb_data")), _i64(rt.region("comb_meta")), np.uint64(u),
-              *rt.ctl_args())
-    args = (_p(rows), _p(wv), _p(h.recv_pos), _p(h.info), _i32(hid), _i32(h.top_k), _i32(h.ep_size),
-            _i32(rt.rank), _i32(h.recv_capacity), *common)
-    _cuda.launch(_fn("combine.cu", f"ep_combine_send<{yt},{b}>", _COMBINE_NAMES), _grid(h.recv_capacity, rt),
-                 _THREADS, args, device=rows.device)
-    args = (_p(out), _p(dtw), _p(h.send_row_of), _p(h.topk_idx), _i32(h.num_tokens), _i32(hid), _i32(h.top_k),
-            _i32(h.num_local_experts), _i32(h.ep_size), _i32(rt.rank), *common)
-    _cuda.launch(_fn("combine.cu", f"ep_combine_recv<{yt},{b}>", _COMBINE_NAMES), _grid(h.num_tokens, rt),
-                 _THREADS, args, device=rows.device)
+    common = (_p(rt.peers), _i64(rt.region("comb_data")), _i64(rt.region("comb_meta")), np.uint64(u), *rt.ctl_args())
+    args = (
+        _p(rows),
+        _p(wv),
+        _p(h.recv_pos),
+        _p(h.info),
+        _i32(hid),
+        _i32(h.top_k),
+        _i32(h.ep_size),
+        _i32(rt.rank),
+        _i32(h.recv_capacity),
+        *common,
+    )
+    _cuda.launch(
+        _fn("combine.cu", f"ep_combine_send<{yt},{b}>", _COMBINE_NAMES),
+        _grid(h.recv_capacity, rt),
+        _THREADS,
+        args,
+        device=rows.device,
+    )
+    args = (
+        _p(out),
+        _p(dtw),
+        _p(h.send_row_of),
+        _p(h.topk_idx),
+        _i32(h.num_tokens),
+        _i32(hid),
+        _i32(h.top_k),
+        _i32(h.num_local_experts),
+        _i32(h.ep_size),
+        _i32(rt.rank),
+        *common,
+    )
+    _cuda.launch(
+        _fn("combine.cu", f"ep_combine_recv<{yt},{b}>", _COMBINE_NAMES),
+        _grid(h.num_tokens, rt),
+        _THREADS,
+        args,
+        device=rows.device,
+    )
     return out, dtw
 
 
@@ -414,8 +599,9 @@ def combine_fwd(y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle) -> torch
     return out
 
 
-def dispatch_bwd(grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: CudaEPHandle,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch_bwd(
+    grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: CudaEPHandle, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine of dx: grad_rows [expand_capacity, H], grad_w [expand_capacity] -> (dx [T, H] dtype, d topk_w
     [T, K] fp32)."""
     handle.runtime.raise_pending()
@@ -426,12 +612,20 @@ def dispatch_bwd(grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: CudaEPHa
 # The autograd Functions are moe_ep.comm.ops' (_Dispatch / _Combine), called with this module as the transport.
 
 
-def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, group=None,
-             quantize: bool = True, expand_capacity: int | None = None):
+def dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    num_experts: int,
+    group=None,
+    quantize: bool = True,
+    expand_capacity: int | None = None,
+):
     """:func:`moe_ep.comm.ops.dispatch` on the CUDA transport -> (rows [Ncap, H], weights [Ncap], handle)."""
     if x.dim() != 2 or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_w {tuple(topk_w.shape)} "
-                         "do not match")
+        raise ValueError(
+            f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_w {tuple(topk_w.shape)} do not match"
+        )
     handle = build_layout(topk_idx, num_experts, group, expand_capacity=expand_capacity)
     rows, w = _Dispatch.apply(x, topk_w, handle, quantize, sys.modules[__name__])
     return rows, w, handle
@@ -457,12 +651,12 @@ def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch
 def _views(rt, r, hid, k, quantize, dtype, cls):
     sym = rt.sym
     o = rt.offsets
-    meta = sym[o["disp_meta"]:o["disp_meta"] + r * 3 * k * 4].view(torch.int32).view(r, 3 * k)
+    meta = sym[o["disp_meta"] : o["disp_meta"] + r * 3 * k * 4].view(torch.int32).view(r, 3 * k)
     if quantize:
-        data = sym[o["disp_data"]:o["disp_data"] + r * hid].view(torch.float8_e4m3fn).view(r, hid)
-        scale = sym[o["disp_scale"]:o["disp_scale"] + r * (hid // 32)].view(r, hid // 32)
+        data = sym[o["disp_data"] : o["disp_data"] + r * hid].view(torch.float8_e4m3fn).view(r, hid)
+        scale = sym[o["disp_scale"] : o["disp_scale"] + r * (hid // 32)].view(r, hid // 32)
     else:
         es = torch.empty(0, dtype=dtype).element_size()
-        data = sym[o["disp_data"]:o["disp_data"] + r * hid * es].view(dtype).view(r, hid)
+        data = sym[o["disp_data"] : o["disp_data"] + r * hid * es].view(dtype).view(r, hid)
         scale = None
-    return cls(data, scale, meta[:, :k].long(), meta[:, k:2 * k].contiguous().view(torch.float32))
+    return cls(data, scale, meta[:, :k].long(), meta[:, k : 2 * k].contiguous().view(torch.float32))

@@ -236,22 +236,32 @@ class EPRuntime:
 
     # ---------------------------------------------------------------------------------------------------- errors
     def ctl_args(self) -> tuple:
-        return (np.uint64(self.err.data_ptr()), np.uint64(self.herr.data_ptr()), np.uint64(self.ctr.data_ptr()),
-                np.int64(self.timeout_ns))
+        return (
+            np.uint64(self.err.data_ptr()),
+            np.uint64(self.herr.data_ptr()),
+            np.uint64(self.ctr.data_ptr()),
+            np.int64(self.timeout_ns),
+        )
 
     def _message(self, code: int, a: int, b: int, c: int) -> str:
         if code == ERR_INVALID_EXPERT:
             return f"expert index out of range: topk_idx[{a}, {b}] = {c} (valid: [0, num_experts))"
         if code == ERR_RECV_OVERFLOW:
-            return (f"receive buffer overflow: EP rank {a} would receive {b} rows > {c} = ep_size * "
-                    "max_tokens_per_rank (raise max_tokens_per_rank)")
+            return (
+                f"receive buffer overflow: EP rank {a} would receive {b} rows > {c} = ep_size * "
+                "max_tokens_per_rank (raise max_tokens_per_rank)"
+            )
         if code == ERR_EXPAND_OVERFLOW:
-            return (f"expand overflow: EP rank {a} gets {b} expanded (token, expert) rows > expand_capacity {c} "
-                    "(raise expand_capacity; rows past it were dropped)")
+            return (
+                f"expand overflow: EP rank {a} gets {b} expanded (token, expert) rows > expand_capacity {c} "
+                "(raise expand_capacity; rows past it were dropped)"
+            )
         if code == ERR_TIMEOUT:
             name = _FLAG_NAMES[a] if 0 <= a < len(_FLAG_NAMES) else str(a)
-            return (f"timeout: EP rank {c} waited more than MOE_EP_COMM_TIMEOUT_S for flag {name} of EP rank {b} "
-                    "(a peer died, hung, or called a different sequence of transport ops)")
+            return (
+                f"timeout: EP rank {c} waited more than MOE_EP_COMM_TIMEOUT_S for flag {name} of EP rank {b} "
+                "(a peer died, hung, or called a different sequence of transport ops)"
+            )
         return f"unknown transport error {code} ({a}, {b}, {c})"
 
     def raise_pending(self) -> None:
@@ -282,8 +292,9 @@ def _key(group) -> tuple:
     return (group if group is not None else "single", torch.cuda.current_device())
 
 
-def init_runtime(group, max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int,
-                 wire_bytes: int = 2) -> EPRuntime:
+def init_runtime(
+    group, max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, wire_bytes: int = 2
+) -> EPRuntime:
     """The runtime of ``group`` (None: one rank owns every expert), created or grown to cover the sizes.
 
     Collective over every rank of the default group when ep_size > 1 (symmetric allocation).
@@ -308,6 +319,8 @@ def get_runtime(group) -> EPRuntime:
     """The existing runtime of ``group``; raises if :func:`init_runtime` was not called for it."""
     rt = _state["runtimes"].get(_key(group))
     if rt is None:
-        raise RuntimeError("no NVSHMEM transport runtime for this EP group: call moe_ep.comm.nvshmem.init_runtime("
-                           "group, max_tokens_per_rank, hidden, top_k, num_experts) first (on every rank)")
+        raise RuntimeError(
+            "no NVSHMEM transport runtime for this EP group: call moe_ep.comm.nvshmem.init_runtime("
+            "group, max_tokens_per_rank, hidden, top_k, num_experts) first (on every rank)"
+        )
     return rt

@@ -65,7 +65,7 @@ def checked(fn) -> None:
 def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     if a.shape != b.shape:
         return f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
-    ne = (a != b)
+    ne = a != b
     if a.is_floating_point():
         ne &= ~(torch.isnan(a) & torch.isnan(b))
     n = int(ne.sum())
@@ -101,8 +101,10 @@ def close(mine: torch.Tensor, want: torch.Tensor, what: str, rtol: float, atol) 
     bad = ((a - b).abs() > tol) | (torch.isnan(a) != torch.isnan(b))
     if bool(bad.any()):
         i = bad.nonzero()[0].tolist()
-        fail(f"[rank {RANK}] {what}: {int(bad.sum())} beyond tolerance; first {i}: mine "
-                         f"{a[tuple(i)].item()} ref {b[tuple(i)].item()} (max |diff| {(a - b).abs().max().item()})")
+        fail(
+            f"[rank {RANK}] {what}: {int(bad.sum())} beyond tolerance; first {i}: mine "
+            f"{a[tuple(i)].item()} ref {b[tuple(i)].item()} (max |diff| {(a - b).abs().max().item()})"
+        )
 
 
 def zeros_past(t: torch.Tensor, n: int, what: str) -> None:
@@ -146,8 +148,13 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
     handle = ct.build_layout(idx, e, GROUP)
     hc = handle.host_counts()
     n = rh.num_expanded
-    for key, want in (("R", rh.num_recv), ("N", n), ("send_splits", rh.send_splits),
-                      ("recv_splits", rh.recv_splits), ("group_sizes", rh.group_sizes_host)):
+    for key, want in (
+        ("R", rh.num_recv),
+        ("N", n),
+        ("send_splits", rh.send_splits),
+        ("recv_splits", rh.recv_splits),
+        ("group_sizes", rh.group_sizes_host),
+    ):
         if hc[key] != want:
             fail(f"[rank {RANK}] layout {key}: mine {hc[key]} ref {want}")
     same_bytes(handle.send_row_of.long(), rh.send_row_of, "send_row_of")
@@ -174,8 +181,8 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
     q = ref.dispatch_send(x, w, rh, True)
     same_bytes(data[:n], q.data[rh.expand_row], "MXFP8 expanded data")
     want = mxfp8.to_blocked_grouped(q.scale[rh.expand_row], rh.group_sizes, "m")
-    same_bytes(scale[:want.numel()], want, "MXFP8 blocked grouped scales")
-    if bool((scale[want.numel():] != 0).any()):
+    same_bytes(scale[: want.numel()], want, "MXFP8 blocked grouped scales")
+    if bool((scale[want.numel() :] != 0).any()):
         fail(f"[rank {RANK}] blocked scales: bytes past the used tiles are not zero")
     same_bytes(w_mx[:n], q.weight[rh.expand_row, rh.expand_slot], "MXFP8 expanded weights")
 
@@ -191,14 +198,14 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
     wy = (torch.rand(n, generator=gen) + 0.5).to(DEV)
     out = ct.combine_fwd(padded(y), padded(wy), handle)
     rout = ops.combine_fwd(y, wy, rh)
-    close(out, rout, "combine", 2 ** -7, 1e-6)
+    close(out, rout, "combine", 2**-7, 1e-6)
     same_bytes(out, rout, "combine (bitwise: same summation order)")
 
     g_rows = torch.randn(n, h, generator=gen).to(dtype).to(DEV)
     g_w = torch.randn(n, generator=gen).to(DEV)
     dx, dtw = ct.dispatch_bwd(padded(g_rows), padded(g_w), handle, dtype)
     rdx, rdtw = ops.dispatch_bwd(g_rows, g_w, rh, dtype)
-    close(dx, rdx, "dispatch backward dx", 2 ** -7, 1e-6)
+    close(dx, rdx, "dispatch backward dx", 2**-7, 1e-6)
     same_bytes(dx, rdx, "dispatch backward dx (bitwise)")
     same_bytes(dtw, rdtw, "dispatch backward d topk_w")
 
@@ -246,7 +253,7 @@ def case_autograd(case, counts, e, k, h, dtype, sync_debug=True):
     # the fp32 value across a rounding boundary, i.e. one bf16 ulp = 2^-7 relative at most. fp32 results: sums
     # of <= top_k + ep_size terms in another order differ by <= n * 2^-24 of the sum of |terms| (~1e-6 here);
     # 1e-5 leaves room for cancellation in that sum.
-    rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-5
     for name, a, b in zip(("out", "x.grad", "topk_w.grad"), mine, want, strict=True):
         # topk_w.grad holds dot products over H summed in another order than torch's: an absolute bound scaled by
         # the largest entry (a simplification of the module docstring's sum_h |v_h y_h| bound, which it exceeds)
