@@ -66,18 +66,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 
 static_assert(sizeof(GroupInfo) == 48, "W5_SMEM_BYTES assumes 48-byte GroupInfo entries");
 
-// TMA store of a 2-D box from shared memory, with an L2 evict-first policy: the output is written once and never
-// read back by the kernel, so it should not push the operands' working set out of L2 (wgrad writes GBs of dW).
-__device__ __forceinline__ void tma_store_2d(const TmaMap* map, int c0, int c1, unsigned src) {
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile(
-        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;" ::"l"(
-            reinterpret_cast<unsigned long long>(map)),
-        "r"(c0), "r"(c1), "r"(src), "l"(policy)
-        : "memory");
-}
-
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -190,7 +178,11 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
     named_bar_sync(bar, 128);
     if (leader) {
         const int row = (int)(arow0 + 64 * wg);
-        for (int ch = 0; ch < 4 && n0 + 64 * ch < N; ++ch) tma_store_2d(tmO, n0 + 64 * ch, row, region + 8192u * ch);
+        for (int ch = 0; ch < 4 && n0 + 64 * ch < N; ++ch)
+            asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                             reinterpret_cast<unsigned long long>(tmO)),
+                         "r"(n0 + 64 * ch), "r"(row), "r"(region + 8192u * (unsigned)ch)
+                         : "memory");
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
 }

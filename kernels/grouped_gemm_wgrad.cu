@@ -132,7 +132,10 @@ __device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned r
         if (leader) {
             const int row = (int)(orow + 64 * wg);
             for (int b = 0; b < 4 && k0 + 128 * hf + 32 * b < K; ++b)
-                tma_store_2d(tmO, k0 + 128 * hf + 32 * b, row, region + 8192u * (unsigned)b);
+                asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                                 reinterpret_cast<unsigned long long>(tmO)),
+                             "r"(k0 + 128 * hf + 32 * b), "r"(row), "r"(region + 8192u * (unsigned)b)
+                             : "memory");
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
     }
