@@ -1,0 +1,296 @@
+"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.gemm_cuda``): preparation of the bf16 operands the wgmma
+kernels read (weights once per version, wgrad activations per call), the weight-operand bundle with its cache, and
+the pure-PyTorch converters from plain tensors to the kernels' formats (tests, benchmarks).
+
+The formats themselves are documented in ``moe_ep/gemm_cuda.py``; every public name here is also reachable as
+``gemm_cuda.<name>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import mxfp8
+
+_PREP_FILE = "weight_prep.cu"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_dtype(name: str, t, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must be {want}, got {t.dtype}")
+
+
+def _check_memory(name: str, t: torch.Tensor, device: torch.device | None) -> torch.device:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
+    return t.device
+
+
+def colwise_scale_rows(m: int, num_groups: int) -> int:
+    """Rows of a grouped column-wise scale buffer (static bound ``ceil(M/32) + G``, no host sync)."""
+    return _cdiv(m, 32) + num_groups
+
+
+def k_permutation(device=None) -> torch.Tensor:
+    """int64 [64]: for the wgmma2/3/4 kernels' logical k position l = 16 s + 8 h + 2 c + e of a 64-wide k block, the
+    physical column 16 c + 4 s + 2 h + e it holds (s: k16 slice, h: fragment half, c: lane % 4, e: pair element).
+
+    Example: k_permutation()[:4] = [0, 1, 16, 17] (lane c = 1 holds physical columns 16, 17 at logical 2, 3).
+    """
+    lg = torch.arange(64, device=device)  # built on the device: no host-to-device copy (sync-free)
+    s, h, c, e = lg // 16, (lg // 8) % 2, (lg // 2) % 4, lg % 2
+    return 16 * c + 4 * s + 2 * h + e
+
+
+def _check_weight_prep(w: torch.Tensor, w_scale: torch.Tensor) -> None:
+    _check_dtype("w", w, (torch.float8_e4m3fn,))
+    _check_dtype("w_scale", w_scale, (torch.uint8,))
+    if w.dim() != 3 or w.shape[2] % 32:
+        raise ValueError(f"w must be [G, N, K] with K % 32 == 0, got {tuple(w.shape)}")
+    g, n, k = w.shape
+    bsz = mxfp8.blocked_size(n, k // 32)
+    if w_scale.numel() != g * bsz:
+        raise ValueError(
+            f"w_scale must hold [G, blocked_size(N, K/32)] = [{g}, {bsz}] bytes, got {tuple(w_scale.shape)}"
+        )
+
+
+def prepare_weight_bf16_torch(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`prepare_weight_bf16` (same signature and bytes): pure torch on w's device."""
+    _check_weight_prep(w, w_scale)
+    g, n, k = w.shape
+    kb = k // 32
+    r = torch.arange(n, device=w.device)[:, None]
+    c = torch.arange(kb, device=w.device)[None, :]
+    tpr = _cdiv(kb, 4)
+    offs = ((r // 128) * tpr + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4  # [N, K/32]
+    scale = w_scale.reshape(g, -1)[:, offs.reshape(-1)].reshape(g, n, kb)
+    deq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(w, scale, 2), torch.bfloat16)
+    kp = _cdiv(k, 64) * 64
+    padded = torch.zeros(g, n, kp, dtype=torch.bfloat16, device=w.device)
+    padded[..., :k] = deq
+    return padded.view(g, n, kp // 64, 64)[..., k_permutation(w.device)].reshape(g, n, kp).contiguous()
+
+
+def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight operand of the ``wgmma4`` / ``wgmma5`` kernels: the exact bf16 dequantization of an MXFP8 weight,
+    each 64-wide k block in the kernels' permuted order (:func:`k_permutation`), K padded with zeros to a multiple
+    of 64.
+
+    w: e4m3 [G, N, K] (K % 32 == 0); w_scale: u8 [G, blocked_size(N, K/32)] (``mxfp8.to_blocked``)
+    -> bf16 [G, N, ceil(K/64) * 64] (into ``out`` when given). CUDA tensors: one memory-bound kernel
+    (``kernels/weight_prep.cu``), no host sync; others: :func:`prepare_weight_bf16_torch` (the same bytes). Meant
+    to run once per weight version and be cached with the quantized weight (e4m3 * 2^(s-127) is exact in bf16
+    down to 2^-133, like the in-kernel conversion of the other kernels, so the GEMM products are the same).
+    """
+    if w.device.type != "cuda":
+        ref = prepare_weight_bf16_torch(w, w_scale)
+        return ref if out is None else out.copy_(ref)
+    _check_weight_prep(w, w_scale)
+    g, n, k = w.shape
+    kp = _cdiv(k, 64) * 64
+    if out is None:
+        out = torch.empty(g, n, kp, dtype=torch.bfloat16, device=w.device)
+    _check_dtype("out", out, (torch.bfloat16,))
+    if tuple(out.shape) != (g, n, kp):
+        raise ValueError(f"out must be [{g}, {n}, {kp}] bf16, got {tuple(out.shape)}")
+    for name, t in (("w", w), ("w_scale", w_scale), ("out", out)):
+        _check_memory(name, t, w.device)
+    chunks = g * n * (kp // 64) * 4
+    if chunks == 0:
+        return out
+    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+
+    fn = _cuda.get_function(_PREP_FILE, "mx_prepare_weight_bf16", device=w.device.index)
+    grid = min(_cdiv(chunks, 256), _cuda.num_sms(w.device) * 8)
+    args = (_cuda.ptr(w), _cuda.ptr(w_scale), _cuda.ptr(out), _cuda.i32(g), _cuda.i32(n), _cuda.i32(k))
+    args += (_cuda.i64(mxfp8.blocked_size(n, k // 32)),)
+    _cuda.launch(fn, grid, 256, args, device=w.device)
+    return out
+
+
+def colwise_prep_rows(m: int, num_groups: int) -> int:
+    """Rows of a prepared wgrad operand (static bound ``64 (ceil(M/64) + G)`` >= sum of ceil64(n_g), no sync)."""
+    return 64 * (_cdiv(m, 64) + num_groups)
+
+
+def prepare_colwise_bf16_torch(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
+    """Reference of :func:`prepare_colwise_bf16` (host group sizes): rows past the groups are zero here (the
+    kernel leaves them unwritten; nothing reads them)."""
+    sizes = _host_sizes(group_sizes)
+    m, c = data.shape
+    out = torch.zeros(colwise_prep_rows(m, len(sizes)), c, dtype=torch.bfloat16, device=data.device)
+    deq = colwise_dequantize_ref(data, scale, sizes)
+    start = poff = 0
+    for rows in sizes:
+        out[poff : poff + rows] = deq[start : start + rows].to(torch.bfloat16)
+        start += rows
+        poff += 64 * _cdiv(rows, 64)
+    return out
+
+
+def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor, out=None) -> torch.Tensor:
+    """A wgrad operand (grouped column-wise MXFP8, see the module docstring) as exact bf16 with every group on a
+    64-row boundary: data e4m3 [M, C], scale u8 [>= ceil(M/32) + G, C], group_sizes int32 [G] (device)
+    -> bf16 [64 (ceil(M/64) + G), C] where group g is rows 64 poff_g .. (poff_g = sum_{h<g} ceil(n_h/64)), zero
+    padded to a multiple of 64 rows.
+
+    Example: sizes [40, 0, 8] -> group 0 at rows 0-39 (rows 40-63 zero), group 2 at rows 64-71 (72-127 zero).
+    CUDA: one memory-bound kernel (``kernels/weight_prep.cu``), no host sync; rows past the groups are left
+    unwritten. Other devices: :func:`prepare_colwise_bf16_torch`.
+    """
+    if data.device.type != "cuda":
+        ref = prepare_colwise_bf16_torch(data, scale, group_sizes)
+        return ref if out is None else out.copy_(ref)
+    _check_dtype("data", data, (torch.float8_e4m3fn,))
+    _check_dtype("scale", scale, (torch.uint8,))
+    _check_dtype("group_sizes", group_sizes, (torch.int32,))
+    m, c = data.shape
+    g = group_sizes.numel()
+    rows, prows = colwise_scale_rows(m, g), colwise_prep_rows(m, g)
+    if c % 8 or scale.dim() != 2 or scale.shape[1] != c or scale.shape[0] < rows:
+        raise ValueError(
+            f"expected data [M, C] (C % 8 == 0) and scale [>= {rows}, C], got {tuple(data.shape)}, {tuple(scale.shape)}"
+        )
+    if out is None:
+        out = torch.empty(prows, c, dtype=torch.bfloat16, device=data.device)
+    if tuple(out.shape) != (prows, c) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be [{prows}, {c}] bf16, got {tuple(out.shape)} {out.dtype}")
+    for name, t in (("data", data), ("scale", scale), ("group_sizes", group_sizes), ("out", out)):
+        _check_memory(name, t, data.device)
+    if g == 0 or c == 0:
+        return out
+    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+
+    fn = _cuda.get_function(_PREP_FILE, "mx_prepare_colwise_bf16", device=data.device.index)
+    args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(group_sizes), _cuda.ptr(out), _cuda.i32(g))
+    nblocks = prows // 32  # one warp per (padded 32-row block, 1024 columns), 8 per CTA
+    args += (_cuda.i64(m), _cuda.i32(c), _cuda.i32(nblocks))
+    _cuda.launch(fn, _cdiv(nblocks * _cdiv(c, 1024), 8), 256, args, device=data.device)
+    return out
+
+
+@dataclass(frozen=True)
+class WeightOperands:
+    """The fprop and dgrad operands of one expert weight ``W [G, N, K]`` (see the module docstring's formats).
+
+    w: e4m3 [G, N, K] quantized along K; w_scale: u8 [G, blocked_size(N, K/32)]; w_prepared: bf16 [G, N, Kp];
+    wt: e4m3 [G, K, N] = W^T quantized along N; wt_scale: u8 [G, blocked_size(K, N/32)]; wt_prepared: bf16 [G, K, Np].
+    """
+
+    w: torch.Tensor
+    w_scale: torch.Tensor
+    w_prepared: torch.Tensor
+    wt: torch.Tensor
+    wt_scale: torch.Tensor
+    wt_prepared: torch.Tensor
+
+
+def _weight_operands(w: torch.Tensor) -> WeightOperands:
+    q = mxfp8.quantize(w, -1)
+    qt = mxfp8.quantize(w.transpose(1, 2).contiguous(), -1)
+    ws, wts = mxfp8.to_blocked(q.scale), mxfp8.to_blocked(qt.scale)
+    return WeightOperands(q.data, ws, prepare_weight_bf16(q.data, ws), qt.data, wts, prepare_weight_bf16(qt.data, wts))
+
+
+def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:
+    """Quantize an expert weight for fprop and dgrad and prepare both bf16 operands of the ``wgmma4`` kernels.
+
+    w: bf16/fp32 [G, N, K] (N, K multiples of 32), any device (CUDA: quantization and preparation kernels, no host
+    sync). With ``cache`` (a ``moe_ep.weight_cache.WeightQuantCache``) the result is computed once per weight
+    version (an optimizer step or an FSDP2 all-gather write recomputes it) and shared by every micro-batch.
+    Memory: 2 bytes + 2 bytes (prepared) + 2 bytes (e4m3 both ways) per weight element.
+    """
+    if w.dim() != 3 or w.shape[1] % 32 or w.shape[2] % 32:
+        raise ValueError(f"w must be [G, N, K] with N and K multiples of 32, got {tuple(w.shape)}")
+    if cache is None:
+        with torch.no_grad():
+            return _weight_operands(w.detach())
+    return cache.get(w, "gemm_operands", _weight_operands)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reference-side converters (pure PyTorch, any device; read group sizes on the host)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _host_sizes(group_sizes) -> list[int]:
+    if isinstance(group_sizes, torch.Tensor):
+        return [int(v) for v in group_sizes.cpu().tolist()]
+    return [int(v) for v in group_sizes]
+
+
+def rowwise_operand_ref(x: torch.Tensor, group_sizes) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [M, K] -> (e4m3 [M, K], u8 per-group blocked scales along M) for fprop/dgrad's ``a``."""
+    q = mxfp8.quantize_torch(x, -1)
+    sizes = torch.tensor(_host_sizes(group_sizes), dtype=torch.int64)
+    return q.data, mxfp8.to_blocked_grouped(q.scale, sizes, "m")
+
+
+def weight_operand_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [G, N, K] -> (e4m3 [G, N, K] quantized along K, u8 [G, blocked_size(N, K/32)]) for fprop."""
+    q = mxfp8.quantize_torch(w, -1)
+    return q.data, mxfp8.to_blocked(q.scale)
+
+
+def weight_t_operand_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [G, N, K] -> (W^T e4m3 [G, K, N] quantized along N, u8 [G, blocked_size(K, N/32)]) for dgrad.
+
+    Dequantized, it equals ``mxfp8.fake_quantize(w, axis=-2).transpose(1, 2)`` (the reference's dgrad operand).
+    """
+    q = mxfp8.quantize_torch(w.transpose(1, 2).contiguous(), -1)
+    return q.data, mxfp8.to_blocked(q.scale)
+
+
+def colwise_operand_ref(t: torch.Tensor, group_sizes) -> tuple[torch.Tensor, torch.Tensor]:
+    """t float [M, N] -> (e4m3 [M, N], u8 [ceil(M/32) + G, N]): wgrad's grouped column-wise format.
+
+    Blocks of 32 rows restart at each group's first row (the last one zero padded), exactly as
+    ``gemm.fake_quantize_grouped_cols``; block j of group g is scale row ``sum_{h<g} ceil(n_h/32) + j``.
+    Unused scale rows are zero.
+    """
+    sizes = _host_sizes(group_sizes)
+    m, n = t.shape
+    data = torch.zeros(m, n, dtype=torch.float8_e4m3fn, device=t.device)
+    scale = torch.zeros(colwise_scale_rows(m, len(sizes)), n, dtype=torch.uint8, device=t.device)
+    start = boff = 0
+    for rows in sizes:
+        if rows:
+            pad = (-rows) % 32
+            seg = t[start : start + rows]
+            if pad:
+                seg = torch.cat([seg, seg.new_zeros(pad, n)])
+            q = mxfp8.quantize_torch(seg, 0)
+            data[start : start + rows] = q.data[:rows]
+            scale[boff : boff + q.scale.shape[0]] = q.scale
+        start += rows
+        boff += _cdiv(rows, 32)
+    return data, scale
+
+
+def colwise_dequantize_ref(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
+    """Inverse of :func:`colwise_operand_ref`: e4m3 [M, N] + u8 [>= ceil(M/32)+G, N] -> fp32 [M, N]."""
+    sizes = _host_sizes(group_sizes)
+    idx, boff = [], 0
+    for rows in sizes:
+        idx.append(boff + torch.arange(rows, device=data.device) // 32)
+        boff += _cdiv(rows, 32)
+    rows_scale = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=data.device)
+    s = scale[rows_scale].to(torch.int32)
+    mult = torch.where(s == mxfp8.SCALE_NAN, float("nan"), mxfp8._exp2_int((s - 127).clamp(-127, 127)))
+    return data[: rows_scale.numel()].to(torch.float32) * mult
