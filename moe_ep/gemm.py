@@ -106,7 +106,7 @@ def quantize_grouped_dual_torch(
     Example: sizes [40, 8] (M = 48): scale_c has ceil(48/32) + 2 = 4 rows; rows 0-1 are group 0's blocks (data
     rows 0-31, and 32-39 padded with 24 zero rows), row 2 is group 1's block (rows 40-47), row 3 is unused.
     """
-    from .gemm_cuda import colwise_operand_ref  # noqa: PLC0415  (pure torch helpers; no CuPy import)
+    from .gemm_operands import colwise_operand_ref  # noqa: PLC0415  (pure torch helpers; no CuPy import)
 
     h = swiglu_bwd(x, swiglu_dh) if swiglu_dh is not None else swiglu(x) if apply_swiglu else x
     sizes = group_sizes.to(device="cpu", dtype=torch.int32)
