@@ -30,7 +30,9 @@
 //     otherwise (rows past the group belong to another tile) masked 16-byte stores from registers after a quad
 //     transpose. fp32 output: float2 stores (w2_epilogue).
 // Timing experiments (wrong results; benchmarks/prof_gemm.py --kernel wgmma5): -DW5_HALF_B loads B on even
-// k-steps only, -DW5_NO_EPI skips the output stores, -DW3_NO_CVT skips the A conversion.
+// k-steps only, -DW5_NO_EPI skips the output stores, -DW3_NO_CVT skips the A conversion. Variants with the same
+// results: -DW5_REG_EPI (register epilogue only), -DW5_STAGES=5 (with it), -DW5_EPI_SHFL (TMA epilogue staged
+// through quad transposes).
 // Shared memory (all dynamic): 4 x 40960 ring + 65536 output tile + 4 x 512 scales + barriers + 9 GroupInfo =
 // 231920 B of the 232448 an H100/H200 CTA may have.
 
@@ -165,6 +167,7 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = q * 16 + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
+#ifdef W5_EPI_SHFL  // experiment: quad transposes and 16-byte shared stores (the first version)
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             unsigned w[4];
@@ -173,6 +176,19 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
             const unsigned addr = region + (unsigned)(m >> 1) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4);
             sts128(addr, w[0], w[1], w[2], w[3]);
         }
+#else
+        // each bf16 pair straight to its place: columns 8 j + 2 c, + 1 = chunk j / 8, 16-byte unit j % 8, byte 4 c;
+        // a warp's store (8 rows x 4 lanes) hits 8 distinct units x 4 words = 32 banks, and no shuffles are needed
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            unsigned pk;
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
+            const unsigned u = (unsigned)(j & 7);
+            sts32(region + (unsigned)(j >> 3) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4) +
+                      4u * (unsigned)c,
+                  pk);
+        }
+#endif
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     named_bar_sync(bar, 128);
