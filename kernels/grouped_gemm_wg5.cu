@@ -5,7 +5,9 @@
 //   * why: wgmma4 (0.87-1.0x torch bf16) runs one CTA per tile. Every tile pays the TMA latency of its first stage,
 //     the group scan's global loads and an epilogue during which no load is in flight, and every k-step ends in a
 //     __syncthreads so the slower warpgroup sets the pace of both. Here a producer warp runs ahead across tiles:
-//     while the consumers store one tile it is already filling the ring with the next tile's stages.
+//     while the consumers store one tile it is already filling the ring with the next tile's stages. Measured
+//     (benchmarks/NOTES.md, design 3): about wgmma4's speed, 0.81-0.98x torch bf16; the A conversion in the MMA
+//     warpgroups, not the per-tile overheads, is what bounds both.
 //   * block = 384 threads: warpgroups 0 and 1 are the consumers (tile rows 64 wg .. 64 wg + 63, as wgmma4; 128
 //     fp32 accumulators per thread), warpgroup 2 the producer: its warp 8 scans the groups and its lane 0 issues
 //     the TMA loads; warps 9-11 leave at once. The kernel is compiled for 384 threads (168 registers each, which
