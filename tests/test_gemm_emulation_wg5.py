@@ -277,3 +277,28 @@ def test_wgrad_constants_match_the_launcher():
     assert gemm_cuda._WGRAD_SMEM_BYTES == stages * stage + 65536 + 16 * stages + 9 * 48 <= 232448
     for suffix in gemm_cuda._OUT_SUFFIX.values():
         assert f"mx_gmm_wgrad_wg_{suffix}(WR_ARGS)" in src
+
+
+def test_w5_tma_epilogue_direct_stores_are_the_box_layout_and_conflict_free():
+    """w5_epilogue_tma (direct version): accumulator pair (h, j) of lane (q, l) goes to chunk j / 8, row r, 16-byte
+    unit (j % 8) ^ (r % 8), byte 4 c. Reading the region back as 4 TMA boxes of 64 rows x 128 B with the 128-byte
+    swizzle (unit u of row r at (u ^ (r % 8)) * 16) must give every (row, column pair) exactly once, and each
+    warp store instruction (fixed h, j) must hit 32 different banks."""
+    region = {}
+    for q in range(4):
+        for h in range(2):
+            for j in range(32):
+                banks = set()
+                for lane in range(32):
+                    c, r = lane % 4, 16 * q + lane // 4 + 8 * h
+                    addr = (j >> 3) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4) + 4 * c
+                    assert addr not in region
+                    region[addr] = (r, 8 * j + 2 * c)
+                    banks.add((addr // 4) % 32)
+                assert len(banks) == 32, (q, h, j)
+    for addr, (r, col) in region.items():  # the TMA box view: chunk, row, swizzled unit, byte
+        ch, rem = divmod(addr, 8192)
+        row, byte = divmod(rem, 128)
+        unit = (byte // 16) ^ (row & 7)
+        assert (row, 64 * ch + 8 * unit + (byte % 16) // 2) == (r, col)
+    assert len(region) == 64 * 128  # 64 rows x 128 bf16 pairs
