@@ -11,8 +11,7 @@ Each build is timed with bench_gemm's CUDA-event timer (median of 20) next to th
 wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing-only builds with wrong results:
 ``-DW3_NO_CVT`` (no A conversion), ``-DW5_HALF_B`` (B loaded on every other k-step: half the B bytes from L2),
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
-variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``,
-``-DW5_EPI_SHFL`` (the TMA epilogue's first version, quad transposes).
+variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
@@ -97,13 +96,12 @@ def experiments_w5(args) -> dict:
         "normal": (),
         "reg_epi": ("-DW5_REG_EPI",),
         "reg_epi_5stages": ("-DW5_REG_EPI", "-DW5_STAGES=5"),
-        "epi_shfl": ("-DW5_EPI_SHFL",),
         "no_cvt": ("-DW3_NO_CVT",),
         "half_b": ("-DW5_HALF_B",),
         "no_epi": ("-DW5_NO_EPI",),
         "half_b_no_cvt": ("-DW5_HALF_B", "-DW3_NO_CVT"),
     }
-    exact = ("normal", "reg_epi", "reg_epi_5stages", "epi_shfl")  # builds that must give correct bytes
+    exact = ("normal", "reg_epi", "reg_epi_5stages")  # builds that must give correct bytes
     normal_out = None
     for name, opts in builds.items():
         run = launcher_w5(opts, xq, xs, wprep, sz, out)

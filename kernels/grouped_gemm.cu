@@ -41,7 +41,15 @@ struct GroupInfo {
     int total_tiles;       // sum over all groups of ceil(n / 128)
 };
 
-// Warp 0 only. by_tile: find the group whose row tiles contain tile `target`; else take group `target`.
+// One warp (its lanes scan 32 groups at a time). What `target` names, by `by_tile`:
+//   GM_BY_GROUP (0)  the group index;
+//   GM_BY_TILE (1)   a 128-row tile: the group whose row tiles (ceil(n / 128) per group) contain it;
+//   GM_BY_PAD32 (2)  a 32-row block of the 64-row-aligned layout of the wgmma wgrad's prepared operands (2 ceil(n /
+//                    64) blocks per group): the group that holds it.
+// gi->tile is the target's index inside its group (tiles or blocks; 0 by group index).
+#define GM_BY_GROUP 0
+#define GM_BY_TILE 1
+#define GM_BY_PAD32 2
 __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, int G, long long M, int by_tile,
                                                int target, GroupInfo* gi) {
     const int lane = threadIdx.x & 31;
@@ -73,14 +81,16 @@ __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, in
         }
         const long long r_ex = crow + r - n;
         const int t_ex = ctile + t - nt, b_ex = cblk + b - nb, p_ex = cchunk + pc - np;
-        const bool hit = h < G && (by_tile ? (n > 0 && target >= t_ex && target < t_ex + nt) : (h == target));
+        const bool hit = h < G && (by_tile == GM_BY_TILE    ? (n > 0 && target >= t_ex && target < t_ex + nt)
+                                   : by_tile == GM_BY_PAD32 ? (n > 0 && target >= 2 * p_ex && target < 2 * (p_ex + np))
+                                                            : h == target);
         if (hit) {
             long long avail = M - r_ex;
             avail = avail < 0 ? 0 : (avail > n ? n : avail);
             gi->row0 = r_ex;
             gi->rows = (int)avail;
             gi->g = h;
-            gi->tile = by_tile ? target - t_ex : 0;
+            gi->tile = by_tile == GM_BY_TILE ? target - t_ex : (by_tile == GM_BY_PAD32 ? target - 2 * p_ex : 0);
             gi->toff = t_ex;
             gi->boff = b_ex;
             gi->poff = p_ex;

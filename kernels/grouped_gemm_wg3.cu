@@ -157,13 +157,7 @@ __device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, 
     cvt16(r0, s0, o0);
     cvt16(r1, s1, o1);
 #endif
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        f[4 * q] = o0[2 * q];
-        f[4 * q + 1] = o1[2 * q];
-        f[4 * q + 2] = o0[2 * q + 1];
-        f[4 * q + 3] = o1[2 * q + 1];
-    }
+    a_frags(o0, o1, f);
 }
 
 struct W3Issue {  // what thread 0 needs to refill a stage

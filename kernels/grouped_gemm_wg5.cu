@@ -33,8 +33,8 @@
 //     transpose. fp32 output: float2 stores (w2_epilogue).
 // Timing experiments (wrong results; benchmarks/prof_gemm.py --kernel wgmma5): -DW5_HALF_B loads B on even
 // k-steps only, -DW5_NO_EPI skips the output stores, -DW3_NO_CVT skips the A conversion. Variants with the same
-// results: -DW5_REG_EPI (register epilogue only), -DW5_STAGES=5 (with it), -DW5_EPI_SHFL (TMA epilogue staged
-// through quad transposes).
+// results: -DW5_REG_EPI (register epilogue only), -DW5_STAGES=5 (with it). (The first TMA epilogue, staged
+// through quad transposes, measured no faster and lives in commit 1aebbd0 as -DW5_EPI_SHFL.)
 // Shared memory (all dynamic): 4 x 40960 ring + 65536 output tile + 4 x 512 scales + barriers + 9 GroupInfo =
 // 231920 B of the 232448 an H100/H200 CTA may have.
 
@@ -95,6 +95,14 @@ __device__ __forceinline__ void ring_init(unsigned full0, unsigned empty0, int s
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+}
+
+// The ring's running (stage, phase) counter: step i of the CTA uses stage i % S with phase (i / S) & 1.
+__device__ __forceinline__ void ring_next(int& stage, unsigned& phase, int stages) {
+    if (++stage == stages) {
+        stage = 0;
+        phase ^= 1u;
+    }
 }
 
 // The tile t of the persistent schedule, computed by one warp into its own GroupInfo (no block barrier).
@@ -169,16 +177,6 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = q * 16 + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
-#ifdef W5_EPI_SHFL  // experiment: quad transposes and 16-byte shared stores (the first version)
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            unsigned w[4];
-            w5_bf16_words(acc, h, m, w);
-            const unsigned u = (unsigned)(4 * (m & 1) + c);
-            const unsigned addr = region + (unsigned)(m >> 1) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4);
-            sts128(addr, w[0], w[1], w[2], w[3]);
-        }
-#else
         // each bf16 pair straight to its place: columns 8 j + 2 c, + 1 = chunk j / 8, 16-byte unit j % 8, byte 4 c;
         // a warp's store (8 rows x 4 lanes) hits 8 distinct units x 4 words = 32 banks, and no shuffles are needed
 #pragma unroll
@@ -190,7 +188,6 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
                       4u * (unsigned)c,
                   pk);
         }
-#endif
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     named_bar_sync(bar, 128);
@@ -238,10 +235,7 @@ __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* _
                 tma_2d(st + a_off, tmA, s * 64, (int)arow0, full);
                 bulk_copy(sbase + sc_off + 512u * (unsigned)stage, a_sc + (long long)(s >> 1) * 512, 512u, full);
             }
-            if (++stage == nstages) {
-                stage = 0;
-                phase ^= 1u;
-            }
+            ring_next(stage, phase, nstages);
         }
     }
 }
@@ -324,10 +318,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
                 wg_commit();
                 named_bar_arrive(wg == 0 ? 2 : 1, 256);
                 const int cur_stage = stage;
-                if (++stage == W5_STAGES) {
-                    stage = 0;
-                    phase ^= 1u;
-                }
+                ring_next(stage, phase, W5_STAGES);
                 if (ss + 1 < ksteps) {
                     mbar_wait(full0 + 8u * (unsigned)stage, phase);
                     const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;

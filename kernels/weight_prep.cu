@@ -58,8 +58,8 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 // padded to a multiple of 64 rows: the GEMM reduces over whole 64-row steps of one group. Rows past the last
 // group are not written (the GEMM never reads them into an MMA).
 //
-//   * one warp per padded 32-row block pb and 1024 columns: it finds the block's group (shuffle scan of the sizes, as
-//     gm_scan_groups, with the 32-row scale blocks and the padded 32-row blocks 2 ceil(n / 64)), then converts
+//   * one warp per padded 32-row block pb and 1024 columns: it finds the block's group (gm_scan_groups by padded
+//     32-row block, GM_BY_PAD32; 2 ceil(n / 64) blocks per group), then converts
 //     8 columns per lane: 8 data bytes per row, the 8 scale bytes of the block's scale row (per-column scales:
 //     pair_mults8), one 16-byte store per row. Padding blocks are zeros. The pass is bandwidth-bound: 2.8-3.6
 //     TB/s on H200 (the smaller rates at the "small" shape's 150-200 MB operands); a first version with a CTA
@@ -71,52 +71,22 @@ struct BlockGroup {
     int srow;        // its scale row
 };
 
+// The group of padded 32-row block pb (gm_scan_groups by GM_BY_PAD32, one warp): its j-th block (j = gi.tile) holds
+// data rows row0_g + 32 j .., as many of the group's rows (clamped to M) as remain, and has scale row boff_g + j.
 __device__ __forceinline__ void colwise_block_group(const int* __restrict__ sizes, int G, long long M, int pb,
-                                                    BlockGroup* bg) {
-    const int lane = threadIdx.x & 31;
-    if (lane == 0) {
+                                                    GroupInfo* gi, BlockGroup* bg) {
+    gm_scan_groups(sizes, G, M, GM_BY_PAD32, pb, gi);
+    __syncwarp();
+    if (gi->g < 0) {
         bg->row0 = -1;
         bg->rows = 0;
         bg->srow = 0;
+        return;
     }
-    __syncwarp();
-    long long crow = 0;
-    int cblk = 0, cpad = 0;
-    for (int base = 0; base < G; base += 32) {
-        const int h = base + lane;
-        int n = h < G ? sizes[h] : 0;
-        n = n > 0 ? n : 0;
-        const int nb = (int)(((unsigned)n + 31u) >> 5), npb = 2 * (int)(((unsigned)n + 63u) >> 6);
-        long long r = n;
-        int bb = nb, pp = npb;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const long long r2 = __shfl_up_sync(0xffffffffu, r, o);
-            const int b2 = __shfl_up_sync(0xffffffffu, bb, o);
-            const int p2 = __shfl_up_sync(0xffffffffu, pp, o);
-            if (lane >= o) {
-                r += r2;
-                bb += b2;
-                pp += p2;
-            }
-        }
-        const long long r_ex = crow + r - n;
-        const int b_ex = cblk + bb - nb, p_ex = cpad + pp - npb;
-        if (h < G && pb >= p_ex && pb < p_ex + npb) {
-            const int j = pb - p_ex;  // the group's j-th 32-row block (j == nb: the zero half of its last 64 rows)
-            const long long first = r_ex + 32LL * j;
-            long long avail = j < nb ? (long long)n - 32LL * j : 0;
-            avail = avail > 32 ? 32 : avail;
-            const long long in_m = M - first;  // rows past M are never read (sizes summing past M are clamped)
-            avail = avail < in_m ? avail : (in_m > 0 ? in_m : 0);
-            bg->row0 = first;
-            bg->rows = (int)avail;
-            bg->srow = b_ex + j;
-        }
-        crow += __shfl_sync(0xffffffffu, r, 31);
-        cblk += __shfl_sync(0xffffffffu, bb, 31);
-        cpad += __shfl_sync(0xffffffffu, pp, 31);
-    }
+    const int j = gi->tile;
+    bg->row0 = gi->row0 + 32LL * j;
+    bg->rows = max(0, min(32, gi->rows - 32 * j));
+    bg->srow = gi->boff + j;
 }
 
 // data: [M, C] e4m3; scale: [>= ceil(M/32) + G, C] u8; out: [64 (ceil(M/64) + G), C] bf16. One warp per (padded
@@ -128,15 +98,13 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_colwise_bf16(const 
                                                                            const int* __restrict__ sizes,
                                                                            unsigned short* __restrict__ out, int G,
                                                                            long long M, int C, int nblocks) {
-    __shared__ BlockGroup bgs[8];
+    __shared__ GroupInfo gis[8];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ncc = (C + 1023) >> 10, wid = blockIdx.x * 8 + warp;
     const int pb = wid / ncc, c0 = (wid - pb * ncc) * 1024;
     if (pb >= nblocks) return;
-    BlockGroup* bgp = &bgs[warp];
-    colwise_block_group(sizes, G, M, pb, bgp);
-    __syncwarp();
-    const BlockGroup bg = *bgp;
+    BlockGroup bg;
+    colwise_block_group(sizes, G, M, pb, &gis[warp], &bg);
     if (bg.row0 < 0) return;
     unsigned short* ob = out + (long long)pb * 32 * C;
     const int c1 = C < c0 + 1024 ? C : c0 + 1024;

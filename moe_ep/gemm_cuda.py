@@ -53,7 +53,8 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
   ``mma`` (``grouped_gemm.cu``): ldmatrix + mma.sync bf16, 128x128x64 tiles, 2 CTAs/SM. 0.33-0.41x.
 ``MOE_EP_WGRAD_IMPL`` selects the wgrad kernel: ``wgmma`` (default; ``kernels/grouped_gemm_wgrad.cu``: both
 operands dequantized to bf16 by one pass per call, ``prepare_colwise_bf16``, then TMA + wgmma with MN-major
-operands, persistent and warp-specialized as wgmma5) or ``mma`` (the design-1 kernel). Unknown values raise
+operands, persistent and warp-specialized as wgmma5; the two bf16 copies, 2 (64 ceil(M/64) + 64 G) (N + K) bytes,
+live for the call) or ``mma`` (the design-1 kernel). Unknown values raise
 ValueError.
 
 The operand side lives in ``moe_ep/gemm_operands.py`` and is re-exported here: the bf16 preparation of weights

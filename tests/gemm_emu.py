@@ -145,26 +145,35 @@ class Smem:
 
 # ---------------------------------------------------------------------------------------------- group scan
 def scan_groups(sizes, g_count, m_total, by_tile, target):
-    """gm_scan_groups (warp 0): 32 groups per iteration, inclusive shfl_up scans, totals from lane 31."""
+    """gm_scan_groups (one warp): 32 groups per iteration, inclusive shfl_up scans, totals from lane 31.
+    by_tile: 0 group index, 1 128-row tile, 2 padded 32-row block (GM_BY_PAD32: 2 ceil(n / 64) blocks per group)."""
     gi = {"g": -1}
-    crow = ctile = cblk = 0
+    crow = ctile = cblk = cpad = 0
     for base in range(0, g_count, 32):
         n = [max(sizes[base + ln], 0) if base + ln < g_count else 0 for ln in range(32)]
         nt = [(v + 127) >> 7 for v in n]  # the kernel rounds in unsigned: no int overflow near INT_MAX
         nb = [(v + 31) >> 5 for v in n]
-        r, t, b = list(n), list(nt), list(nb)
+        npc = [(v + 63) >> 6 for v in n]
+        r, t, b, pc = list(n), list(nt), list(nb), list(npc)
         o = 1
         while o < 32:  # __shfl_up_sync: lanes < o keep their own value (and do not add)
-            r2, t2, b2 = list(r), list(t), list(b)
+            r2, t2, b2, p2 = list(r), list(t), list(b), list(pc)
             for ln in range(o, 32):
                 r[ln] += r2[ln - o]
                 t[ln] += t2[ln - o]
                 b[ln] += b2[ln - o]
+                pc[ln] += p2[ln - o]
             o <<= 1
         for ln in range(32):
             h = base + ln
             r_ex, t_ex, b_ex = crow + r[ln] - n[ln], ctile + t[ln] - nt[ln], cblk + b[ln] - nb[ln]
-            hit = h < g_count and ((n[ln] > 0 and t_ex <= target < t_ex + nt[ln]) if by_tile else h == target)
+            p_ex = cpad + pc[ln] - npc[ln]
+            if by_tile == 1:
+                hit = h < g_count and n[ln] > 0 and t_ex <= target < t_ex + nt[ln]
+            elif by_tile == 2:
+                hit = h < g_count and n[ln] > 0 and 2 * p_ex <= target < 2 * (p_ex + npc[ln])
+            else:
+                hit = h < g_count and h == target
             if hit:
                 assert gi["g"] == -1, "two lanes claim the same tile"
                 avail = min(max(m_total - r_ex, 0), n[ln])
@@ -172,11 +181,12 @@ def scan_groups(sizes, g_count, m_total, by_tile, target):
                     "row0": r_ex,
                     "rows": avail,
                     "g": h,
-                    "tile": target - t_ex if by_tile else 0,
+                    "tile": target - t_ex if by_tile == 1 else (target - 2 * p_ex if by_tile == 2 else 0),
                     "toff": t_ex,
                     "boff": b_ex,
+                    "poff": p_ex,
                 }
-        crow, ctile, cblk = crow + r[31], ctile + t[31], cblk + b[31]
+        crow, ctile, cblk, cpad = crow + r[31], ctile + t[31], cblk + b[31], cpad + pc[31]
     assert ctile < 2**31 and cblk < 2**31, "int overflow of the tile / block counters"
     gi["total_rows"], gi["total_tiles"] = crow, ctile
     return gi

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_ep import gemm_cuda, mxfp8
-from tests.gemm_emu import cvt_words_1s
+from tests.gemm_emu import cvt_words_1s, scan_groups
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 
@@ -212,26 +212,13 @@ def test_prepare_colwise_bf16_worked_example():
 
 
 def block_group_model(sizes: list[int], m_total: int, pb: int) -> tuple[int, int, int]:
-    """colwise_block_group (kernels/weight_prep.cu): lane-parallel inclusive scans (chunks of 32 groups) of the
-    sizes, their 32-row scale blocks and their padded 32-row blocks 2 ceil(n / 64), then the hit test
-    -> (first data row or -1, valid rows, scale row)."""
-    crow = cblk = cpad = 0
-    hit = (-1, 0, 0)
-    for base in range(0, len(sizes), 32):
-        chunk = [max(v, 0) for v in sizes[base : base + 32]]
-        nbs = [(n + 31) // 32 for n in chunk]
-        npbs = [2 * ((n + 63) // 64) for n in chunk]
-        r_inc, b_inc, p_inc = np.cumsum(chunk), np.cumsum(nbs), np.cumsum(npbs)
-        for lane, n in enumerate(chunk):
-            r_ex = crow + int(r_inc[lane]) - n
-            b_ex, p_ex = cblk + int(b_inc[lane]) - nbs[lane], cpad + int(p_inc[lane]) - npbs[lane]
-            if p_ex <= pb < p_ex + npbs[lane]:
-                j = pb - p_ex
-                first = r_ex + 32 * j
-                avail = min(n - 32 * j, 32) if j < nbs[lane] else 0
-                hit = (first, max(0, min(avail, m_total - first)), b_ex + j)
-        crow, cblk, cpad = crow + int(r_inc[-1]), cblk + int(b_inc[-1]), cpad + int(p_inc[-1])
-    return hit
+    """colwise_block_group (kernels/weight_prep.cu): gm_scan_groups by padded 32-row block (the CPU model of the
+    scan, mode 2), then the block's first data row, valid rows and scale row -> (row0 or -1, rows, srow)."""
+    gi = scan_groups(sizes, len(sizes), m_total, 2, pb)
+    if gi["g"] < 0:
+        return (-1, 0, 0)
+    j = gi["tile"]
+    return (gi["row0"] + 32 * j, max(0, min(32, gi["rows"] - 32 * j)), gi["boff"] + j)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -257,12 +244,22 @@ def test_block_group_scan_matches_direct_indexing(seed):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 63, 64, 65, 128, 130])
-def test_wgrad_ksteps_cover_the_group_rows(rows):
-    """grouped_gemm_wgrad.cu: ksteps = ceil(rows / 64) full steps of 64 prepared rows: every row of the group is
-    reduced once, and the rows past it that a step reads are the group's zero padding (never another group's)."""
+def test_wgrad_ksteps_match_the_prepared_layout(rows):
+    """grouped_gemm_wgrad.cu reduces a group over ceil(rows / 64) full k-steps of 64 prepared rows starting at row
+    64 poff_g (read from its source); the prepared layout (prepare_colwise_bf16_torch) must put exactly those rows
+    there: the group's rows, then zeros up to the next group, which starts right after the last k-step."""
+    src = (KERNELS / "grouped_gemm_wgrad.cu").read_text()
+    assert "ksteps = (int)(((unsigned)gi->rows + 63u) >> 6);" in src and "prow0 = 64 * gi->poff;" in src
+    assert "for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss_mn" in src  # 4 k16 slices in every step
     ksteps = (rows + 63) // 64
-    read = [64 * s + r for s in range(ksteps) for r in range(64)]
-    assert read[:rows] == list(range(rows)) and len(read) == 64 * ((rows + 63) // 64) < rows + 64
+    sizes = [rows, 5]
+    x = torch.randn(rows + 5, 8) + 3.0  # no zeros in the data: a zero row can only be padding
+    data, scale = gemm_cuda.colwise_operand_ref(x, sizes)
+    prep = gemm_cuda.prepare_colwise_bf16_torch(data, scale, sizes)
+    deq = gemm_cuda.colwise_dequantize_ref(data, scale, sizes)
+    assert torch.equal(prep[:rows].float(), deq[:rows])
+    assert (prep[rows : 64 * ksteps] == 0).all()  # what the last k-step reads past the group: zeros
+    assert torch.equal(prep[64 * ksteps : 64 * ksteps + 5].float(), deq[rows:])  # the next group's first row
 
 
 def test_wgrad_constants_match_the_launcher():

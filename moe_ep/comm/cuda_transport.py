@@ -328,14 +328,10 @@ def _send_prep(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, qu
     return tw
 
 
-def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> int:
-    """Launch ep_dispatch (rows of x to every destination rank); returns the DISP epoch used."""
+def _send_args(x: torch.Tensor, tw: torch.Tensor | None, h: CudaEPHandle) -> tuple:
+    """The kernel arguments that ep_dispatch and ep_dispatch_mx share (their first 15 parameters, dispatch.cu)."""
     rt = h.runtime
-    es = x.element_size()
-    tw = _send_prep(x, topk_w, h, quantize)
-    u = rt.next_epoch("disp")
-    name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
-    args = (
+    return (
         _p(x),
         _p(tw),
         _p(h.topk_idx),
@@ -351,6 +347,18 @@ def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantiz
         _i64(rt.region("disp_data")),
         _i64(rt.region("disp_scale")),
         _i64(rt.region("disp_meta")),
+    )
+
+
+def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> int:
+    """Launch ep_dispatch (rows of x to every destination rank); returns the DISP epoch used."""
+    rt = h.runtime
+    es = x.element_size()
+    tw = _send_prep(x, topk_w, h, quantize)
+    u = rt.next_epoch("disp")
+    name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
+    args = (
+        *_send_args(x, tw, h),
         _i32(x.shape[1] * es),
         _i32(1 if tw is not None else 0),
         np.uint64(u),
@@ -456,21 +464,7 @@ def _dispatch_mx_fused(
     tw = _send_prep(x, topk_w, h, True)
     u = rt.next_epoch("disp")
     args = (
-        _p(x),
-        _p(tw),
-        _p(h.topk_idx),
-        _p(h.tok_dst),
-        _p(h.slot_pos),
-        _i32(h.num_tokens),
-        _i32(x.shape[1]),
-        _i32(h.top_k),
-        _i32(h.num_local_experts),
-        _i32(h.ep_size),
-        _i32(rt.rank),
-        _p(rt.peers),
-        _i64(rt.region("disp_data")),
-        _i64(rt.region("disp_scale")),
-        _i64(rt.region("disp_meta")),
+        *_send_args(x, tw, h),
         _i64(rt.region("disp_flag")),
         _p(h.info),
         _i32(h.recv_capacity),
