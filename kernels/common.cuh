@@ -91,8 +91,24 @@ MX_HD int mx_ceil_log2(float d) {
     return e < -127 ? -127 : (e > 127 ? 127 : e);
 }
 
+// The specification's block exponent, literally: E = ceil_log2(fl(amax / 448)) (one IEEE division). Kept as
+// the host-side reference of mx_block_exp (tests/test_quant_hostmath.py compares them on every fp32 key).
+MX_HD int mx_block_exp_div(float amax) { return mx_ceil_log2(mx_div448(amax)); }
+
 // Block exponent E from the largest |v| of a finite block (amax >= 0). Scale byte = E + 127.
-MX_HD int mx_block_exp(float amax) { return mx_ceil_log2(mx_div448(amax)); }
+// Equal to mx_block_exp_div for every finite amax, with integer operations only (the IEEE division was the
+// largest item of the quantizer's per-chunk instruction count). Why it is exact: 448 = 1.75 * 2**8, and
+// fl(amax / 448) <= 2**E holds exactly when amax <= 448 * 2**E as long as the quotient is a normal number (the
+// next float above 448 * 2**E is 2**(E-15) away, i.e. its quotient is more than half an ulp of 2**E above it).
+// The smallest such E is then (biased exponent of amax) - 135, plus 1 when the mantissa exceeds 1.75 (0x600000):
+// adding 0x1FFFFF carries into the exponent field exactly then. Quotients below 2**-126 (subnormal, fixed ulp
+// 2**-149) only decide between -127 and -126, and only one amax rounds down onto 2**-127 although it exceeds
+// 448 * 2**-127: 0x04600001 (1.75 * 2**-119 + 2**-142, quotient 2**-127 + 0.875 * 2**-150).
+MX_HD int mx_block_exp(float amax) {
+    const unsigned k = mx_f2u(amax);
+    const int e = (int)((k + 0x1FFFFFu) >> 23) - 135 - (k == 0x04600001u ? 1 : 0);
+    return e < -127 ? -127 : e;  // at most 120 for a finite amax
+}
 
 // Software float -> e4m3 (RNE, saturating to +-448, subnormals, signed zero). Input must not be NaN.
 // Used on the host for the CPU tests, and on the device when MX_SOFT_CVT is defined.
@@ -128,16 +144,19 @@ MX_HD float mx_e4m3_to_f32_soft(unsigned b) {
     return (b & 0x80u) ? -v : v;
 }
 
-// Two floats -> two e4m3 bytes packed (lo in bits 0..7). Clamps to +-448 first (so satfinite never decides).
+// Two floats -> two e4m3 bytes packed (lo in bits 0..7), round to nearest even, saturating to +-448.
+// The hardware conversion needs no clamp: .satfinite maps every finite value and +-Inf beyond 448 to +-448,
+// which is what the clamp did (the quantizers' scaled values never exceed 448 anyway, since 448 * 2**E >= amax).
+// Only NaN differs (clamp: -448, satfinite: NaN), and every caller overwrites NaN/Inf blocks with 0x7F bytes.
+// Dropping the two min/max per value was a sixth of the row quantizer's instructions. The software conversion
+// keeps the clamp: it requires a NaN-free input within +-448.
 MX_HD unsigned mx_cvt2_e4m3(float lo, float hi) {
-    lo = mx_clamp448(lo);
-    hi = mx_clamp448(hi);
 #if defined(__CUDA_ARCH__) && !defined(MX_SOFT_CVT)
     unsigned short r;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return (unsigned)r;
 #else
-    return mx_f32_to_e4m3_soft(lo) | (mx_f32_to_e4m3_soft(hi) << 8);
+    return mx_f32_to_e4m3_soft(mx_clamp448(lo)) | (mx_f32_to_e4m3_soft(mx_clamp448(hi)) << 8);
 #endif
 }
 

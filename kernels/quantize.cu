@@ -51,9 +51,10 @@
 
 #include "quant_sched.cuh"
 
-// Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile, column-scale tile, column exponents,
-// then (RS_GROUPED) the group table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/mxfp8_cuda.py).
-#define MX_SMEM_FIXED 1536
+// Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile (512), column-scale tile (512), column
+// multipliers 2**-E (4 x 128 fp32) and NaN-block masks (4 x 128 bytes) of phase 3, then (RS_GROUPED) the group
+// table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/mxfp8_cuda.py).
+#define MX_SMEM_FIXED 3584
 
 // Software pipelining (MX_PIPE): 0 = one tile per CTA, grid = all tiles (plain launch); 1 = persistent grid, no
 // prefetch; 2 = persistent grid, the next tile's loads issued into registers before the current tile is processed;
@@ -104,13 +105,15 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     unsigned* tile = reinterpret_cast<unsigned*>(smem);  // [TILE][WPR] words, swizzled (CS != NONE)
     unsigned char* stile = smem + (CS != CS_NONE ? TILE * WPR * 4 : 0);  // 512 B row-scale tile (!SREG)
     unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
-    signed char* sexp = reinterpret_cast<signed char*>(ctile + 512);     // [4][128] col exponents (CS_NT)
+    float* smul = reinterpret_cast<float*>(ctile + 512);                 // [4][128] col multipliers (CS_NT)
+    unsigned char* sbad = ctile + 512 + 4 * 4 * TILE;                    // [4][128] NaN-block masks (CS_NT)
     long long* g_rstart = reinterpret_cast<long long*>(stile + MX_SMEM_FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
     // PIPE 3: two 32 KB stages after the table, 16-byte aligned (the launcher adds 2 * 32 KB + 16).
-    unsigned char* stage0 = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<size_t>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) + 15) & ~static_cast<size_t>(15));
+    // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
+    unsigned char* stage0 =
+        smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 15) & ~15LL);
     static_assert(CS != CS_GNT || RS == RS_GROUPED, "per-group column blocks follow the grouped row tiles");
 
     const int tid = threadIdx.x, lane = tid & 31;
@@ -138,21 +141,26 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
         }
         if (CS != CS_GNT) bs = row0 >> 5;
     };
+    // Chunk m (= p * PER + j) of this thread is tile row m * RPM + r0, 16-byte column cc0: the element offset of
+    // its first value is base + m * RPM * K, so the per-chunk address is one add (the 64-bit row arithmetic per
+    // chunk was a tenth of the row quantizer's instructions).
+    constexpr int RPM = NTHREADS / CPR;  // tile rows per chunk step
+    const int r0 = tid / CPR, cc0 = tid % CPR;
+    const long long step = (long long)RPM * K;
     auto issue = [&](unsigned char* stage, long long row0, int nrows, int col0) {  // PIPE 3 (PASSES == 1)
+        const bool cok = col0 + cc0 * VEC < K;
+        const unsigned char* src = x + ((row0 + r0) * K + col0 + cc0 * VEC) * ES;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int c = j * NTHREADS + tid;
-            const int r = c / CPR, cc = c % CPR;
-            const bool ok = r < nrows && col0 + cc * VEC < K;
-            cp_async16(stage + c * 16, ok ? x + ((row0 + r) * K + col0 + cc * VEC) * ES : x, ok);
+            const bool ok = cok && j * RPM + r0 < nrows;
+            cp_async16(stage + (j * NTHREADS + tid) * 16, ok ? src + j * step * ES : x, ok);
         }
         cp_async_commit();
     };
     auto load = [&](uint4* v, int p, long long row0, int nrows, int col0) {
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int c = (p * PER + j) * NTHREADS + tid;
-            const int r = c / CPR, cc = c % CPR;
+            const int r = (p * PER + j) * RPM + r0, cc = cc0;
             const bool ok = r < nrows && col0 + cc * VEC < K;
             if (IN == IN_SWIGLU_BWD || IN == IN_SWIGLU_BWD16) {  // a: row stride K bf16; dh (x2): K/2 values
                 constexpr int DHB = IN == IN_SWIGLU_BWD ? 4 : 2;
@@ -207,8 +215,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     // Blocked row scales stay in registers (no smem tile, no CTA barrier): chunk m = p * PER + j of this thread
     // is row r = m * RPM + tid / CPR, i.e. word (r & 31) = tid / CPR + RPM * (m % NW) of the 128x4 tile, byte
     // 4 * (r >> 5) + cb with r >> 5 = m / NW; sw[w] collects that word's 4 row blocks of column block cb.
-    constexpr int RPM = NTHREADS / CPR;  // tile rows per chunk step
-    constexpr int NW = 32 / RPM;         // 16-byte scale words per thread
+    constexpr int NW = 32 / RPM;  // 16-byte scale words per thread
     unsigned sw[NW];
 #pragma unroll
     for (int w = 0; w < NW; ++w) sw[w] = 0u;
@@ -221,11 +228,13 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
         } else if (PIPE != 3) {
             load(v, p, row0, nrows, col0);
         }
+        const bool cok = col0 + cc0 * VEC < K;
+        unsigned char* const rq0 = rq + (row0 + r0) * K + col0 + cc0 * VEC;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int c = (p * PER + j) * NTHREADS + tid;
-            const int r = c / CPR, cc = c % CPR;
-            const bool ok = r < nrows && col0 + cc * VEC < K;
+            const int m = p * PER + j, c = m * NTHREADS + tid;
+            const int r = m * RPM + r0, cc = cc0;
+            const bool ok = cok && r < nrows;
             if (PIPE == 3) v[j] = *reinterpret_cast<const uint4*>(cur + c * 16);  // read at use: few registers
             if (CS != CS_NONE) {
                 const int w = r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3));
@@ -240,7 +249,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                 uint2 q = quant_chunk<IN>(v[j], mx_exp2i(-e));
                 if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
                 if (ok) {
-                    unsigned char* dst = rq + (row0 + r) * K + col0 + cc * VEC;
+                    unsigned char* dst = rq0 + m * step;
                     if (VEC == 8) *reinterpret_cast<uint2*>(dst) = q;
                     else *reinterpret_cast<unsigned*>(dst) = q.x;
                 }
@@ -248,7 +257,6 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                 if (RS == RS_PLAIN) {
                     if ((lane & (TPB - 1)) == 0 && ok) rs[(row0 + r) * C + ct * 4 + cc / TPB] = (unsigned char)sb;
                 } else if (SREG) {
-                    const int m = p * PER + j;
                     sw[m % NW] |= (ok ? sb : 0u) << (8 * (m / NW));
                 } else if ((lane & (TPB - 1)) == 0) {
                     stile[tile_off(r, cc / TPB)] = ok ? (unsigned char)sb : (unsigned char)0;
@@ -302,7 +310,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                 const unsigned char sb = (unsigned char)(bad ? MX_SCALE_NAN : (unsigned)(e + 127));
                 const int kl = kc0 + c;
                 if (CS == CS_NT || CS == CS_GNT) {
-                    sexp[mb * TILE + kl] = (signed char)(bad ? -128 : e);
+                    smul[mb * TILE + kl] = bad ? 0.0f : mx_exp2i(-e);
+                    sbad[mb * TILE + kl] = bad ? 0xFFu : 0u;
                     if (ok) cs[(bs + mb) * K + col0 + kl] = sb;
                 } else {
                     const float s = mx_exp2i(-e);
@@ -339,29 +348,24 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             const int r = c / CPR, cc = c % CPR;
             if (!(r < nrows && col0 + cc * VEC < K)) continue;
             const uint4 v = *reinterpret_cast<const uint4*>(tile + r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3)));
-            // The chunk's VEC column exponents in one 8- or 4-byte shared load (offset is a multiple of VEC).
-            const signed char* ex = sexp + (r >> 5) * TILE + cc * VEC;
-            unsigned exw[2];
-            if (VEC == 8) {
-                const uint2 t = *reinterpret_cast<const uint2*>(ex);
-                exw[0] = t.x;
-                exw[1] = t.y;
-            } else {
-                exw[0] = *reinterpret_cast<const unsigned*>(ex);
-                exw[1] = 0u;
-            }
-            const unsigned vw[4] = {v.x, v.y, v.z, v.w};
-            // Each element has its own column's exponent; pack 4 conversions per cvt (2 x e4m3x2), then patch
-            // the NaN blocks (exponent -128) to 0x7F byte by byte.
-            float f[8];
+            // The chunk's VEC column multipliers (16-byte shared loads; offset is a multiple of VEC) and NaN-block
+            // byte masks (one 8- or 4-byte load): per element one multiply, per 4 elements one cvt and one mask.
+            const int xo = (r >> 5) * TILE + cc * VEC;
+            float mul[8];
             unsigned nanmask[2] = {0u, 0u};
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) {
-                const int e = (int)(signed char)(exw[i >> 2] >> (8 * (i & 3)));
-                const bool bad = e == -128;
-                f[i] = bad ? 0.0f : mx_mul(word_elem<IN>(vw[i * ES / 4], (i * ES / 2) & 1), mx_exp2i(-e));
-                if (bad) nanmask[i >> 2] |= 0xFFu << (8 * (i & 3));
+            for (int h = 0; h < VEC / 4; ++h) {
+                const uint4 t = *reinterpret_cast<const uint4*>(smul + xo + 4 * h);
+                mul[4 * h] = __uint_as_float(t.x);
+                mul[4 * h + 1] = __uint_as_float(t.y);
+                mul[4 * h + 2] = __uint_as_float(t.z);
+                mul[4 * h + 3] = __uint_as_float(t.w);
+                nanmask[h] = *reinterpret_cast<const unsigned*>(sbad + xo + 4 * h);
             }
+            const unsigned vw[4] = {v.x, v.y, v.z, v.w};
+            float f[8];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) f[i] = mx_mul(word_elem<IN>(vw[i * ES / 4], (i * ES / 2) & 1), mul[i]);
             unsigned o[2];
 #pragma unroll
             for (int h = 0; h < VEC / 4; ++h)

@@ -28,6 +28,9 @@ HARNESS = r"""
 // usage: harness MODE IN OUT.  MODE "q": IN = n*32 float32, OUT = n scale bytes then n*32 data bytes.
 //                               MODE "c": IN = n float32, OUT = n e4m3 bytes (soft conversion of clamped v).
 //                               MODE "d": IN = n bytes, OUT = n float32 (soft e4m3 decode).
+//                               MODE "e": IN = n uint32 fp32 bit patterns, OUT = n int32 mx_block_exp.
+//                               MODE "x": IN ignored, OUT = int64 count of finite keys k >= 0 where
+//                                 mx_block_exp != mx_block_exp_div, then the first such key (uint32).
 int main(int argc, char** argv) {
     if (argc != 4) return 2;
     FILE* f = fopen(argv[2], "rb");
@@ -48,6 +51,22 @@ int main(int argc, char** argv) {
             unsigned p = mx_cvt2_e4m3(((const float*)buf)[i], 0.0f);
             unsigned char b = (unsigned char)(p & 0xFF); fwrite(&b, 1, 1, o);
         }
+    } else if (argv[1][0] == 'e') {
+        long n = nb / 4;
+        for (long i = 0; i < n; ++i) {
+            int e = mx_block_exp(mx_u2f(((const unsigned*)buf)[i]));
+            fwrite(&e, 4, 1, o);
+        }
+    } else if (argv[1][0] == 'x') {
+        long long bad = 0;
+        unsigned first = 0xFFFFFFFFu;
+        for (unsigned k = 0; k < 0x7F800000u; ++k) {
+            if (mx_block_exp(mx_u2f(k)) != mx_block_exp_div(mx_u2f(k))) {
+                if (!bad) first = k;
+                ++bad;
+            }
+        }
+        fwrite(&bad, 8, 1, o); fwrite(&first, 4, 1, o);
     } else {
         for (long i = 0; i < nb; ++i) { float v = mx_e4m3_to_f32_soft(buf[i]); fwrite(&v, 4, 1, o); }
     }
@@ -155,6 +174,31 @@ def test_every_bf16_value_converts(harness, tmp_path):
     ref = vals.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     mism = (got != ref).nonzero().flatten()
     assert mism.numel() == 0, f"{mism.numel()} mismatches, first value {vals[mism[0]].item()!r}"
+
+
+def test_block_exp_every_fp32_key(harness, tmp_path):
+    """The integer block exponent equals ceil_log2(amax / 448) with an IEEE division for all 2**31 finite keys."""
+    out = _run(harness, tmp_path, "x", b"\0" * 4)
+    bad = int.from_bytes(out[:8], "little", signed=True)
+    first = int.from_bytes(out[8:12], "little")
+    assert bad == 0, f"{bad} keys differ, first 0x{first:08X}"
+
+
+def test_block_exp_matches_reference_at_boundaries(harness, tmp_path):
+    """Against the torch specification, on every exponent's edges and the subnormal-quotient window."""
+    mant = [0, 1, 2, 3, 0x5FFFFE, 0x5FFFFF, 0x600000, 0x600001, 0x600002, 0x7FFFFE, 0x7FFFFF]
+    keys = [(b << 23) | m for b in range(255) for m in mant]
+    keys += list(range(0x04600000 - 4096, 0x04600000 + 4096)) + list(range(0x04E00000 - 4096, 0x04E00000 + 4096))
+    keys += torch.randint(0, 0x7F800000, (1 << 16,), generator=torch.Generator().manual_seed(3)).tolist()
+    k = torch.tensor(keys, dtype=torch.int64).to(torch.int32)
+    out = _run(harness, tmp_path, "e", k.numpy().tobytes())
+    got = torch.frombuffer(bytearray(out), dtype=torch.int32)
+    # The specification's exponent: quantize a block whose largest |v| is the key (scale byte = E + 127).
+    blocks = torch.zeros(k.numel(), 32, dtype=torch.float32)
+    blocks[:, 0] = k.view(torch.float32)
+    ref = quantize_torch(blocks, -1).scale.reshape(-1).to(torch.int32) - 127
+    bad = (got != ref).nonzero().flatten()
+    assert bad.numel() == 0, f"key 0x{int(k[bad[0]]):08X}: got {int(got[bad[0]])}, spec {int(ref[bad[0]])}"
 
 
 def test_e4m3_decode(harness, tmp_path):
