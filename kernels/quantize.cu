@@ -61,6 +61,8 @@
 // 3 = persistent grid, cp.async double buffer in shared memory (quant_sched.cuh). 2 and 3 need 16-bit inputs (the
 // fp32 tile needs two passes), so fp32 and the SwiGLU inputs use 0. Selected at compile time (MOE_EP_QUANT_PIPE);
 // the launcher sizes the grid and shared memory from the same rule (mxfp8_cuda._effective_pipe).
+// Modes with a column-wise output stage the tile in shared memory anyway: they pipeline only with 3, whose
+// cp.async copies land straight in the swizzled tile layout (1 and 2 fall back to 0 for them).
 // -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md): 3 for plain, blocked and
 // 3-D weight scales, 2 for grouped scales (its table scan amortizes better without the stage wait), 0 otherwise.
 #ifndef MX_PIPE
@@ -70,8 +72,7 @@
 template <int IN, int RS, int CS> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     static constexpr int WANT = MX_PIPE >= 0 ? MX_PIPE : (RS == RS_GROUPED ? 2 : 3);
-    // Column-wise and fused modes were not helped by pipelining (up to 16 points slower, NOTES.md): always 0.
-    static constexpr int PIPE = ((WANT >= 2 && ES == 4) || CS != CS_NONE) ? 0 : WANT;
+    static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
     static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
 };
 
@@ -101,9 +102,12 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     constexpr bool SREG = RTILE && CS == CS_NONE;
     static_assert((PIPE != 2 && PIPE != 3) || PASSES == 1, "prefetch needs a one-pass tile");
 
+    // The tile in shared memory: [TILE][WPR] words, XOR-swizzled; its own area when a column-wise output needs
+    // it (STAGED), or the current cp.async stage (PIPE 3), which uses the same layout.
+    constexpr bool STAGED = CS != CS_NONE && PIPE != 3;
     MX_DYN_SMEM(smem);
-    unsigned* tile = reinterpret_cast<unsigned*>(smem);  // [TILE][WPR] words, swizzled (CS != NONE)
-    unsigned char* stile = smem + (CS != CS_NONE ? TILE * WPR * 4 : 0);  // 512 B row-scale tile (!SREG)
+    unsigned* tile = reinterpret_cast<unsigned*>(smem);
+    unsigned char* stile = smem + (STAGED ? TILE * WPR * 4 : 0);         // 512 B row-scale tile (!SREG)
     unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
     float* smul = reinterpret_cast<float*>(ctile + 512);                 // [4][128] col multipliers (CS_NT)
     unsigned char* sbad = ctile + 512 + 4 * 4 * TILE;                    // [4][128] NaN-block masks (CS_NT)
@@ -147,13 +151,16 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     constexpr int RPM = NTHREADS / CPR;  // tile rows per chunk step
     const int r0 = tid / CPR, cc0 = tid % CPR;
     const long long step = (long long)RPM * K;
+    // Byte offset of chunk (tile row r, 16-byte column cc) in the swizzled tile: bits 3-4 of the word index are
+    // XORed with the row's 32-row block, so 16-byte row writes and 32-row column reads are both conflict-free.
+    auto soff = [&](int r, int cc) { return (r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3))) * 4; };
     auto issue = [&](unsigned char* stage, long long row0, int nrows, int col0) {  // PIPE 3 (PASSES == 1)
         const bool cok = col0 + cc0 * VEC < K;
         const unsigned char* src = x + ((row0 + r0) * K + col0 + cc0 * VEC) * ES;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const bool ok = cok && j * RPM + r0 < nrows;
-            cp_async16(stage + (j * NTHREADS + tid) * 16, ok ? src + j * step * ES : x, ok);
+            cp_async16(stage + soff(j * RPM + r0, cc0), ok ? src + j * step * ES : x, ok);
         }
         cp_async_commit();
     };
@@ -200,7 +207,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                 load(vn, 0, row0_n, nrows_n, ct_n * TILE);
             }
         }
-        const unsigned char* cur = stage0 + buf * MX_STAGE_BYTES;
+        unsigned char* cur = stage0 + buf * MX_STAGE_BYTES;
+        if (PIPE == 3) tile = reinterpret_cast<unsigned*>(cur);
         if (PIPE == 3) {
             if (Tn < total) {
                 coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
@@ -232,14 +240,11 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
         unsigned char* const rq0 = rq + (row0 + r0) * K + col0 + cc0 * VEC;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int m = p * PER + j, c = m * NTHREADS + tid;
+            const int m = p * PER + j;
             const int r = m * RPM + r0, cc = cc0;
             const bool ok = cok && r < nrows;
-            if (PIPE == 3) v[j] = *reinterpret_cast<const uint4*>(cur + c * 16);  // read at use: few registers
-            if (CS != CS_NONE) {
-                const int w = r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3));
-                *reinterpret_cast<uint4*>(tile + w) = v[j];
-            }
+            if (PIPE == 3) v[j] = *reinterpret_cast<const uint4*>(cur + soff(r, cc));  // at use: few registers
+            if (STAGED) *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(tile) + soff(r, cc)) = v[j];
             if (RS != RS_NONE) {
                 unsigned key = chunk_key<IN>(v[j]);
 #pragma unroll

@@ -64,8 +64,9 @@ _SMEM_FIXED = 3584  # kernels/quantize.cu MX_SMEM_FIXED
 
 def _pipe() -> int:
     """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
-    prefetch, 3 persistent + cp.async double buffer in shared memory (row-wise 16-bit modes; others fall back);
-    unset or "auto" (-1): the per-mode best measured (3 for plain/blocked/3-D weight scales, 2 for grouped)."""
+    prefetch, 3 persistent + cp.async double buffer in shared memory (16-bit inputs; fp32 falls back to 0 for 2
+    and 3, column-wise/fused modes to 0 for 1 and 2); unset or "auto" (-1): the per-mode best measured
+    (kernels/quantize.cu QuantCfg)."""
     v = os.environ.get("MOE_EP_QUANT_PIPE", "auto")
     if v not in ("auto", "0", "1", "2", "3"):
         raise ValueError(f"MOE_EP_QUANT_PIPE must be auto, 0, 1, 2 or 3, got {v!r}")
@@ -82,7 +83,7 @@ def _effective_pipe(es: int, rs_mode: int, cs_mode: int) -> int:
     pipe = _pipe()
     if pipe < 0:
         pipe = 2 if rs_mode == _RS["grouped"] else 3
-    return 0 if (es == 4 and pipe >= 2) or cs_mode != 0 else pipe
+    return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe != 3) else pipe
 
 
 def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device) -> int:
@@ -221,8 +222,9 @@ def _launch_quant(
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
     grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    stages = 2 * _TILE * _TILE * 2 + 16 if _effective_pipe(es, rs_mode, cs_mode) == 3 else 0  # PIPE 3 buffers
-    smem = (_TILE * _TILE * es if cs_mode else 0) + _SMEM_FIXED + table + stages
+    pipe3 = _effective_pipe(es, rs_mode, cs_mode) == 3
+    stages = 2 * _TILE * _TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
+    smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + _SMEM_FIXED + table + stages
     p = _cuda.ptr
     args = (
         p(x),
