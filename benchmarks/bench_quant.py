@@ -73,7 +73,8 @@ def copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
 
 
 def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
-    """Bytes/s of kernels/bench_probe.cu on x's traffic (read 2 B + write 1 B per element, no arithmetic).
+    """Bytes/s of kernels/bench_probe.cu on x's traffic (read 2 B + write 1 B per element, no arithmetic; the
+    ``fused_*`` probes write a second byte per element at the transposed output's addresses).
 
     ``linear``: flat grid-stride order; ``tile``: mx_quant's 128x128 tile order, one tile per CTA. They tell
     how much of the gap to the copy bandwidth belongs to the traffic mix and access order rather than to the
@@ -106,6 +107,18 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
         if not torch.equal(out, want):
             raise AssertionError(f"probe_{name} wrote wrong bytes")
         res[name] = 3 * m * k / (timer(fn) * 1e-3)
+    # The fused quantizer's traffic: read 2 B, write 1 B row-wise + 1 B at the transposed output's addresses.
+    fus = _cuda.get_function("bench_probe.cu", "probe_fused")
+    outt = torch.empty(k, m, dtype=torch.uint8, device=x.device)
+    for order, name in ((0, "fused_tile"), (1, "fused_group4")):
+        args = (_cuda.ptr(x), _cuda.ptr(out), _cuda.ptr(outt), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
+        fn = lambda args=args, order=order: _cuda.launch(fus, grid_tile, 256, (*args, _cuda.i32(order)))  # noqa: E731
+        out.zero_()
+        fn()
+        torch.cuda.synchronize()
+        if not torch.equal(out, x.view(torch.uint8).view(m, k, 2)[..., 0]):
+            raise AssertionError(f"probe_{name} wrote wrong row bytes")
+        res[name] = 4 * m * k / (timer(fn) * 1e-3)
     return res
 
 

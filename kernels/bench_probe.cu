@@ -58,3 +58,50 @@ extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char
             *reinterpret_cast<uint2*>(out + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
     }
 }
+
+// The fused quantizer's traffic (row-wise output [M, K] plus the transposed column-wise output xt [K, M]) with no
+// arithmetic: one 128 x 128 tile per CTA, 8 chunks in flight per thread, then the row bytes as probe_tile writes
+// them and 2 x 16 bytes per thread at xt's addresses (4 lanes write 128 contiguous bytes of one xt row; the bytes
+// themselves are not a transpose). order 0: column tile fastest (mx_quant's order); order 1: groups of 4 row
+// tiles, the row tile fastest inside a group (4 consecutive CTAs extend each xt row segment to 512 bytes).
+extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned char* __restrict__ x,
+                                                              unsigned char* __restrict__ out,
+                                                              unsigned char* __restrict__ outt, long long M,
+                                                              int K, int ctiles, int order) {
+    const int rtiles = (int)((M + 127) / 128);
+    int rt, ct;
+    if (order == 0 || rtiles % 4 != 0) {
+        rt = blockIdx.x / ctiles;
+        ct = blockIdx.x % ctiles;
+    } else {
+        const int grp = blockIdx.x / (4 * ctiles), in = blockIdx.x % (4 * ctiles);
+        rt = grp * 4 + in % 4;
+        ct = in / 4;
+    }
+    const long long row0 = (long long)rt * 128;
+    const int col0 = ct * 128;
+    uint4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
+        const bool ok = row0 + r < M && col0 + cc * 8 < K;
+        v[j] = ok ? probe_ld(x + ((row0 + r) * K + col0 + cc * 8) * 2) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
+        if (row0 + r < M && col0 + cc * 8 < K)
+            *reinterpret_cast<uint2*>(out + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
+    }
+    // xt: thread t owns xt rows col0 + 2 * (t >> 2) + {0, 1}, bytes row0 + 32 * (t & 3) .. + 32.
+    const int mb = threadIdx.x & 3, kc = 2 * (threadIdx.x >> 2);
+    if (row0 + 32 * mb < M) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            if (col0 + kc + c >= K) continue;
+            uint4* dst = reinterpret_cast<uint4*>(outt + (long long)(col0 + kc + c) * M + row0 + 32 * mb);
+            dst[0] = v[2 * c];
+            dst[1] = v[2 * c + 1];
+        }
+    }
+}

@@ -64,14 +64,16 @@
 // Modes with a column-wise output stage the tile in shared memory anyway: they pipeline only with 3, whose
 // cp.async copies land straight in the swizzled tile layout (1 and 2 fall back to 0 for them).
 // -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md): 3 for plain, blocked and
-// 3-D weight scales, 2 for grouped scales (its table scan amortizes better without the stage wait), 0 otherwise.
+// 3-D weight scales, 2 for grouped row scales (its table scan amortizes better without the stage wait), 3 for the
+// fused and grouped-dual modes (row + column outputs), 0 for column-only outputs and fp32/SwiGLU inputs.
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif
 
 template <int IN, int RS, int CS> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
-    static constexpr int WANT = MX_PIPE >= 0 ? MX_PIPE : (RS == RS_GROUPED ? 2 : 3);
+    static constexpr int WANT =
+        MX_PIPE >= 0 ? MX_PIPE : (CS != CS_NONE ? (RS == RS_NONE ? 0 : 3) : (RS == RS_GROUPED ? 2 : 3));
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
     static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
 };

@@ -81,8 +81,11 @@ def _options() -> tuple[str, ...]:
 def _effective_pipe(es: int, rs_mode: int, cs_mode: int) -> int:
     """The pipelining the kernel compiles for this mode (kernels/quantize.cu QuantCfg)."""
     pipe = _pipe()
-    if pipe < 0:
-        pipe = 2 if rs_mode == _RS["grouped"] else 3
+    if pipe < 0:  # kernels/quantize.cu QuantCfg::WANT
+        if cs_mode != 0:
+            pipe = 0 if rs_mode == 0 else 3
+        else:
+            pipe = 2 if rs_mode == _RS["grouped"] else 3
     return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe != 3) else pipe
 
 
