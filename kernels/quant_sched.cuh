@@ -90,13 +90,12 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
     nrows = (int)min((long long)TILE, rstart[lo + 1] - row0);
 }
 
-// MX_PIPE 3: persistent grid; each work unit (a 128-row tile, 32 KB of bf16, or for row-only outputs a 64-row
-// half tile) arrives by cp.async in a shared-memory double buffer (the next unit's copies are in flight while
-// the current one is processed). Bytes in flight then cost no registers: the same-traffic probe
-// (kernels/bench_probe.cu, 8 CTAs/SM) reaches 94-95 % of copy where the register-staged kernel (4 CTAs/SM,
-// 64 registers) stays near 85 %. Row-only modes read back only the 16-byte slots a thread copied itself, so
-// their stage needs no CTA barrier (cp.async.wait_group orders a thread's own copies); column modes read the
-// whole tile after the CTA barrier that phase 2 has anyway.
+// MX_PIPE 3: persistent grid; each tile's 32 KB arrive by cp.async in a shared-memory double buffer (the next
+// tile's copies are in flight while the current one is processed). Bytes in flight then cost no registers: the
+// same-traffic probe (kernels/bench_probe.cu, 8 CTAs/SM) reaches 94-95 % of copy where the register-staged
+// kernel (4 CTAs/SM, 64 registers) stays near 85 %. Each thread reads back only the 16-byte slots it copied
+// itself, so the stage needs no CTA barrier (cp.async.wait_group orders a thread's own copies).
+#define MX_STAGE_BYTES (TILE * TILE * 2)
 
 __device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {
 #if defined(__CUDA_ARCH__)

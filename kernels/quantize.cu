@@ -75,11 +75,7 @@ template <int IN, int RS, int CS> struct QuantCfg {
     static constexpr int WANT =
         MX_PIPE >= 0 ? MX_PIPE : (CS != CS_NONE ? (RS == RS_NONE ? 0 : 3) : (RS == RS_GROUPED ? 2 : 3));
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
-    // Row-only outputs under PIPE 3 schedule half tiles (64 rows): 16 KB stages fit 4 CTAs per SM, and twice as
-    // many work units shorten the persistent grid's last, partly idle round (2048 tiles over 396 CTAs = 5.17
-    // rounds, i.e. 86 % busy at best; 4096 half tiles over 528 CTAs = 7.76 rounds, 97 %).
-    static constexpr bool HALF = PIPE == 3 && CS == CS_NONE;
-    static constexpr int MINB = PIPE == 2 ? 2 : (HALF ? 4 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
+    static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
 };
 
 
@@ -100,11 +96,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     constexpr int CPR = TILE / VEC;           // chunks per tile row
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block
     constexpr int WPR = TILE * ES / 4;        // 32-bit words per tile row
-    constexpr bool HALF = QuantCfg<IN, RS, CS>::HALF;
-    constexpr int UROWS = HALF ? TILE / 2 : TILE;   // rows of one work unit (a tile, or half of one)
-    constexpr int PER = HALF ? 4 : 8;               // chunks in flight per thread
-    constexpr int PASSES = UROWS * CPR / (NTHREADS * PER);
-    constexpr int STAGE = UROWS * TILE * 2;         // bytes of one cp.async stage (PIPE 3)
+    constexpr int PER = 8;                    // chunks in flight per thread
+    constexpr int PASSES = TILE * CPR / (NTHREADS * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
     // Row-only blocked modes keep their scale tile in registers (no barrier); modes with a column-wise output
     // need the CTA barrier for phase 2 anyway and keep the smem tile (fewer live registers through phase 1).
@@ -123,7 +116,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     long long* g_rstart = reinterpret_cast<long long*>(stile + MX_SMEM_FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
-    // PIPE 3: two stages of STAGE bytes after the table, 16-byte aligned (the launcher adds 2 * STAGE + 16).
+    // PIPE 3: two 32 KB stages after the table, 16-byte aligned (the launcher adds 2 * 32 KB + 16).
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
         smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 15) & ~15LL);
@@ -131,15 +124,12 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int C = K / 32;
-    const int total = n_row_tiles * ctiles * (HALF ? 2 : 1);  // work units
+    const int total = n_row_tiles * ctiles;
     if (RS == RS_GROUPED) grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
 
-    // Work unit U -> (row tile, column tile, first row, rows, half): unit U is tile U (HALF: rows 64 h .. 64 h + 63
-    // of tile U / 2, h = U % 2). bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GNT:
-    // per-group block numbering).
-    auto coords = [&](int U, int& rt, int& ct, long long& row0, int& nrows, long long& bs, int& h) {
-        const int T = HALF ? U >> 1 : U;
-        h = HALF ? U & 1 : 0;
+    // Tile T -> (row tile, column tile, first row, rows).
+    // bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GNT: per-group block numbering).
+    auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows, long long& bs) {
         rt = (int)((unsigned)T / (unsigned)ctiles);
         ct = (int)((unsigned)T % (unsigned)ctiles);
         bs = 0;
@@ -154,10 +144,6 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
         } else {
             row0 = (long long)rt * TILE;
             nrows = (int)min((long long)TILE, M - row0);
-        }
-        if (HALF) {
-            row0 += h * UROWS;
-            nrows = max(0, min(nrows - h * UROWS, UROWS));
         }
         if (CS != CS_GNT) bs = row0 >> 5;
     };
@@ -201,9 +187,9 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
 
     int T = (int)blockIdx.x;
     if (T >= total) return;
-    int rt, ct, nrows, h;
+    int rt, ct, nrows;
     long long row0, bs;
-    coords(T, rt, ct, row0, nrows, bs, h);
+    coords(T, rt, ct, row0, nrows, bs);
     uint4 vn[PER];
     if (PIPE == 2) load(vn, 0, row0, nrows, ct * TILE);
     int buf = 0;
@@ -212,23 +198,23 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     for (;;) {
         const int col0 = ct * TILE;
         const int Tn = PIPE ? T + (int)gridDim.x : total;
-        int rt_n = 0, ct_n = 0, nrows_n = 0, h_n = 0;
+        int rt_n = 0, ct_n = 0, nrows_n = 0;
         long long row0_n = 0, bs_n = 0;
         uint4 vc[PER];
         if (PIPE == 2) {
 #pragma unroll
             for (int j = 0; j < PER; ++j) vc[j] = vn[j];
             if (Tn < total) {
-                coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n, h_n);
+                coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
                 load(vn, 0, row0_n, nrows_n, ct_n * TILE);
             }
         }
-        unsigned char* cur = stage0 + buf * STAGE;
+        unsigned char* cur = stage0 + buf * MX_STAGE_BYTES;
         if (PIPE == 3) tile = reinterpret_cast<unsigned*>(cur);
         if (PIPE == 3) {
             if (Tn < total) {
-                coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n, h_n);
-                issue(stage0 + (buf ^ 1) * STAGE, row0_n, nrows_n, ct_n * TILE);
+                coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
+                issue(stage0 + (buf ^ 1) * MX_STAGE_BYTES, row0_n, nrows_n, ct_n * TILE);
                 cp_async_wait<1>();  // all but the copies just issued: the current tile has landed
             } else {
                 cp_async_wait<0>();
@@ -301,12 +287,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                 o.y = (u0 >> 8 & 0xFFu) | (u1 >> 8 & 0xFFu) << 8 | (u2 >> 8 & 0xFFu) << 16 | (u3 >> 8) << 24;
                 o.z = (u0 >> 16 & 0xFFu) | (u1 >> 16 & 0xFFu) << 8 | (u2 >> 16 & 0xFFu) << 16 | (u3 >> 16) << 24;
                 o.w = (u0 >> 24) | (u1 >> 24) << 8 | (u2 >> 24) << 16 | (u3 >> 24) << 24;
-                unsigned char* word = rs + ((long long)rt * ctiles + ct) * 512 + 16 * (tid / CPR + RPM * w);
-                if (HALF) {  // this unit's row blocks 0, 1 are the tile's 2h, 2h + 1: bytes 8h .. 8h + 7
-                    *reinterpret_cast<uint2*>(word + 8 * h) = make_uint2(o.x, o.y);
-                } else {
-                    *reinterpret_cast<uint4*>(word) = o;
-                }
+                reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid / CPR + RPM * w] = o;
             }
         }
     }
@@ -425,9 +406,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             row0 = row0_n;
             nrows = nrows_n;
             bs = bs_n;
-            h = h_n;
         } else {
-            coords(T, rt, ct, row0, nrows, bs, h);
+            coords(T, rt, ct, row0, nrows, bs);
         }
     }
 }

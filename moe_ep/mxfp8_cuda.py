@@ -89,27 +89,19 @@ def _effective_pipe(es: int, rs_mode: int, cs_mode: int) -> int:
     return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe != 3) else pipe
 
 
-def _half_tiles(es: int, rs_mode: int, cs_mode: int) -> bool:
-    """Row-only pipe 3 schedules half tiles of 64 rows (kernels/quantize.cu QuantCfg::HALF)."""
-    return _effective_pipe(es, rs_mode, cs_mode) == 3 and cs_mode == 0
-
-
 def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device) -> int:
     """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
     pipe = _effective_pipe(es, rs_mode, cs_mode)
     if pipe == 0:
         return tiles
-    half = _half_tiles(es, rs_mode, cs_mode)
-    if half:
-        tiles *= 2  # work units
-    per_sm = 2 if pipe == 2 else (4 if half else 3)
+    per_sm = 2 if pipe == 2 else 3
     full = min(tiles, per_sm * _sm_count(device))
     if os.environ.get("MOE_EP_QUANT_GRID", "full").strip().lower() != "balanced":
         # Default: every CTA slot of the GPU. Measured on H200 (benchmarks/NOTES.md, pass 4): more bytes in
         # flight beat an even tile count; the balanced grid lost 0-6 points of copy bandwidth.
         return full
     # Balanced: as few CTAs as still give every CTA the same number of tiles (+-1), so no short last round runs
-    # with a fraction of the CTAs (2048 tiles at 3 per SM: 342 CTAs x 6 instead of 396 x 5.17).
+    # with a fraction of the CTAs (2048 tiles: 342 CTAs x 6 instead of 396 x 5.17).
     return _cdiv(tiles, _cdiv(tiles, full))
 
 
@@ -234,9 +226,7 @@ def _launch_quant(
     grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     pipe3 = _effective_pipe(es, rs_mode, cs_mode) == 3
-    # PIPE 3 buffers (they hold the column modes' tile too; row-only modes stage half tiles)
-    unit_rows = _TILE // 2 if _half_tiles(es, rs_mode, cs_mode) else _TILE
-    stages = 2 * unit_rows * _TILE * 2 + 16 if pipe3 else 0
+    stages = 2 * _TILE * _TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
     smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + _SMEM_FIXED + table + stages
     p = _cuda.ptr
     args = (

@@ -381,14 +381,13 @@ def test_quant_grid_full_and_balanced(monkeypatch):
     dev = torch.device("cpu")
     blocked, grouped = mxfp8_cuda._RS["blocked"], mxfp8_cuda._RS["grouped"]
     monkeypatch.delenv("MOE_EP_QUANT_GRID", raising=False)
-    # blocked bf16: pipe 3 over half tiles (2 units per tile), 4 CTAs per SM = 528 slots; grouped: pipe 2, 2 per
-    # SM = 264
-    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 528
-    assert mxfp8_cuda._quant_ctas(100, 2, blocked, 0, dev) == 200
+    # blocked bf16: pipe 3, 3 CTAs per SM = 396 slots; grouped: pipe 2, 2 per SM = 264
+    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 396
+    assert mxfp8_cuda._quant_ctas(100, 2, blocked, 0, dev) == 100
     assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 264
     assert mxfp8_cuda._quant_ctas(2048, 2, 0, mxfp8_cuda._CS["blocked"], dev) == 2048  # column-only: pipe 0
     assert mxfp8_cuda._quant_ctas(2048, 2, blocked, mxfp8_cuda._CS["blocked"], dev) == 396  # fused: pipe 3
     assert mxfp8_cuda._quant_ctas(2048, 4, blocked, mxfp8_cuda._CS["blocked"], dev) == 2048  # fp32: pipe 0
     monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
-    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 512  # 4096 half tiles / 528 slots: 8 per CTA
+    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 342  # ceil(2048 / 6): 6 tiles per CTA
     assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
