@@ -174,10 +174,12 @@ __device__ __forceinline__ unsigned disp_send_token(
             } else {
                 const int e = mx_block_exp(__uint_as_float(key));
                 const float s = mx_exp2i(-e);
-                q.x = mx_cvt4_e4m3(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
-                q.y = mx_cvt4_e4m3(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
-                q.z = mx_cvt4_e4m3(v[8] * s, v[9] * s, v[10] * s, v[11] * s);
-                q.w = mx_cvt4_e4m3(v[12] * s, v[13] * s, v[14] * s, v[15] * s);
+                // mx_mul, not '*': NVRTC builds with -ftz=true, and a flushed subnormal input would lose its
+                // value (a block of bf16/fp32 subnormals has E = -127 and quantizes to nonzero bytes).
+                q.x = mx_cvt4_e4m3(mx_mul(v[0], s), mx_mul(v[1], s), mx_mul(v[2], s), mx_mul(v[3], s));
+                q.y = mx_cvt4_e4m3(mx_mul(v[4], s), mx_mul(v[5], s), mx_mul(v[6], s), mx_mul(v[7], s));
+                q.z = mx_cvt4_e4m3(mx_mul(v[8], s), mx_mul(v[9], s), mx_mul(v[10], s), mx_mul(v[11], s));
+                q.w = mx_cvt4_e4m3(mx_mul(v[12], s), mx_mul(v[13], s), mx_mul(v[14], s), mx_mul(v[15], s));
                 sb = (unsigned)(e + 127);
             }
             if (act) {

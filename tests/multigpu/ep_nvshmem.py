@@ -136,6 +136,9 @@ def make_inputs(case, counts, e, k, h, dtype, seed, specials=False):
         x[1, 40] = float("nan")
         x[2, 64:96] = 0.0
         x[2, 70] = 1e-30
+        if n >= 4:  # a block of subnormals only (E = -127, nonzero e4m3 bytes), one with a subnormal amax
+            x[3, 0:32] = torch.linspace(-3e-39, 3e-39, 32)
+            x[3, 32:64] = torch.linspace(-1e-40, 2e-40, 32)
     idx, w = routing(case, n, e, k, gen)
     return x.to(dtype).to(DEV), idx, w
 
