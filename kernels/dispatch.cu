@@ -111,7 +111,7 @@ __device__ __forceinline__ void recv_values(const unsigned char* data, const uns
         e4m3x16_to_f32(q, v);
         float m = sb == 0xFFu ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)sb - 127);
 #pragma unroll
-        for (int k = 0; k < 16; ++k) v[k] = round_to<OT>(v[k] * m);
+        for (int k = 0; k < 16; ++k) v[k] = round_to<OT>(mx_mul(v[k], m));  // no ftz: 2**-127 scales
     } else {
         load16<OT>(data + (i * H + e0) * (OT == IN_BF16 ? 2 : 4), v);
     }
