@@ -37,14 +37,10 @@ extern "C" __global__ void __launch_bounds__(256) probe_linear(const unsigned ch
     }
 }
 
-// x: [M, K] bf16, out: [M, K] bytes; grid = ceil(M/128) * ceil(K/128).
-extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char* __restrict__ x,
-                                                             unsigned char* __restrict__ out, long long M,
-                                                             int K, int ctiles) {
-    const int rt = blockIdx.x / ctiles, ct = blockIdx.x % ctiles;
-    const long long row0 = (long long)rt * 128;
-    const int col0 = ct * 128;
-    uint4 v[8];
+// One 128 x 128 tile at (row0, col0): 8 chunks in flight per thread, then the low byte of every element to out.
+// v: the thread's chunks (kept for probe_fused's second output).
+__device__ __forceinline__ void probe_tile_rows(const unsigned char* __restrict__ x, unsigned char* __restrict__ out,
+                                                long long M, int K, long long row0, int col0, uint4* v) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
@@ -57,6 +53,17 @@ extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char
         if (row0 + r < M && col0 + cc * 8 < K)
             *reinterpret_cast<uint2*>(out + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
     }
+}
+
+// x: [M, K] bf16, out: [M, K] bytes; grid = ceil(M/128) * ceil(K/128).
+extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char* __restrict__ x,
+                                                             unsigned char* __restrict__ out, long long M,
+                                                             int K, int ctiles) {
+    const int rt = blockIdx.x / ctiles, ct = blockIdx.x % ctiles;
+    const long long row0 = (long long)rt * 128;
+    const int col0 = ct * 128;
+    uint4 v[8];
+    probe_tile_rows(x, out, M, K, row0, col0, v);
 }
 
 // The fused quantizer's traffic (row-wise output [M, K] plus the transposed column-wise output xt [K, M]) with no
@@ -81,18 +88,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
     const long long row0 = (long long)rt * 128;
     const int col0 = ct * 128;
     uint4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
-        const bool ok = row0 + r < M && col0 + cc * 8 < K;
-        v[j] = ok ? probe_ld(x + ((row0 + r) * K + col0 + cc * 8) * 2) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
-        if (row0 + r < M && col0 + cc * 8 < K)
-            *reinterpret_cast<uint2*>(out + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
-    }
+    probe_tile_rows(x, out, M, K, row0, col0, v);
     // xt: thread t owns xt rows col0 + 2 * (t >> 2) + {0, 1}, bytes row0 + 32 * (t & 3) .. + 32.
     const int mb = threadIdx.x & 3, kc = 2 * (threadIdx.x >> 2);
     if (row0 + 32 * mb < M) {
