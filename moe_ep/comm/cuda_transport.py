@@ -39,7 +39,7 @@ import torch
 from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
 from .nvshmem import EPRuntime, get_runtime
-from .ops import _Combine, _Dispatch
+from .ops import _Combine, _Dispatch, check_dispatch_inputs
 
 _LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
 _LAYOUT_TOKENS_PER_CTA = 128
@@ -616,10 +616,7 @@ def dispatch(
     expand_capacity: int | None = None,
 ):
     """:func:`moe_ep.comm.ops.dispatch` on the CUDA transport -> (rows [Ncap, H], weights [Ncap], handle)."""
-    if x.dim() != 2 or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_w {tuple(topk_w.shape)} do not match"
-        )
+    check_dispatch_inputs(x, topk_idx, topk_w, quantize)
     handle = build_layout(topk_idx, num_experts, group, expand_capacity=expand_capacity)
     rows, w = _Dispatch.apply(x, topk_w, handle, quantize, sys.modules[__name__])
     return rows, w, handle

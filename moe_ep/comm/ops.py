@@ -107,6 +107,19 @@ class _Combine(torch.autograd.Function):
 _SELF = sys.modules[__name__]
 
 
+def check_dispatch_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, quantize: bool) -> None:
+    """Shape checks shared by every transport's ``dispatch``: x [T, H], topk_idx / topk_w [T, top_k],
+    H % 32 == 0 when quantizing."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+    if topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_idx {tuple(topk_idx.shape)} / topk_w {tuple(topk_w.shape)} do not match x {tuple(x.shape)}"
+        )
+    if quantize and x.shape[1] % mxfp8.BLOCK:
+        raise ValueError(f"hidden ({x.shape[1]}) must be a multiple of 32 for MXFP8 dispatch")
+
+
 def dispatch(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -122,14 +135,7 @@ def dispatch(
     Returns (rows [N, H] x.dtype, row weights [N] fp32, handle); rows of local expert e are
     ``rows[off[e]:off[e+1]]`` with ``off = cumsum(handle.group_sizes)``. Differentiable in x and topk_w.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
-    if topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_idx {tuple(topk_idx.shape)} / topk_w {tuple(topk_w.shape)} do not match x {tuple(x.shape)}"
-        )
-    if quantize and x.shape[1] % mxfp8.BLOCK:
-        raise ValueError(f"hidden ({x.shape[1]}) must be a multiple of 32 for MXFP8 dispatch")
+    check_dispatch_inputs(x, topk_idx, topk_w, quantize)
     handle = build_layout(topk_idx, num_experts, group)
     rows, w = _Dispatch.apply(x, topk_w, handle, quantize, _SELF)
     return rows, w, handle
