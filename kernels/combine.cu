@@ -250,10 +250,10 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine_recv(
 }
 
 // ep_combine<YT, BWD>: ep_combine_send + ep_combine_recv in ONE kernel with the per-row handoff of ep_sync.cuh:
-//   A  (after COMB_FREE(u-1) of every rank) warps take received rows by ticket (ctr[6]) in the interleaved order of
+//   A  (after COMB_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take received rows by ticket (ctr[6]) in the interleaved order of
 //      comb_row_of and store each result row as ep_combine_send; then lane 0 stores rflag[dst] = u into the
 //      destination rank's region (release, after every lane fenced its stores).
-//   B  warps take tokens by ticket (ctr[7]) in ascending order (the order the expert sides return them: each
+//   B  the other warps at once, the senders when no row is left: warps take tokens by ticket (ctr[7]) in ascending order (the order the expert sides return them: each
 //      processes a source's rows in token order); lanes r < W wait rflag[send_row_of[t][r]] >= u (rows rank r
 //      received: tok_dst[t][r] >= 0), then the
 //      rank-ordered sum as ep_combine_recv (L2-only loads).
@@ -265,8 +265,7 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
     const int* __restrict__ info, int recv_cap, unsigned char* __restrict__ out, float* __restrict__ dtw,
     const int* __restrict__ send_row_of, const int* __restrict__ tok_dst, const int* __restrict__ topk, int T, int H,
     int K, int L, int W, int me, const ep_u64* __restrict__ peers_g, long long comb_off, long long cmeta_off,
-    long long rflag_off, ep_u64 epoch,
-    int* err, int* herr, unsigned* ctr, long long timeout_ns) {
+    long long rflag_off, int send_warps, ep_u64 epoch, int* err, int* herr, unsigned* ctr, long long timeout_ns) {
     const EpCtl c{err, herr, ctr, timeout_ns};
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
@@ -274,8 +273,8 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
     const int V = comb_send_setup(c, peers_g, info, W, me, recv_cap, epoch, peers, roff, rbase, R);
     const int lane = threadIdx.x & 31;
 
-    // ---- A: expert side -------------------------------------------------------------------------------------------
-    while (true) {
+    // ---- A: expert side (warps < send_warps of each CTA; the others start on B at once) ----------------------------
+    while ((int)(threadIdx.x >> 5) < send_warps) {
         const int v = ep_warp_ticket(c, CTR_TICKET_SEND);
         if (v >= V) break;
         int s, i;

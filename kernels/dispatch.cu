@@ -426,9 +426,11 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
 
 // ep_dispatch_mx<IN>: ep_dispatch<IN,1> (with metadata) + ep_expand<MODE_MX> in ONE kernel, the expansion of each
 // received row overlapping the rest of the NVLink traffic (ep_sync.cuh, "per-row handoff"):
-//   A  (after DISP_FREE(u-1) of every rank) warps take tokens by ticket (ctr[6]) and send them as ep_dispatch;
-//      after a token's stores, lane r stores rflag[row at rank r] = u into rank r's region (release).
-//   B  warps take received rows by ticket (ctr[7]) in an order interleaving the source ranks (v -> rank v % W, its
+//   A  (after DISP_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take tokens by ticket
+//      (ctr[6]) and send them as ep_dispatch; after a token's stores, lane r stores rflag[row at rank r] = u into
+//      rank r's region (release). With every warp sending, the grid (about one token per warp) sends in a single
+//      wave and rows arrive only at its end; fewer senders spread the arrivals so that B overlaps A.
+//   B  the other warps at once, the senders once no token is left: warps take received rows by ticket (ctr[7]) in an order interleaving the source ranks (v -> rank v % W, its
 //      (v / W)-th row: rows arrive from every sender in token order), wait rflag[i] >= u, expand the row.
 //   then the rows past N as ep_expand (small outputs; no data padding on this path), and the last CTA signals
 //   DISP_FREE(u) and resets the tickets. DISP_READY is not used (per-row flags replace it).
@@ -439,8 +441,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     const ep_u64* __restrict__ peers_g, long long data_off, long long scale_off, long long meta_off,
     long long rflag_off, const int* __restrict__ info, int recv_cap, int expand_cap, int* __restrict__ recv_pos,
     unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale, float* __restrict__ w_out,
-    int* __restrict__ exp_row, int* __restrict__ exp_slot, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
-    long long timeout_ns) {
+    int* __restrict__ exp_row, int* __restrict__ exp_slot, int send_warps, ep_u64 epoch, int* err, int* herr,
+    unsigned* ctr, long long timeout_ns) {
     const EpCtl c{err, herr, ctr, timeout_ns};
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1];
@@ -450,8 +452,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     ep_cta_wait_all(c, peers[me], F_DISP_FREE, epoch - 1, W, me);
     const int lane = threadIdx.x & 31;
 
-    // ---- A: send ------------------------------------------------------------------------------------------------
-    while (true) {
+    // ---- A: send (warps < send_warps of each CTA; the others start on B at once) ----------------------------------
+    while ((int)(threadIdx.x >> 5) < send_warps) {
         const int t = ep_warp_ticket(c, CTR_TICKET_SEND);
         if (t >= T) break;
         int d;

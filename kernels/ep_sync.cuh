@@ -127,8 +127,10 @@ __device__ void ep_grid_signal(const EpCtl& c, int ctr_idx, const ep_u64* peers,
 
 // ---- per-row handoff of the fused kernels (ep_dispatch_mx, ep_combine) ---------------------------------------------
 // Work is taken with per-warp tickets (atomicAdd on ctr[idx]; ctr[6]: sender rows/tokens, ctr[7]: receiver rows).
-// A warp takes sender work until none is left and only then receiver work, so every sender item has been taken by
-// a running warp before any warp spins: no deadlock whatever the number of resident CTAs (on any rank).
+// The first send_warps (>= 1) warps of every CTA take sender work until none is left and only then receiver work;
+// the other warps take receiver work at once. Sender warps never wait (after the kernel's start-of-use wait on the
+// previous use), so every running CTA drains the sender tickets whether or not its receiver warps spin: all sender
+// work is done by resident CTAs, and no deadlock arises whatever the number of resident CTAs (on any rank).
 // A sender marks a row complete with rflag[row] = epoch (u64, monotonic, in the receiver's symmetric region) after
 // `ep_warp_release` (every lane fences its own stores at system scope); the receiver's lane spins with
 // ld.acquire.sys (ep_wait) and the warp reads the row with L2-only (.cg) loads, never a possibly stale L1 line.

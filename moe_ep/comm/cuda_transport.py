@@ -96,6 +96,27 @@ def _fused() -> bool:
     return os.environ.get("MOE_EP_FUSED", "1") != "0"
 
 
+# Warps per CTA of the fused kernels that start on the sender side (the rest start receiving at once); see
+# dispatch.cu / combine.cu. 16 = every warp sends first (pass 2's schedule).
+_SEND_WARPS_DEFAULT = {"dispatch": 16, "combine": 16}
+
+
+def _send_warps(kind: str) -> int:
+    """Sender warps per CTA of the fused ``kind`` kernel: MOE_EP_DISPATCH_SEND_WARPS / MOE_EP_COMBINE_SEND_WARPS
+    (1..16, read at every call) or the measured default."""
+    name = f"MOE_EP_{kind.upper()}_SEND_WARPS"
+    raw = os.environ.get(name, "")
+    if not raw:
+        return _SEND_WARPS_DEFAULT[kind]
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= _THREADS // 32:
+        raise ValueError(f"{name}={raw!r}: expected an integer in 1..{_THREADS // 32}")
+    return n
+
+
 def _fused_grid(work_rows: int, rt: EPRuntime) -> int:
     # any grid is deadlock-free (work tickets, see kernels/ep_sync.cuh); this one is about one wave
     return max(1, min(-(-work_rows // (_THREADS // 32)), rt.num_sms * _FUSED_CTAS_PER_SM))
@@ -475,6 +496,7 @@ def _dispatch_mx_fused(
         _p(w_out),
         _p(h.expand_row),
         _p(h.expand_slot),
+        _i32(_send_warps("dispatch")),
         np.uint64(u),
         *rt.ctl_args(),
     )
@@ -535,6 +557,7 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
             _i64(rt.region("comb_data")),
             _i64(rt.region("comb_meta")),
             _i64(rt.region("comb_flag")),
+            _i32(_send_warps("combine")),
             np.uint64(u),
             *rt.ctl_args(),
         )

@@ -1,0 +1,26 @@
+"""CPU tests of the NVSHMEM transport's host-side configuration (moe_ep/comm/cuda_transport.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_ep.comm import cuda_transport as ct
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_send_warps_env_and_default(kind, monkeypatch):
+    name = f"MOE_EP_{kind.upper()}_SEND_WARPS"
+    monkeypatch.delenv(name, raising=False)
+    assert ct._send_warps(kind) == ct._SEND_WARPS_DEFAULT[kind]
+    for n in (1, 7, 16):
+        monkeypatch.setenv(name, str(n))
+        assert ct._send_warps(kind) == n
+
+
+@pytest.mark.parametrize("raw", ["0", "17", "-1", "four", "2.5"])
+def test_send_warps_rejects_bad_values(raw, monkeypatch):
+    # 0 sender warps would leave the send tickets to no warp (every CTA needs one: the no-deadlock argument of
+    # kernels/ep_sync.cuh); more than the CTA's 16 warps is meaningless
+    monkeypatch.setenv("MOE_EP_DISPATCH_SEND_WARPS", raw)
+    with pytest.raises(ValueError, match="MOE_EP_DISPATCH_SEND_WARPS"):
+        ct._send_warps("dispatch")
