@@ -97,8 +97,9 @@ def _fused() -> bool:
 
 
 # Warps per CTA of the fused kernels that start on the sender side (the rest start receiving at once); see
-# dispatch.cu / combine.cu. 16 = every warp sends first (pass 2's schedule).
-_SEND_WARPS_DEFAULT = {"dispatch": 16, "combine": 16}
+# dispatch.cu / combine.cu. 16 = every warp sends first (pass 2's schedule). Defaults: best of the sweep 16/12/8/6/4/2
+# on 4 H200 (benchmarks/TRANSPORT.md, "Performance pass 3"): dispatch 6 (dsv3 405 -> 324 us), combine 12.
+_SEND_WARPS_DEFAULT = {"dispatch": 6, "combine": 12}
 
 
 def _send_warps(kind: str) -> int:
