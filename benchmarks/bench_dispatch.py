@@ -176,18 +176,25 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     # ---- correctness against the reference before timing
     rh = ref.build_layout(idx, e, group)
     n = rh.num_expanded
-    data, scale, wm = ct.dispatch_fwd_mxfp8(x, w, handle)
     q = ref.dispatch_send(x, w, rh, True)
-    ok_data = torch.equal(data[:n].view(torch.uint8), q.data[rh.expand_row].view(torch.uint8))
+    want_data = q.data[rh.expand_row].view(torch.uint8)
     want = mxfp8.to_blocked_grouped(q.scale[rh.expand_row], rh.group_sizes, "m")
-    ok_scale = torch.equal(scale[: want.numel()], want)
     y = (torch.randn(ncap, h, device=dev) * 0.1).to(torch.bfloat16)
-    out = ct.combine_fwd(y, wm, handle)
+    data, scale, wm = ct.dispatch_fwd_mxfp8(x, w, handle)
     rout = ops.combine_fwd(y[:n], wm[:n], rh)
-    ok_comb = torch.equal(out.view(torch.int16), rout.view(torch.int16))
-    ok = torch.tensor([int(ok_data and ok_scale and ok_comb)], device=dev)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    del q, want, rout
+    del q
+
+    def check() -> tuple[bool, bool, bool, bool]:
+        """(data, scales, combine) of the current settings equal to the reference; the last: all ranks agree."""
+        d, sc, wv = ct.dispatch_fwd_mxfp8(x, w, handle)
+        od = torch.equal(d[:n].view(torch.uint8), want_data)
+        osc = torch.equal(sc[: want.numel()], want)
+        oc = torch.equal(ct.combine_fwd(y, wv, handle).view(torch.int16), rout.view(torch.int16))
+        ok = torch.tensor([int(od and osc and oc)], device=dev)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return od, osc, oc, bool(ok.item())
+
+    ok_data, ok_scale, ok_comb, ok_all = check()
 
     # ---- timings
     res = {
@@ -196,7 +203,7 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
         **cfg,
         "ep_size": world,
         "expand_capacity": ncap,
-        "correct": bool(ok.item()),
+        "correct": ok_all,
         "correct_rank0": dict(data=ok_data, scales=ok_scale, combine=ok_comb),
     }
     res["layout_us"] = _time(lambda: ct.build_layout(idx, e, group, expand_capacity=ncap), args.iters)
@@ -270,6 +277,34 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     res["speedup_layout_dispatch_vs_nccl_mxfp8"] = res["nccl_mxfp8_dispatch_us"] / res["layout_dispatch_us"]
     res["speedup_dispatch_vs_nccl_bf16"] = res["nccl_bf16_dispatch_us"] / res["dispatch_us"]
     res["speedup_combine_vs_nccl_bf16"] = res["nccl_bf16_combine_us"] / res["combine_us"]
+    # --sweep: the fused kernels under other MOE_EP_* settings, against this case's baselines (same process)
+    res["sweep"] = []
+    for cfg_s in [c for c in args.sweep.split(";") if c]:
+        env = dict(kv.split("=", 1) for kv in cfg_s.split(",") if kv)
+        old_env = {k2: os.environ.get(k2) for k2 in env}
+        os.environ.update(env)
+        try:
+            od, osc, oc, oka = check()
+            du = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters)
+            cu = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters)
+        finally:
+            for k2, v2 in old_env.items():
+                if v2 is None:
+                    os.environ.pop(k2, None)
+                else:
+                    os.environ[k2] = v2
+        res["sweep"].append(
+            dict(
+                env=env,
+                correct=oka,
+                correct_rank0=dict(data=od, scales=osc, combine=oc),
+                dispatch_us=du,
+                combine_us=cu,
+                speedup_dispatch_vs_nccl_mxfp8=res["nccl_mxfp8_dispatch_us"] / du,
+                dispatch_pct_nvlink=100 * disp_bytes / du / 1e3 / NVLINK_GBS,
+                speedup_combine_vs_nccl_bf16=res["nccl_bf16_combine_us"] / cu,
+            )
+        )
     return res
 
 
@@ -281,6 +316,11 @@ def main() -> int:
     p.add_argument("--routing", default="uniform,skewed")
     p.add_argument("--quant", default="compile", choices=("compile", "cuda", "eager"))
     p.add_argument("--no-spawn", action="store_true", help="skip instead of re-launching under torchrun")
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="extra settings timed per case against the same baselines: 'A=1,B=2;A=3' (MOE_EP_* env, per call)",
+    )
     args = p.parse_args()
     if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return _spawn_or_skip(args)
@@ -320,6 +360,14 @@ def main() -> int:
                     f"  [{time.time() - t0:.0f}s]",
                     flush=True,
                 )
+                for sw in res["sweep"]:
+                    print(
+                        f"    {','.join(f'{k}={v}' for k, v in sw['env'].items())}: ok={sw['correct']} dispatch "
+                        f"{sw['dispatch_us']:7.1f}us x{sw['speedup_dispatch_vs_nccl_mxfp8']:.2f} "
+                        f"{sw['dispatch_pct_nvlink']:5.1f}% NVLink  combine {sw['combine_us']:7.1f}us "
+                        f"x{sw['speedup_combine_vs_nccl_bf16']:.2f}",
+                        flush=True,
+                    )
     if dist.get_rank() == 0 and args.json:
         meta = {
             "device": torch.cuda.get_device_name(),
@@ -331,7 +379,7 @@ def main() -> int:
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
-    ok = all(r["correct"] for r in results)
+    ok = all(r["correct"] and all(sw["correct"] for sw in r["sweep"]) for r in results)
     torch.cuda.synchronize()
     dist.barrier()
     nvs.shutdown()

@@ -118,13 +118,14 @@ __device__ __forceinline__ void recv_values(const unsigned char* data, const uns
 }
 
 // One token t of the sender (one warp): metadata, quantized (or raw) row to every destination rank. Returns the
-// destination mask; lane r < W holds d = tok_dst[t][r] (the row at rank r, -1: not sent).
+// destination mask; lane r < W holds d = tok_dst[t][r] (the row at rank r, -1: not sent). QUANT: only the elements
+// [c_begin, c_end) (multiples of 512: a column piece of the fused dispatch; default the whole row).
 template <int IN, int QUANT>
 __device__ __forceinline__ unsigned disp_send_token(
     int t, int& d, const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
     const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int H, int K, int L, int W,
     const ep_u64* peers, long long data_off, long long scale_off, long long meta_off, int row_bytes, int meta,
-    int lane) {
+    int lane, int c_begin = 0, int c_end = 1 << 30) {
     const int C = H >> 5;
     const int es = IN == IN_BF16 ? 2 : 4;
     d = lane < W ? tok_dst[t * W + lane] : -1;
@@ -155,7 +156,7 @@ __device__ __forceinline__ unsigned disp_send_token(
     }
     if (QUANT) {
         const unsigned char* xr = x + (long long)t * H * es;
-        for (int c0 = 0; c0 < H; c0 += 512) {
+        for (int c0 = c_begin; c0 < min(H, c_end); c0 += 512) {
             const int e0 = c0 + 16 * lane;
             const bool act = e0 < H;
             float v[16];
@@ -427,11 +428,13 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
 // ep_dispatch_mx<IN>: ep_dispatch<IN,1> (with metadata) + ep_expand<MODE_MX> in ONE kernel, the expansion of each
 // received row overlapping the rest of the NVLink traffic (ep_sync.cuh, "per-row handoff"):
 //   A  (after DISP_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take tokens by ticket
-//      (ctr[6]) and send them as ep_dispatch; after a token's stores, lane r stores rflag[row at rank r] = u into
-//      rank r's region (release). With every warp sending, the grid (about one token per warp) sends in a single
-//      wave and rows arrive only at its end; fewer senders spread the arrivals so that B overlaps A.
+//      (ctr[6]) and send them as ep_dispatch, each token as `pieces` (1..4) tickets of contiguous 512-element
+//      column ranges (piece 0 also stores the metadata); after a piece's stores, lane r stores
+//      rflag[row at rank r][piece] = u into rank r's region (release). With every warp sending, the grid (about
+//      one token per warp) sends in a single wave and rows arrive only at its end; fewer senders spread the
+//      arrivals so that B overlaps A, and pieces make the last wave (the expand tail) smaller.
 //   B  the other warps at once, the senders once no token is left: warps take received rows by ticket (ctr[7]) in an order interleaving the source ranks (v -> rank v % W, its
-//      (v / W)-th row: rows arrive from every sender in token order), wait rflag[i] >= u, expand the row.
+//      (v / W)-th row: rows arrive from every sender in token order), wait rflag[i][*] >= u, expand the row.
 //   then the rows past N as ep_expand (small outputs; no data padding on this path), and the last CTA signals
 //   DISP_FREE(u) and resets the tickets. DISP_READY is not used (per-row flags replace it).
 template <int IN>
@@ -441,8 +444,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     const ep_u64* __restrict__ peers_g, long long data_off, long long scale_off, long long meta_off,
     long long rflag_off, const int* __restrict__ info, int recv_cap, int expand_cap, int* __restrict__ recv_pos,
     unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale, float* __restrict__ w_out,
-    int* __restrict__ exp_row, int* __restrict__ exp_slot, int send_warps, ep_u64 epoch, int* err, int* herr,
-    unsigned* ctr, long long timeout_ns) {
+    int* __restrict__ exp_row, int* __restrict__ exp_slot, int send_warps, int pieces, ep_u64 epoch, int* err,
+    int* herr, unsigned* ctr, long long timeout_ns) {
     const EpCtl c{err, herr, ctr, timeout_ns};
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1];
@@ -453,15 +456,19 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     const int lane = threadIdx.x & 31;
 
     // ---- A: send (warps < send_warps of each CTA; the others start on B at once) ----------------------------------
+    const int steps = (H + 511) >> 9;  // 512-element steps per row, split into `pieces` column ranges
     while ((int)(threadIdx.x >> 5) < send_warps) {
-        const int t = ep_warp_ticket(c, CTR_TICKET_SEND);
-        if (t >= T) break;
+        const int tk = ep_warp_ticket(c, CTR_TICKET_SEND);
+        if (tk >= T * pieces) break;
+        const int t = tk / pieces, p = tk % pieces;
         int d;
         const unsigned dm = disp_send_token<IN, 1>(t, d, x, topk_w, topk, tok_dst, slot_pos, H, K, L, W, peers,
-                                                   data_off, scale_off, meta_off, 0, 1, lane);
+                                                   data_off, scale_off, meta_off, 0, p == 0, lane,
+                                                   512 * (steps * p / pieces), 512 * (steps * (p + 1) / pieces));
         if (dm) {
             ep_warp_release();
-            if (d >= 0) ep_st_release(reinterpret_cast<ep_u64*>(peers[lane] + rflag_off) + d, epoch);
+            if (d >= 0)
+                ep_st_release(reinterpret_cast<ep_u64*>(peers[lane] + rflag_off) + (long long)d * pieces + p, epoch);
         }
     }
 
@@ -482,7 +489,7 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
         const int s = v % W;
         const int i = roff[s] + v / W;
         if (i >= roff[s + 1] || i >= R) continue;
-        if (lane == 0) ep_wait(c, rflag + i, epoch, F_DISP_READY, s, me);
+        if (lane < pieces) ep_wait(c, rflag + (long long)i * pieces + lane, epoch, F_DISP_READY, s, me);
         __syncwarp();
         expand_mx_row(i, lane, meta, data, scale, info, H, K, L, expand_cap, recv_pos, out, out_scale, w_out, exp_row,
                       exp_slot);

@@ -24,3 +24,19 @@ def test_send_warps_rejects_bad_values(raw, monkeypatch):
     monkeypatch.setenv("MOE_EP_DISPATCH_SEND_WARPS", raw)
     with pytest.raises(ValueError, match="MOE_EP_DISPATCH_SEND_WARPS"):
         ct._send_warps("dispatch")
+
+
+def test_dispatch_pieces_env_and_default(monkeypatch):
+    monkeypatch.delenv("MOE_EP_DISPATCH_PIECES", raising=False)
+    assert ct._dispatch_pieces() == ct._PIECES_DEFAULT
+    for n in range(1, ct.DISPATCH_MAX_PIECES + 1):
+        monkeypatch.setenv("MOE_EP_DISPATCH_PIECES", str(n))
+        assert ct._dispatch_pieces() == n
+
+
+@pytest.mark.parametrize("raw", ["0", "5", "x"])
+def test_dispatch_pieces_rejects_bad_values(raw, monkeypatch):
+    # more pieces than the symmetric region has row flags for would write past disp_flag
+    monkeypatch.setenv("MOE_EP_DISPATCH_PIECES", raw)
+    with pytest.raises(ValueError, match="MOE_EP_DISPATCH_PIECES"):
+        ct._dispatch_pieces()

@@ -38,7 +38,7 @@ import torch
 
 from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
-from .nvshmem import EPRuntime, get_runtime
+from .nvshmem import DISPATCH_MAX_PIECES, EPRuntime, get_runtime
 from .ops import _Combine, _Dispatch, check_dispatch_inputs
 
 _LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
@@ -115,6 +115,24 @@ def _send_warps(kind: str) -> int:
         n = 0
     if not 1 <= n <= _THREADS // 32:
         raise ValueError(f"{name}={raw!r}: expected an integer in 1..{_THREADS // 32}")
+    return n
+
+
+# Column pieces per token of the fused dispatch (separate send tickets, one row flag each); see dispatch.cu.
+_PIECES_DEFAULT = 1
+
+
+def _dispatch_pieces() -> int:
+    """MOE_EP_DISPATCH_PIECES (1..4, read at every call; every rank must use the same value) or the default."""
+    raw = os.environ.get("MOE_EP_DISPATCH_PIECES", "")
+    if not raw:
+        return _PIECES_DEFAULT
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= DISPATCH_MAX_PIECES:
+        raise ValueError(f"MOE_EP_DISPATCH_PIECES={raw!r}: expected an integer in 1..{DISPATCH_MAX_PIECES}")
     return n
 
 
@@ -498,6 +516,7 @@ def _dispatch_mx_fused(
         _p(h.expand_row),
         _p(h.expand_slot),
         _i32(_send_warps("dispatch")),
+        _i32(_dispatch_pieces()),
         np.uint64(u),
         *rt.ctl_args(),
     )

@@ -13,7 +13,7 @@
       disp_data  [cap][H * wire] u8  received e4m3 rows (or raw rows of `wire` bytes per element)
       comb_meta  [cap][K] fp32       returned top-k weight gradients (dispatch backward)
       comb_data  [cap][H * wire] u8  returned rows (combine)
-      disp_flag  [cap] u64           per received row: epoch of the fused dispatch that completed it
+      disp_flag  [cap][4] u64        per received row and column piece: epoch of the fused dispatch that completed it
       comb_flag  [cap] u64           per returned row: epoch of the fused combine that completed it
   with cap = ep_size * max_tokens_per_rank: each token reaches a rank at most once, so this is a true worst case.
   ``peers`` is a device int64 table of the region's address on every EP rank (nvshmem_ptr through
@@ -44,6 +44,7 @@ F_NUM = 6
 MAX_RANKS = 8
 MAX_EXPERTS = 1024
 MAX_TOPK = 32
+DISPATCH_MAX_PIECES = 4  # column pieces per row of the fused dispatch (its per-piece row flags)
 _ALIGN = 256
 
 ERR_INVALID_EXPERT, ERR_RECV_OVERFLOW, ERR_EXPAND_OVERFLOW, ERR_TIMEOUT = 1, 2, 3, 4
@@ -163,7 +164,7 @@ class EPRuntime:
             ("disp_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
             ("comb_meta", cap * cfg.top_k * 4),
             ("comb_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
-            ("disp_flag", cap * 8),
+            ("disp_flag", cap * 8 * DISPATCH_MAX_PIECES),
             ("comb_flag", cap * 8),
         ]
         off, out = 0, {}

@@ -357,6 +357,24 @@ def case_timeout():
         fail(f"[rank 0] lone combine did not time out: {msg!r}")
 
 
+def with_env(env: dict[str, str], fn):
+    """fn() under other transport settings (MOE_EP_* are read at every call; every rank sets the same)."""
+
+    def run():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return run
+
+
 def main() -> int:
     global RANK, WORLD, DEV, GROUP
     local = int(os.environ["LOCAL_RANK"])
@@ -375,6 +393,23 @@ def main() -> int:
         ("sparse: zero-token experts/ranks", lambda: case_transport("sparse", [10, 0, 17, 2], 8, 2, 128, bf)),
         ("large: 64 experts top8 H=1024", lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 1024, bf)),
         ("all ranks empty", lambda: case_transport("random", [0, 0, 0, 0], 8, 2, 64, bf)),
+        # the fused kernels' schedules: 1 or 16 sender warps per CTA; rows sent as 3 column pieces of which the
+        # first is empty (H=1024: 2 steps of 512 -> 0 + 1 + 1; piece 0 still carries the metadata) or as 2 pieces,
+        # the second a partial step (H=992)
+        (
+            "schedule: 1 sender warp, 3 pieces, H=1024",
+            with_env(
+                {"MOE_EP_DISPATCH_SEND_WARPS": "1", "MOE_EP_COMBINE_SEND_WARPS": "1", "MOE_EP_DISPATCH_PIECES": "3"},
+                lambda: case_transport("random", [300, 41, 0, 257], 32, 8, 1024, bf, specials=True),
+            ),
+        ),
+        (
+            "schedule: 16 sender warps, 2 pieces, H=992",
+            with_env(
+                {"MOE_EP_DISPATCH_SEND_WARPS": "16", "MOE_EP_COMBINE_SEND_WARPS": "16", "MOE_EP_DISPATCH_PIECES": "2"},
+                lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 992, bf),
+            ),
+        ),
         ("autograd bf16 under sync_debug_mode error", lambda: case_autograd("random", [40, 17, 0, 33], 16, 4, 128, bf)),
         ("autograd fp32 top8", lambda: case_autograd("random", [20, 9, 31, 3], 16, 8, 64, f32)),
         ("invalid expert index raises", case_invalid_index),
