@@ -489,8 +489,14 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
         const int s = v % W;
         const int i = roff[s] + v / W;
         if (i >= roff[s + 1] || i >= R) continue;
+#ifdef EP_DIAG_SEND_ONLY  // timing diagnostics only (wrong results): the send part of the fused kernel alone
+        continue;
+#endif
         if (lane < pieces) ep_wait(c, rflag + (long long)i * pieces + lane, epoch, F_DISP_READY, s, me);
         __syncwarp();
+#ifdef EP_DIAG_NO_EXPAND  // ... the send and the receivers' waits, no expansion
+        continue;
+#endif
         expand_mx_row(i, lane, meta, data, scale, info, H, K, L, expand_cap, recv_pos, out, out_scale, w_out, exp_row,
                       exp_slot);
     }

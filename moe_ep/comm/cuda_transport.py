@@ -118,15 +118,13 @@ def _send_warps(kind: str) -> int:
     return n
 
 
-# Column pieces per token of the fused dispatch (separate send tickets, one row flag each); see dispatch.cu.
-_PIECES_DEFAULT = 1
-
-
-def _dispatch_pieces() -> int:
-    """MOE_EP_DISPATCH_PIECES (1..4, read at every call; every rank must use the same value) or the default."""
+def _dispatch_pieces(hidden: int) -> int:
+    """Column pieces per token of the fused dispatch (separate send tickets, one row flag each; dispatch.cu):
+    MOE_EP_DISPATCH_PIECES (1..4, read at every call; every rank must use the same value) or the default, one
+    piece per 7 steps of 512 elements (2 at hidden 7168, 1 at 2048: measured on 4 H200, TRANSPORT.md pass 3)."""
     raw = os.environ.get("MOE_EP_DISPATCH_PIECES", "")
     if not raw:
-        return _PIECES_DEFAULT
+        return max(1, min(DISPATCH_MAX_PIECES, (hidden + 511) // 512 // 7))
     try:
         n = int(raw)
     except ValueError:
@@ -516,7 +514,7 @@ def _dispatch_mx_fused(
         _p(h.expand_row),
         _p(h.expand_slot),
         _i32(_send_warps("dispatch")),
-        _i32(_dispatch_pieces()),
+        _i32(_dispatch_pieces(x.shape[1])),
         np.uint64(u),
         *rt.ctl_args(),
     )
