@@ -69,18 +69,21 @@ __device__ __forceinline__ void store8(unsigned char* p, const float* v) {
 }
 
 // Expert side, one received row i from rank s (one warp): slot-ordered (weighted) fp32 sum, one YT row stored into
-// rank s's combine buffer at row dst (BWD: also the top-k weight gradients of the row).
+// rank s's combine buffer at row dst (BWD: also the top-k weight gradients of the row). Only the elements
+// [c_begin, c_end) (multiples of 256: a column piece of the fused combine; default the whole row); the piece that
+// starts at 0 writes the weight gradients.
 template <int YT, int BWD>
 __device__ __forceinline__ void comb_send_row(int i, long long dst, unsigned char* orow_base, float* cmeta_s,
                                               const unsigned char* __restrict__ y, const float* __restrict__ w,
-                                              const int* __restrict__ recv_pos, int H, int K, int lane) {
+                                              const int* __restrict__ recv_pos, int H, int K, int lane,
+                                              int c_begin = 0, int c_end = 1 << 30) {
     const int es = YT == YT_BF16 ? 2 : 4;
     int pos = lane < K ? recv_pos[(long long)i * K + lane] : -1;
     const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
-    if (BWD && lane < K) cmeta_s[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
+    if (BWD && c_begin == 0 && lane < K) cmeta_s[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
     unsigned char* orow = orow_base + dst * H * es;
     const float wl = (!BWD && pos >= 0) ? w[pos] : 0.f;  // slot weight, loaded once per row
-    for (int c0 = 0; c0 < H; c0 += 256) {
+    for (int c0 = c_begin; c0 < min(H, c_end); c0 += 256) {
         const int e0 = c0 + 8 * lane;
         float acc[8];
 #pragma unroll
@@ -250,13 +253,14 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine_recv(
 }
 
 // ep_combine<YT, BWD>: ep_combine_send + ep_combine_recv in ONE kernel with the per-row handoff of ep_sync.cuh:
-//   A  (after COMB_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take received rows by ticket (ctr[6]) in the interleaved order of
-//      comb_row_of and store each result row as ep_combine_send; then lane 0 stores rflag[dst] = u into the
-//      destination rank's region (release, after every lane fenced its stores).
-//   B  the other warps at once, the senders when no row is left: warps take tokens by ticket (ctr[7]) in ascending order (the order the expert sides return them: each
-//      processes a source's rows in token order); lanes r < W wait rflag[send_row_of[t][r]] >= u (rows rank r
-//      received: tok_dst[t][r] >= 0), then the
-//      rank-ordered sum as ep_combine_recv (L2-only loads).
+//   A  (after COMB_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take received rows by
+//      ticket (ctr[6]) in the interleaved order of comb_row_of, each row as `pieces` (1..4) tickets of contiguous
+//      256-element column ranges, and store each piece as ep_combine_send; then lane 0 stores
+//      rflag[dst][piece] = u into the destination rank's region (release, after every lane fenced its stores).
+//   B  the other warps at once, the senders when no row is left: warps take tokens by ticket (ctr[7]) in ascending
+//      order (the order the expert sides return them: each processes a source's rows in token order); lane r < W
+//      waits rflag[send_row_of[t][r]][*] >= u (rows rank r received: tok_dst[t][r] >= 0), then the rank-ordered
+//      sum as ep_combine_recv (L2-only loads).
 //   The last CTA signals COMB_FREE(u) and resets the tickets. COMB_READY is not used (per-row flags replace it).
 // Results are bitwise those of the two-kernel path (same per-row / per-token arithmetic).
 template <int YT, int BWD>
@@ -265,7 +269,8 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
     const int* __restrict__ info, int recv_cap, unsigned char* __restrict__ out, float* __restrict__ dtw,
     const int* __restrict__ send_row_of, const int* __restrict__ tok_dst, const int* __restrict__ topk, int T, int H,
     int K, int L, int W, int me, const ep_u64* __restrict__ peers_g, long long comb_off, long long cmeta_off,
-    long long rflag_off, int send_warps, ep_u64 epoch, int* err, int* herr, unsigned* ctr, long long timeout_ns) {
+    long long rflag_off, int send_warps, int pieces, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
+    long long timeout_ns) {
     const EpCtl c{err, herr, ctr, timeout_ns};
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
@@ -274,16 +279,19 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
     const int lane = threadIdx.x & 31;
 
     // ---- A: expert side (warps < send_warps of each CTA; the others start on B at once) ----------------------------
+    const int steps = (H + 255) >> 8;  // 256-element steps per row, split into `pieces` column ranges
     while ((int)(threadIdx.x >> 5) < send_warps) {
-        const int v = ep_warp_ticket(c, CTR_TICKET_SEND);
-        if (v >= V) break;
+        const int tk = ep_warp_ticket(c, CTR_TICKET_SEND);
+        if (tk >= V * pieces) break;
+        const int v = tk / pieces, p = tk % pieces;
         int s, i;
         if (!comb_row_of(v, W, roff, R, s, i)) continue;
         const long long dst = rbase[s] + (i - roff[s]);
         comb_send_row<YT, BWD>(i, dst, reinterpret_cast<unsigned char*>(peers[s] + comb_off),
-                               reinterpret_cast<float*>(peers[s] + cmeta_off), y, w, recv_pos, H, K, lane);
+                               reinterpret_cast<float*>(peers[s] + cmeta_off), y, w, recv_pos, H, K, lane,
+                               256 * (steps * p / pieces), 256 * (steps * (p + 1) / pieces));
         ep_warp_release();
-        if (lane == 0) ep_st_release(reinterpret_cast<ep_u64*>(peers[s] + rflag_off) + dst, epoch);
+        if (lane == 0) ep_st_release(reinterpret_cast<ep_u64*>(peers[s] + rflag_off) + dst * pieces + p, epoch);
     }
 
     // ---- B: source side -------------------------------------------------------------------------------------------
@@ -297,7 +305,9 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
         const int sr = lane < W ? send_row_of[(long long)t * W + lane] : -1;
         // wait for the rows rank `lane` returns: those it received (tok_dst >= 0; a row dropped by a receive
         // overflow -- reported -- is summed unwritten, as in the two-kernel path, instead of waited for)
-        if (sr >= 0 && tok_dst[(long long)t * W + lane] >= 0) ep_wait(c, rflag + sr, epoch, F_COMB_READY, lane, me);
+        if (sr >= 0 && tok_dst[(long long)t * W + lane] >= 0)
+            for (int p = 0; p < pieces; ++p)
+                if (!ep_wait(c, rflag + (long long)sr * pieces + p, epoch, F_COMB_READY, lane, me)) break;
         __syncwarp();
         comb_recv_token<YT, BWD, true>(t, sr, out, dtw, send_row_of, topk, comb, cmeta, H, K, L, W, lane);
     }

@@ -29,21 +29,25 @@ def test_send_warps_rejects_bad_values(raw, monkeypatch):
 @pytest.mark.parametrize(
     ("hidden", "want"), [(32, 1), (2048, 1), (3584, 1), (3616, 1), (4096, 1), (7168, 2), (14336, 4), (32768, 4)]
 )
-def test_dispatch_pieces_default(hidden, want, monkeypatch):
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_pieces_default(kind, hidden, want, monkeypatch):
     # one piece per 7 steps of 512 elements (steps = ceil(hidden / 512)), at least 1, at most 4
-    monkeypatch.delenv("MOE_EP_DISPATCH_PIECES", raising=False)
-    assert ct._dispatch_pieces(hidden) == want
+    monkeypatch.delenv(f"MOE_EP_{kind.upper()}_PIECES", raising=False)
+    assert ct._pieces(kind, hidden) == want
 
 
-def test_dispatch_pieces_env(monkeypatch):
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_pieces_env(kind, monkeypatch):
     for n in range(1, ct.DISPATCH_MAX_PIECES + 1):
-        monkeypatch.setenv("MOE_EP_DISPATCH_PIECES", str(n))
-        assert ct._dispatch_pieces(7168) == n
+        monkeypatch.setenv(f"MOE_EP_{kind.upper()}_PIECES", str(n))
+        assert ct._pieces(kind, 7168) == n
 
 
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
 @pytest.mark.parametrize("raw", ["0", "5", "x"])
-def test_dispatch_pieces_rejects_bad_values(raw, monkeypatch):
-    # more pieces than the symmetric region has row flags for would write past disp_flag
-    monkeypatch.setenv("MOE_EP_DISPATCH_PIECES", raw)
-    with pytest.raises(ValueError, match="MOE_EP_DISPATCH_PIECES"):
-        ct._dispatch_pieces(7168)
+def test_pieces_rejects_bad_values(kind, raw, monkeypatch):
+    # more pieces than the symmetric region has row flags for would write past disp_flag / comb_flag
+    name = f"MOE_EP_{kind.upper()}_PIECES"
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=name):
+        ct._pieces(kind, 7168)

@@ -118,11 +118,13 @@ def _send_warps(kind: str) -> int:
     return n
 
 
-def _dispatch_pieces(hidden: int) -> int:
-    """Column pieces per token of the fused dispatch (separate send tickets, one row flag each; dispatch.cu):
-    MOE_EP_DISPATCH_PIECES (1..4, read at every call; every rank must use the same value) or the default, one
-    piece per 7 steps of 512 elements (2 at hidden 7168, 1 at 2048: measured on 4 H200, TRANSPORT.md pass 3)."""
-    raw = os.environ.get("MOE_EP_DISPATCH_PIECES", "")
+def _pieces(kind: str, hidden: int) -> int:
+    """Column pieces per row of the fused ``kind`` kernel ("dispatch" or "combine"; separate send tickets, one row
+    flag each; dispatch.cu, combine.cu): MOE_EP_DISPATCH_PIECES / MOE_EP_COMBINE_PIECES (1..4, read at every
+    call; every rank must use the same value) or the default, one piece per 7 x 512 elements (2 at hidden 7168,
+    1 at 2048: measured on 4 H200, TRANSPORT.md pass 3)."""
+    name = f"MOE_EP_{kind.upper()}_PIECES"
+    raw = os.environ.get(name, "")
     if not raw:
         return max(1, min(DISPATCH_MAX_PIECES, (hidden + 511) // 512 // 7))
     try:
@@ -130,7 +132,7 @@ def _dispatch_pieces(hidden: int) -> int:
     except ValueError:
         n = 0
     if not 1 <= n <= DISPATCH_MAX_PIECES:
-        raise ValueError(f"MOE_EP_DISPATCH_PIECES={raw!r}: expected an integer in 1..{DISPATCH_MAX_PIECES}")
+        raise ValueError(f"{name}={raw!r}: expected an integer in 1..{DISPATCH_MAX_PIECES}")
     return n
 
 
@@ -514,7 +516,7 @@ def _dispatch_mx_fused(
         _p(h.expand_row),
         _p(h.expand_slot),
         _i32(_send_warps("dispatch")),
-        _i32(_dispatch_pieces(x.shape[1])),
+        _i32(_pieces("dispatch", x.shape[1])),
         np.uint64(u),
         *rt.ctl_args(),
     )
@@ -576,6 +578,7 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
             _i64(rt.region("comb_meta")),
             _i64(rt.region("comb_flag")),
             _i32(_send_warps("combine")),
+            _i32(_pieces("combine", hid)),
             np.uint64(u),
             *rt.ctl_args(),
         )

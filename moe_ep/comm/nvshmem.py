@@ -14,7 +14,7 @@
       comb_meta  [cap][K] fp32       returned top-k weight gradients (dispatch backward)
       comb_data  [cap][H * wire] u8  returned rows (combine)
       disp_flag  [cap][4] u64        per received row and column piece: epoch of the fused dispatch that completed it
-      comb_flag  [cap] u64           per returned row: epoch of the fused combine that completed it
+      comb_flag  [cap][4] u64        per returned row and column piece: epoch of the fused combine that completed it
   with cap = ep_size * max_tokens_per_rank: each token reaches a rank at most once, so this is a true worst case.
   ``peers`` is a device int64 table of the region's address on every EP rank (nvshmem_ptr through
   ``get_peer_tensor``); kernels store through it. With ep_size 1 the region is ordinary device memory and
@@ -44,7 +44,7 @@ F_NUM = 6
 MAX_RANKS = 8
 MAX_EXPERTS = 1024
 MAX_TOPK = 32
-DISPATCH_MAX_PIECES = 4  # column pieces per row of the fused dispatch (its per-piece row flags)
+DISPATCH_MAX_PIECES = 4  # column pieces per row of the fused dispatch and combine (their per-piece row flags)
 _ALIGN = 256
 
 ERR_INVALID_EXPERT, ERR_RECV_OVERFLOW, ERR_EXPAND_OVERFLOW, ERR_TIMEOUT = 1, 2, 3, 4
@@ -165,7 +165,7 @@ class EPRuntime:
             ("comb_meta", cap * cfg.top_k * 4),
             ("comb_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
             ("disp_flag", cap * 8 * DISPATCH_MAX_PIECES),
-            ("comb_flag", cap * 8),
+            ("comb_flag", cap * 8 * DISPATCH_MAX_PIECES),
         ]
         off, out = 0, {}
         for name, n in sizes:

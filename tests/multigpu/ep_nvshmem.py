@@ -393,20 +393,31 @@ def main() -> int:
         ("sparse: zero-token experts/ranks", lambda: case_transport("sparse", [10, 0, 17, 2], 8, 2, 128, bf)),
         ("large: 64 experts top8 H=1024", lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 1024, bf)),
         ("all ranks empty", lambda: case_transport("random", [0, 0, 0, 0], 8, 2, 64, bf)),
-        # the fused kernels' schedules: 1 or 16 sender warps per CTA; rows sent as 3 column pieces of which the
-        # first is empty (H=1024: 2 steps of 512 -> 0 + 1 + 1; piece 0 still carries the metadata) or as 2 pieces,
-        # the second a partial step (H=992)
+        # the fused kernels' schedules: 1 or 16 sender warps per CTA; dispatch rows sent as 3 column pieces of
+        # which the first is empty (H=1024: 2 steps of 512 -> 0 + 1 + 1; piece 0 still carries the metadata) or as
+        # 2 pieces, the second a partial step (H=992); combine rows as 3 pieces of 256-element steps (4 -> 1+1+2)
+        # or 4 (H=992: 4 steps, the last partial)
         (
             "schedule: 1 sender warp, 3 pieces, H=1024",
             with_env(
-                {"MOE_EP_DISPATCH_SEND_WARPS": "1", "MOE_EP_COMBINE_SEND_WARPS": "1", "MOE_EP_DISPATCH_PIECES": "3"},
+                {
+                    "MOE_EP_DISPATCH_SEND_WARPS": "1",
+                    "MOE_EP_COMBINE_SEND_WARPS": "1",
+                    "MOE_EP_DISPATCH_PIECES": "3",
+                    "MOE_EP_COMBINE_PIECES": "3",
+                },
                 lambda: case_transport("random", [300, 41, 0, 257], 32, 8, 1024, bf, specials=True),
             ),
         ),
         (
             "schedule: 16 sender warps, 2 pieces, H=992",
             with_env(
-                {"MOE_EP_DISPATCH_SEND_WARPS": "16", "MOE_EP_COMBINE_SEND_WARPS": "16", "MOE_EP_DISPATCH_PIECES": "2"},
+                {
+                    "MOE_EP_DISPATCH_SEND_WARPS": "16",
+                    "MOE_EP_COMBINE_SEND_WARPS": "16",
+                    "MOE_EP_DISPATCH_PIECES": "2",
+                    "MOE_EP_COMBINE_PIECES": "4",
+                },
                 lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 992, bf),
             ),
         ),
