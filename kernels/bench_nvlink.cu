@@ -9,13 +9,7 @@
 #define NVL_THREADS 512
 #define NVL_CHUNK 4096
 
-__device__ __forceinline__ uint4 nvl_ld(const unsigned char* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
+#include "bench_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(NVL_THREADS) nvl_st(const unsigned char* __restrict__ src,
                                                                  const unsigned long long* __restrict__ peers,
@@ -27,7 +21,7 @@ extern "C" __global__ void __launch_bounds__(NVL_THREADS) nvl_st(const unsigned 
     for (long long c = blockIdx.x * (NVL_THREADS / 32) + (threadIdx.x >> 5); c < nchunks; c += nw) {
         uint4 v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = nvl_ld(src + c * NVL_CHUNK + j * 512 + lane * 16);
+        for (int j = 0; j < 8; ++j) v[j] = probe_ld(src + c * NVL_CHUNK + j * 512 + lane * 16);
         for (int k = 1; k < W; ++k) {
             const int r = (me + k) % W;
             unsigned char* dst = reinterpret_cast<unsigned char*>(peers[r] + dst_off) + me * bytes_per_peer +
@@ -55,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(NVL_THREADS) nvl_tma(const unsigned
         unsigned char* b = buf + (it & 1) * NVL_CHUNK;
         uint4 v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = nvl_ld(src + c * NVL_CHUNK + j * 512 + lane * 16);
+        for (int j = 0; j < 8; ++j) v[j] = probe_ld(src + c * NVL_CHUNK + j * 512 + lane * 16);
         // the bulk copies issued two chunks ago read b: wait until at most one group (the last chunk's) is pending
         if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
         __syncwarp();

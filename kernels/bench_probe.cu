@@ -6,13 +6,7 @@
 //                 flight per thread: the same order and parallelism as mx_quant with pipelining off
 // out[i] = low byte of every bf16 element (so the compiler cannot drop the loads).
 
-__device__ __forceinline__ uint4 probe_ld(const unsigned char* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
+#include "bench_common.cuh"
 
 __device__ __forceinline__ uint2 probe_pack(uint4 v) {
     return make_uint2(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.z, v.w, 0x6420));
