@@ -154,6 +154,7 @@ def _quantizer(kind: str):
 
 def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     from moe_ep import mxfp8  # noqa: PLC0415
+    from moe_ep._env import env_override  # noqa: PLC0415
     from moe_ep.comm import cuda_transport as ct  # noqa: PLC0415
     from moe_ep.comm import ops  # noqa: PLC0415
     from moe_ep.comm import reference as ref  # noqa: PLC0415
@@ -281,18 +282,10 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     res["sweep"] = []
     for cfg_s in [c for c in args.sweep.split(";") if c]:
         env = dict(kv.split("=", 1) for kv in cfg_s.split(",") if kv)
-        old_env = {k2: os.environ.get(k2) for k2 in env}
-        os.environ.update(env)
-        try:
+        with env_override(env):
             od, osc, oc, oka = check()
             du = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters)
             cu = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters)
-        finally:
-            for k2, v2 in old_env.items():
-                if v2 is None:
-                    os.environ.pop(k2, None)
-                else:
-                    os.environ[k2] = v2
         res["sweep"].append(
             dict(
                 env=env,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from moe_ep._env import env_override
 from moe_ep.comm import cuda_transport as ct
 
 
@@ -51,3 +54,15 @@ def test_pieces_rejects_bad_values(kind, raw, monkeypatch):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValueError, match=name):
         ct._pieces(kind, 7168)
+
+
+def test_env_override_restores(monkeypatch):
+    monkeypatch.setenv("MOE_EP_COMBINE_PIECES", "3")
+    monkeypatch.delenv("MOE_EP_DISPATCH_PIECES", raising=False)
+    with env_override({"MOE_EP_COMBINE_PIECES": "1", "MOE_EP_DISPATCH_PIECES": "4"}):
+        assert ct._pieces("combine", 7168) == 1 and ct._pieces("dispatch", 7168) == 4
+    assert ct._pieces("combine", 7168) == 3  # the old value is back
+    assert "MOE_EP_DISPATCH_PIECES" not in os.environ  # an absent variable is absent again
+    with pytest.raises(RuntimeError), env_override({"MOE_EP_DISPATCH_PIECES": "2"}):
+        raise RuntimeError("restored on errors too")
+    assert "MOE_EP_DISPATCH_PIECES" not in os.environ

@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from moe_ep import mxfp8  # noqa: E402
+from moe_ep._env import env_override  # noqa: E402
 from moe_ep.comm import cuda_transport as ct  # noqa: E402
 from moe_ep.comm import nvshmem as nvs  # noqa: E402
 from moe_ep.comm import ops  # noqa: E402
@@ -361,16 +362,8 @@ def with_env(env: dict[str, str], fn):
     """fn() under other transport settings (MOE_EP_* are read at every call; every rank sets the same)."""
 
     def run():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with env_override(env):
             fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     return run
 
