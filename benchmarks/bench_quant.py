@@ -110,15 +110,22 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
     # The fused quantizer's traffic: read 2 B, write 1 B row-wise + 1 B at the transposed output's addresses.
     fus = _cuda.get_function("bench_probe.cu", "probe_fused")
     outt = torch.empty(k, m, dtype=torch.uint8, device=x.device)
-    for order, name in ((0, "fused_tile"), (1, "fused_group4")):
+    # orders 2-4 (bench_probe.cu): evict-first xt stores; a second row-major output; the xt stores alone
+    for order, name in (
+        (0, "fused_tile"),
+        (1, "fused_group4"),
+        (2, "fused_cs"),
+        (3, "fused_two_rowmajor"),
+        (4, "xt_only"),
+    ):
         args = (_cuda.ptr(x), _cuda.ptr(out), _cuda.ptr(outt), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
         fn = lambda args=args, order=order: _cuda.launch(fus, grid_tile, 256, (*args, _cuda.i32(order)))  # noqa: E731
         out.zero_()
         fn()
         torch.cuda.synchronize()
-        if not torch.equal(out, x.view(torch.uint8).view(m, k, 2)[..., 0]):
+        if order != 4 and not torch.equal(out, x.view(torch.uint8).view(m, k, 2)[..., 0]):
             raise AssertionError(f"probe_{name} wrote wrong row bytes")
-        res[name] = 4 * m * k / (timer(fn) * 1e-3)
+        res[name] = (3 if order == 4 else 4) * m * k / (timer(fn) * 1e-3)
     return res
 
 

@@ -65,13 +65,21 @@ extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char
 // them and 2 x 16 bytes per thread at xt's addresses (4 lanes write 128 contiguous bytes of one xt row; the bytes
 // themselves are not a transpose). order 0: column tile fastest (mx_quant's order); order 1: groups of 4 row
 // tiles, the row tile fastest inside a group (4 consecutive CTAs extend each xt row segment to 512 bytes).
+// Traffic variants in order 0's tile order: 2: the xt stores with the evict-first hint (st.global.cs);
+// 3: the second output row-major ([M, K], the row output's addresses: two linear write streams); 4: the xt
+// stores only (no row output; read 2 B + write 1 B per element like probe_tile, transposed addresses).
+__device__ __forceinline__ void probe_st_cs(uint4* p, uint4 v) {
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned char* __restrict__ x,
                                                               unsigned char* __restrict__ out,
                                                               unsigned char* __restrict__ outt, long long M,
                                                               int K, int ctiles, int order) {
     const int rtiles = (int)((M + 127) / 128);
     int rt, ct;
-    if (order == 0 || rtiles % 4 != 0) {
+    if (order != 1 || rtiles % 4 != 0) {
         rt = blockIdx.x / ctiles;
         ct = blockIdx.x % ctiles;
     } else {
@@ -82,7 +90,20 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
     const long long row0 = (long long)rt * 128;
     const int col0 = ct * 128;
     uint4 v[8];
-    probe_tile_rows(x, out, M, K, row0, col0, v);
+    if (order == 4) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
+            const bool ok = row0 + r < M && col0 + cc * 8 < K;
+            v[j] = ok ? probe_ld(x + ((row0 + r) * K + col0 + cc * 8) * 2) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    } else {
+        probe_tile_rows(x, out, M, K, row0, col0, v);
+    }
+    if (order == 3) {
+        probe_tile_rows(x, outt, M, K, row0, col0, v);  // reloads hit L2; the point is the second write stream
+        return;
+    }
     // xt: thread t owns xt rows col0 + 2 * (t >> 2) + {0, 1}, bytes row0 + 32 * (t & 3) .. + 32.
     const int mb = threadIdx.x & 3, kc = 2 * (threadIdx.x >> 2);
     if (row0 + 32 * mb < M) {
@@ -90,8 +111,13 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
         for (int c = 0; c < 2; ++c) {
             if (col0 + kc + c >= K) continue;
             uint4* dst = reinterpret_cast<uint4*>(outt + (long long)(col0 + kc + c) * M + row0 + 32 * mb);
-            dst[0] = v[2 * c];
-            dst[1] = v[2 * c + 1];
+            if (order == 2) {
+                probe_st_cs(dst, v[2 * c]);
+                probe_st_cs(dst + 1, v[2 * c + 1]);
+            } else {
+                dst[0] = v[2 * c];
+                dst[1] = v[2 * c + 1];
+            }
         }
     }
 }
