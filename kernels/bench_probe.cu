@@ -97,11 +97,20 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
             const bool ok = row0 + r < M && col0 + cc * 8 < K;
             v[j] = ok ? probe_ld(x + ((row0 + r) * K + col0 + cc * 8) * 2) : make_uint4(0u, 0u, 0u, 0u);
         }
+        // the xt stores below use v[0..3]: fold v[4..7] in, or ptxas drops their (unused) loads
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            v[j] = make_uint4(v[j].x ^ v[j + 4].x, v[j].y ^ v[j + 4].y, v[j].z ^ v[j + 4].z, v[j].w ^ v[j + 4].w);
     } else {
         probe_tile_rows(x, out, M, K, row0, col0, v);
     }
-    if (order == 3) {
-        probe_tile_rows(x, outt, M, K, row0, col0, v);  // reloads hit L2; the point is the second write stream
+    if (order == 3) {  // the same packed bytes again, at the row output's offsets in the second buffer
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
+            if (row0 + r < M && col0 + cc * 8 < K)
+                *reinterpret_cast<uint2*>(outt + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
+        }
         return;
     }
     // xt: thread t owns xt rows col0 + 2 * (t >> 2) + {0, 1}, bytes row0 + 32 * (t & 3) .. + 32.
