@@ -117,9 +117,11 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
         (2, "fused_cs"),
         (3, "fused_two_rowmajor"),
         (4, "xt_only"),
+        (5, "fused_pairs"),
     ):
         args = (_cuda.ptr(x), _cuda.ptr(out), _cuda.ptr(outt), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
-        fn = lambda args=args, order=order: _cuda.launch(fus, grid_tile, 256, (*args, _cuda.i32(order)))  # noqa: E731
+        grid = grid_tile // 2 if order == 5 else grid_tile  # pairs need an even number of row tiles (all shapes)
+        fn = lambda args=args, order=order, grid=grid: _cuda.launch(fus, grid, 256, (*args, _cuda.i32(order)))  # noqa: E731
         out.zero_()
         fn()
         torch.cuda.synchronize()

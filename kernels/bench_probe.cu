@@ -67,7 +67,8 @@ extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char
 // tiles, the row tile fastest inside a group (4 consecutive CTAs extend each xt row segment to 512 bytes).
 // Traffic variants in order 0's tile order: 2: the xt stores with the evict-first hint (st.global.cs);
 // 3: the second output row-major ([M, K], the row output's addresses: two linear write streams); 4: the xt
-// stores only (no row output; read 2 B + write 1 B per element like probe_tile, transposed addresses).
+// stores only (no row output; read 2 B + write 1 B per element like probe_tile, transposed addresses);
+// 5: pairs of vertically adjacent tiles per CTA, so that each xt row segment a CTA writes is 256 bytes.
 __device__ __forceinline__ void probe_st_cs(uint4* p, uint4 v) {
     asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -86,6 +87,28 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
         const int grp = blockIdx.x / (4 * ctiles), in = blockIdx.x % (4 * ctiles);
         rt = grp * 4 + in % 4;
         ct = in / 4;
+    }
+    if (order == 5) {  // tile pairs: this CTA takes row tiles 2 rt and 2 rt + 1 (grid halved by the launcher)
+        const long long r0 = (long long)rt * 256;
+        const int c0 = ct * 128;
+        uint4 va[8], vb[8];
+        probe_tile_rows(x, out, M, K, r0, c0, va);
+        probe_tile_rows(x, out, M, K, r0 + 128, c0, vb);
+        // xt: lanes (t & 7) < 4 write tile a's 32-byte pieces, the others tile b's: 256 contiguous bytes per row
+        const int mb = threadIdx.x & 7, kc = 2 * (threadIdx.x >> 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // the 128 xt rows of the tile in two halves of 64
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int kx = c0 + 64 * h + kc + c;
+                if (kx >= K || r0 + 32 * mb >= M) continue;
+                const int i = 4 * h + 2 * c;  // constant after unrolling: no local-memory arrays
+                uint4* dst = reinterpret_cast<uint4*>(outt + (long long)kx * M + r0 + 32 * mb);
+                dst[0] = mb < 4 ? va[i] : vb[i];
+                dst[1] = mb < 4 ? va[i + 1] : vb[i + 1];
+            }
+        }
+        return;
     }
     const long long row0 = (long long)rt * 128;
     const int col0 = ct * 128;
