@@ -374,8 +374,24 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
 }
 
 // ---- fused MXFP8 dispatch (the fast path, dispatch_fwd_mxfp8) ------------------------------------------------------
-// One MODE_MX received row i (one warp), rows written by peers during this kernel: L2-only loads. Two 512-element
-// steps per iteration (both loads in flight before the stores). Bytes identical to ep_expand<MODE_MX>.
+// Expansion tuning (compile-time, for experiments through MOE_EP_NVRTC_OPTIONS): 512-element steps per iteration
+// (loads of all of them in flight before the stores), and the store used for the expanded rows.
+#ifndef EXP_STEPS
+#define EXP_STEPS 2
+#endif
+#ifdef EXP_ST_CS  // evict-first: keep L2 for the rows still to be read
+__device__ __forceinline__ void ep_st16_cs(void* p, uint4 v) {
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+#define EXP_ST16 ep_st16_cs
+#else
+#define EXP_ST16 ep_st16
+#endif
+
+// One MODE_MX received row i (one warp), rows written by peers during this kernel: L2-only loads. EXP_STEPS
+// 512-element steps per iteration (all their loads in flight before the stores). Bytes identical to
+// ep_expand<MODE_MX>.
 __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, const unsigned char* data,
                                               const unsigned char* scale, const int* __restrict__ info, int H,
                                               int K, int L, int expand_cap, int* __restrict__ recv_pos,
@@ -389,12 +405,12 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
     if (!vm) return;
     int srow = 0;
     if (pos >= 0) srow = info[I_GSTART + L + 1 + loc] * 128 + (pos - info[I_GSTART + loc]);
-    for (int c0 = 0; c0 < H; c0 += 1024) {
-        uint4 q[2];
-        unsigned sb[2];
-        bool act[2];
+    for (int c0 = 0; c0 < H; c0 += 512 * EXP_STEPS) {
+        uint4 q[EXP_STEPS];
+        unsigned sb[EXP_STEPS];
+        bool act[EXP_STEPS];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < EXP_STEPS; ++h) {
             const int e0 = c0 + 512 * h + 16 * lane;
             act[h] = e0 < H;
             q[h] = make_uint4(0, 0, 0, 0);
@@ -409,10 +425,10 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
             const long long n = __shfl_sync(0xFFFFFFFFu, pos, j);
             const long long rb = __shfl_sync(0xFFFFFFFFu, srow, j);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < EXP_STEPS; ++h) {
                 const int e0 = c0 + 512 * h + 16 * lane;
                 if (act[h]) {
-                    ep_st16(out + n * H + e0, q[h]);
+                    EXP_ST16(out + n * H + e0, q[h]);
                     if (!(lane & 1)) {
                         const int cc = e0 >> 5;
                         const long long off = ((rb >> 7) * tpr + (cc >> 2)) * 512 + (rb & 31) * 16 +
