@@ -20,6 +20,7 @@ bytes (dispatch: H e4m3 + H/32 scales + 12*top_k metadata; combine: 2H). GB/s pe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -154,7 +155,6 @@ def _quantizer(kind: str):
 
 def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     from moe_ep import mxfp8  # noqa: PLC0415
-    from moe_ep._env import env_override  # noqa: PLC0415
     from moe_ep.comm import cuda_transport as ct  # noqa: PLC0415
     from moe_ep.comm import ops  # noqa: PLC0415
     from moe_ep.comm import reference as ref  # noqa: PLC0415
@@ -280,15 +280,20 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     res["speedup_combine_vs_nccl_bf16"] = res["nccl_bf16_combine_us"] / res["combine_us"]
     # --sweep: the fused kernels under other MOE_EP_* settings, against this case's baselines (same process)
     res["sweep"] = []
+    rt = handle.runtime
+    base = rt.schedule
     for cfg_s in [c for c in args.sweep.split(";") if c]:
-        env = dict(kv.split("=", 1) for kv in cfg_s.split(",") if kv)
-        with env_override(env):
+        kw = {k2: int(v2) for k2, v2 in (kv.split("=", 1) for kv in cfg_s.split(",") if kv)}
+        rt.set_schedule(dataclasses.replace(base, **kw))
+        try:
             od, osc, oc, oka = check()
             du = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters)
             cu = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters)
+        finally:
+            rt.set_schedule(base)
         res["sweep"].append(
             dict(
-                env=env,
+                schedule=kw,
                 correct=oka,
                 correct_rank0=dict(data=od, scales=osc, combine=oc),
                 dispatch_us=du,
@@ -312,7 +317,8 @@ def main() -> int:
     p.add_argument(
         "--sweep",
         default="",
-        help="extra settings timed per case against the same baselines: 'A=1,B=2;A=3' (MOE_EP_* env, per call)",
+        help="other schedules of the fused kernels timed per case against the same baselines, e.g. "
+        "'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' (fields of moe_ep.comm.schedule.TransportSchedule)",
     )
     args = p.parse_args()
     if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
@@ -355,7 +361,7 @@ def main() -> int:
                 )
                 for sw in res["sweep"]:
                     print(
-                        f"    {','.join(f'{k}={v}' for k, v in sw['env'].items())}: ok={sw['correct']} dispatch "
+                        f"    {','.join(f'{k}={v}' for k, v in sw['schedule'].items())}: ok={sw['correct']} dispatch "
                         f"{sw['dispatch_us']:7.1f}us x{sw['speedup_dispatch_vs_nccl_mxfp8']:.2f} "
                         f"{sw['dispatch_pct_nvlink']:5.1f}% NVLink  combine {sw['combine_us']:7.1f}us "
                         f"x{sw['speedup_combine_vs_nccl_bf16']:.2f}",

@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_ep import gemm_cuda, mxfp8  # noqa: E402
-from moe_ep._env import env_override  # noqa: E402
 
 SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
     "dsv3_up": (32768, 7168, 4096, 32),
@@ -128,8 +127,15 @@ def run_shape(name, m, k, n, g, args, out_rows):
 
     def with_env(var, value, fn):  # run fn with the environment switch var=value (restored after)
         def run():
-            with env_override({var: value}):
+            old = os.environ.get(var)
+            os.environ[var] = value
+            try:
                 return fn()
+            finally:
+                if old is None:
+                    del os.environ[var]
+                else:
+                    os.environ[var] = old
 
         return run
 

@@ -1,68 +1,80 @@
-"""CPU tests of the NVSHMEM transport's host-side configuration (moe_ep/comm/cuda_transport.py)."""
+"""CPU tests of the NVSHMEM transport's schedule (moe_ep/comm/schedule.py): defaults, environment, validation,
+and the cross-rank agreement (gloo processes)."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import pytest
+import torch.distributed as dist
 
-from moe_ep._env import env_override
-from moe_ep.comm import cuda_transport as ct
+from moe_ep.comm.schedule import CTA_WARPS, MAX_PIECES, TransportSchedule, agree
+from tests._dist import run_distributed
 
-
-@pytest.mark.parametrize("kind", ["dispatch", "combine"])
-def test_send_warps_env_and_default(kind, monkeypatch):
-    name = f"MOE_EP_{kind.upper()}_SEND_WARPS"
-    monkeypatch.delenv(name, raising=False)
-    assert ct._send_warps(kind) == ct._SEND_WARPS_DEFAULT[kind]
-    for n in (1, 7, 16):
-        monkeypatch.setenv(name, str(n))
-        assert ct._send_warps(kind) == n
+_ENV = [f"MOE_EP_{f.name.upper()}" for f in dataclasses.fields(TransportSchedule)]
 
 
-@pytest.mark.parametrize("raw", ["0", "17", "-1", "four", "2.5"])
-def test_send_warps_rejects_bad_values(raw, monkeypatch):
-    # 0 sender warps would leave the send tickets to no warp (every CTA needs one: the no-deadlock argument of
-    # kernels/ep_sync.cuh); more than the CTA's 16 warps is meaningless
-    monkeypatch.setenv("MOE_EP_DISPATCH_SEND_WARPS", raw)
-    with pytest.raises(ValueError, match="MOE_EP_DISPATCH_SEND_WARPS"):
-        ct._send_warps("dispatch")
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in _ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_defaults_and_env(clean_env):
+    assert TransportSchedule.from_env() == TransportSchedule()
+    clean_env.setenv("MOE_EP_DISPATCH_SEND_WARPS", "1")
+    clean_env.setenv("MOE_EP_COMBINE_SEND_WARPS", "16")
+    clean_env.setenv("MOE_EP_DISPATCH_PIECES", "3")
+    clean_env.setenv("MOE_EP_COMBINE_PIECES", "0")  # 0: from hidden, as the default
+    assert TransportSchedule.from_env() == TransportSchedule(1, 16, 3, 0)
 
 
 @pytest.mark.parametrize(
     ("hidden", "want"), [(32, 1), (2048, 1), (3584, 1), (3616, 1), (4096, 1), (7168, 2), (14336, 4), (32768, 4)]
 )
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
-def test_pieces_default(kind, hidden, want, monkeypatch):
+def test_pieces_from_hidden(kind, hidden, want):
     # one piece per 7 steps of 512 elements (steps = ceil(hidden / 512)), at least 1, at most 4
-    monkeypatch.delenv(f"MOE_EP_{kind.upper()}_PIECES", raising=False)
-    assert ct._pieces(kind, hidden) == want
+    assert TransportSchedule().pieces(kind, hidden) == want
+    # an explicit value wins
+    assert TransportSchedule(**{f"{kind}_pieces": 3}).pieces(kind, hidden) == 3
 
 
-@pytest.mark.parametrize("kind", ["dispatch", "combine"])
-def test_pieces_env(kind, monkeypatch):
-    for n in range(1, ct.DISPATCH_MAX_PIECES + 1):
-        monkeypatch.setenv(f"MOE_EP_{kind.upper()}_PIECES", str(n))
-        assert ct._pieces(kind, 7168) == n
-
-
-@pytest.mark.parametrize("kind", ["dispatch", "combine"])
-@pytest.mark.parametrize("raw", ["0", "5", "x"])
-def test_pieces_rejects_bad_values(kind, raw, monkeypatch):
-    # more pieces than the symmetric region has row flags for would write past disp_flag / comb_flag
-    name = f"MOE_EP_{kind.upper()}_PIECES"
-    monkeypatch.setenv(name, raw)
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("MOE_EP_DISPATCH_SEND_WARPS", "0"),  # no sender warp: nobody takes the send tickets (ep_sync.cuh)
+        ("MOE_EP_DISPATCH_SEND_WARPS", "17"),  # more than the CTA's 16 warps
+        ("MOE_EP_COMBINE_SEND_WARPS", "four"),
+        ("MOE_EP_DISPATCH_PIECES", "5"),  # more than the row flags the symmetric region has per row
+        ("MOE_EP_COMBINE_PIECES", "-1"),
+        ("MOE_EP_COMBINE_PIECES", "2.5"),
+    ],
+)
+def test_env_rejects_bad_values(clean_env, name, raw):
+    clean_env.setenv(name, raw)
     with pytest.raises(ValueError, match=name):
-        ct._pieces(kind, 7168)
+        TransportSchedule.from_env()
 
 
-def test_env_override_restores(monkeypatch):
-    monkeypatch.setenv("MOE_EP_COMBINE_PIECES", "3")
-    monkeypatch.delenv("MOE_EP_DISPATCH_PIECES", raising=False)
-    with env_override({"MOE_EP_COMBINE_PIECES": "1", "MOE_EP_DISPATCH_PIECES": "4"}):
-        assert ct._pieces("combine", 7168) == 1 and ct._pieces("dispatch", 7168) == 4
-    assert ct._pieces("combine", 7168) == 3  # the old value is back
-    assert "MOE_EP_DISPATCH_PIECES" not in os.environ  # an absent variable is absent again
-    with pytest.raises(RuntimeError), env_override({"MOE_EP_DISPATCH_PIECES": "2"}):
-        raise RuntimeError("restored on errors too")
-    assert "MOE_EP_DISPATCH_PIECES" not in os.environ
+def test_constructor_rejects_bad_values():
+    with pytest.raises(ValueError, match="combine_send_warps"):
+        TransportSchedule(combine_send_warps=CTA_WARPS + 1)
+    with pytest.raises(ValueError, match="dispatch_pieces"):
+        TransportSchedule(dispatch_pieces=MAX_PIECES + 1)
+
+
+def _agree_ranks(rank: int, world_size: int) -> None:
+    group = dist.group.WORLD
+    same = TransportSchedule(dispatch_send_warps=5, combine_pieces=2)
+    assert agree(same, group) == same
+    # rank 1 differs: every rank raises, naming each rank's values
+    mine = dataclasses.replace(same, dispatch_pieces=3 if rank == 1 else 1)
+    with pytest.raises(ValueError, match="differs between EP ranks") as e:
+        agree(mine, group)
+    assert "rank 1: {" in str(e.value) and "'dispatch_pieces': 3" in str(e.value)
+
+
+def test_agree_across_ranks():
+    run_distributed(_agree_ranks, 3)

@@ -38,7 +38,7 @@ import torch
 
 from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
-from .nvshmem import DISPATCH_MAX_PIECES, EPRuntime, get_runtime
+from .nvshmem import EPRuntime, get_runtime
 from .ops import _Combine, _Dispatch, check_dispatch_inputs
 
 _LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
@@ -94,46 +94,6 @@ def _fused() -> bool:
     """Fused send+receive kernels (ep_dispatch_mx, ep_combine; per-row flags). MOE_EP_FUSED=0: the two-kernel
     path (ep_dispatch + ep_expand, ep_combine_send + ep_combine_recv), read at every call."""
     return os.environ.get("MOE_EP_FUSED", "1") != "0"
-
-
-# Warps per CTA of the fused kernels that start on the sender side (the rest start receiving at once); see
-# dispatch.cu / combine.cu. 16 = every warp sends first (pass 2's schedule). Defaults: best of the sweep 16/12/8/6/4/2
-# on 4 H200 (benchmarks/TRANSPORT.md, "Performance pass 3"): dispatch 6 (dsv3 405 -> 324 us), combine 12.
-_SEND_WARPS_DEFAULT = {"dispatch": 6, "combine": 12}
-
-
-def _send_warps(kind: str) -> int:
-    """Sender warps per CTA of the fused ``kind`` kernel: MOE_EP_DISPATCH_SEND_WARPS / MOE_EP_COMBINE_SEND_WARPS
-    (1..16, read at every call) or the measured default."""
-    name = f"MOE_EP_{kind.upper()}_SEND_WARPS"
-    raw = os.environ.get(name, "")
-    if not raw:
-        return _SEND_WARPS_DEFAULT[kind]
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= _THREADS // 32:
-        raise ValueError(f"{name}={raw!r}: expected an integer in 1..{_THREADS // 32}")
-    return n
-
-
-def _pieces(kind: str, hidden: int) -> int:
-    """Column pieces per row of the fused ``kind`` kernel ("dispatch" or "combine"; separate send tickets, one row
-    flag each; dispatch.cu, combine.cu): MOE_EP_DISPATCH_PIECES / MOE_EP_COMBINE_PIECES (1..4, read at every
-    call; every rank must use the same value) or the default, one piece per 7 x 512 elements (2 at hidden 7168,
-    1 at 2048: measured on 4 H200, TRANSPORT.md pass 3)."""
-    name = f"MOE_EP_{kind.upper()}_PIECES"
-    raw = os.environ.get(name, "")
-    if not raw:
-        return max(1, min(DISPATCH_MAX_PIECES, (hidden + 511) // 512 // 7))
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= DISPATCH_MAX_PIECES:
-        raise ValueError(f"{name}={raw!r}: expected an integer in 1..{DISPATCH_MAX_PIECES}")
-    return n
 
 
 def _fused_grid(work_rows: int, rt: EPRuntime) -> int:
@@ -515,8 +475,8 @@ def _dispatch_mx_fused(
         _p(w_out),
         _p(h.expand_row),
         _p(h.expand_slot),
-        _i32(_send_warps("dispatch")),
-        _i32(_pieces("dispatch", x.shape[1])),
+        _i32(rt.schedule.dispatch_send_warps),
+        _i32(rt.schedule.pieces("dispatch", x.shape[1])),
         np.uint64(u),
         *rt.ctl_args(),
     )
@@ -577,8 +537,8 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
             _i64(rt.region("comb_data")),
             _i64(rt.region("comb_meta")),
             _i64(rt.region("comb_flag")),
-            _i32(_send_warps("combine")),
-            _i32(_pieces("combine", hid)),
+            _i32(rt.schedule.combine_send_warps),
+            _i32(rt.schedule.pieces("combine", hid)),
             np.uint64(u),
             *rt.ctl_args(),
         )

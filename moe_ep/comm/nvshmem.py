@@ -40,11 +40,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .schedule import MAX_PIECES, TransportSchedule, agree
+
 F_NUM = 6
 MAX_RANKS = 8
 MAX_EXPERTS = 1024
 MAX_TOPK = 32
-DISPATCH_MAX_PIECES = 4  # column pieces per row of the fused dispatch and combine (their per-piece row flags)
 _ALIGN = 256
 
 ERR_INVALID_EXPERT, ERR_RECV_OVERFLOW, ERR_EXPAND_OVERFLOW, ERR_TIMEOUT = 1, 2, 3, 4
@@ -152,6 +153,12 @@ class EPRuntime:
         self._herr_np = self.herr.numpy()
         self.cfg: RuntimeConfig | None = None
         self._allocate(cfg)
+        self.schedule = agree(TransportSchedule.from_env(), group)
+
+    def set_schedule(self, schedule: TransportSchedule) -> None:
+        """Use ``schedule`` for the following fused dispatches / combines (collective: every rank, same value;
+        raises on every rank if they differ). Stream order keeps kernels already enqueued on the old one."""
+        self.schedule = agree(schedule, self.group)
 
     # ---------------------------------------------------------------------------------------------------- memory
     def _layout(self, cfg: RuntimeConfig) -> dict[str, int]:
@@ -164,8 +171,8 @@ class EPRuntime:
             ("disp_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
             ("comb_meta", cap * cfg.top_k * 4),
             ("comb_data", cap * cfg.hidden * max(2, cfg.wire_bytes)),
-            ("disp_flag", cap * 8 * DISPATCH_MAX_PIECES),
-            ("comb_flag", cap * 8 * DISPATCH_MAX_PIECES),
+            ("disp_flag", cap * 8 * MAX_PIECES),
+            ("comb_flag", cap * 8 * MAX_PIECES),
         ]
         off, out = 0, {}
         for name, n in sizes:

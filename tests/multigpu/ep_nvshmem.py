@@ -16,6 +16,7 @@ dot product over H in a different order than torch's sum: |mine - ref| <= 1e-5 *
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -30,7 +31,6 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from moe_ep import mxfp8  # noqa: E402
-from moe_ep._env import env_override  # noqa: E402
 from moe_ep.comm import cuda_transport as ct  # noqa: E402
 from moe_ep.comm import nvshmem as nvs  # noqa: E402
 from moe_ep.comm import ops  # noqa: E402
@@ -358,12 +358,17 @@ def case_timeout():
         fail(f"[rank 0] lone combine did not time out: {msg!r}")
 
 
-def with_env(env: dict[str, str], fn):
-    """fn() under other transport settings (MOE_EP_* are read at every call; every rank sets the same)."""
+def with_schedule(fn, **kw):
+    """fn() under another schedule of the fused kernels (collective: every rank sets the same), restored after."""
 
     def run():
-        with env_override(env):
+        rt = nvs.get_runtime(GROUP)
+        old = rt.schedule
+        rt.set_schedule(dataclasses.replace(old, **kw))
+        try:
             fn()
+        finally:
+            rt.set_schedule(old)
 
     return run
 
@@ -392,26 +397,22 @@ def main() -> int:
         # or 4 (H=992: 4 steps, the last partial)
         (
             "schedule: 1 sender warp, 3 pieces, H=1024",
-            with_env(
-                {
-                    "MOE_EP_DISPATCH_SEND_WARPS": "1",
-                    "MOE_EP_COMBINE_SEND_WARPS": "1",
-                    "MOE_EP_DISPATCH_PIECES": "3",
-                    "MOE_EP_COMBINE_PIECES": "3",
-                },
+            with_schedule(
                 lambda: case_transport("random", [300, 41, 0, 257], 32, 8, 1024, bf, specials=True),
+                dispatch_send_warps=1,
+                combine_send_warps=1,
+                dispatch_pieces=3,
+                combine_pieces=3,
             ),
         ),
         (
-            "schedule: 16 sender warps, 2 pieces, H=992",
-            with_env(
-                {
-                    "MOE_EP_DISPATCH_SEND_WARPS": "16",
-                    "MOE_EP_COMBINE_SEND_WARPS": "16",
-                    "MOE_EP_DISPATCH_PIECES": "2",
-                    "MOE_EP_COMBINE_PIECES": "4",
-                },
+            "schedule: 16 sender warps, 2 / 4 pieces, H=992",
+            with_schedule(
                 lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 992, bf),
+                dispatch_send_warps=16,
+                combine_send_warps=16,
+                dispatch_pieces=2,
+                combine_pieces=4,
             ),
         ),
         ("autograd bf16 under sync_debug_mode error", lambda: case_autograd("random", [40, 17, 0, 33], 16, 4, 128, bf)),

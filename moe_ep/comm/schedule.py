@@ -1,0 +1,86 @@
+"""Work split of the NVSHMEM transport's fused kernels (kernels/dispatch.cu ``ep_dispatch_mx``, combine.cu
+``ep_combine``), held by the runtime and identical on every EP rank.
+
+Two knobs per kernel (measured on 4x H200 in benchmarks/TRANSPORT.md, "Performance pass 3"):
+  send_warps  warps of every 16-warp CTA that start on the sending side (1..16); the others start receiving at
+              once, so that received rows are expanded / summed while the send is still running.
+  pieces      column pieces per row (1..4), each a separate send ticket with its own row flag, so that the last
+              wave of sends (what the receivers finish after the send) is smaller; 0 = from the hidden size.
+
+The pieces value decides which row flag a sender sets and which ones a receiver waits for: ranks that disagree
+would read rows before they arrive. So the schedule is agreed on when it is set (:func:`agree`, a collective
+with a host sync, at runtime creation or :meth:`EPRuntime.set_schedule`), never read per call from the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import astuple, dataclass, fields
+
+import torch.distributed as dist
+
+CTA_WARPS = 16  # 512-thread CTAs of the fused kernels
+MAX_PIECES = 4  # row flags per row in the symmetric region (disp_flag / comb_flag are [cap][MAX_PIECES])
+
+
+@dataclass(frozen=True)
+class TransportSchedule:
+    """Defaults: the best of the 4x H200 sweeps (dispatch 6 sender warps, combine 12; pieces from hidden)."""
+
+    dispatch_send_warps: int = 6
+    combine_send_warps: int = 12
+    dispatch_pieces: int = 0  # 0: one piece per 7 x 512 elements of hidden (2 at 7168, 1 at 2048), at most 4
+    combine_pieces: int = 0
+
+    def __post_init__(self) -> None:
+        for f in ("dispatch_send_warps", "combine_send_warps"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or not 1 <= v <= CTA_WARPS:
+                raise ValueError(f"{f}={v!r}: expected an integer in 1..{CTA_WARPS}")
+        for f in ("dispatch_pieces", "combine_pieces"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or not 0 <= v <= MAX_PIECES:
+                raise ValueError(f"{f}={v!r}: expected an integer in 1..{MAX_PIECES} (0: from hidden)")
+
+    def pieces(self, kind: str, hidden: int) -> int:
+        """Pieces of the ``kind`` ("dispatch" / "combine") kernel for rows of ``hidden`` elements.
+
+        Example: ``TransportSchedule().pieces("dispatch", 7168) == 2`` (14 steps of 512 -> 2 pieces of 7).
+        """
+        p = getattr(self, f"{kind}_pieces")
+        return p if p else max(1, min(MAX_PIECES, (hidden + 511) // 512 // 7))
+
+    @classmethod
+    def from_env(cls) -> TransportSchedule:
+        """The defaults, overridden by MOE_EP_{DISPATCH,COMBINE}_{SEND_WARPS,PIECES} where set."""
+        kw = {}
+        for f in fields(cls):
+            name = f"MOE_EP_{f.name.upper()}"
+            raw = os.environ.get(name, "")
+            if not raw:
+                continue
+            try:
+                kw[f.name] = int(raw)
+                cls(**{f.name: kw[f.name]})  # the range check of this field alone
+            except ValueError as e:
+                hint = str(e).split(": ", 1)[-1] if ": expected" in str(e) else "expected an integer"
+                raise ValueError(f"{name}={raw!r}: {hint}") from e
+        return cls(**kw)
+
+
+def agree(schedule: TransportSchedule, group) -> TransportSchedule:
+    """Check that every rank of ``group`` holds the same schedule (collective; host sync); returns it.
+
+    Raises ValueError on every rank, listing each rank's values, when they differ.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return schedule
+    mine = astuple(schedule)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)  # NOTE: host sync (runtime creation / schedule change)
+    if any(tuple(v) != mine for v in everyone):
+        names = [f.name for f in fields(TransportSchedule)]
+        rows = "; ".join(f"rank {r}: {dict(zip(names, v, strict=True))}" for r, v in enumerate(everyone))
+        raise ValueError(f"the transport schedule differs between EP ranks (set the same MOE_EP_* values): {rows}")
+    return schedule
