@@ -330,7 +330,7 @@ def main() -> int:
     from moe_ep.comm import nvshmem as nvs  # noqa: PLC0415
 
     shapes = [s for s in args.shapes.split(",") if s]
-    nvs.init_runtime(
+    rt = nvs.init_runtime(
         dist.group.WORLD,
         max(SHAPES[s]["T"] for s in shapes),
         max(SHAPES[s]["H"] for s in shapes),
@@ -375,6 +375,7 @@ def main() -> int:
             "torch": torch.__version__,
             "iters": args.iters,
             "nvlink_GBps": NVLINK_GBS,
+            "schedule": dataclasses.asdict(rt.schedule),  # the defaults of the fused kernels (sweep: per entry)
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
