@@ -24,6 +24,21 @@ CTA_WARPS = 16  # 512-thread CTAs of the fused kernels
 MAX_PIECES = 4  # row flags per row in the symmetric region (disp_flag / comb_flag are [cap][MAX_PIECES])
 
 
+# valid range of every field (pieces 0: from hidden)
+_RANGE = {
+    "dispatch_send_warps": (1, CTA_WARPS),
+    "combine_send_warps": (1, CTA_WARPS),
+    "dispatch_pieces": (0, MAX_PIECES),
+    "combine_pieces": (0, MAX_PIECES),
+}
+
+
+def _check(field: str, value) -> None:
+    lo, hi = _RANGE[field]
+    if not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"expected an integer in {lo}..{hi}" + (" (0: from hidden)" if lo == 0 else ""))
+
+
 @dataclass(frozen=True)
 class TransportSchedule:
     """Defaults: the best of the 4x H200 sweeps (dispatch 6 sender warps, combine 12; pieces from hidden)."""
@@ -34,14 +49,12 @@ class TransportSchedule:
     combine_pieces: int = 0
 
     def __post_init__(self) -> None:
-        for f in ("dispatch_send_warps", "combine_send_warps"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or not 1 <= v <= CTA_WARPS:
-                raise ValueError(f"{f}={v!r}: expected an integer in 1..{CTA_WARPS}")
-        for f in ("dispatch_pieces", "combine_pieces"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or not 0 <= v <= MAX_PIECES:
-                raise ValueError(f"{f}={v!r}: expected an integer in 1..{MAX_PIECES} (0: from hidden)")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            try:
+                _check(f.name, v)
+            except ValueError as e:
+                raise ValueError(f"{f.name}={v!r}: {e}") from None
 
     def pieces(self, kind: str, hidden: int) -> int:
         """Pieces of the ``kind`` ("dispatch" / "combine") kernel for rows of ``hidden`` elements.
@@ -62,10 +75,12 @@ class TransportSchedule:
                 continue
             try:
                 kw[f.name] = int(raw)
-                cls(**{f.name: kw[f.name]})  # the range check of this field alone
+            except ValueError:
+                raise ValueError(f"{name}={raw!r}: expected an integer") from None
+            try:
+                _check(f.name, kw[f.name])
             except ValueError as e:
-                hint = str(e).split(": ", 1)[-1] if ": expected" in str(e) else "expected an integer"
-                raise ValueError(f"{name}={raw!r}: {hint}") from e
+                raise ValueError(f"{name}={raw!r}: {e}") from None
         return cls(**kw)
 
 
