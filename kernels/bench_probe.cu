@@ -31,22 +31,33 @@ extern "C" __global__ void __launch_bounds__(256) probe_linear(const unsigned ch
     }
 }
 
-// One 128 x 128 tile at (row0, col0): 8 chunks in flight per thread, then the low byte of every element to out.
-// v: the thread's chunks (kept for probe_fused's second output).
-__device__ __forceinline__ void probe_tile_rows(const unsigned char* __restrict__ x, unsigned char* __restrict__ out,
-                                                long long M, int K, long long row0, int col0, uint4* v) {
+// The thread's 8 chunks of the 128 x 128 tile at (row0, col0), all loads issued before use.
+__device__ __forceinline__ void probe_tile_load(const unsigned char* __restrict__ x, long long M, int K,
+                                                long long row0, int col0, uint4* v) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
         const bool ok = row0 + r < M && col0 + cc * 8 < K;
         v[j] = ok ? probe_ld(x + ((row0 + r) * K + col0 + cc * 8) * 2) : make_uint4(0u, 0u, 0u, 0u);
     }
+}
+
+// The low byte of every element of the thread's chunks v to out [M, K] (the row-wise output's addresses).
+__device__ __forceinline__ void probe_tile_store(unsigned char* __restrict__ out, long long M, int K, long long row0,
+                                                 int col0, const uint4* v) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
         if (row0 + r < M && col0 + cc * 8 < K)
             *reinterpret_cast<uint2*>(out + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
     }
+}
+
+// One 128 x 128 tile: load, then the row bytes to out. v: the thread's chunks (kept for probe_fused's xt output).
+__device__ __forceinline__ void probe_tile_rows(const unsigned char* __restrict__ x, unsigned char* __restrict__ out,
+                                                long long M, int K, long long row0, int col0, uint4* v) {
+    probe_tile_load(x, M, K, row0, col0, v);
+    probe_tile_store(out, M, K, row0, col0, v);
 }
 
 // x: [M, K] bf16, out: [M, K] bytes; grid = ceil(M/128) * ceil(K/128).
@@ -114,12 +125,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
     const int col0 = ct * 128;
     uint4 v[8];
     if (order == 4) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
-            const bool ok = row0 + r < M && col0 + cc * 8 < K;
-            v[j] = ok ? probe_ld(x + ((row0 + r) * K + col0 + cc * 8) * 2) : make_uint4(0u, 0u, 0u, 0u);
-        }
+        probe_tile_load(x, M, K, row0, col0, v);
         // the xt stores below use v[0..3]: fold v[4..7] in, or ptxas drops their (unused) loads
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -128,12 +134,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
         probe_tile_rows(x, out, M, K, row0, col0, v);
     }
     if (order == 3) {  // the same packed bytes again, at the row output's offsets in the second buffer
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int c = j * 256 + threadIdx.x, r = c / 16, cc = c % 16;
-            if (row0 + r < M && col0 + cc * 8 < K)
-                *reinterpret_cast<uint2*>(outt + (row0 + r) * K + col0 + cc * 8) = probe_pack(v[j]);
-        }
+        probe_tile_store(outt, M, K, row0, col0, v);
         return;
     }
     // xt: thread t owns xt rows col0 + 2 * (t >> 2) + {0, 1}, bytes row0 + 32 * (t & 3) .. + 32.
