@@ -374,19 +374,10 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
 }
 
 // ---- fused MXFP8 dispatch (the fast path, dispatch_fwd_mxfp8) ------------------------------------------------------
-// Expansion tuning (compile-time, for experiments through MOE_EP_NVRTC_OPTIONS): 512-element steps per iteration
-// (loads of all of them in flight before the stores), and the store used for the expanded rows.
+// 512-element steps per iteration of the expansion (loads of all of them in flight before the stores); 4 measured
+// no better (benchmarks/TRANSPORT.md pass 3, 5.; so did evict-first stores, removed after that run)
 #ifndef EXP_STEPS
 #define EXP_STEPS 2
-#endif
-#ifdef EXP_ST_CS  // evict-first: keep L2 for the rows still to be read
-__device__ __forceinline__ void ep_st16_cs(void* p, uint4 v) {
-    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-}
-#define EXP_ST16 ep_st16_cs
-#else
-#define EXP_ST16 ep_st16
 #endif
 
 // One MODE_MX received row i (one warp), rows written by peers during this kernel: L2-only loads. EXP_STEPS
@@ -428,7 +419,7 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
             for (int h = 0; h < EXP_STEPS; ++h) {
                 const int e0 = c0 + 512 * h + 16 * lane;
                 if (act[h]) {
-                    EXP_ST16(out + n * H + e0, q[h]);
+                    ep_st16(out + n * H + e0, q[h]);
                     if (!(lane & 1)) {
                         const int cc = e0 >> 5;
                         const long long off = ((rb >> 7) * tpr + (cc >> 2)) * 512 + (rb & 31) * 16 +
