@@ -69,18 +69,18 @@ __device__ __forceinline__ void store8(unsigned char* p, const float* v) {
 }
 
 // Expert side, one received row i from rank s (one warp): slot-ordered (weighted) fp32 sum, one YT row stored into
-// rank s's combine buffer at row dst (BWD: also the top-k weight gradients of the row). Only the elements
-// [c_begin, c_end) (multiples of 256: a column piece of the fused combine; default the whole row); the piece that
-// starts at 0 writes the weight gradients.
+// rank s's combine buffer at row dst (BWD and meta: also the top-k weight gradients of the row). Only the elements
+// [c_begin, c_end) (multiples of 256: a column piece of the fused combine, whose piece 0 passes meta; default the
+// whole row).
 template <int YT, int BWD>
 __device__ __forceinline__ void comb_send_row(int i, long long dst, unsigned char* orow_base, float* cmeta_s,
                                               const unsigned char* __restrict__ y, const float* __restrict__ w,
                                               const int* __restrict__ recv_pos, int H, int K, int lane,
-                                              int c_begin = 0, int c_end = 1 << 30) {
+                                              bool meta = true, int c_begin = 0, int c_end = 1 << 30) {
     const int es = YT == YT_BF16 ? 2 : 4;
     int pos = lane < K ? recv_pos[(long long)i * K + lane] : -1;
     const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
-    if (BWD && c_begin == 0 && lane < K) cmeta_s[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
+    if (BWD && meta && lane < K) cmeta_s[dst * K + lane] = pos >= 0 ? w[pos] : 0.f;
     unsigned char* orow = orow_base + dst * H * es;
     const float wl = (!BWD && pos >= 0) ? w[pos] : 0.f;  // slot weight, loaded once per row
     for (int c0 = c_begin; c0 < min(H, c_end); c0 += 256) {
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
         if (!comb_row_of(v, W, roff, R, s, i)) continue;
         const long long dst = rbase[s] + (i - roff[s]);
         comb_send_row<YT, BWD>(i, dst, reinterpret_cast<unsigned char*>(peers[s] + comb_off),
-                               reinterpret_cast<float*>(peers[s] + cmeta_off), y, w, recv_pos, H, K, lane,
+                               reinterpret_cast<float*>(peers[s] + cmeta_off), y, w, recv_pos, H, K, lane, p == 0,
                                256 * (steps * p / pieces), 256 * (steps * (p + 1) / pieces));
         ep_warp_release();
         if (lane == 0) ep_st_release(reinterpret_cast<ep_u64*>(peers[s] + rflag_off) + dst * pieces + p, epoch);
