@@ -1,0 +1,230 @@
+"""Routing layout of the CUDA transport (kernels/layout.cu): the device-resident :class:`CudaEPHandle` and
+:func:`build_layout`, plus the launch helpers the transport shares. See :mod:`moe_ep.comm.cuda_transport` for the
+contracts; everything here stays on the GPU (no host sync except the handle's documented host helpers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import _cuda
+from .nvshmem import EPRuntime, get_runtime
+
+_LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
+_LAYOUT_TOKENS_PER_CTA = 128
+_I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/layout.cu)
+
+
+def _fn(src: str, name: str, names: tuple[str, ...] = ()):
+    return _cuda.get_function(src, name, names)
+
+
+def _p(t: torch.Tensor | None) -> np.uint64:
+    return _cuda.ptr(t)
+
+
+def _i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+@dataclass
+class CudaEPHandle:
+    """Device-resident layout (the CUDA counterpart of :class:`moe_ep.comm.handle.EPHandle`).
+
+    Source side: topk_idx [T, K] int32; tok_dst [T, W] int32 row in rank r's receive buffer (-1: not sent);
+      send_row_of [T, W] int32 (the reference's sent-row order, -1: none); slot_pos [T, K] int32 expanded row of
+      each slot at its rank (-1: invalid id / over capacity).
+    Both: counts [W, W + E] int32, row s = rank s's [rows per dest rank | (token, slot) pairs per global expert].
+    Receiver: info int32 (R at [0], N at [1], recv_off at [2:2+W+1], group starts at [36:36+L+1], tile offsets
+      after them); group_sizes [L] int32; recv_pos [recv_capacity, K] int32 expanded row of each received slot,
+      expand_row / expand_slot [expand_capacity] int32 (filled by the forward dispatch; -1 past N).
+    """
+
+    num_tokens: int
+    top_k: int
+    ep_size: int
+    num_local_experts: int
+    num_experts: int
+    recv_capacity: int
+    expand_capacity: int
+    topk_idx: torch.Tensor
+    tok_dst: torch.Tensor
+    send_row_of: torch.Tensor
+    slot_pos: torch.Tensor
+    counts: torch.Tensor
+    info: torch.Tensor
+    group_sizes: torch.Tensor
+    recv_pos: torch.Tensor
+    expand_row: torch.Tensor
+    expand_slot: torch.Tensor
+    runtime: EPRuntime
+    group: object = None
+
+    @property
+    def num_expanded(self) -> int:
+        """Rows of every expanded tensor (the capacity, not the device count N)."""
+        return self.expand_capacity
+
+    @property
+    def num_recv(self) -> int:
+        return self.recv_capacity
+
+    @property
+    def topk_rank(self) -> torch.Tensor:
+        return (self.topk_idx // self.num_local_experts).long()
+
+    # host-sync helpers (tests, debugging): never on the training path
+    def host_counts(self) -> dict:
+        info = self.info.cpu().tolist()  # NOTE: host sync (tests and debugging only)
+        w, lcl = self.ep_size, self.num_local_experts
+        cnt = self.counts.cpu()
+        me = self.runtime.rank
+        return {
+            "R": info[_I_R],
+            "N": info[_I_N],
+            "send_splits": cnt[me, :w].tolist(),
+            "recv_splits": cnt[:, me].tolist(),
+            "group_sizes": [int(v) for v in self.group_sizes.cpu()],
+            "gstart": info[_I_GSTART : _I_GSTART + lcl + 1],
+        }
+
+    @property
+    def send_splits(self) -> list[int]:  # NOTE: host sync (the reference handle's field; here a device read)
+        return self.host_counts()["send_splits"]
+
+    @property
+    def recv_splits(self) -> list[int]:  # NOTE: host sync
+        return self.host_counts()["recv_splits"]
+
+    @property
+    def group_sizes_host(self) -> list[int]:  # NOTE: host sync
+        return self.host_counts()["group_sizes"]
+
+
+def _check_capacity(rt: EPRuntime, h: int, elem: int, top_k: int, num_tokens: int | None = None) -> None:
+    cfg = rt.cfg
+    if h > cfg.hidden:
+        raise ValueError(f"hidden {h} exceeds the runtime's hidden {cfg.hidden} (init_runtime with the larger size)")
+    if h * elem > cfg.hidden * max(2, cfg.wire_bytes):
+        raise ValueError(f"{elem}-byte payload rows need init_runtime(..., wire_bytes={elem})")
+    if top_k > cfg.top_k:
+        raise ValueError(f"top_k {top_k} exceeds the runtime's top_k {cfg.top_k}")
+    if num_tokens is not None and num_tokens > cfg.max_tokens_per_rank:
+        raise ValueError(
+            f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank} (it sizes the "
+            "receive buffers); raise it in init_runtime / MoEConfig"
+        )
+
+
+def build_layout(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    group=None,
+    *,
+    expand_capacity: int | None = None,
+    runtime: EPRuntime | None = None,
+) -> CudaEPHandle:
+    """Routing layout on the GPU: topk_idx [T, K] int32/int64 global expert ids -> :class:`CudaEPHandle`.
+
+    Invalid ids are reported (ValueError) by the next transport call / ``runtime.check_errors()``; their slots
+    are dropped meanwhile. Collective over the EP group (every rank calls it, in the same order as the others).
+    """
+    rt = runtime or get_runtime(group)
+    rt.raise_pending()
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be [num_tokens, top_k], got shape {tuple(topk_idx.shape)}")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
+    if topk_idx.device != rt.device:
+        raise ValueError(f"topk_idx must be on {rt.device}, got {topk_idx.device}")
+    w, me = rt.ep_size, rt.rank
+    if num_experts % w:
+        raise ValueError(f"num_experts {num_experts} is not divisible by the EP size {w}")
+    if num_experts > rt.cfg.num_experts:
+        raise ValueError(f"num_experts {num_experts} exceeds the runtime's {rt.cfg.num_experts}")
+    t, k = topk_idx.shape
+    _check_capacity(rt, 32, 1, k, t)
+    lcl = num_experts // w
+    recv_cap = w * rt.cfg.max_tokens_per_rank
+    ncap = int(expand_capacity) if expand_capacity is not None else recv_cap * min(k, lcl)
+    dev = rt.device
+    idx = topk_idx.to(torch.int32).contiguous()
+    tok_dst = torch.empty(t, w, dtype=torch.int32, device=dev)
+    send_row_of = torch.empty(t, w, dtype=torch.int32, device=dev)
+    slot_pos = torch.empty(t, k, dtype=torch.int32, device=dev)
+    counts = torch.empty(w, w + num_experts, dtype=torch.int32, device=dev)
+    info = torch.zeros(_I_GSTART + 2 * (lcl + 1), dtype=torch.int32, device=dev)
+    group_sizes = torch.empty(lcl, dtype=torch.int32, device=dev)
+    u = rt.next_epoch("layout")
+    # both kernels use the same grid (the token split decides the deterministic order); part: per-CTA counts
+    nb = max(1, min(-(-t // _LAYOUT_TOKENS_PER_CTA), rt.num_sms))
+    rw = w + num_experts
+    part = torch.empty(nb * rw, dtype=torch.int32, device=dev)
+    head = (
+        _p(idx),
+        _i32(t),
+        _i32(k),
+        _i32(num_experts),
+        _i32(w),
+        _i32(me),
+        _p(rt.peers),
+        _i64(rt.region("counts")),
+        np.uint64(u),
+    )
+    _cuda.launch(
+        _fn("layout.cu", "ep_layout_count"),
+        nb,
+        _LAYOUT_WARPS * 32,
+        (*head, _p(part), *rt.ctl_args()),
+        shared_mem=(_LAYOUT_WARPS * num_experts + rw) * 4,
+        device=dev,
+    )
+    args = (
+        *head,
+        _i32(recv_cap),
+        _i32(ncap),
+        _p(part),
+        _p(tok_dst),
+        _p(send_row_of),
+        _p(slot_pos),
+        _p(counts),
+        _p(info),
+        _p(group_sizes),
+        *rt.ctl_args(),
+    )
+    _cuda.launch(
+        _fn("layout.cu", "ep_layout_place"),
+        nb,
+        _LAYOUT_WARPS * 32,
+        args,
+        shared_mem=(_LAYOUT_WARPS + 2) * num_experts * 4,
+        device=dev,
+    )
+    return CudaEPHandle(
+        num_tokens=t,
+        top_k=k,
+        ep_size=w,
+        num_local_experts=lcl,
+        num_experts=num_experts,
+        recv_capacity=recv_cap,
+        expand_capacity=ncap,
+        topk_idx=idx,
+        tok_dst=tok_dst,
+        send_row_of=send_row_of,
+        slot_pos=slot_pos,
+        counts=counts,
+        info=info,
+        group_sizes=group_sizes,
+        recv_pos=torch.empty(recv_cap, k, dtype=torch.int32, device=dev),
+        expand_row=torch.empty(ncap, dtype=torch.int32, device=dev),
+        expand_slot=torch.empty(ncap, dtype=torch.int32, device=dev),
+        runtime=rt,
+        group=group,
+    )
