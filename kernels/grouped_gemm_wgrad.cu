@@ -57,6 +57,10 @@ __device__ __forceinline__ unsigned long long wg_desc_mn(unsigned saddr) {
 #endif
 }
 
+// Output tiles of the grid: G groups x 128-row tiles of N x 256-column tiles of K (the producer and the consumers
+// walk the same sequence).
+__device__ __forceinline__ int wgr_num_tiles(int G, int N, int K) { return G * ((N + 127) / 128) * ((K + 255) / 256); }
+
 // Tile t -> group g, row tile n0 (128 rows of N), column tile k0 (256 columns of K); the group's blocks via
 // the warp's own scan (gm_scan_groups by group index: poff and rows).
 __device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
@@ -119,7 +123,7 @@ __device__ __forceinline__ void wgr_produce(GroupInfo* gi, const int* __restrict
                                             int K, const TmaMap* tmA, const TmaMap* tmB, unsigned sbase,
                                             unsigned full0, unsigned empty0) {
     const int lane = threadIdx.x & 31;
-    const int total = G * ((N + 127) / 128) * ((K + 255) / 256);
+    const int total = wgr_num_tiles(G, N, K);
     int stage = 0;
     unsigned phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -159,7 +163,7 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
     setmaxnreg_inc<224>();
     const int wg = tid >> 7, q = warp & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
-    const int total = G * ((N + 127) / 128) * ((K + 255) / 256);
+    const int total = wgr_num_tiles(G, N, K);
     int stage = 0;
     unsigned phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
