@@ -13,10 +13,14 @@ wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
 variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
+raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER=1/4/8/16 (row tiles per band of the
+tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is given, 3 rounds
+interleaved (build by build, then again) with the median per build, bytes checked equal to GM_RASTER=1.
+
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad] [--shape dsv3_up] [--json PATH]
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -167,14 +171,73 @@ def experiments_wgrad(args) -> dict:
     return res
 
 
+def _raster_shape(shape: str) -> dict:
+    import os  # noqa: PLC0415
+    import statistics  # noqa: PLC0415
+
+    m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
+    wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
+    offs = torch.cumsum(sz, 0, dtype=torch.int32)
+    flops = 2.0 * sum(sizes) * n * k
+    builds = [(impl, r) for impl in ("wgmma4", "wgmma5") for r in (1, 4, 8, 16)]
+    times: dict[str, list[float]] = {f"{i}_r{r}": [] for i, r in builds}
+    times["torch_bf16"] = []
+    row: dict = {"M": m, "K": k, "N": n, "G": g}
+
+    def ours():
+        gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, out=out, w_prepared=wprep)
+
+    def bf16():
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    ref = None
+    for rnd in range(3):  # interleaved rounds: clock/heat drift hits every build alike
+        for impl, r in builds:
+            os.environ["MOE_EP_GEMM_IMPL"] = impl
+            os.environ["MOE_EP_NVRTC_OPTIONS"] = f"-DGM_RASTER={r}"
+            times[f"{impl}_r{r}"].append(time_ms(ours, 3, 20))
+            if rnd == 0:
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = out.clone()
+                else:
+                    row[f"{impl}_r{r}_bytes_equal_wgmma4_r1"] = bool(torch.equal(out, ref))
+                out.fill_(float("nan"))
+        times["torch_bf16"].append(time_ms(bf16, 3, 20))
+    row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
+    row["ratio_vs_torch_bf16"] = {kk: v / row["tflops"]["torch_bf16"] for kk, v in row["tflops"].items()}
+    return row
+
+
+def experiments_raster(args) -> dict:
+    import os  # noqa: PLC0415
+
+    saved = {v: os.environ.get(v) for v in ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")}
+    res = {"kernel": "raster", "shapes": {}}
+    try:
+        for shape in [args.shape] if args.shape_given else list(SHAPES):
+            res["shapes"][shape] = _raster_shape(shape)
+            print(shape, json.dumps(res["shapes"][shape]))
+    finally:
+        for var, val in saved.items():
+            if val is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = val
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad"))
-    ap.add_argument("--shape", default="dsv3_up")
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster"))
+    ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.kernel in ("wgmma5", "wgrad"):
-        res = experiments_w5(args) if args.kernel == "wgmma5" else experiments_wgrad(args)
+    args.shape_given = args.shape is not None
+    args.shape = args.shape or "dsv3_up"
+    if args.kernel in ("wgmma5", "wgrad", "raster"):
+        exp = {"wgmma5": experiments_w5, "wgrad": experiments_wgrad, "raster": experiments_raster}[args.kernel]
+        res = exp(args)
         print(json.dumps(res, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))

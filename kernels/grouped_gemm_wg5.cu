@@ -15,10 +15,10 @@
 //     consumers take them (setmaxnreg.inc to 224): 128 x 56 + 256 x 224 = 64512 = 384 x 168, all the CTA holds
 //     (a larger inc waits forever for registers nobody frees). (A 288-thread block
 //     does not help: ptxas still budgets 12 warps.)
-//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... of the same tile order as wgmma4 (row tile
-//     t / n_tiles, column tile t % n_tiles; (ceil(M/128) + G) * n_tiles tiles, those past the groups zero-fill
-//     rows past sum(sizes) when zero_rest). Each warp scans the group sizes itself (its own GroupInfo, no block
-//     barrier; the sizes stay in L1 after the first tile).
+//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... of the same tile order as wgmma4 (gm_raster;
+//     (ceil(M/128) + G) * n_tiles tiles, those past the groups zero-fill rows past sum(sizes) when zero_rest).
+//     Each warp scans the group sizes itself (its own GroupInfo, no block barrier; the sizes stay in L1 after the
+//     first tile).
 //   * ring: W5_STAGES stages of [B bf16 256 x 128 B (SW128) | A raw 128 x 64 B] plus one A scale tile (512 B) per
 //     stage, two mbarriers each: full (count 1 + transaction bytes, the producer's expect_tx) and empty (count 8:
 //     lane 0 of every consumer warp arrives once the MMAs that read the stage have retired). A step's stage and
@@ -111,8 +111,9 @@ __device__ __forceinline__ void ring_next(int& stage, unsigned& phase, int stage
 __device__ __forceinline__ int w5_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
                                        int t, int& n0, int& mrows, long long& arow0, long long& r_zero) {
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
-    const int m_t = t / n_tiles;
-    n0 = (t % n_tiles) * W2_BN;
+    int m_t, n_t;
+    gm_raster(t, (int)((M + W2_BM - 1) / W2_BM) + G, n_tiles, m_t, n_t);
+    n0 = n_t * W2_BN;
     gm_scan_groups(sizes, G, M, 1, m_t, gi);
     __syncwarp();
     const int g = gi->g;

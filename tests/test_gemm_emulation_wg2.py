@@ -35,6 +35,22 @@ from test_gemm_emulation import ADDRESS_CASES  # noqa: E402
 from test_gemm_emulation_wgmma import _bf16_array, gmma_operand, wg_desc  # noqa: E402
 
 W2_BN, W2_TILE, W2_STAGES, W2_SMEM, EPI_LD = 256, 32768, 3, 99328, 528
+GM_RASTER = 8  # kernels/grouped_gemm_wg2.cu's default band of row tiles
+
+
+def raster(t: int, m_tiles: int, n_tiles: int, band: int = GM_RASTER) -> tuple[int, int]:
+    """gm_raster: linear tile t -> (row tile, column tile), row tiles in bands of ``band``, fastest inside a band.
+
+    Example: raster(7, 5, 3, 2) == (3, 0) (band 1 holds row tiles 2, 3: t = 6, 7, 8 -> (2, 0), (3, 0), (2, 1)).
+    """
+    if band <= 1:
+        return t // n_tiles, t % n_tiles
+    b = t // (band * n_tiles)
+    rows = min(band, m_tiles - b * band)
+    r = t - b * band * n_tiles
+    return b * band + r % rows, r // rows
+
+
 TID = np.arange(256, dtype=np.int64)[None, :]
 
 
@@ -121,10 +137,11 @@ def fragment_matrix(frags, wg: int, kk: int) -> np.ndarray:
 def emu_w2_2d3d(a, a_sc, b, b_sc, sizes, out, g_count, m_total, n, k, out_f32, zero_rest=False):
     bufs = {"a": a, "a_sc": a_sc, "b": b, "b_sc": b_sc}
     n_tiles = (n + W2_BN - 1) // W2_BN
-    grid = ((m_total + 127) // 128 + g_count) * n_tiles
+    m_tiles = (m_total + 127) // 128 + g_count
+    grid = m_tiles * n_tiles
     boff = [b_word_offsets(t) for t in range(256)]
     for bid in range(grid):
-        m_t, n_t = bid // n_tiles, bid % n_tiles
+        m_t, n_t = raster(bid, m_tiles, n_tiles)
         gi = scan_groups(sizes, g_count, m_total, 1, m_t)
         if gi["g"] < 0:
             if zero_rest:
@@ -320,12 +337,29 @@ def test_w2_address_check_catches_a_wrong_scale_tile():
         globals()["cta_w2"] = orig
 
 
+def test_raster_order_worked_example_and_bijection():
+    assert [raster(t, 5, 3, 2) for t in range(15)] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2),
+        (2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (3, 2),
+        (4, 0), (4, 1), (4, 2),
+    ]  # fmt: skip
+    assert [raster(t, 2, 3, 1) for t in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    for m_tiles in (1, 2, 7, 8, 9, 17, 40):
+        for n_tiles in (1, 3, 16):
+            for band in (1, 4, 8, 16):
+                got = [raster(t, m_tiles, n_tiles, band) for t in range(m_tiles * n_tiles)]
+                assert sorted(got) == [(a, b) for a in range(m_tiles) for b in range(n_tiles)]
+                if band > 1:  # inside a full band the row tile varies fastest
+                    assert got[: min(band, m_tiles)] == [(a, 0) for a in range(min(band, m_tiles))]
+
+
 def test_w2_constants_match_the_source():
     from moe_ep import _cuda
 
     src = _cuda.read_source("grouped_gemm_wg2.cu")
     assert "#define W2_STAGES 3" in src and "#define W2_TILE_BYTES 32768" in src and "#define W2_BN 256" in src
     assert f"#define W2_EPI_LD {EPI_LD}" in src
+    assert f"#define GM_RASTER {GM_RASTER}" in src
     assert W2_STAGES * W2_TILE + 1024 == W2_SMEM == gemm_cuda._WGMMA2_SMEM_BYTES
     assert gemm_cuda._WGMMA2_BN == W2_BN
     for suffix in gemm_cuda._OUT_SUFFIX.values():
