@@ -1,8 +1,9 @@
 """Benchmark the MXFP8 grouped GEMMs (moe_ep.gemm_cuda) against torch's grouped GEMMs on the same shapes.
 
 For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgrad, wgrad) it first checks the
-kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median) and
-reports TFLOP/s (2*M*N*K / time) for:
+kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median of --reps;
+--rounds interleaved rounds, TFLOP/s from the median round, ratio = median over rounds of the same round's torch
+bf16 time over ours) and reports TFLOP/s (2*M*N*K / time) for:
   mxfp8_<impl>  our kernels, every family of gemm_cuda.IMPLS for fprop/dgrad (wgmma4/5 with the bf16 weight prepared
                 once, outside the timing: see "prepare_weight" for that pass); wgrad: gemm_cuda.WGRAD_IMPLS
                 (mxfp8_wgmma / mxfp8_mma, bf16 output; "mxfp8_f32" = the default kernel with fp32 output;
@@ -275,19 +276,28 @@ def run_shape(name, m, k, n, g, args, out_rows):
     for var in ("fprop", "dgrad", "wgrad"):
         vres = {}
         fns = {**ours[var], **base[var]}
+        rounds: dict[str, list[float]] = {impl: [] for impl in fns}
+        # Interleaved rounds (every implementation once per round, then again): the GPU's clock and heat drift
+        # between processes and within one moved torch bf16 itself by up to ~12 %, so a ratio is taken per round
+        # (same minute, same clocks) and the median of those is reported.
+        for _ in range(args.rounds):
+            for impl, fn in fns.items():
+                if fn is None or "error" in vres.get(impl, {}):
+                    continue
+                try:
+                    rounds[impl].append(time_ms(fn, args.warmup, args.reps))
+                except Exception as e:  # noqa: BLE001
+                    vres[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         for impl, fn in fns.items():
             if fn is None:
                 vres[impl] = {"error": "check failed: not timed"}
-                continue
-            try:
-                ms = time_ms(fn, args.warmup, args.reps)
-                vres[impl] = {"ms": ms, "tflops": flops / ms / 1e9}
-            except Exception as e:  # noqa: BLE001
-                vres[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        ref = vres.get("bf16", {}).get("tflops")
+            elif impl not in vres:
+                ms = statistics.median(rounds[impl])
+                vres[impl] = {"ms": ms, "tflops": flops / ms / 1e9, "ms_rounds": rounds[impl]}
+        ref = rounds.get("bf16") if "tflops" in vres.get("bf16", {}) else None
         for v in vres.values():
             if ref and "tflops" in v:
-                v["ratio_vs_bf16"] = v["tflops"] / ref
+                v["ratio_vs_bf16"] = statistics.median(b / o for b, o in zip(ref, v["ms_rounds"], strict=True))
         res["variants"][var] = vres
         out_rows.append((name, var, vres))
     return res
@@ -301,6 +311,7 @@ def main() -> None:
         "--shapes", type=str, default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES)
     )
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (ratio = median per round)")
     ap.add_argument("--keep-going", action="store_true", help="time even if the check fails")
     args = ap.parse_args()
     args.warmup, args.reps = (2, 5) if args.quick else (5, 20)
@@ -317,7 +328,7 @@ def main() -> None:
         "commit": commit,
         "impls": list(gemm_cuda.IMPLS),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "config": {"warmup": args.warmup, "reps": args.reps, "quick": args.quick},
+        "config": {"warmup": args.warmup, "reps": args.reps, "quick": args.quick, "rounds": args.rounds},
         "shapes": {},
     }
     rows: list = []
