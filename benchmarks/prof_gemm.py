@@ -17,10 +17,13 @@ raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER=1/4
 tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is given, 3 rounds
 interleaved (build by build, then again) with the median per build, bytes checked equal to GM_RASTER=1.
 
+ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
+wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
+
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster] [--shape dsv3_up] [--json PATH]
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|ncu] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -227,16 +230,57 @@ def experiments_raster(args) -> dict:
     return res
 
 
+def launches_for_ncu(args) -> dict:
+    import os  # noqa: PLC0415
+
+    shapes = [args.shape] if args.shape_given else list(SHAPES)
+    saved = os.environ.get("MOE_EP_GEMM_IMPL")
+    for shape in shapes:
+        m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
+        wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
+        offs = torch.cumsum(sz, 0, dtype=torch.int32)
+
+        def ours(impl, xq=xq, xs=xs, wq=wq, ws=ws, sz=sz, out=out, wprep=wprep):
+            os.environ["MOE_EP_GEMM_IMPL"] = impl
+            gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, out=out, w_prepared=wprep)
+
+        fns = [
+            lambda: ours("wgmma4"),
+            lambda: ours("wgmma5"),
+            lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+        ]
+        for fn in fns:
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        for fn in fns:
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"{shape}: launched wgmma4, wgmma5, torch bf16 once each")
+    if saved is None:
+        os.environ.pop("MOE_EP_GEMM_IMPL", None)
+    else:
+        os.environ["MOE_EP_GEMM_IMPL"] = saved
+    return {"kernel": "ncu", "shapes": shapes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster"))
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "ncu"))
     ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster"):
-        exp = {"wgmma5": experiments_w5, "wgrad": experiments_wgrad, "raster": experiments_raster}[args.kernel]
+    if args.kernel in ("wgmma5", "wgrad", "raster", "ncu"):
+        exp = {
+            "wgmma5": experiments_w5,
+            "wgrad": experiments_wgrad,
+            "raster": experiments_raster,
+            "ncu": launches_for_ncu,
+        }[args.kernel]
         res = exp(args)
         print(json.dumps(res, indent=1))
         if args.json:
