@@ -15,7 +15,9 @@ variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only
 
 raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER=1/4/8/16 (row tiles per band of the
 tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is given, 3 rounds
-interleaved (build by build, then again) with the median per build, bytes checked equal to GM_RASTER=1.
+interleaved (build by build, then again) with the median per build, bytes checked equal to the first build.
+cvt (``--kernel cvt``): the same for the A-path variants (CVT_BUILDS: the per-chunk scale branch of cvt16 instead of
+cvt16x2, wgmma5 with the raw A of step s + 2 prefetched into registers).
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
@@ -23,7 +25,7 @@ wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each b
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|ncu] [--shape dsv3_up] [--json PATH]
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|cvt|ncu] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -174,7 +176,9 @@ def experiments_wgrad(args) -> dict:
     return res
 
 
-def _raster_shape(shape: str) -> dict:
+def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
+    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS), 3 interleaved rounds,
+    bytes compared with the first build's output (all builds here must give the same bytes)."""
     import os  # noqa: PLC0415
     import statistics  # noqa: PLC0415
 
@@ -182,10 +186,10 @@ def _raster_shape(shape: str) -> dict:
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     offs = torch.cumsum(sz, 0, dtype=torch.int32)
     flops = 2.0 * sum(sizes) * n * k
-    builds = [(impl, r) for impl in ("wgmma4", "wgmma5") for r in (1, 4, 8, 16)]
-    times: dict[str, list[float]] = {f"{i}_r{r}": [] for i, r in builds}
+    times: dict[str, list[float]] = {name: [] for name in builds}
     times["torch_bf16"] = []
-    row: dict = {"M": m, "K": k, "N": n, "G": g}
+    row: dict = {"M": m, "K": k, "N": n, "G": g, "builds": builds}
+    first = next(iter(builds))
 
     def ours():
         gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, out=out, w_prepared=wprep)
@@ -195,31 +199,44 @@ def _raster_shape(shape: str) -> dict:
 
     ref = None
     for rnd in range(3):  # interleaved rounds: clock/heat drift hits every build alike
-        for impl, r in builds:
+        for name, (impl, opts) in builds.items():
             os.environ["MOE_EP_GEMM_IMPL"] = impl
-            os.environ["MOE_EP_NVRTC_OPTIONS"] = f"-DGM_RASTER={r}"
-            times[f"{impl}_r{r}"].append(time_ms(ours, 3, 20))
+            os.environ["MOE_EP_NVRTC_OPTIONS"] = opts
+            times[name].append(time_ms(ours, 3, 20))
             if rnd == 0:
                 torch.cuda.synchronize()
                 if ref is None:
                     ref = out.clone()
                 else:
-                    row[f"{impl}_r{r}_bytes_equal_wgmma4_r1"] = bool(torch.equal(out, ref))
+                    row[f"{name}_bytes_equal_{first}"] = bool(torch.equal(out, ref))
                 out.fill_(float("nan"))
         times["torch_bf16"].append(time_ms(bf16, 3, 20))
     row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
-    row["ratio_vs_torch_bf16"] = {kk: v / row["tflops"]["torch_bf16"] for kk, v in row["tflops"].items()}
+    row["ratio_vs_torch_bf16"] = {  # median over rounds of the same round's ratio
+        kk: statistics.median(b / o for b, o in zip(times["torch_bf16"], v, strict=True)) for kk, v in times.items()
+    }
     return row
 
 
-def experiments_raster(args) -> dict:
+RASTER_BUILDS = {f"{i}_r{r}": (i, f"-DGM_RASTER={r}") for i in ("wgmma4", "wgmma5") for r in (1, 4, 8, 16)}
+CVT_BUILDS = {  # the A-path variants of wgmma4/5 (same bytes): the default, the per-chunk branch, A prefetch
+    "wgmma4": ("wgmma4", ""),
+    "wgmma4_per_chunk": ("wgmma4", "-DW3_CVT_PER_CHUNK"),
+    "wgmma5": ("wgmma5", ""),
+    "wgmma5_per_chunk": ("wgmma5", "-DW3_CVT_PER_CHUNK"),
+    "wgmma5_prefetch_a": ("wgmma5", "-DW5_PREFETCH_A"),
+}
+
+
+def experiments_builds(args) -> dict:
     import os  # noqa: PLC0415
 
+    builds = RASTER_BUILDS if args.kernel == "raster" else CVT_BUILDS
     saved = {v: os.environ.get(v) for v in ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")}
-    res = {"kernel": "raster", "shapes": {}}
+    res = {"kernel": args.kernel, "shapes": {}}
     try:
         for shape in [args.shape] if args.shape_given else list(SHAPES):
-            res["shapes"][shape] = _raster_shape(shape)
+            res["shapes"][shape] = _builds_shape(shape, builds)
             print(shape, json.dumps(res["shapes"][shape]))
     finally:
         for var, val in saved.items():
@@ -268,17 +285,18 @@ def launches_for_ncu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "ncu"))
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "cvt", "ncu"))
     ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster", "ncu"):
+    if args.kernel in ("wgmma5", "wgrad", "raster", "cvt", "ncu"):
         exp = {
             "wgmma5": experiments_w5,
             "wgrad": experiments_wgrad,
-            "raster": experiments_raster,
+            "raster": experiments_builds,
+            "cvt": experiments_builds,
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)

@@ -302,6 +302,16 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
             const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
             w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
         }
+#ifdef W5_PREFETCH_A  // experiment: the raw A of step s + 2 read into registers while step s + 1 is converted
+        W3ARaw L{};
+        if (ksteps > 1) {
+            int st1 = stage;
+            unsigned ph1 = phase;
+            ring_next(st1, ph1, W5_STAGES);
+            mbar_wait(full0 + 8u * (unsigned)st1, ph1);
+            L = w3_load_a(T, sbase + (unsigned)st1 * W5_STAGE_BYTES + W5_A, sbase + W5_SC + 512u * (unsigned)st1, 1);
+        }
+#endif
         int prev = 0;  // stage of the previous k-step
         for (int s = 0; s < ksteps; s += 3) {
 #pragma unroll
@@ -320,11 +330,25 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
                 named_bar_arrive(wg == 0 ? 2 : 1, 256);
                 const int cur_stage = stage;
                 ring_next(stage, phase, W5_STAGES);
+#ifdef W5_PREFETCH_A
+                if (ss + 1 < ksteps) {
+                    w3_cvt_a(L, nxt);
+                    if (ss + 2 < ksteps) {
+                        int st2 = stage;
+                        unsigned ph2 = phase;
+                        ring_next(st2, ph2, W5_STAGES);
+                        mbar_wait(full0 + 8u * (unsigned)st2, ph2);
+                        L = w3_load_a(T, sbase + (unsigned)st2 * W5_STAGE_BYTES + W5_A,
+                                      sbase + W5_SC + 512u * (unsigned)st2, ss + 2);
+                    }
+                }
+#else
                 if (ss + 1 < ksteps) {
                     mbar_wait(full0 + 8u * (unsigned)stage, phase);
                     const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
                     w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
                 }
+#endif
                 wg_wait<1>();  // M(ss - 1) retired: its A buffer (old) and its stage are free
                 wg_fence_regs<16>(old);
                 if (ss >= 1 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
