@@ -280,8 +280,10 @@ def run_shape(name, m, k, n, g, args, out_rows):
         # Interleaved rounds (every implementation once per round, then again): the GPU's clock and heat drift
         # between processes and within one moved torch bf16 itself by up to ~12 %, so a ratio is taken per round
         # (same minute, same clocks) and the median of those is reported.
-        for _ in range(args.rounds):
-            for impl, fn in fns.items():
+        names = list(fns)
+        for rnd in range(args.rounds):  # each round starts one implementation later (no fixed "first after X")
+            for impl in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                fn = fns[impl]
                 if fn is None or "error" in vres.get(impl, {}):
                     continue
                 try:
