@@ -13,11 +13,9 @@ wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
 variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
-raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER=1/4/8/16 (row tiles per band of the
-tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is given, 3 rounds
-interleaved (build by build, then again) with the median per build, bytes checked equal to the first build.
-cvt (``--kernel cvt``): the same for the A-path variants (CVT_BUILDS: the per-chunk scale branch of cvt16 instead of
-cvt16x2, wgmma5 with the raw A of step s + 2 prefetched into registers).
+raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER / -DW5_RASTER = 1/4/8/16 (row tiles
+per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
+given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
@@ -25,7 +23,7 @@ wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each b
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|cvt|ncu] [--shape dsv3_up] [--json PATH]
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|ncu] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -228,20 +226,17 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
 
 
 ROUNDS = 6
-RASTER_BUILDS = {f"{i}_r{r}": (i, f"-DGM_RASTER={r}") for i in ("wgmma4", "wgmma5") for r in (1, 4, 8, 16)}
-CVT_BUILDS = {  # the A-path variants of wgmma4/5 (same bytes): the default, the per-chunk branch, A prefetch
-    "wgmma4": ("wgmma4", ""),
-    "wgmma4_per_chunk": ("wgmma4", "-DW3_CVT_PER_CHUNK"),
-    "wgmma5": ("wgmma5", ""),
-    "wgmma5_per_chunk": ("wgmma5", "-DW3_CVT_PER_CHUNK"),
-    "wgmma5_prefetch_a": ("wgmma5", "-DW5_PREFETCH_A"),
+RASTER_BUILDS = {
+    f"{i}_r{r}": (i, f"-D{band}={r}")
+    for i, band in (("wgmma4", "GM_RASTER"), ("wgmma5", "W5_RASTER"))
+    for r in (1, 4, 8, 16)
 }
 
 
 def experiments_builds(args) -> dict:
     import os  # noqa: PLC0415
 
-    builds = RASTER_BUILDS if args.kernel == "raster" else CVT_BUILDS
+    builds = RASTER_BUILDS
     saved = {v: os.environ.get(v) for v in ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")}
     res = {"kernel": args.kernel, "shapes": {}}
     try:
@@ -295,18 +290,17 @@ def launches_for_ncu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "cvt", "ncu"))
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "ncu"))
     ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster", "cvt", "ncu"):
+    if args.kernel in ("wgmma5", "wgrad", "raster", "ncu"):
         exp = {
             "wgmma5": experiments_w5,
             "wgrad": experiments_wgrad,
             "raster": experiments_builds,
-            "cvt": experiments_builds,
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)

@@ -186,37 +186,6 @@ __device__ __forceinline__ void cvt16(uint4 raw, unsigned s, unsigned* o) {
     }
 }
 
-// cvt16 of two 16-byte chunks (scale bytes s0, s1) with one branch instead of two: the fast path when both scales
-// are < 128, else both chunks through the two-multiply form with per-chunk multipliers (first 2**(s-7) or 2**120,
-// then 1 or 2**(s-127)), whose products are the same exact values as cvt16's paths (a multiply by 1 is exact).
-// Why: in the MMA warps of wgmma4/5 the per-chunk branch (with its reconvergence) sat on every k-step's A path.
-__device__ __forceinline__ void cvt16x2(uint4 r0, unsigned s0, uint4 r1, unsigned s1, unsigned* o0, unsigned* o1) {
-    const unsigned w0[4] = {r0.x, r0.y, r0.z, r0.w}, w1[4] = {r1.x, r1.y, r1.z, r1.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        o0[2 * j] = e4m3x2_bits(w0[j], 0x1404u);
-        o0[2 * j + 1] = e4m3x2_bits(w0[j], 0x3424u);
-        o1[2 * j] = e4m3x2_bits(w1[j], 0x1404u);
-        o1[2 * j + 1] = e4m3x2_bits(w1[j], 0x3424u);
-    }
-    if ((s0 | s1) < 128u) {
-        const unsigned m0 = mult_fast(s0), m1 = mult_fast(s1);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            o0[j] = hmul2_bf16(o0[j], m0);
-            o1[j] = hmul2_bf16(o1[j], m1);
-        }
-    } else {
-        const unsigned a0 = s0 < 128u ? mult_fast(s0) : BF16X2_2P120, b0 = s0 < 128u ? 0x3F803F80u : mult_slow1(s0) * 0x00010001u;
-        const unsigned a1 = s1 < 128u ? mult_fast(s1) : BF16X2_2P120, b1 = s1 < 128u ? 0x3F803F80u : mult_slow1(s1) * 0x00010001u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            o0[j] = hmul2_bf16(hmul2_bf16(o0[j], a0), b0);
-            o1[j] = hmul2_bf16(hmul2_bf16(o1[j], a1), b1);
-        }
-    }
-}
-
 // 4 x 4 transpose of 32-bit words inside each quad of lanes (lane c = lane % 4 holds row c: w[i] = M[c][i]; after
 // the call w[i] = M[i][c]): two xor-shuffle rounds, first the 2 x 2 blocks, then the blocks. Every lane of the
 // warp must take part. Used to turn 4-byte fragments spread over a quad into 16-byte row segments per lane.

@@ -207,27 +207,28 @@ __device__ __forceinline__ void w2_epilogue(float* acc, void* __restrict__ out, 
 }
 
 // Tile order of the 128 x 256 kernels (wgmma2-5): linear tile t -> (row tile m_t, column tile n_t). Row tiles go
-// in bands of GM_RASTER: inside a band the row tile varies fastest, so the CTAs resident at one time share a few
-// column slices of the weight (which stay in L2) instead of sweeping all of it once per row tile (GM_RASTER 1: the
-// plain order m_t = t / n_tiles). Why: at llama4's expert size (N x K = 8192 x 5120 bf16 = 84 MB, more than L2)
-// the plain order re-reads the whole expert weight from DRAM for every ~4 row tiles. Measured (NOTES, design 3,
-// "tile order"): wgmma4 +6 / +6 / 0 / +10 % at dsv3_up / dsv3_down / small / llama4 with bands of 4-16, the
-// persistent wgmma5 unchanged; 8 is the default (-DGM_RASTER=1 restores the plain order).
-// Example (m_tiles = 5, n_tiles = 3, GM_RASTER 2): t = 0..14 -> (0,0) (1,0) (0,1) (1,1) (0,2) (1,2) (2,0) (3,0)
+// in bands of `band`: inside a band the row tile varies fastest, so the CTAs resident at one time share a few
+// column slices of the weight (which stay in L2) instead of sweeping all of it once per row tile (band 1: the plain
+// order m_t = t / n_tiles). Why: at llama4's expert size (N x K = 8192 x 5120 bf16 = 84 MB, more than L2) the plain
+// order re-reads the whole expert weight from DRAM for every ~4 row tiles. Measured (NOTES, design 3, "tile
+// order"; 6 rounds in rotating order): wgmma4 with bands of 8 +6 / +7 / -1 / +8 % at dsv3_up / dsv3_down / small /
+// llama4; the persistent wgmma5 no better with bands (-6 % at dsv3_down), so it keeps the plain order.
+// GM_RASTER: the band of wgmma2-4 (default 8); W5_RASTER: wgmma5's (default 1).
+// Example (m_tiles = 5, n_tiles = 3, band 2): t = 0..14 -> (0,0) (1,0) (0,1) (1,1) (0,2) (1,2) (2,0) (3,0)
 // (2,1) (3,1) (2,2) (3,2) (4,0) (4,1) (4,2).
 #ifndef GM_RASTER
 #define GM_RASTER 8
 #endif
-__device__ __forceinline__ void gm_raster(int t, int m_tiles, int n_tiles, int& m_t, int& n_t) {
-    if (GM_RASTER <= 1) {
+__device__ __forceinline__ void gm_raster(int t, int m_tiles, int n_tiles, int band, int& m_t, int& n_t) {
+    if (band <= 1) {
         m_t = t / n_tiles;
         n_t = t - m_t * n_tiles;
         return;
     }
-    const int band = t / (GM_RASTER * n_tiles);
-    const int base = band * GM_RASTER;
-    const int rows = min(GM_RASTER, m_tiles - base);
-    const int r = t - band * GM_RASTER * n_tiles;
+    const int b = t / (band * n_tiles);
+    const int base = b * band;
+    const int rows = min(band, m_tiles - base);
+    const int r = t - b * band * n_tiles;
     n_t = r / rows;
     m_t = base + (r - n_t * rows);
 }
@@ -242,7 +243,7 @@ __device__ __forceinline__ bool w2_tile(GroupInfo& gi, const int* __restrict__ s
                                         long long& arow0) {
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
     int m_t, n_t;
-    gm_raster((int)blockIdx.x, (int)((M + W2_BM - 1) / W2_BM) + G, n_tiles, m_t, n_t);
+    gm_raster((int)blockIdx.x, (int)((M + W2_BM - 1) / W2_BM) + G, n_tiles, GM_RASTER, m_t, n_t);
     n0 = n_t * W2_BN;
     if (threadIdx.x < 32) gm_scan_groups(sizes, G, M, 1, m_t, &gi);
     __syncthreads();

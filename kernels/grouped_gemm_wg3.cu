@@ -141,40 +141,23 @@ __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, in
         for (int j = 0; j < 8; ++j) sts32(bst + (unsigned)i * 8192u + ((((unsigned)j) ^ sw) << 4), o[j]);
     }
 }
-// A step's raw A bytes and scale bytes of this thread (rows ar0, ar0 + 8; 16 bytes each).
-struct W3ARaw {
-    uint4 r0, r1;
-    unsigned s0, s1;
-};
 // a_raw: the stage's raw A tile (128 rows x 64 B), a_sc: its A scale tile (512 B).
-__device__ __forceinline__ W3ARaw w3_load_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s) {
+__device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {
     const int k = s * 64 + T.c16;
     const bool kv = k < T.K;
     const unsigned blk = (unsigned)(k >> 5) & 3u;
-    W3ARaw L;
-    L.r0 = lds128(a_raw + T.a0);
-    L.r1 = lds128(a_raw + T.a1);
-    L.s0 = kv ? lds8(a_sc + T.sa + blk) : 127u;
-    L.s1 = kv ? lds8(a_sc + T.sa + 128u + blk) : 127u;
-    return L;
-}
-__device__ __forceinline__ void w3_cvt_a(const W3ARaw& L, unsigned* f) {
+    const uint4 r0 = lds128(a_raw + T.a0), r1 = lds128(a_raw + T.a1);
+    const unsigned s0 = kv ? lds8(a_sc + T.sa + blk) : 127u;
+    const unsigned s1 = kv ? lds8(a_sc + T.sa + 128u + blk) : 127u;
     unsigned o0[8], o1[8];
 #ifdef W3_NO_CVT
-    o0[0] = L.r0.x ^ L.s0, o0[1] = L.r0.y, o0[2] = L.r0.z, o0[3] = L.r0.w;
-    o0[4] = L.r0.x, o0[5] = L.r0.y, o0[6] = L.r0.z, o0[7] = L.r0.w;
-    o1[0] = L.r1.x ^ L.s1, o1[1] = L.r1.y, o1[2] = L.r1.z, o1[3] = L.r1.w;
-    o1[4] = L.r1.x, o1[5] = L.r1.y, o1[6] = L.r1.z, o1[7] = L.r1.w;
-#elif defined(W3_CVT_PER_CHUNK)  // timing experiment (same bytes): one branch per 16-byte chunk, as before cvt16x2
-    cvt16(L.r0, L.s0, o0);
-    cvt16(L.r1, L.s1, o1);
+    o0[0] = r0.x ^ s0, o0[1] = r0.y, o0[2] = r0.z, o0[3] = r0.w, o0[4] = r0.x, o0[5] = r0.y, o0[6] = r0.z, o0[7] = r0.w;
+    o1[0] = r1.x ^ s1, o1[1] = r1.y, o1[2] = r1.z, o1[3] = r1.w, o1[4] = r1.x, o1[5] = r1.y, o1[6] = r1.z, o1[7] = r1.w;
 #else
-    cvt16x2(L.r0, L.s0, L.r1, L.s1, o0, o1);
+    cvt16(r0, s0, o0);
+    cvt16(r1, s1, o1);
 #endif
     a_frags(o0, o1, f);
-}
-__device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {
-    w3_cvt_a(w3_load_a(T, a_raw, a_sc, s), f);
 }
 
 struct W3Issue {  // what thread 0 needs to refill a stage

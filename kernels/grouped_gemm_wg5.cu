@@ -15,7 +15,7 @@
 //     consumers take them (setmaxnreg.inc to 224): 128 x 56 + 256 x 224 = 64512 = 384 x 168, all the CTA holds
 //     (a larger inc waits forever for registers nobody frees). (A 288-thread block
 //     does not help: ptxas still budgets 12 warps.)
-//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... of the same tile order as wgmma4 (gm_raster;
+//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... in gm_raster's order (W5_RASTER;
 //     (ceil(M/128) + G) * n_tiles tiles, those past the groups zero-fill rows past sum(sizes) when zero_rest).
 //     Each warp scans the group sizes itself (its own GroupInfo, no block barrier; the sizes stay in L1 after the
 //     first tile).
@@ -42,6 +42,9 @@
 #include "grouped_gemm_wg4.cu"
 
 #define W5_THREADS 384
+#ifndef W5_RASTER  // tile order band (gm_raster in grouped_gemm_wg2.cu): the plain order measured best here
+#define W5_RASTER 1
+#endif
 #define W5_CONSUMER_WARPS 8
 #ifndef W5_STAGES  // (-DW5_STAGES=5 -DW5_REG_EPI: an experiment of prof_gemm.py)
 #define W5_STAGES 4
@@ -112,7 +115,7 @@ __device__ __forceinline__ int w5_tile(GroupInfo* gi, const int* __restrict__ si
                                        int t, int& n0, int& mrows, long long& arow0, long long& r_zero) {
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
     int m_t, n_t;
-    gm_raster(t, (int)((M + W2_BM - 1) / W2_BM) + G, n_tiles, m_t, n_t);
+    gm_raster(t, (int)((M + W2_BM - 1) / W2_BM) + G, n_tiles, W5_RASTER, m_t, n_t);
     n0 = n_t * W2_BN;
     gm_scan_groups(sizes, G, M, 1, m_t, gi);
     __syncwarp();
@@ -302,16 +305,6 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
             const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
             w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
         }
-#ifdef W5_PREFETCH_A  // experiment: the raw A of step s + 2 read into registers while step s + 1 is converted
-        W3ARaw L{};
-        if (ksteps > 1) {
-            int st1 = stage;
-            unsigned ph1 = phase;
-            ring_next(st1, ph1, W5_STAGES);
-            mbar_wait(full0 + 8u * (unsigned)st1, ph1);
-            L = w3_load_a(T, sbase + (unsigned)st1 * W5_STAGE_BYTES + W5_A, sbase + W5_SC + 512u * (unsigned)st1, 1);
-        }
-#endif
         int prev = 0;  // stage of the previous k-step
         for (int s = 0; s < ksteps; s += 3) {
 #pragma unroll
@@ -330,25 +323,11 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
                 named_bar_arrive(wg == 0 ? 2 : 1, 256);
                 const int cur_stage = stage;
                 ring_next(stage, phase, W5_STAGES);
-#ifdef W5_PREFETCH_A
-                if (ss + 1 < ksteps) {
-                    w3_cvt_a(L, nxt);
-                    if (ss + 2 < ksteps) {
-                        int st2 = stage;
-                        unsigned ph2 = phase;
-                        ring_next(st2, ph2, W5_STAGES);
-                        mbar_wait(full0 + 8u * (unsigned)st2, ph2);
-                        L = w3_load_a(T, sbase + (unsigned)st2 * W5_STAGE_BYTES + W5_A,
-                                      sbase + W5_SC + 512u * (unsigned)st2, ss + 2);
-                    }
-                }
-#else
                 if (ss + 1 < ksteps) {
                     mbar_wait(full0 + 8u * (unsigned)stage, phase);
                     const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
                     w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
                 }
-#endif
                 wg_wait<1>();  // M(ss - 1) retired: its A buffer (old) and its stage are free
                 wg_fence_regs<16>(old);
                 if (ss >= 1 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);

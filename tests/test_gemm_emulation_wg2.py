@@ -39,7 +39,8 @@ GM_RASTER = 8  # kernels/grouped_gemm_wg2.cu's default band of row tiles
 
 
 def raster(t: int, m_tiles: int, n_tiles: int, band: int = GM_RASTER) -> tuple[int, int]:
-    """gm_raster: linear tile t -> (row tile, column tile), row tiles in bands of ``band``, fastest inside a band.
+    """gm_raster: linear tile t -> (row tile, column tile), row tiles in bands of ``band``, fastest inside a band
+    (wgmma2-4: GM_RASTER; wgmma5 keeps band 1).
 
     Example: raster(7, 5, 3, 2) == (3, 0) (band 1 holds row tiles 2, 3: t = 6, 7, 8 -> (2, 0), (3, 0), (2, 1)).
     """
@@ -360,6 +361,7 @@ def test_w2_constants_match_the_source():
     assert "#define W2_STAGES 3" in src and "#define W2_TILE_BYTES 32768" in src and "#define W2_BN 256" in src
     assert f"#define W2_EPI_LD {EPI_LD}" in src
     assert f"#define GM_RASTER {GM_RASTER}" in src
+    assert "#define W5_RASTER 1" in _cuda.read_source("grouped_gemm_wg5.cu")
     assert W2_STAGES * W2_TILE + 1024 == W2_SMEM == gemm_cuda._WGMMA2_SMEM_BYTES
     assert gemm_cuda._WGMMA2_BN == W2_BN
     for suffix in gemm_cuda._OUT_SUFFIX.values():
