@@ -202,8 +202,8 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
         return time_ms(ours, 3, 20)
 
     # A first pass whose times are dropped (it compiles every build and checks the bytes); then ROUNDS rounds, each
-    # starting one build later: with a fixed order the build timed first in every round came out 5-10 % slower in
-    # the first runs of this experiment, an order effect that rotation separates from the build's own.
+    # starting one build later, so that a position effect (e.g. the first kernel after torch's) cannot pass for a
+    # build's own: the fixed-order first runs of this experiment could not tell the two apart.
     order = [*builds, "torch_bf16"]
     for name in order:
         run(name)
