@@ -167,6 +167,7 @@ def run_shape(name, m, k, n, g, args, out_rows):
     res["prepare_colwise_ms"] = {  # the wgmma wgrad's per-call pass over each operand (included in its timing)
         "dy": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz), 3, 10),
         "x": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(xc, xcs, sz), 3, 10),
+        "pair": time_ms(lambda: gemm_cuda.prepare_colwise_bf16_pair(dyc, dycs, xc, xcs, sz), 3, 10),  # what wgrad runs
     }
     print(f"[{name}] prepare_weight: {prep}")
     for impl in impls:

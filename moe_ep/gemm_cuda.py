@@ -82,6 +82,7 @@ from .gemm_operands import (  # the operand side, re-exported: gemm_cuda.<name> 
     colwise_scale_rows,
     k_permutation,
     prepare_colwise_bf16,
+    prepare_colwise_bf16_pair,
     prepare_colwise_bf16_torch,
     prepare_weight_bf16,
     prepare_weight_bf16_torch,
@@ -108,6 +109,7 @@ __all__ = [  # this module's API, with the operand side re-exported from gemm_op
     "grouped_wgrad_out",
     "k_permutation",
     "prepare_colwise_bf16",
+    "prepare_colwise_bf16_pair",
     "prepare_colwise_bf16_torch",
     "prepare_weight_bf16",
     "prepare_weight_bf16_torch",
@@ -411,8 +413,7 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
     tiles = g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN)
     if tiles == 0:
         return out
-    ap = prepare_colwise_bf16(a, a_scale, group_sizes)  # [64 (ceil(M/64) + G), N] bf16, transient
-    bp = prepare_colwise_bf16(b, b_scale, group_sizes)  # [same rows, K]
+    ap, bp = prepare_colwise_bf16_pair(a, a_scale, b, b_scale, group_sizes)  # [64 (ceil(M/64) + G), N / K] bf16
     rp = ap.shape[0]
     eo = out.element_size()  # the output as [G N, K] in boxes of 64 rows x 128 bytes for the TMA-store epilogue
     extra = (

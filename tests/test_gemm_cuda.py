@@ -485,6 +485,39 @@ def test_colwise_prep_kernel_matches_reference(sizes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [0, 0, 0], [31, 32, 33]])
+def test_colwise_prep_pair_kernel_matches_reference(sizes):
+    """mx_prepare_colwise_bf16_pair (both wgrad operands in one launch, widths 264 and 1032: two 1024-column chunks)
+    == prepare_colwise_bf16_torch of each, on every row a group owns; nothing written past either output."""
+    _skip_without_gpu()
+    from tests.test_gemm_emulation_wg5 import assert_same_bf16  # noqa: PLC0415
+
+    gen = torch.Generator(device="cuda").manual_seed(7 + sum(sizes))
+    m, g = sum(sizes) + 7, len(sizes)
+    rows, prows = gemm_cuda.colwise_scale_rows(m, g), gemm_cuda.colwise_prep_rows(m, g)
+    ops, refs, bufs, outs = [], [], [], []
+    for c in (264, 1032):
+        data, scale = gemm_cuda.colwise_operand_ref(_varied(m, c, gen)[: sum(sizes)], sizes)
+        data = torch.cat([data, data.new_zeros(7, c)])
+        scale = torch.cat([scale, scale.new_zeros(rows - scale.shape[0], c)])
+        ops += [_guarded(data, 0x7F), _guarded(scale, 0xFF)]
+        refs.append(gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes))
+        bufs.append(torch.full((prows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        outs.append(bufs[-1][: prows * c].view(prows, c))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = gemm_cuda.prepare_colwise_bf16_pair(*ops, _sizes_t(sizes), out_a=outs[0], out_b=outs[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    used = 64 * sum(-(-n // 64) for n in sizes)
+    for out, ref, buf, c, res in zip(outs, refs, bufs, (264, 1032), got, strict=True):
+        assert res.data_ptr() == out.data_ptr()
+        assert_same_bf16(out[:used].cpu(), ref[:used])
+        assert torch.isnan(buf[prows * c :]).all(), "written past the end of out"
+
+
+@pytest.mark.gpu
 def test_weight_operands_on_gpu_match_cpu():
     """weight_operands on CUDA (quantization + preparation kernels) == on CPU (the references), byte for byte."""
     _skip_without_gpu()

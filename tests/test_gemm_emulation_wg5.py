@@ -211,6 +211,18 @@ def test_prepare_colwise_bf16_worked_example():
     assert (out[40:64] == 0).all() and (out[72:] == 0).all()
 
 
+def test_prepare_colwise_bf16_pair_equals_two_calls_and_checks_shapes():
+    """The pair API (one CUDA launch) gives each operand's prepare_colwise_bf16 output; a row mismatch is an error."""
+    sizes = [40, 0, 8]
+    sz = torch.tensor(sizes, dtype=torch.int32)
+    (a, a_s), (b, b_s) = (gemm_cuda.colwise_operand_ref(torch.randn(48, c), sizes) for c in (16, 24))
+    pa, pb = gemm_cuda.prepare_colwise_bf16_pair(a, a_s, b, b_s, sz)
+    assert torch.equal(pa, gemm_cuda.prepare_colwise_bf16(a, a_s, sz))
+    assert torch.equal(pb, gemm_cuda.prepare_colwise_bf16(b, b_s, sz))
+    with pytest.raises(ValueError, match="expected a"):
+        gemm_cuda.prepare_colwise_bf16_pair(a, a_s, b[:40], b_s, sz)
+
+
 def block_group_model(sizes: list[int], m_total: int, pb: int) -> tuple[int, int, int]:
     """colwise_block_group (kernels/weight_prep.cu): gm_scan_groups by padded 32-row block (the CPU model of the
     scan, mode 2), then the block's first data row, valid rows and scale row -> (row0 or -1, rows, srow)."""
