@@ -504,9 +504,10 @@ def test_colwise_prep_pair_kernel_matches_reference(sizes):
         refs.append(gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes))
         bufs.append(torch.full((prows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda"))
         outs.append(bufs[-1][: prows * c].view(prows, c))
+    sz = _sizes_t(sizes)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = gemm_cuda.prepare_colwise_bf16_pair(*ops, _sizes_t(sizes), out_a=outs[0], out_b=outs[1])
+        got = gemm_cuda.prepare_colwise_bf16_pair(*ops, sz, out_a=outs[0], out_b=outs[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
