@@ -35,6 +35,20 @@ from moe_ep import _cuda  # noqa: E402
 KERNELS = ("rate_bf16", "rate_fp8_promoted", "rate_fp8_plain", "rate_hybrid")
 
 
+def launch_ms(fn, grid: int, block: int, kargs: tuple, smem: int) -> float:
+    """Median kernel time (CUDA events) of 10 launches after 2 warm-up launches."""
+    times = []
+    for rep in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        _cuda.launch(fn, grid, block, kargs, shared_mem=smem)
+        e.record()
+        torch.cuda.synchronize()
+        if rep >= 2:
+            times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=4096)
@@ -48,16 +62,7 @@ def main() -> None:
     for name in KERNELS:
         fn = _cuda.get_function("bench_wgmma_rate.cu", name)
         kargs = (_cuda.ptr(out), _cuda.ptr(cycles), np.int32(args.iters))
-        times = []
-        for rep in range(12):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            _cuda.launch(fn, sms, 256, kargs, shared_mem=33280)
-            e.record()
-            torch.cuda.synchronize()
-            if rep >= 2:
-                times.append(s.elapsed_time(e))
-        ms = statistics.median(times)
+        ms = launch_ms(fn, sms, 256, kargs, 33280)
         res["kernels"][name] = {
             "ms": ms,
             "tflops": flops / ms / 1e9,
@@ -78,16 +83,7 @@ def main() -> None:
         cyc2.zero_()
         out2 = torch.empty(sms * 128 * nwg * 64, dtype=torch.float32, device="cuda")
         kargs = (_cuda.ptr(out2), _cuda.ptr(cyc2), np.int32(it8), np.int32(it16))
-        times = []
-        for rep in range(12):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            _cuda.launch(fn, sms, 128 * nwg, kargs, shared_mem=8192 * nwg + 16384 + 512)
-            e.record()
-            torch.cuda.synchronize()
-            if rep >= 2:
-                times.append(s.elapsed_time(e))
-        ms = statistics.median(times)
+        ms = launch_ms(fn, sms, 128 * nwg, kargs, 8192 * nwg + 16384 + 512)
         steps = [
             it8 if (name.startswith("rate2_fp8") or (name.startswith("rate2_mix") and w < nwg - 1)) else it16
             for w in range(nwg)
@@ -115,16 +111,7 @@ def main() -> None:
         fn = _cuda.get_function("bench_wgmma_rate.cu", name)
         steps = n // 2  # k64 steps: the same flops per CTA as n k32 steps of 128 x 128
         kargs = (_cuda.ptr(out3), _cuda.ptr(cyc3), np.int32(steps))
-        times = []
-        for rep in range(12):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            _cuda.launch(fn, sms, 256, kargs, shared_mem=49152)
-            e.record()
-            torch.cuda.synchronize()
-            if rep >= 2:
-                times.append(s.elapsed_time(e))
-        ms = statistics.median(times)
+        ms = launch_ms(fn, sms, 256, kargs, 49152)
         tflops = 2.0 * 128 * 256 * 64 * steps * sms / ms / 1e9
         row = {
             "kernel": name,

@@ -26,6 +26,18 @@ __device__ __forceinline__ void mma_fp8_n128(float* d, unsigned long long da, un
                  : "l"(da), "l"(db), "r"(acc));
 }
 
+// iters k32 steps of bf16 m64n128 (2 x k16) into acc, one MMA group in flight behind the current one.
+__device__ __forceinline__ void bf16_steps(float* acc, unsigned long long da, unsigned long long db, int iters) {
+    for (int s = 0; s < iters; ++s) {
+        wg_fence();
+        mma_bf16_n128(acc, da + 4 * (s & 1), db + 4 * (s & 1), 1);
+        mma_bf16_n128(acc, da + 4 * (s & 1) + 2, db + 4 * (s & 1) + 2, 1);
+        wg_commit();
+        wg_wait<1>();
+    }
+    wg_wait<0>();
+}
+
 // MODE 1 promotion of one partial: 64 values of rows r0, r0 + 8 (h = (i / 2) % 2), columns 8 j + 2 c + e (i = 4 j +
 // 2 h + e); exponent bytes: ea[2] for the two rows, eb[32] for the thread's columns (j, e).
 __device__ __forceinline__ void promote(float* acc, const float* part, const int* ea, const unsigned char* eb) {
@@ -99,14 +111,7 @@ __device__ __forceinline__ void rate_loop(float* out, long long* cycles, int ite
         }
         wg_wait<0>();
     } else {  // bf16 (MODE 0, or warpgroup 1 of MODE 3)
-        for (int s = 0; s < iters; ++s) {
-            wg_fence();
-            mma_bf16_n128(acc, da + 4 * (s & 1), db + 4 * (s & 1), 1);
-            mma_bf16_n128(acc, da + 4 * (s & 1) + 2, db + 4 * (s & 1) + 2, 1);
-            wg_commit();
-            wg_wait<1>();
-        }
-        wg_wait<0>();
+        bf16_steps(acc, da, db, iters);
     }
     const long long t1 = clock64();
 #pragma unroll
@@ -119,8 +124,9 @@ __device__ __forceinline__ void rate_loop(float* out, long long* cycles, int ite
 // in flight), so MODE 1 / 3 measured the serialized code, not the overlap DESIGN 5.3 asks about. Here a warpgroup
 // that promotes waits for its own MMA first (wait_group 0, as DeepGEMM does; no C7514), and overlap can only come
 // from the other warpgroups on the same SM sub-partitions. The promotion is the cheapest exact form found without
-// per-(row, column) tables (promote2): 2.25 instructions per accumulator in the SASS (64 FFMA + 80 integer ops). Every warpgroup runs its own number of k32 steps (fp8 warpgroups iters_fp8,
-// bf16 ones iters_bf16) and records its own clock64 span in cycles[blockIdx.x * 4 + wg], so a mix can be balanced.
+// per-(row, column) tables (promote2): 2.25 instructions per accumulator in the SASS (64 FFMA + 80 integer ops).
+// Every warpgroup runs its own number of k32 steps (fp8 warpgroups iters_fp8, bf16 ones iters_bf16) and records
+// its own clock64 span in cycles[blockIdx.x * 4 + wg], so a mix can be balanced.
 //   R2_FP8   all warpgroups fp8 + serial promotion        R2_BF16  all bf16 (2 x m64n128k16 per k32)
 //   R2_MIX   warpgroup NWG - 1 bf16, the others fp8 + serial promotion
 #define R2_FP8 0
@@ -162,7 +168,8 @@ __device__ __forceinline__ void rate2_loop(float* out, long long* cycles, int it
     const unsigned long long da = wg_desc(sbase + 8192u * (unsigned)wg), db = wg_desc(sbase + boff);
     // [2 steps][4 lanes c][32 columns] exponents as 16-bit bf16 patterns eb << 7
     unsigned short* ebt = reinterpret_cast<unsigned short*>(smem + boff + 16384);
-    for (int i = tid; i < (int)(boff + 16384) / 4; i += blockDim.x) reinterpret_cast<unsigned*>(smem)[i] = 0x3C3C3C3Cu ^ i;
+    for (int i = tid; i < (int)(boff + 16384) / 4; i += blockDim.x)
+        reinterpret_cast<unsigned*>(smem)[i] = 0x3C3C3C3Cu ^ i;
     for (int i = tid; i < 256; i += blockDim.x) ebt[i] = (unsigned short)((120 + (i & 7)) << 7);
     __syncthreads();
     float acc[64];
@@ -189,14 +196,7 @@ __device__ __forceinline__ void rate2_loop(float* out, long long* cycles, int it
             eaw[0] ^= 1 << 23;
         }
     } else {
-        for (int s = 0; s < iters_bf16; ++s) {
-            wg_fence();
-            mma_bf16_n128(acc, da + 4 * (s & 1), db + 4 * (s & 1), 1);
-            mma_bf16_n128(acc, da + 4 * (s & 1) + 2, db + 4 * (s & 1) + 2, 1);
-            wg_commit();
-            wg_wait<1>();
-        }
-        wg_wait<0>();
+        bf16_steps(acc, da, db, iters_bf16);
     }
     wg_fence_acc(acc);
     const long long t1 = clock64();
@@ -234,7 +234,8 @@ __device__ __forceinline__ void rate3_loop(float* out, long long* cycles, int it
     const int tid = threadIdx.x, wg = tid >> 7;
     // A: 2 tiles of 64 rows x 128 B, B: 256 rows x 128 B (SW128 K-major)
     const unsigned long long da = wg_desc(sbase + 8192u * (unsigned)wg), db = wg_desc(sbase + 16384u);
-    for (int i = tid; i < 49152 / 4; i += blockDim.x) reinterpret_cast<unsigned*>(smem)[i] = 0x3C003C00u ^ (i & 0x00FF00FFu);
+    for (int i = tid; i < 49152 / 4; i += blockDim.x)
+        reinterpret_cast<unsigned*>(smem)[i] = 0x3C003C00u ^ (i & 0x00FF00FFu);
     __syncthreads();
     unsigned af[16];
 #pragma unroll
