@@ -16,7 +16,6 @@ variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only
 raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER / -DW5_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
 given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
-unroll (``--kernel unroll``): the same for wgmma4's mainloop unrolled by the ring size (default) or by 2.
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
@@ -24,7 +23,7 @@ wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each b
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|unroll|ncu] [--shape dsv3_up] [--json PATH]
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|ncu] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -227,7 +226,6 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
 
 
 ROUNDS = 6
-UNROLL_BUILDS = {"wgmma4_unroll4": ("wgmma4", ""), "wgmma4_unroll2": ("wgmma4", "-DW4_UNROLL=2")}
 RASTER_BUILDS = {
     f"{i}_r{r}": (i, f"-D{band}={r}")
     for i, band in (("wgmma4", "GM_RASTER"), ("wgmma5", "W5_RASTER"))
@@ -238,7 +236,7 @@ RASTER_BUILDS = {
 def experiments_builds(args) -> dict:
     import os  # noqa: PLC0415
 
-    builds = RASTER_BUILDS if args.kernel == "raster" else UNROLL_BUILDS
+    builds = RASTER_BUILDS
     saved = {v: os.environ.get(v) for v in ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")}
     res = {"kernel": args.kernel, "shapes": {}}
     try:
@@ -292,18 +290,17 @@ def launches_for_ncu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "unroll", "ncu"))
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "ncu"))
     ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster", "unroll", "ncu"):
+    if args.kernel in ("wgmma5", "wgrad", "raster", "ncu"):
         exp = {
             "wgmma5": experiments_w5,
             "wgrad": experiments_wgrad,
             "raster": experiments_builds,
-            "unroll": experiments_builds,
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)

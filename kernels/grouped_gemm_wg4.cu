@@ -25,10 +25,6 @@
 #define W4_SC 40960    // A scale tile (512 B)
 #define W4_STAGE_BYTES 41984
 #define W4_SMEM_BYTES (W4_STAGES * W4_STAGE_BYTES + 1024)  // 168960
-#ifndef W4_UNROLL
-#define W4_UNROLL 4
-#endif
-static_assert(W4_UNROLL == 2 || W4_UNROLL == W4_STAGES, "the mainloop unrolls by 2 or by the ring size");
 
 __device__ __forceinline__ void w4_issue(int s, unsigned st0, unsigned bar0, const TmaMap* tmA, const TmaMap* tmB,
                                          int arow0, int brow0, const unsigned char* a_sc) {
@@ -80,17 +76,13 @@ __device__ __forceinline__ void w4_2d3d(const unsigned char* __restrict__ As, co
     mbar_wait(bar0, 0u);
     w3_convert_a(T, sbase + W4_A, sbase + W4_SC, 0, fa);
     int stage = 0;
-    // Unrolled over the ring (W4_UNROLL == W4_STAGES): step s + u uses stage u, so every stage address, the mbarrier
-    // and the scale-byte offset are compile-time offsets (with 2 the stage was a loop variable). -DW4_UNROLL=2:
-    // the previous loop, for timing comparisons (same bytes).
-    for (int s = 0; s < ksteps; s += W4_UNROLL) {
+    for (int s = 0; s < ksteps; s += 2) {
 #pragma unroll
-        for (int u = 0; u < W4_UNROLL; ++u) {
+        for (int u = 0; u < 2; ++u) {
             const int ss = s + u;
             if (ss >= ksteps) break;
-            if (W4_UNROLL == W4_STAGES) stage = u;
-            unsigned* cur = (u & 1) == 0 ? fa : fb;
-            unsigned* nxt = (u & 1) == 0 ? fb : fa;
+            unsigned* cur = u == 0 ? fa : fb;
+            unsigned* nxt = u == 0 ? fb : fa;
             wg_fence();
             const unsigned long long db = wg_desc(sbase + (unsigned)stage * W4_STAGE_BYTES + W4_B);
 #pragma unroll
