@@ -16,6 +16,7 @@ variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only
 raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER / -DW5_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
 given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
+pin (``--kernel pin``): the same for wgmma4/5 with and without the opaque per-thread A fields (-DW3_NO_PIN).
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
@@ -23,7 +24,7 @@ wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each b
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|ncu] [--shape dsv3_up] [--json PATH]
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|pin|ncu] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -226,6 +227,12 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
 
 
 ROUNDS = 6
+PIN_BUILDS = {
+    "wgmma4": ("wgmma4", ""),
+    "wgmma4_no_pin": ("wgmma4", "-DW3_NO_PIN"),
+    "wgmma5": ("wgmma5", ""),
+    "wgmma5_no_pin": ("wgmma5", "-DW3_NO_PIN"),
+}
 RASTER_BUILDS = {
     f"{i}_r{r}": (i, f"-D{band}={r}")
     for i, band in (("wgmma4", "GM_RASTER"), ("wgmma5", "W5_RASTER"))
@@ -236,7 +243,7 @@ RASTER_BUILDS = {
 def experiments_builds(args) -> dict:
     import os  # noqa: PLC0415
 
-    builds = RASTER_BUILDS
+    builds = RASTER_BUILDS if args.kernel == "raster" else PIN_BUILDS
     saved = {v: os.environ.get(v) for v in ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")}
     res = {"kernel": args.kernel, "shapes": {}}
     try:
@@ -290,17 +297,18 @@ def launches_for_ncu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "ncu"))
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "pin", "ncu"))
     ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster", "ncu"):
+    if args.kernel in ("wgmma5", "wgrad", "raster", "pin", "ncu"):
         exp = {
             "wgmma5": experiments_w5,
             "wgrad": experiments_wgrad,
             "raster": experiments_builds,
+            "pin": experiments_builds,
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)

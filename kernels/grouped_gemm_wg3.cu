@@ -141,6 +141,14 @@ __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, in
         for (int j = 0; j < 8; ++j) sts32(bst + (unsigned)i * 8192u + ((((unsigned)j) ^ sw) << 4), o[j]);
     }
 }
+// The A fields of T made opaque to the compiler (an empty asm that "may change" them): ptxas otherwise recomputes
+// them from the thread index at every k-step (the profile showed ~12 dependent instructions in front of each
+// step's scale-byte load). -DW3_NO_PIN: the compiler's choice, for timing comparisons (same bytes).
+__device__ __forceinline__ void w3_pin_a_fields(W3Thread& T) {
+#ifndef W3_NO_PIN
+    asm volatile("" : "+r"(T.a0), "+r"(T.a1), "+r"(T.sa), "+r"(T.c16), "+r"(T.K));
+#endif
+}
 // a_raw: the stage's raw A tile (128 rows x 64 B), a_sc: its A scale tile (512 B).
 __device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {
     const int k = s * 64 + T.c16;

@@ -274,6 +274,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     T.a0 = (unsigned)ar0 * 64u + 16u * c;
     T.a1 = T.a0 + 512u;
     T.sa = (unsigned)((ar0 & 31) * 16 + (ar0 >> 5) * 4);
+    w3_pin_a_fields(T);
 
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
     const int total = ((int)((M + W2_BM - 1) / W2_BM) + G) * n_tiles;
