@@ -16,7 +16,7 @@ variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only
 raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER / -DW5_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
 given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
-pin (``--kernel pin``): the same for wgmma4/5 with and without the opaque per-thread A fields (-DW3_NO_PIN).
+pin (``--kernel pin``): the same for wgmma5 with and without the opaque per-thread A fields (-DW3_NO_PIN).
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
@@ -227,12 +227,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
 
 
 ROUNDS = 6
-PIN_BUILDS = {
-    "wgmma4": ("wgmma4", ""),
-    "wgmma4_no_pin": ("wgmma4", "-DW3_NO_PIN"),
-    "wgmma5": ("wgmma5", ""),
-    "wgmma5_no_pin": ("wgmma5", "-DW3_NO_PIN"),
-}
+PIN_BUILDS = {"wgmma5": ("wgmma5", ""), "wgmma5_no_pin": ("wgmma5", "-DW3_NO_PIN")}
 RASTER_BUILDS = {
     f"{i}_r{r}": (i, f"-D{band}={r}")
     for i, band in (("wgmma4", "GM_RASTER"), ("wgmma5", "W5_RASTER"))
