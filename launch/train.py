@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from moe_ep import init_ep  # noqa: E402
 from moe_ep.model import ModelConfig, MoETransformer  # noqa: E402
-from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noqa: E402
+from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_, finish  # noqa: E402
 
 # Model and optimizer presets. "tiny" runs in seconds on 2 CPU cores; "small" is a GPU-sized model
 # (~8k tokens per rank per step). Any field can be overridden on the command line.
@@ -379,11 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/GPU ({world} ranks)",
             flush=True,
         )
-    # Every rank leaves its last collective before any rank tears its gloo/nccl connections down: a peer
-    # closing its sockets while another rank's worker thread is still inside that collective can abort
-    # the slower process at exit ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(mesh)  # barriers on every group, then a store rendezvous, then destroy (see moe_ep.parallel.finish)
     return log
 
 

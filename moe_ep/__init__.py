@@ -6,13 +6,14 @@ GPU packages (CuPy, nvshmem4py) are imported lazily: ``import moe_ep`` works on 
 from .config import MoEConfig
 from .layer import MoE
 from .mxfp8 import MXFP8Tensor, dequantize, quantize, to_blocked, to_blocked_grouped
-from .parallel import init_ep
+from .parallel import finish, init_ep
 
 __all__ = [
     "MoE",
     "MoEConfig",
     "MXFP8Tensor",
     "dequantize",
+    "finish",
     "init_ep",
     "quantize",
     "to_blocked",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,36 @@ def init_ep(ep_size: int, dp_size: int | None = None, backend: str | None = None
         raise ValueError(f"dp_size * ep_size = {dp_size * ep_size} != world size {world}")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
+
+
+def finish(mesh: DeviceMesh | None = None, timeout_s: float = 120.0) -> None:
+    """Leave torch.distributed without racing a peer: call once at the end of a run, on every rank.
+
+    1. a barrier on each group of ``mesh`` (its "dp" and "ep" groups; FSDP2 and the dispatch run their
+       collectives there) and on the default group: every rank has finished every collective it issued;
+    2. a rendezvous through the default store (no gloo/nccl traffic): every rank knows that every peer got there,
+       so nobody is still inside a collective when a peer closes its connections;
+    3. ``destroy_process_group``.
+    Why: with only step 3 (or step 1 + 3), a rank that tears its gloo connections down while a slower peer is
+    still receiving the last collective's messages can abort that peer at exit ("terminate called without an
+    active exception"; seen once in CI on the 4-rank CPU training test). A no-op when not initialized.
+    """
+    if not dist.is_initialized():
+        return
+    if mesh is not None:
+        for name in mesh.mesh_dim_names or ():
+            dist.barrier(group=mesh.get_group(name))
+    dist.barrier()
+    # NOTE: host sync (teardown only). The default store is private API, present since torch 1.x and in 2.13.
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    store.add("moe_ep/finish", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("moe_ep/finish", 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"finish(): not every rank of {world} arrived within {timeout_s} s")
+        time.sleep(0.002)
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
-        dist.barrier()
+        if dist.is_initialized():  # (fn may have torn the group down itself, e.g. with moe_ep.finish)
+            dist.barrier()
         queue.put((rank, None))
     except BaseException:  # noqa: BLE001  (report everything, including assertion failures)
         queue.put((rank, traceback.format_exc()))
