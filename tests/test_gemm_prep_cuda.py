@@ -1,0 +1,119 @@
+"""GPU tests of the operand preparation kernels (kernels/weight_prep.cu): the bf16 weight preparation, the wgrad
+column-wise preparation (one operand and both in one launch), and weight_operands on the GPU against the CPU.
+
+Bytes are compared exactly with the torch references; outputs are followed by NaN guards that must stay
+untouched (the guard helpers and the data generator are those of tests/test_gemm_cuda.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ep import gemm_cuda
+from tests.test_gemm_cuda import _guarded, _sizes_t, _skip_without_gpu, _varied
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("g", "n", "k"), [(2, 8, 32), (3, 136, 96), (2, 264, 160), (4, 520, 7168)])
+def test_weight_prep_kernel_matches_reference(g, n, k):
+    """kernels/weight_prep.cu == prepare_weight_bf16_torch: bit-equal bf16 (NaN where the reference has NaN: the
+    payload of a 0xFF-scale block is the hardware's canonical NaN), on every e4m3 code, scales 0 / 254 / 0xFF,
+    K % 64 == 32 (zero padding), N not a multiple of 128; with no host sync; into a given ``out`` too."""
+    _skip_without_gpu()
+    from tests.test_gemm_emulation_wg5 import _awkward_weight, assert_same_bf16  # noqa: PLC0415
+
+    w, ws = _awkward_weight(g, n, k, seed=k + n)
+    ref = gemm_cuda.prepare_weight_bf16_torch(w, ws)
+    wd, wsd = _guarded(w.cuda(), 0x7F), _guarded(ws.cuda(), 0xFF)
+    kp = -(-k // 64) * 64
+    buf = torch.full((g * n * kp + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[: g * n * kp].view(g, n, kp)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = gemm_cuda.prepare_weight_bf16(wd, wsd)
+        gemm_cuda.prepare_weight_bf16(wd, wsd, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert_same_bf16(got.cpu(), ref)
+    assert_same_bf16(out.cpu(), ref)
+    assert torch.isnan(buf[g * n * kp :]).all(), "written past the end of out"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [0, 0, 0], [1, 2, 3, 4097], [31, 32, 33]])
+def test_colwise_prep_kernel_matches_reference(sizes):
+    """kernels/weight_prep.cu mx_prepare_colwise_bf16 == prepare_colwise_bf16_torch on every row a group owns
+    (its 64-row chunks, padding zeros included); NaN-scale blocks NaN in the same places; nothing past out."""
+    _skip_without_gpu()
+    from tests.test_gemm_emulation_wg5 import assert_same_bf16  # noqa: PLC0415
+
+    gen = torch.Generator(device="cuda").manual_seed(len(sizes) + sum(sizes))
+    m, c = sum(sizes) + 7, 264
+    data, scale = gemm_cuda.colwise_operand_ref(_varied(m, c, gen)[: sum(sizes)], sizes)
+    data = torch.cat([data, data.new_zeros(7, c)])
+    if scale.shape[0]:
+        scale[0, :16] = 0xFF  # a NaN block
+    rows, prows = gemm_cuda.colwise_scale_rows(m, len(sizes)), gemm_cuda.colwise_prep_rows(m, len(sizes))
+    scale = torch.cat([scale, scale.new_zeros(rows - scale.shape[0], c)])
+    ref = gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes)
+    buf = torch.full((prows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[: prows * c].view(prows, c)
+    sz = _sizes_t(sizes)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gemm_cuda.prepare_colwise_bf16(_guarded(data, 0x7F), _guarded(scale, 0xFF), sz, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    used = 64 * sum(-(-n // 64) for n in sizes)
+    assert_same_bf16(out[:used].cpu(), ref[:used])
+    assert torch.isnan(buf[prows * c :]).all(), "written past the end of out"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [0, 0, 0], [31, 32, 33]])
+def test_colwise_prep_pair_kernel_matches_reference(sizes):
+    """mx_prepare_colwise_bf16_pair (both wgrad operands in one launch, widths 264 and 1032: two 1024-column chunks)
+    == prepare_colwise_bf16_torch of each, on every row a group owns; nothing written past either output."""
+    _skip_without_gpu()
+    from tests.test_gemm_emulation_wg5 import assert_same_bf16  # noqa: PLC0415
+
+    gen = torch.Generator(device="cuda").manual_seed(7 + sum(sizes))
+    m, g = sum(sizes) + 7, len(sizes)
+    rows, prows = gemm_cuda.colwise_scale_rows(m, g), gemm_cuda.colwise_prep_rows(m, g)
+    ops, refs, bufs, outs = [], [], [], []
+    for c in (264, 1032):
+        data, scale = gemm_cuda.colwise_operand_ref(_varied(m, c, gen)[: sum(sizes)], sizes)
+        data = torch.cat([data, data.new_zeros(7, c)])
+        scale = torch.cat([scale, scale.new_zeros(rows - scale.shape[0], c)])
+        ops += [_guarded(data, 0x7F), _guarded(scale, 0xFF)]
+        refs.append(gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes))
+        bufs.append(torch.full((prows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        outs.append(bufs[-1][: prows * c].view(prows, c))
+    sz = _sizes_t(sizes)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = gemm_cuda.prepare_colwise_bf16_pair(*ops, sz, out_a=outs[0], out_b=outs[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    used = 64 * sum(-(-n // 64) for n in sizes)
+    for out, ref, buf, c, res in zip(outs, refs, bufs, (264, 1032), got, strict=True):
+        assert res.data_ptr() == out.data_ptr()
+        assert_same_bf16(out[:used].cpu(), ref[:used])
+        assert torch.isnan(buf[prows * c :]).all(), "written past the end of out"
+
+
+@pytest.mark.gpu
+def test_weight_operands_on_gpu_match_cpu():
+    """weight_operands on CUDA (quantization + preparation kernels) == on CPU (the references), byte for byte."""
+    _skip_without_gpu()
+    import dataclasses  # noqa: PLC0415
+
+    w = _varied(3 * 160, 96, torch.Generator(device="cuda").manual_seed(5)).reshape(3, 160, 96)
+    gpu, cpu = gemm_cuda.weight_operands(w), gemm_cuda.weight_operands(w.cpu())
+    for f in dataclasses.fields(gpu):
+        a, b = getattr(gpu, f.name).cpu(), getattr(cpu, f.name)
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f.name
