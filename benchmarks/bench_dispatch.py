@@ -327,6 +327,7 @@ def main() -> int:
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    from moe_ep import finish  # noqa: PLC0415
     from moe_ep.comm import nvshmem as nvs  # noqa: PLC0415
 
     shapes = [s for s in args.shapes.split(",") if s]
@@ -381,9 +382,9 @@ def main() -> int:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     ok = all(r["correct"] and all(sw["correct"] for sw in r["sweep"]) for r in results)
     torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier()  # every rank is done with symmetric memory before NVSHMEM finalizes
     nvs.shutdown()
-    dist.destroy_process_group()
+    finish()
     return 0 if ok else 1
 
 

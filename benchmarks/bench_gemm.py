@@ -279,7 +279,7 @@ def run_shape(name, m, k, n, g, args, out_rows):
         fns = {**ours[var], **base[var]}
         rounds: dict[str, list[float]] = {impl: [] for impl in fns}
         # Interleaved rounds (every implementation once per round, then again): the GPU's clock and heat drift
-        # between processes and within one moved torch bf16 itself by up to ~12 %, so a ratio is taken per round
+        # between processes and within one moved torch bf16 itself by up to ~17 %, so a ratio is taken per round
         # (same minute, same clocks) and the median of those is reported.
         names = list(fns)
         for rnd in range(args.rounds):  # each round starts one implementation later (no fixed "first after X")

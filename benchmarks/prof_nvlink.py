@@ -42,7 +42,7 @@ def main() -> int:
             return 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *sys.argv]
         return subprocess.call(cmd, env={**os.environ, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
-    from moe_ep import _cuda  # noqa: PLC0415
+    from moe_ep import _cuda, finish  # noqa: PLC0415
     from moe_ep.comm import nvshmem as nvs  # noqa: PLC0415
 
     local = int(os.environ["LOCAL_RANK"])
@@ -129,9 +129,9 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier()  # every rank is done with symmetric memory before NVSHMEM finalizes
     nvs.shutdown()
-    dist.destroy_process_group()
+    finish()
     return 0
 
 

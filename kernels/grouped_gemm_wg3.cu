@@ -143,8 +143,8 @@ __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, in
 }
 // The A fields of T made opaque to the compiler (an empty asm that "may change" them): ptxas otherwise recomputes
 // them from the thread index at every k-step (the profile showed ~12 dependent instructions in front of each
-// step's scale-byte load). Used by wgmma5 (measured +0-3 %); wgmma4 came out up to 10 % slower with it and does not
-// use it. -DW3_NO_PIN: the compiler's choice, for timing comparisons (same bytes).
+// step's scale-byte load). Used by wgmma5 (measured -0.4..+3.2 %); wgmma4 came out up to 10 % slower with it and
+// does not use it. -DW3_NO_PIN: the compiler's choice, for timing comparisons (same bytes).
 __device__ __forceinline__ void w3_pin_a_fields(W3Thread& T) {
 #ifndef W3_NO_PIN
     asm volatile("" : "+r"(T.a0), "+r"(T.a1), "+r"(T.sa), "+r"(T.c16), "+r"(T.K));

@@ -34,6 +34,9 @@ def init_ep(ep_size: int, dp_size: int | None = None, backend: str | None = None
     return init_device_mesh(device_type, (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
 
 
+_finish_calls = 0  # finish() calls in this process (the store key of each rendezvous)
+
+
 def finish(mesh: DeviceMesh | None = None, timeout_s: float = 120.0) -> None:
     """Leave torch.distributed without racing a peer: call once at the end of a run, on every rank.
 
@@ -55,9 +58,12 @@ def finish(mesh: DeviceMesh | None = None, timeout_s: float = 120.0) -> None:
     # NOTE: host sync (teardown only). The default store is private API, present since torch 1.x and in 2.13.
     store = dist.distributed_c10d._get_default_store()
     world = dist.get_world_size()
-    store.add("moe_ep/finish", 1)
+    global _finish_calls
+    _finish_calls += 1  # every rank calls finish equally often: the key is fresh even if the store outlives a group
+    key = f"moe_ep/finish/{_finish_calls}"
+    store.add(key, 1)
     deadline = time.monotonic() + timeout_s
-    while store.add("moe_ep/finish", 0) < world:
+    while store.add(key, 0) < world:
         if time.monotonic() > deadline:
             raise TimeoutError(f"finish(): not every rank of {world} arrived within {timeout_s} s")
         time.sleep(0.002)

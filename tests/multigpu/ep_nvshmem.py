@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from moe_ep import mxfp8  # noqa: E402
+from moe_ep import finish, mxfp8  # noqa: E402
 from moe_ep.comm import cuda_transport as ct  # noqa: E402
 from moe_ep.comm import nvshmem as nvs  # noqa: E402
 from moe_ep.comm import ops  # noqa: E402
@@ -424,9 +424,9 @@ def main() -> int:
     ]
     _, failed = run_cases([(name, lambda fn=fn: checked(fn)) for name, fn in cases], DEV)
     torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier()  # every rank is done with symmetric memory before NVSHMEM finalizes
     nvs.shutdown()
-    dist.destroy_process_group()
+    finish()
     return 1 if failed else 0
 
 

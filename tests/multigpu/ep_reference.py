@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from moe_ep import finish  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 from tests.test_layer import _layer, _pipeline  # noqa: E402
 
@@ -30,8 +31,7 @@ def main() -> int:
         for top_k in (1, 2, 8):
             cases.append((f"layer ep={ep} top_k={top_k}", lambda ep=ep, k=top_k: _layer(rank, world, ep, k, device)))
     _, failed = run_cases(cases, device)
-    dist.barrier()  # nobody tears connections down while a peer is still in the last collective
-    dist.destroy_process_group()
+    finish()  # nobody tears connections down while a peer is still in the last collective
     return 1 if failed else 0
 
 
