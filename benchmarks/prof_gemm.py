@@ -30,7 +30,9 @@ without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -178,7 +180,6 @@ def experiments_wgrad(args) -> dict:
 def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
     """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ROUNDS
     interleaved rounds in rotating order, bytes compared with the first build's output (all must be equal)."""
-    import os  # noqa: PLC0415
     import statistics  # noqa: PLC0415
 
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
@@ -235,58 +236,57 @@ RASTER_BUILDS = {
 }
 
 
-def experiments_builds(args) -> dict:
-    import os  # noqa: PLC0415
-
-    builds = RASTER_BUILDS if args.kernel == "raster" else PIN_BUILDS
-    saved = {v: os.environ.get(v) for v in ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")}
-    res = {"kernel": args.kernel, "shapes": {}}
+@contextlib.contextmanager
+def _env_restored(*names: str):
+    """The kernel-selection environment variables ``names`` as they were, after the block (set or unset)."""
+    saved = {v: os.environ.get(v) for v in names}
     try:
-        for shape in [args.shape] if args.shape_given else list(SHAPES):
-            res["shapes"][shape] = _builds_shape(shape, builds)
-            print(shape, json.dumps(res["shapes"][shape]))
+        yield
     finally:
         for var, val in saved.items():
             if val is None:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = val
+
+
+def experiments_builds(args) -> dict:
+    builds = RASTER_BUILDS if args.kernel == "raster" else PIN_BUILDS
+    res = {"kernel": args.kernel, "shapes": {}}
+    with _env_restored("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS"):
+        for shape in [args.shape] if args.shape_given else list(SHAPES):
+            res["shapes"][shape] = _builds_shape(shape, builds)
+            print(shape, json.dumps(res["shapes"][shape]))
     return res
 
 
 def launches_for_ncu(args) -> dict:
-    import os  # noqa: PLC0415
-
     shapes = [args.shape] if args.shape_given else list(SHAPES)
-    saved = os.environ.get("MOE_EP_GEMM_IMPL")
-    for shape in shapes:
-        m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
-        wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
-        offs = torch.cumsum(sz, 0, dtype=torch.int32)
+    with _env_restored("MOE_EP_GEMM_IMPL"):
+        for shape in shapes:
+            m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
+            wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
+            offs = torch.cumsum(sz, 0, dtype=torch.int32)
 
-        def ours(impl, xq=xq, xs=xs, wq=wq, ws=ws, sz=sz, out=out, wprep=wprep):
-            os.environ["MOE_EP_GEMM_IMPL"] = impl
-            gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, out=out, w_prepared=wprep)
+            def ours(impl, xq=xq, xs=xs, wq=wq, ws=ws, sz=sz, out=out, wprep=wprep):
+                os.environ["MOE_EP_GEMM_IMPL"] = impl
+                gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, out=out, w_prepared=wprep)
 
-        fns = [
-            lambda: ours("wgmma4"),
-            lambda: ours("wgmma5"),
-            lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
-        ]
-        for fn in fns:
-            for _ in range(3):
+            fns = [
+                lambda: ours("wgmma4"),
+                lambda: ours("wgmma5"),
+                lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+            ]
+            for fn in fns:
+                for _ in range(3):
+                    fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            for fn in fns:
                 fn()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        for fn in fns:
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
-        print(f"{shape}: launched wgmma4, wgmma5, torch bf16 once each")
-    if saved is None:
-        os.environ.pop("MOE_EP_GEMM_IMPL", None)
-    else:
-        os.environ["MOE_EP_GEMM_IMPL"] = saved
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"{shape}: launched wgmma4, wgmma5, torch bf16 once each")
     return {"kernel": "ncu", "shapes": shapes}
 
 
