@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -180,8 +181,6 @@ def experiments_wgrad(args) -> dict:
 def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
     """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ROUNDS
     interleaved rounds in rotating order, bytes compared with the first build's output (all must be equal)."""
-    import statistics  # noqa: PLC0415
-
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     offs = torch.cumsum(sz, 0, dtype=torch.int32)
