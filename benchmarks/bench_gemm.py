@@ -8,7 +8,9 @@ bf16 time over ours) and reports TFLOP/s (2*M*N*K / time) for:
                 once, outside the timing: see "prepare_weight" for that pass); wgrad: gemm_cuda.WGRAD_IMPLS
                 (mxfp8_wgmma / mxfp8_mma, bf16 output; "mxfp8_f32" = the default kernel with fp32 output;
                 the wgmma wgrad's per-call operand preparation is included in its time and also timed
-                alone: "prepare_colwise_ms"). Each family is checked first; a family whose check fails
+                alone: "prepare_colwise_ms"; "mxfp8_prepared" = the same GEMM on operands the quantizer wrote
+                already prepared, quantize_grouped_dual(colwise="bf16"): no preparation pass, the quantizer's
+                extra cost is in "colwise_producer_ms"). Each family is checked first; a family whose check fails
                 (or raises) is reported and not timed, the others go on.
   bf16          torch._grouped_mm on bf16 operands (offs = cumsum int32) -- the reference point for ratios
   deq+bf16      dequantize the MXFP8 operands to bf16, then torch._grouped_mm
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moe_ep import gemm_cuda, mxfp8  # noqa: E402
+from moe_ep import gemm_cuda, mxfp8, mxfp8_cuda  # noqa: E402
 
 SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
     "dsv3_up": (32768, 7168, 4096, 32),
@@ -184,6 +186,28 @@ def run_shape(name, m, k, n, g, args, out_rows):
         )
     # the launcher's default: fp32 output, default kernel (prepare passes included, as in every wgmma wgrad call)
     ours["wgrad"]["mxfp8_f32"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+    # the operands as the quantizer writes them with colwise="bf16" (already in the GEMM's prepared layout): the GEMM
+    # alone. The quantizer's cost with either column output is timed below ("colwise_producer_ms"), so the whole
+    # backward path (producer + preparation + GEMM against producer + GEMM) can be compared from the same run.
+    dyp = mxfp8_cuda.quantize_grouped_dual(dy, sz, colwise="bf16")[2]
+    xp = mxfp8_cuda.quantize_grouped_dual(x, sz, colwise="bf16")[2]
+    used = sum(64 * -(-r // 64) for r in sizes)
+    res["prepared_operands_match_prep_kernel"] = bool(
+        torch.equal(dyp[:used], gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz)[:used])
+        and torch.equal(xp[:used], gemm_cuda.prepare_colwise_bf16(xc, xcs, sz)[:used])
+    )
+    ours["wgrad"]["mxfp8_prepared"] = lambda: gemm_cuda.grouped_wgrad_prepared_out(
+        dyp, xp, sz, torch.empty(g, n, k, dtype=torch.bfloat16, device=dev), m
+    )
+    res["colwise_producer_ms"] = {  # quantize_grouped_dual of dY and of X, each column output format
+        f"{who}_{fmt}": time_ms(lambda t=t, fmt=fmt: mxfp8_cuda.quantize_grouped_dual(t, sz, colwise=fmt), 3, 10)
+        for who, t in (("dy", dy), ("x", x))
+        for fmt in ("mxfp8", "bf16")
+    }
+    print(
+        f"[{name}] prepared operands match the preparation kernel: {res['prepared_operands_match_prep_kernel']}; "
+        f"producer ms {res['colwise_producer_ms']}"
+    )
 
     # ---- correctness on a subsample before timing (per kernel family; a failing family is not timed)
     if not args.no_check:
@@ -219,6 +243,11 @@ def run_shape(name, m, k, n, g, args, out_rows):
                         for gi in pick[:2]:
                             r = slice(starts[gi], starts[gi] + sizes[gi])
                             errs[f"wgrad_{wimpl}_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
+                        if wimpl == "wgmma":  # the prepared-operand path: the same GEMM on the same bytes
+                            o_p = torch.empty_like(o_w)
+                            gemm_cuda.grouped_wgrad_prepared_out(dyp, xp, sz, o_p, m)
+                            errs["wgrad_prepared_vs_wgmma"] = 0.0 if torch.equal(o_p, o_w) else float("inf")
+                            del o_p
                         del o_w
                     del dcf, xcf
                 bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}

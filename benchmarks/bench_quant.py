@@ -186,6 +186,9 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
         sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
         got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), **kw)
         want = quantize_grouped_dual_torch(xs, sizes, **kw)  # SwiGLU on the GPU: torch's CUDA ops, as the kernel
+        if kw.get("colwise") == "bf16":  # the prepared operand: its used rows (finite input: no NaN payloads)
+            used = sum(64 * -(-int(n) // 64) for n in sizes)
+            return all(map(_eq, got[:2], want[:2])) and _eq(got[2][:used], want[2][:used]) and got[2].shape[1] == kh
         used = sum(-(-int(n) // 32) for n in sizes)
         return all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used]) and got[3].shape[1] == kh
     if variant == "row_grouped":
@@ -206,7 +209,8 @@ def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
     return torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
 
 
-DUAL = ("grouped_dual", "swiglu_dual", "swiglu_bwd_dual")  # both grouped GEMM operands from one read
+# both grouped GEMM operands from one read; "_prep": the column operand written as the wgrad's prepared bf16
+DUAL = ("grouped_dual", "swiglu_dual", "swiglu_bwd_dual", "grouped_dual_prep", "swiglu_bwd_dual_prep")
 
 
 def _dual_args(variant: str, x: torch.Tensor) -> tuple[torch.Tensor, dict, int]:
@@ -214,7 +218,11 @@ def _dual_args(variant: str, x: torch.Tensor) -> tuple[torch.Tensor, dict, int]:
 
     swiglu_dual: x plays a = (gate | up), h is [M, K/2]; swiglu_bwd_dual: x plays a, with a bf16 dh [M, K/2]
     (what the down projection's dgrad writes), dA is [M, K]. The SwiGLU variants take bf16 GEMM outputs.
+    A "_prep" suffix adds colwise="bf16".
     """
+    if variant.endswith("_prep"):
+        xin, kw, kh = _dual_args(variant.removesuffix("_prep"), x)
+        return xin, {**kw, "colwise": "bf16"}, kh
     if variant == "grouped_dual":
         return x, {}, x.shape[1]
     a = x.to(torch.bfloat16)
@@ -234,11 +242,15 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
         xin, kw, kh = _dual_args(variant, x)
         sizes = _random_sizes(m, groups, dev)
         outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, **kw)
+        if kw.get("colwise") == "bf16":  # bf16 rows written: each group's rows up to its next multiple of 64
+            col = 2 * kh * sum(64 * -(-int(n) // 64) for n in sizes.tolist())
+        else:
+            col = m * kh + -(-m // 32) * kh
         nbytes = (
             sum(t.numel() * t.element_size() for t in (xin, *kw.values()) if isinstance(t, torch.Tensor))
-            + 2 * m * kh
+            + m * kh
             + outs[1].numel()
-            + -(-m // 32) * kh
+            + col
         )
         return (lambda: mxfp8_cuda.quantize_grouped_dual_into(xin, sizes, *outs, **kw)), nbytes
     data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
@@ -274,7 +286,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--variants",
-        default="row_plain,row_blocked,row_grouped,col_blocked,fused,grouped_dual,swiglu_dual,swiglu_bwd_dual",
+        default="row_plain,row_blocked,row_grouped,col_blocked,fused,grouped_dual,swiglu_dual,swiglu_bwd_dual,"
+        "grouped_dual_prep,swiglu_bwd_dual_prep",
     )
     ap.add_argument("--groups", type=int, default=32, help="groups of the row_grouped variant")
     ap.add_argument("--pipes", default="", help="MOE_EP_QUANT_PIPE values to sweep, e.g. auto,0,2,3 (default: current)")

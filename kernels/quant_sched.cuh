@@ -3,10 +3,11 @@
 // Included by quantize.cu only (after TILE and NTHREADS are defined).
 #pragma once
 
-// Grouped row layouts: per-CTA table of the groups' first output tile, first row and first 32-row block
-// (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/32); entry G = the totals), built once per CTA by a
+// Grouped row layouts: per-CTA table of the groups' first output tile, first row and first BR-row block
+// (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/BR); entry G = the totals), built once per CTA by a
 // block-wide scan of the device-resident group sizes; a tile then finds its group by binary search. Negative
-// sizes count as 0.
+// sizes count as 0. BR = 32: the per-group column-scale rows; 64: the wgrad's prepared operand (64-row blocks).
+template <int BR>
 __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, int G, int* tstart,
                                               long long* rstart, int* bstart) {
     __shared__ int s_wt[NTHREADS / 32], s_wb[NTHREADS / 32];
@@ -17,7 +18,7 @@ __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, in
     for (int base = 0; base < G; base += NTHREADS) {
         const int g = base + tid;
         const int n = g < G ? max(gsizes[g], 0) : 0;
-        const int t = (n + TILE - 1) / TILE, b = (n + 31) / 32;
+        const int t = (n + TILE - 1) / TILE, b = (n + BR - 1) / BR;
         long long in = n;
         int it = t, ib = b;
 #pragma unroll
@@ -69,7 +70,8 @@ __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, in
 }
 
 // Rows [row0, row0 + nrows) of output tile T under the table above (nrows = 0: a zero tile past the last group)
-// and the group-local 32-row block index of its first row, continued across groups (bs).
+// and the index of its first BR-row block, counted per group and continued across groups (bs).
+template <int BR>
 __device__ __forceinline__ void grouped_lookup(const int* tstart, const long long* rstart, const int* bstart,
                                                int G, int T, long long& row0, int& nrows, long long& bs) {
     int lo = 0, hi = G;  // largest g in [0, G] with tstart[g] <= T
@@ -86,7 +88,7 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
     }
     const int lt = T - tstart[lo];
     row0 = rstart[lo] + (long long)lt * TILE;
-    bs = bstart[lo] + 4LL * lt;
+    bs = bstart[lo] + (long long)(TILE / BR) * lt;
     nrows = (int)min((long long)TILE, rstart[lo + 1] - row0);
 }
 

@@ -14,7 +14,8 @@
 //            block: it reduces and quantizes the 32x1 block and stores 32 e4m3 bytes of the TRANSPOSED output
 //            xt [K, M] (4 lanes write 128 contiguous bytes of a row of xt). Column scales: plain [K, M/32]
 //            or one blocked tile (K rows x M/32 columns: 128 x 4 per CTA again).
-//   phase 3  (CS_NT, CS_GNT) re-read the staged tile and write column-wise data in x's own [M, K] layout.
+//   phase 3  (CS_NT, CS_GNT, CS_GPREP) re-read the staged tile and write column-wise data in x's own [M, K] layout
+//            (CS_GPREP: as the exact bf16 value of each quantized element, in the wgrad kernel's prepared layout).
 // Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
@@ -39,6 +40,10 @@
 #define CS_NT 3       // data [M, K] (x's layout), scale [M/32, K]  (quantize(x, axis=0))
 #define CS_GNT 4      // CS_NT per row group (RS_GROUPED only): 32-row blocks restart at each group's first row,
                       // block j of group g is scale row sum_{h<g} ceil(n_h/32) + j of [ceil(M/32) + G, K]
+#define CS_GPREP 5    // CS_GNT's blocks, written dequantized: bf16 [64 (ceil(M/64) + G), K], group g from row
+                      // 64 sum_{h<g} ceil(n_h/64), zero rows up to its next multiple of 64, no column scales: the
+                      // operand moe_ep.gemm_operands.prepare_colwise_bf16 would make of CS_GNT's output (same bytes;
+                      // NaN blocks 0x7FC0), so the wgrad GEMM needs no preparation pass
 
 #define TILE 128
 #define NTHREADS 256
@@ -53,8 +58,10 @@
 
 // Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile (512), column-scale tile (512), column
 // multipliers 2**-E (4 x 128 fp32) and NaN-block masks (4 x 128 bytes) of phase 3, then (RS_GROUPED) the group
-// table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/mxfp8_cuda.py).
+// table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/mxfp8_cuda.py). CS_GPREP adds its
+// column dequantization multipliers 2**E (4 x 128 fp32) before the table.
 #define MX_SMEM_FIXED 3584
+#define MX_SMEM_GPREP 2048
 
 // Software pipelining (MX_PIPE): 0 = one tile per CTA, grid = all tiles (plain launch); 1 = persistent grid, no
 // prefetch; 2 = persistent grid, the next tile's loads issued into registers before the current tile is processed;
@@ -113,28 +120,34 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
     unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
     float* smul = reinterpret_cast<float*>(ctile + 512);                 // [4][128] col multipliers (CS_NT)
     unsigned char* sbad = ctile + 512 + 4 * 4 * TILE;                    // [4][128] NaN-block masks (CS_NT)
-    long long* g_rstart = reinterpret_cast<long long*>(stile + MX_SMEM_FIXED);  // [G + 1] (RS_GROUPED)
+    float* sdeq = reinterpret_cast<float*>(stile + MX_SMEM_FIXED);       // [4][128] 2**E (CS_GPREP)
+    constexpr int FIXED = MX_SMEM_FIXED + (CS == CS_GPREP ? MX_SMEM_GPREP : 0);
+    long long* g_rstart = reinterpret_cast<long long*>(stile + FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
     // PIPE 3: two 32 KB stages after the table, 16-byte aligned (the launcher adds 2 * 32 KB + 16).
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
         smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 15) & ~15LL);
-    static_assert(CS != CS_GNT || RS == RS_GROUPED, "per-group column blocks follow the grouped row tiles");
+    static_assert((CS != CS_GNT && CS != CS_GPREP) || RS == RS_GROUPED,
+                  "per-group column blocks follow the grouped row tiles");
+    constexpr bool GCOL = CS == CS_GNT || CS == CS_GPREP;  // per-group column blocks, in x's row order
+    constexpr int BR = CS == CS_GPREP ? 64 : 32;             // rows per unit of the table's third prefix sum
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int C = K / 32;
     const int total = n_row_tiles * ctiles;
-    if (RS == RS_GROUPED) grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
+    if (RS == RS_GROUPED) grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
 
     // Tile T -> (row tile, column tile, first row, rows).
-    // bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GNT: per-group block numbering).
+    // bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GNT: per-group block numbering;
+    // CS_GPREP: first 64-row block of the tile in the prepared layout).
     auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows, long long& bs) {
         rt = (int)((unsigned)T / (unsigned)ctiles);
         ct = (int)((unsigned)T % (unsigned)ctiles);
         bs = 0;
         if (RS == RS_GROUPED) {
-            grouped_lookup(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
+            grouped_lookup<BR>(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
             nrows = (int)max(0LL, min((long long)nrows, M - row0));
         } else if (RS == RS_UNIFORM) {
             const int tpe = (int)((group_rows + TILE - 1) / TILE);
@@ -145,7 +158,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             row0 = (long long)rt * TILE;
             nrows = (int)min((long long)TILE, M - row0);
         }
-        if (CS != CS_GNT) bs = row0 >> 5;
+        if (!GCOL) bs = row0 >> 5;
     };
     // Chunk m (= p * PER + j) of this thread is tile row m * RPM + r0, 16-byte column cc0: the element offset of
     // its first value is base + m * RPM * K, so the per-chunk address is one add (the 64-bit row arithmetic per
@@ -316,10 +329,11 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                 const int e = mx_block_exp(Key<IN>::to_float(key));
                 const unsigned char sb = (unsigned char)(bad ? MX_SCALE_NAN : (unsigned)(e + 127));
                 const int kl = kc0 + c;
-                if (CS == CS_NT || CS == CS_GNT) {
+                if (CS == CS_NT || GCOL) {
                     smul[mb * TILE + kl] = bad ? 0.0f : mx_exp2i(-e);
                     sbad[mb * TILE + kl] = bad ? 0xFFu : 0u;
-                    if (ok) cs[(bs + mb) * K + col0 + kl] = sb;
+                    if (CS == CS_GPREP) sdeq[mb * TILE + kl] = mx_exp2i(e);
+                    else if (ok) cs[(bs + mb) * K + col0 + kl] = sb;
                 } else {
                     const float s = mx_exp2i(-e);
                     unsigned o[8];
@@ -344,16 +358,24 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
                 }
             }
         }
-        if (CS == CS_BLOCKED || CS == CS_NT || CS == CS_GNT) __syncthreads();
+        if (CS == CS_BLOCKED || CS == CS_NT || GCOL) __syncthreads();
     }
 
-    // ---------------- phase 3 (CS_NT, CS_GNT): column-wise data in x's layout ----------------
-    if (CS == CS_NT || CS == CS_GNT) {
+    // ---------------- phase 3 (CS_NT, CS_GNT, CS_GPREP): column-wise data in x's layout ----------------
+    if (CS == CS_NT || GCOL) {
+        // CS_GPREP also writes the zero rows that pad the tile to whole 64-row blocks (the GEMM reads them).
+        const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;
 #pragma unroll 4
         for (int q = 0; q < TILE * CPR / NTHREADS; ++q) {
             const int c = q * NTHREADS + tid;
             const int r = c / CPR, cc = c % CPR;
-            if (!(r < nrows && col0 + cc * VEC < K)) continue;
+            if (!(r < wrows && col0 + cc * VEC < K)) continue;
+            if (CS == CS_GPREP && r >= nrows) {
+                unsigned short* zdst = reinterpret_cast<unsigned short*>(cq) + (64 * bs + r) * K + col0 + cc * VEC;
+                if (VEC == 8) *reinterpret_cast<uint4*>(zdst) = make_uint4(0u, 0u, 0u, 0u);
+                else *reinterpret_cast<uint2*>(zdst) = make_uint2(0u, 0u);
+                continue;
+            }
             const uint4 v = *reinterpret_cast<const uint4*>(tile + r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3)));
             // The chunk's VEC column multipliers (16-byte shared loads; offset is a multiple of VEC) and NaN-block
             // byte masks (one 8- or 4-byte load): per element one multiply, per 4 elements one cvt and one mask.
@@ -378,6 +400,32 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant
             for (int h = 0; h < VEC / 4; ++h)
                 o[h] = (mx_cvt4_e4m3(f[4 * h], f[4 * h + 1], f[4 * h + 2], f[4 * h + 3]) & ~nanmask[h]) |
                        (0x7F7F7F7Fu & nanmask[h]);
+            if (CS == CS_GPREP) {
+                // The exact value of each byte: e4m3 -> fp32 (exact) times 2**E (exact: a power of two, the
+                // product is >= 2**-136, within fp32's subnormal range), rounded once to bf16 as the reference's
+                // .to(bfloat16) of its fp32 dequantization; NaN blocks give bf16 NaN 0x7FC0.
+                float d[8];
+#pragma unroll
+                for (int h = 0; h < VEC / 4; ++h) {
+                    const uint4 t = *reinterpret_cast<const uint4*>(sdeq + xo + 4 * h);
+                    mx_e4m3x2_to_f32(o[h] & 0xFFFFu, d[4 * h], d[4 * h + 1]);
+                    mx_e4m3x2_to_f32(o[h] >> 16, d[4 * h + 2], d[4 * h + 3]);
+                    d[4 * h] = mx_mul(d[4 * h], __uint_as_float(t.x));
+                    d[4 * h + 1] = mx_mul(d[4 * h + 1], __uint_as_float(t.y));
+                    d[4 * h + 2] = mx_mul(d[4 * h + 2], __uint_as_float(t.z));
+                    d[4 * h + 3] = mx_mul(d[4 * h + 3], __uint_as_float(t.w));
+                }
+                unsigned b[4];
+#pragma unroll
+                for (int i = 0; i < VEC / 2; ++i) {
+                    const unsigned nm = __byte_perm(nanmask[i >> 1], 0u, (i & 1) ? 0x3322u : 0x1100u);
+                    b[i] = (mx_pack16x2<1>(d[2 * i], d[2 * i + 1]) & ~nm) | (0x7FC07FC0u & nm);
+                }
+                unsigned short* dst = reinterpret_cast<unsigned short*>(cq) + (64 * bs + r) * K + col0 + cc * VEC;
+                if (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(b[0], b[1], b[2], b[3]);
+                else *reinterpret_cast<uint2*>(dst) = make_uint2(b[0], b[1]);
+                continue;
+            }
             unsigned char* dst = cq + (row0 + r) * K + col0 + cc * VEC;
             if (VEC == 8) {
                 *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[VEC / 4 - 1]);

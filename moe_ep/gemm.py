@@ -93,8 +93,12 @@ def swiglu_bwd(a: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_grouped_dual_torch(
-    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False, swiglu_dh: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    group_sizes: torch.Tensor,
+    apply_swiglu: bool = False,
+    swiglu_dh: torch.Tensor | None = None,
+    colwise: str = "mxfp8",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reference of :func:`moe_ep.mxfp8_cuda.quantize_grouped_dual` (same signature, same bytes).
 
     x: [M, K] float (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32; or a: [M, 2F]
@@ -105,8 +109,14 @@ def quantize_grouped_dual_torch(
 
     Example: sizes [40, 8] (M = 48): scale_c has ceil(48/32) + 2 = 4 rows; rows 0-1 are group 0's blocks (data
     rows 0-31, and 32-39 padded with 24 zero rows), row 2 is group 1's block (rows 40-47), row 3 is unused.
+    colwise="bf16": (data, scale, ``prepare_colwise_bf16_torch(data_c, scale_c, sizes)``, None), the prepared wgrad
+    operand bf16 [64 (ceil(M/64) + G), K] (rows past the last group's 64-row block are zero here; the kernel
+    leaves them unwritten).
     """
-    from .gemm_operands import colwise_operand_ref  # noqa: PLC0415  (pure torch helpers; no CuPy import)
+    from .gemm_operands import colwise_operand_ref, prepare_colwise_bf16_torch  # noqa: PLC0415  (no CuPy import)
+
+    if colwise not in ("mxfp8", "bf16"):
+        raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")
 
     h = swiglu_bwd(x, swiglu_dh) if swiglu_dh is not None else swiglu(x) if apply_swiglu else x
     sizes = group_sizes.to(device="cpu", dtype=torch.int32)
@@ -115,6 +125,8 @@ def quantize_grouped_dual_torch(
     q = mxfp8.quantize_torch(h, -1)
     scale = mxfp8.to_blocked_grouped(q.scale, sizes, "m")
     data_c, scale_c = colwise_operand_ref(h, [int(v) for v in sizes])
+    if colwise == "bf16":
+        return q.data, scale, prepare_colwise_bf16_torch(data_c, scale_c, [int(v) for v in sizes]), None
     return q.data, scale, data_c, scale_c
 
 

@@ -107,6 +107,8 @@ __all__ = [  # this module's API, with the operand side re-exported from gemm_op
     "grouped_mm_fprop",
     "grouped_mm_wgrad",
     "grouped_wgrad_out",
+    "grouped_wgrad_prepared_out",
+    "grouped_wgrad_prepared_torch",
     "k_permutation",
     "prepare_colwise_bf16",
     "prepare_colwise_bf16_pair",
@@ -405,15 +407,24 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
             raise ValueError(f"{name} must be [>= ceil(M/32) + G = {rows}, {cols}], got {tuple(s.shape)}")
     if tuple(out.shape) != (g, n, k):
         raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
-    suffix = _OUT_SUFFIX[out.dtype]
     if impl == "mma":
+        suffix = _OUT_SUFFIX[out.dtype]
         grid = g * _cdiv(n, _TILE) * _cdiv(k, _TILE)
         _launch(f"mx_gmm_wgrad_{suffix}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
         return out
-    tiles = g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN)
-    if tiles == 0:
+    if g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN) == 0:
         return out
     ap, bp = prepare_colwise_bf16_pair(a, a_scale, b, b_scale, group_sizes)  # [64 (ceil(M/64) + G), N / K] bf16
+    _launch_wgrad_prepared(ap, bp, group_sizes, out, m)
+    return out
+
+
+def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
+    """The wgmma wgrad kernel on prepared operands (checked by the callers)."""
+    g, n, k = out.shape
+    tiles = g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN)
+    if tiles == 0:
+        return
     rp = ap.shape[0]
     eo = out.element_size()  # the output as [G N, K] in boxes of 64 rows x 128 bytes for the TMA-store epilogue
     extra = (
@@ -422,13 +433,14 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
         _tma_map_2d(out, g * n, k, 64, 128 // eo, eo, True),
     )
     grid = min(tiles, torch.cuda.get_device_properties(out.device).multi_processor_count)
+    # GM_ARGS' operand pointers are unused by this kernel (it reads the tensor maps); ap / bp stand in for them.
     _launch(
-        f"mx_gmm_wgrad_wg_{suffix}",
+        f"mx_gmm_wgrad_wg_{_OUT_SUFFIX[out.dtype]}",
         grid,
-        a,
-        a_scale,
-        b,
-        b_scale,
+        ap,
+        ap,
+        bp,
+        bp,
         group_sizes,
         out,
         g,
@@ -441,6 +453,64 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
         extra,
         _WGMMA5_THREADS,
     )
+
+
+def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out_dtype=torch.float32):
+    """Reference of :func:`grouped_wgrad_prepared_out` (host group sizes; same arguments but ``out``).
+
+    a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K] -> [G, N, K] out_dtype: group g is rows
+    64 poff_g .. + n_g of both (poff_g = sum_{h<g} ceil(n_h/64)), reduced in fp32; sizes sum to num_rows (M).
+
+    Example: sizes [40, 0, 8] -> out[0] from rows 0-39, out[1] = 0, out[2] from rows 64-71.
+    """
+    sizes = [int(v) for v in (group_sizes.tolist() if isinstance(group_sizes, torch.Tensor) else group_sizes)]
+    if sum(sizes) != num_rows:
+        raise ValueError(f"group sizes sum to {sum(sizes)}, expected M = {num_rows}")
+    out = torch.zeros(len(sizes), a_prep.shape[1], b_prep.shape[1], dtype=torch.float32, device=a_prep.device)
+    poff = 0
+    for gi, rows in enumerate(sizes):
+        if rows:
+            out[gi] = a_prep[poff : poff + rows].float().t() @ b_prep[poff : poff + rows].float()
+        poff += 64 * _cdiv(rows, 64)
+    return out.to(out_dtype)
+
+
+def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):
+    """wgrad from operands already in the prepared layout: out[g] = a_prep[rows of g]^T @ b_prep[rows of g].
+
+    a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K], as ``prepare_colwise_bf16`` makes them or
+    as ``mxfp8_cuda.quantize_grouped_dual(..., colwise="bf16")`` writes them straight from the quantizer (group g
+    at rows 64 poff_g .., zero rows up to its next multiple of 64); group_sizes int32 [G] (device); num_rows: M,
+    the data rows the groups cover (a host int known without a sync: the quantizer's input rows);
+    out: fp32/bf16 [G, N, K], every element written (zeros for empty groups). Returns ``out``.
+    Why: :func:`grouped_wgrad_out` prepares both operands on every call (one memory-bound pass, ~2 bytes more
+    traffic per element than writing the prepared layout in the quantizer, plus a launch).
+    """
+    for name, t, dts in (
+        ("a_prep", a_prep, (torch.bfloat16,)),
+        ("b_prep", b_prep, (torch.bfloat16,)),
+        ("group_sizes", group_sizes, (torch.int32,)),
+        ("out", out, tuple(_OUT_SUFFIX)),
+    ):
+        _check_dtype(name, t, dts)
+    dev = None
+    for name, t in (("a_prep", a_prep), ("b_prep", b_prep), ("group_sizes", group_sizes), ("out", out)):
+        dev = _check_memory(name, t, dev)
+    g = group_sizes.numel()
+    rows = colwise_prep_rows(num_rows, g)
+    if a_prep.dim() != 2 or b_prep.dim() != 2 or a_prep.shape[0] != rows or b_prep.shape[0] != rows:
+        raise ValueError(
+            f"expected a_prep [{rows}, N] and b_prep [{rows}, K] (64 (ceil(M/64) + G) rows for M = {num_rows}), "
+            f"got {tuple(a_prep.shape)} and {tuple(b_prep.shape)}"
+        )
+    n, k = a_prep.shape[1], b_prep.shape[1]
+    if n % 8 or k % 8:
+        raise ValueError(f"wgrad needs N and K multiples of 8, got N={n}, K={k}")
+    if tuple(out.shape) != (g, n, k):
+        raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
+    if wgrad_impl() != "wgmma":
+        raise ValueError("grouped_wgrad_prepared_out needs MOE_EP_WGRAD_IMPL=wgmma (the mma kernel reads MXFP8)")
+    _launch_wgrad_prepared(a_prep, b_prep, group_sizes, out, num_rows)
     return out
 
 

@@ -30,6 +30,7 @@ import os
 import torch
 
 from . import _cuda
+from .gemm_operands import colwise_prep_rows
 from .mxfp8 import (
     BLOCK,
     MXFP8Tensor,
@@ -44,15 +45,16 @@ _THREADS = 256
 _TILE = 128
 _IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3, "uniform": 4}
-_CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3, "grouped_nt": 4}
+_CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3, "grouped_nt": 4, "grouped_prep": 5}
 _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16 = 3, 4, 5
 
 _QUANT_COMBOS = (
     [(i, r, 0) for i in range(3) for r in (1, 2, 3, 4)]
     + [(i, 0, c) for i in range(3) for c in (1, 2, 3)]
     + [(i, r, c) for i in range(3) for r in (1, 2) for c in (1, 2)]
-    # grouped row-wise + per-group column-wise; 3 = SwiGLU of bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
-    + [(i, 3, 4) for i in (0, 1, 3, 4, 5)]
+    # grouped row-wise + per-group column-wise (MXFP8, or 5: the wgrad's prepared bf16 operand); IN 3 = SwiGLU of
+    # bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
+    + [(i, 3, c) for c in (4, 5) for i in (0, 1, 3, 4, 5)]
 )
 _NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
     f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2)
@@ -60,6 +62,7 @@ _NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
 
 
 _SMEM_FIXED = 3584  # kernels/quantize.cu MX_SMEM_FIXED
+_SMEM_GPREP = 2048  # kernels/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantization multipliers)
 
 
 def _pipe() -> int:
@@ -227,7 +230,8 @@ def _launch_quant(
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     pipe3 = _effective_pipe(es, rs_mode, cs_mode) == 3
     stages = 2 * _TILE * _TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
-    smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + _SMEM_FIXED + table + stages
+    fixed = _SMEM_FIXED + (_SMEM_GPREP if cs_mode == _CS["grouped_prep"] else 0)
+    smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
     p = _cuda.ptr
     args = (
         p(x),
@@ -323,9 +327,10 @@ def quantize_grouped_dual_into(
     data: torch.Tensor,
     scale: torch.Tensor,
     data_c: torch.Tensor,
-    scale_c: torch.Tensor,
+    scale_c: torch.Tensor | None,
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
+    colwise: str = "mxfp8",
 ) -> None:
     """Both MXFP8 operands of a grouped GEMM input from one read of ``x`` (or of SwiGLU's input).
 
@@ -340,7 +345,16 @@ def quantize_grouped_dual_into(
         is zero padded); scale_c: u8 [ceil(M/32) + G, K], block j of group g at row sum_{h<g} ceil(n_h/32) + j
         (the wgrad operand format of :mod:`moe_ep.gemm_cuda`). Rows past sum(group_sizes) and unused scale rows
         are not written.
+    colwise="bf16" writes the column-wise operand already prepared for the Hopper wgrad kernel instead:
+        data_c: bf16 [64 (ceil(M/64) + G), K], the exact value of every quantized element, group g from row
+        64 sum_{h<g} ceil(n_h/64) and zero rows up to its next multiple of 64; scale_c must be None. These are the
+        bytes ``gemm_operands.prepare_colwise_bf16`` makes of the MXFP8 pair (NaN blocks are bf16 0x7FC0); rows
+        past the last group's block are not written. Why: the wgrad operands are transient in the backward pass,
+        so writing 2 bytes here replaces the preparation pass (read 1 + 1/32, write 2 bytes per element, plus a
+        launch) that :func:`moe_ep.gemm_cuda.grouped_wgrad_out` runs otherwise.
     """
+    if colwise not in ("mxfp8", "bf16"):
+        raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")
     if swiglu_dh is not None:
         if apply_swiglu:
             raise ValueError("apply_swiglu and swiglu_dh are exclusive (forward vs backward)")
@@ -369,14 +383,19 @@ def quantize_grouped_dual_into(
     g = group_sizes.numel()
     _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
     _check_out(scale, "scale", row_scale_shape(m, k, "grouped", g), torch.uint8, x.device)
-    _check_out(data_c, "data_c", (m, k), torch.float8_e4m3fn, x.device)
-    _check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
+    if colwise == "bf16":
+        if scale_c is not None:
+            raise ValueError("colwise='bf16' has no column scales: pass scale_c=None")
+        _check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
+    else:
+        _check_out(data_c, "data_c", (m, k), torch.float8_e4m3fn, x.device)
+        _check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
     _launch_quant(
         x,
         m,
         k,
         _RS["grouped"],
-        _CS["grouped_nt"],
+        _CS["grouped_prep" if colwise == "bf16" else "grouped_nt"],
         rq=data,
         rs=scale,
         cq=data_c,
@@ -397,9 +416,14 @@ def _swiglu_code(apply_swiglu: bool, swiglu_dh: torch.Tensor | None) -> int | No
 
 
 def quantize_grouped_dual(
-    x: torch.Tensor, group_sizes: torch.Tensor, apply_swiglu: bool = False, swiglu_dh: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, scale_c)``.
+    x: torch.Tensor,
+    group_sizes: torch.Tensor,
+    apply_swiglu: bool = False,
+    swiglu_dh: torch.Tensor | None = None,
+    colwise: str = "mxfp8",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, scale_c)`` (``scale_c``
+    is None with ``colwise="bf16"``).
 
     The reference with the same signature is :func:`moe_ep.gemm.quantize_grouped_dual_torch`.
     """
@@ -408,10 +432,13 @@ def quantize_grouped_dual(
     g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
     dev = x.device
     data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
-    data_c = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty(row_scale_shape(m, k, "grouped", g), dtype=torch.uint8, device=dev)
-    scale_c = torch.empty((grouped_colwise_scale_rows(m, g), k), dtype=torch.uint8, device=dev)
-    quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, scale_c, apply_swiglu, swiglu_dh)
+    if colwise == "bf16":
+        data_c, scale_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev), None
+    else:
+        data_c = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
+        scale_c = torch.empty((grouped_colwise_scale_rows(m, g), k), dtype=torch.uint8, device=dev)
+    quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, scale_c, apply_swiglu, swiglu_dh, colwise)
     return data, scale, data_c, scale_c
 
 

@@ -1,5 +1,6 @@
 """GPU tests of the operand preparation kernels (kernels/weight_prep.cu): the bf16 weight preparation, the wgrad
-column-wise preparation (one operand and both in one launch), and weight_operands on the GPU against the CPU.
+column-wise preparation (one operand and both in one launch), weight_operands on the GPU against the CPU, and the
+wgrad on operands the quantizer wrote already prepared (``quantize_grouped_dual(..., colwise="bf16")``).
 
 Bytes are compared exactly with the torch references; outputs are followed by NaN guards that must stay
 untouched (the guard helpers and the data generator are those of tests/test_gemm_cuda.py).
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from moe_ep import gemm_cuda
-from tests.test_gemm_cuda import _guarded, _sizes_t, _skip_without_gpu, _varied
+from tests.test_gemm_cuda import _assert_close, _guarded, _guarded_out, _sizes_t, _skip_without_gpu, _varied
 
 
 @pytest.mark.gpu
@@ -117,3 +118,56 @@ def test_weight_operands_on_gpu_match_cpu():
     for f in dataclasses.fields(gpu):
         a, b = getattr(gpu, f.name).cpu(), getattr(cpu, f.name)
         assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f.name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [31, 32, 33], [0, 0, 4096, 0]])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_from_prepared_quantizer_output(sizes, out_dtype):
+    """dW from the quantizer's prepared operands (colwise="bf16", no preparation pass) == dW from its MXFP8 operands
+    (grouped_wgrad_out: preparation kernel, then the same GEMM) bit for bit: both feed the GEMM the same bytes, and
+    the kernel is deterministic. Against the reference: the fp32 bound of tests/test_gemm_cuda._assert_close (2x the
+    fp32 reference's own error plus the accumulation-order term). No host sync; nothing written past out."""
+    _skip_without_gpu()
+    from moe_ep import mxfp8_cuda  # noqa: PLC0415
+
+    gen = torch.Generator(device="cuda").manual_seed(3 + sum(sizes))
+    g, m, n, k = len(sizes), sum(sizes), 136, 264
+    dy, x = _varied(m, n, gen).bfloat16(), _varied(m, k, gen).bfloat16()
+    sz = _sizes_t(sizes)
+    out, guard = _guarded_out((g, n, k), out_dtype)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        qa = mxfp8_cuda.quantize_grouped_dual(dy, sz, colwise="bf16")
+        qb = mxfp8_cuda.quantize_grouped_dual(x, sz, colwise="bf16")
+        gemm_cuda.grouped_wgrad_prepared_out(qa[2], qb[2], sz, out, m)
+        ma = mxfp8_cuda.quantize_grouped_dual(dy, sz)
+        mb = mxfp8_cuda.quantize_grouped_dual(x, sz)
+        via_prep = gemm_cuda.grouped_mm_wgrad(ma[2], ma[3], mb[2], mb[3], sz, out_dtype=out_dtype)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isnan(guard.float()).all(), "written past the end of out"
+    assert torch.equal(out.view(torch.uint8), via_prep.view(torch.uint8))
+    a_, b_ = qa[2].double(), qb[2].double()
+    ref64 = gemm_cuda.grouped_wgrad_prepared_torch(a_, b_, sizes, m, torch.float64)
+    ref32 = gemm_cuda.grouped_wgrad_prepared_torch(qa[2], qb[2], sizes, m)
+    abs_sum = gemm_cuda.grouped_wgrad_prepared_torch(a_.abs(), b_.abs(), sizes, m, torch.float64)
+    _assert_close(out, ref64, ref32, abs_sum, out_dtype, f"prepared wgrad {sizes}", max(sizes))
+
+
+@pytest.mark.gpu
+def test_wgrad_prepared_errors():
+    _skip_without_gpu()
+    sz = _sizes_t([40, 0, 8])
+    ap = torch.zeros(gemm_cuda.colwise_prep_rows(48, 3), 16, dtype=torch.bfloat16, device="cuda")
+    bp = torch.zeros(ap.shape[0], 24, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(3, 16, 24, device="cuda")
+    with pytest.raises(ValueError, match="64 \\(ceil\\(M/64\\) \\+ G\\) rows"):
+        gemm_cuda.grouped_wgrad_prepared_out(ap[:64], bp, sz, out, 48)
+    with pytest.raises(TypeError, match="a_prep must be"):
+        gemm_cuda.grouped_wgrad_prepared_out(ap.float(), bp, sz, out, 48)
+    with pytest.raises(ValueError, match="out must be"):
+        gemm_cuda.grouped_wgrad_prepared_out(ap, bp, sz, out[:2], 48)
+    with pytest.raises(ValueError, match="CUDA"):
+        gemm_cuda.grouped_wgrad_prepared_out(ap.cpu(), bp, sz, out, 48)

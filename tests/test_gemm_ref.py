@@ -83,3 +83,23 @@ def test_bad_shapes():
         expert_mlp(x, w13, w2, [3, 2])
     with pytest.raises(ValueError, match="shapes"):
         expert_mlp(x, w13, w2[:1], [3, 3])
+
+
+def test_wgrad_prepared_reference_worked_example():
+    """grouped_wgrad_prepared_torch reads group g at rows 64 poff_g of the prepared layout: sizes [40, 0, 8] put
+    group 0 at rows 0-39 and group 2 at rows 64-71; equal to grouped_wgrad_torch on the unpadded rows."""
+    from moe_ep.gemm_cuda import grouped_wgrad_prepared_torch
+    from moe_ep.gemm_operands import colwise_prep_rows
+
+    sizes = [40, 0, 8]
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(48, 16, generator=gen), torch.randn(48, 24, generator=gen)
+    rows = colwise_prep_rows(48, 3)
+    assert rows == 64 * (1 + 3)
+    ap, bp = torch.full((rows, 16), 7.0), torch.full((rows, 24), 7.0)  # filler outside the groups must not count
+    ap[0:40], bp[0:40], ap[64:72], bp[64:72] = a[:40], b[:40], a[40:], b[40:]
+    got = grouped_wgrad_prepared_torch(ap, bp, sizes, 48)
+    assert torch.equal(got, grouped_wgrad_torch(a, b, sizes))
+    assert torch.equal(got[1], torch.zeros(16, 24))
+    with pytest.raises(ValueError, match="sum to 47"):
+        grouped_wgrad_prepared_torch(ap, bp, [39, 0, 8], 48)

@@ -445,26 +445,45 @@ def _dual_input(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _frac_ok(name: str, a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
+    if exact:
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} of {a.numel()} values differ"
+    else:
+        # The emulator's host expf may differ from torch's CPU exp by an ulp, which can move an e4m3 byte by
+        # one code (or, rarely, a scale): layouts and indexing are what the emulator checks here; the GPU
+        # run checks the bytes exactly against torch's CUDA silu.
+        frac = (a != b).float().mean().item() if a.numel() else 0.0
+        assert frac <= 0.01, f"{name}: {frac:.2%} of values differ"
+
+
+def _prep_rows_used(sizes) -> int:
+    return sum(64 * -(-n // 64) for n in sizes)
+
+
 def _check_dual(got, want, sizes, exact: bool = True):
-    """Compare (data, scale, data_c, scale_c); scale_c only in its used rows (the rest is not written)."""
-    used = sum(-(-n // 32) for n in sizes)
-    pairs = [
-        ("data", got[0].view(torch.uint8), want[0].view(torch.uint8)),
-        ("scale", got[1], want[1]),
-        ("data_c", got[2].view(torch.uint8), want[2].view(torch.uint8)),
-        ("scale_c", got[3][:used], want[3][:used]),
-    ]
+    """Compare (data, scale, data_c, scale_c); scale_c only in its used rows (the rest is not written).
+
+    With scale_c None (colwise="bf16"), data_c is the prepared bf16 operand, compared in its used rows: NaN
+    exactly where the reference has NaN (a NaN block's payload is not part of the format), every other bit pattern
+    equal (signed zeros and zero padding rows included).
+    """
+    pairs = [("data", got[0].view(torch.uint8), want[0].view(torch.uint8)), ("scale", got[1], want[1])]
+    if want[3] is None:
+        assert got[3] is None
+        used = _prep_rows_used(sizes)
+        a, b = got[2][:used].cpu(), want[2][:used].cpu()
+        assert a.shape == b.shape, f"prepared: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        na, nb = torch.isnan(a), torch.isnan(b)
+        assert torch.equal(na, nb), f"prepared: NaN differs at {int((na != nb).sum())} places"
+        pairs.append(("prepared", a.view(torch.int16)[~na], b.view(torch.int16)[~nb]))
+    else:
+        used = sum(-(-n // 32) for n in sizes)
+        pairs.append(("data_c", got[2].view(torch.uint8), want[2].view(torch.uint8)))
+        pairs.append(("scale_c", got[3][:used], want[3][:used]))
     for name, a, b in pairs:
         a, b = a.cpu(), b.cpu()
         assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-        if exact:
-            assert torch.equal(a, b), f"{name}: {int((a != b).sum())} of {a.numel()} bytes differ"
-        else:
-            # The emulator's host expf may differ from torch's CPU exp by an ulp, which can move an e4m3 byte by
-            # one code (or, rarely, a scale): layouts and indexing are what the emulator checks here; the GPU
-            # run checks the bytes exactly against torch's CUDA silu.
-            frac = (a != b).float().mean().item()
-            assert frac <= 0.01, f"{name}: {frac:.2%} of bytes differ"
+        _frac_ok(name, a, b, exact)
 
 
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
@@ -490,6 +509,63 @@ def test_swiglu_dual_matches_reference(dev, sizes):
     got = mxfp8_cuda.quantize_grouped_dual(a, st.to(dev), apply_swiglu=True)
     want = quantize_grouped_dual_torch(a, st, apply_swiglu=True)
     _check_dual(got, want, sizes, exact=dev.type == "cuda")
+
+
+@pytest.mark.parametrize("sizes", DUAL_SIZES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype):
+    """colwise="bf16": the row-wise pair as with MXFP8 column output, and the column operand written as the
+    prepared bf16 layout (64-row group blocks, zero padding rows) == prepare_colwise_bf16_torch of the reference's
+    MXFP8 column operand; nothing written past the last group's block."""
+    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.gemm_operands import colwise_prep_rows
+
+    m, k = sum(sizes), 160
+    x = _dual_input(m, k, dtype, seed=len(sizes) + m)
+    st = torch.tensor(sizes, dtype=torch.int32)
+    want = quantize_grouped_dual_torch(x, st, colwise="bf16")
+    assert want[3] is None and want[2].shape == (colwise_prep_rows(m, len(sizes)), k)
+    data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.empty_like(want[1], device=dev)
+    prep = torch.full(want[2].shape, float("nan"), dtype=torch.bfloat16, device=dev)  # sentinel past the groups
+    mxfp8_cuda.quantize_grouped_dual_into(x.to(dev), st.to(dev), data, scale, prep, None, colwise="bf16")
+    _check_dual((data, scale, prep, None), want, sizes)
+    assert torch.isnan(prep[_prep_rows_used(sizes) :]).all(), "written past the last group's 64-row block"
+
+
+@pytest.mark.parametrize("sizes", DUAL_SIZES[:3])
+def test_swiglu_bwd_dual_prepared_matches_reference(dev, sizes):
+    """The backward SwiGLU (bf16 dh, the dgrad GEMM's output) with the prepared column operand: dA's wgrad
+    operand straight from the fused kernel."""
+    from moe_ep.gemm import quantize_grouped_dual_torch
+
+    m, f = sum(sizes), 96
+    a = _dual_input(m, 2 * f, torch.bfloat16, seed=17 + m).to(dev)
+    dh = _dual_input(m, f, torch.float32, seed=19 + m).to(torch.bfloat16).to(dev)
+    st = torch.tensor(sizes, dtype=torch.int32)
+    got = mxfp8_cuda.quantize_grouped_dual(a, st.to(dev), swiglu_dh=dh, colwise="bf16")
+    want = quantize_grouped_dual_torch(a, st, swiglu_dh=dh, colwise="bf16")
+    _check_dual(got, want, sizes, exact=dev.type == "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_grouped_dual_prepared_bad_input():
+    x = torch.zeros(64, 96, dtype=torch.bfloat16, device="cuda")
+    st = torch.tensor([64], dtype=torch.int32, device="cuda")
+    data = torch.empty(64, 96, dtype=torch.float8_e4m3fn, device="cuda")
+    scale = torch.empty(mxfp8_cuda.row_scale_shape(64, 96, "grouped", 1), dtype=torch.uint8, device="cuda")
+    prep = torch.empty(128, 96, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="colwise must be"):
+        mxfp8_cuda.quantize_grouped_dual(x, st, colwise="fp8")
+    with pytest.raises(ValueError, match="scale_c=None"):
+        mxfp8_cuda.quantize_grouped_dual_into(
+            x, st, data, scale, prep, torch.empty(3, 96, dtype=torch.uint8, device="cuda"), colwise="bf16"
+        )
+    with pytest.raises(ValueError, match="data_c: expected shape"):
+        mxfp8_cuda.quantize_grouped_dual_into(x, st, data, scale, prep[:64], None, colwise="bf16")
+    with pytest.raises(TypeError, match="data_c: expected dtype"):
+        mxfp8_cuda.quantize_grouped_dual_into(x, st, data, scale, prep.float(), None, colwise="bf16")
 
 
 @pytest.mark.gpu
