@@ -29,6 +29,9 @@ wgrad  ``grouped_mm_wgrad``: dW[g] = dY_g^T @ X_g, [G, N, K], reduction over eac
     out      fp32 (default) or bf16 [G, N, K]; empty groups get zeros.
     (This layout keeps the producers' row-major data, needs no transpose and no alignment of group starts;
     the 16 scales of 16 consecutive columns are contiguous. ``colwise_operand_ref`` builds it.)
+    ``grouped_wgrad_prepared_out`` takes both operands already prepared instead (bf16 [64 (ceil(M/64) + G), N / K],
+    group g at row 64 sum_{h<g} ceil(n_h/64)), as ``mxfp8_cuda.quantize_grouped_dual(..., colwise="bf16")`` writes
+    them: the same GEMM without the per-call preparation pass.
 
 Shape rules: K (the reduction axis of fprop/dgrad) % 32 == 0; output columns % 8 == 0; wgrad N, K % 8 == 0.
 Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are clamped, never touched).
