@@ -73,14 +73,16 @@
 // -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md): 3 for plain, blocked and
 // 3-D weight scales, 2 for grouped row scales (its table scan amortizes better without the stage wait), 3 for the
 // fused and grouped-dual modes (row + column outputs), 0 for column-only outputs and fp32/SwiGLU inputs.
+// The template argument PREQ overrides MX_PIPE for one instantiation: the launcher asks for mx_quant<IN, 0, CS, 3>
+// when a column-only input has many tiles per CTA slot (moe_ep/mxfp8_cuda.py _requested_pipe).
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif
 
-template <int IN, int RS, int CS> struct QuantCfg {
+template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     static constexpr int WANT =
-        MX_PIPE >= 0 ? MX_PIPE : (CS != CS_NONE ? (RS == RS_NONE ? 0 : 3) : (RS == RS_GROUPED ? 2 : 3));
+        PREQ >= 0 ? PREQ : (CS != CS_NONE ? (RS == RS_NONE ? 0 : 3) : (RS == RS_GROUPED ? 2 : 3));
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
     static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
 };
@@ -90,15 +92,15 @@ template <int IN, int RS, int CS> struct QuantCfg {
 // (grid-stride) when QuantCfg::PIPE > 0; 256 threads.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
-template <int IN, int RS, int CS>
-__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
+template <int IN, int RS, int CS, int PREQ = MX_PIPE>
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
                                                       unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
                                                       unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
                                                       const int* __restrict__ gsizes, int G, long long group_rows,
                                                       int n_row_tiles, int ctiles,
                                                       const unsigned char* __restrict__ x2) {
-    constexpr int ES = QuantCfg<IN, RS, CS>::ES;      // element bytes
-    constexpr int PIPE = QuantCfg<IN, RS, CS>::PIPE;
+    constexpr int ES = QuantCfg<IN, RS, CS, PREQ>::ES;      // element bytes
+    constexpr int PIPE = QuantCfg<IN, RS, CS, PREQ>::PIPE;
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
     constexpr int CPR = TILE / VEC;           // chunks per tile row
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block

@@ -56,8 +56,12 @@ _QUANT_COMBOS = (
     # bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
     + [(i, 3, c) for c in (4, 5) for i in (0, 1, 3, 4, 5)]
 )
-_NAMES = tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS) + tuple(
-    f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2)
+# column-only modes of 16-bit inputs, also compiled with pipe 3 (chosen at launch for large inputs: _requested_pipe)
+_COL_PIPE3_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
+_NAMES = (
+    tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS)
+    + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in _COL_PIPE3_COMBOS)
+    + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
 )
 
 
@@ -81,9 +85,30 @@ def _options() -> tuple[str, ...]:
     return soft + (f"-DMX_PIPE={_pipe()}",)
 
 
-def _effective_pipe(es: int, rs_mode: int, cs_mode: int) -> int:
-    """The pipelining the kernel compiles for this mode (kernels/quantize.cu QuantCfg)."""
+# Column-only inputs with at least this many tiles per CTA slot of pipe 3 (3 per SM) take pipe 3 under "auto".
+# Measured on H200 (bench_quant --pipes, benchmarks/NOTES.md "Column-only pipelining by size"): pipe 3 ahead at
+# M = 131072 (>= 41 tiles per slot), pipe 0 ahead at 16384-32768 x 2048 (<= 10), equal in between.
+_COL_PIPE3_TILES_PER_SLOT = 32
+
+
+def _requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: torch.device) -> int:
+    """The pipe a launch asks for: MOE_EP_QUANT_PIPE, except that under "auto" (-1) a column-only 16-bit input of
+    many tiles takes 3 (the persistent cp.async pipeline; the one-tile-per-CTA grid wins on smaller inputs).
+
+    Example (132 SMs): bf16 x [131072, 2048], column-only: 16384 tiles >= 32 * 3 * 132 = 12672 -> 3;
+    [32768, 2048]: 4096 tiles -> -1 (the kernel's auto: 0).
+    """
     pipe = _pipe()
+    if pipe < 0 and rs_mode == 0 and cs_mode != 0 and es == 2:
+        if tiles >= _COL_PIPE3_TILES_PER_SLOT * 3 * _sm_count(device):
+            return 3
+    return pipe
+
+
+def _effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None) -> int:
+    """The pipelining the kernel compiles for this mode and requested pipe (default: MOE_EP_QUANT_PIPE; see
+    kernels/quantize.cu QuantCfg)."""
+    pipe = _pipe() if pipe is None else pipe
     if pipe < 0:  # kernels/quantize.cu QuantCfg::WANT
         if cs_mode != 0:
             pipe = 0 if rs_mode == 0 else 3
@@ -92,9 +117,9 @@ def _effective_pipe(es: int, rs_mode: int, cs_mode: int) -> int:
     return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe != 3) else pipe
 
 
-def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device) -> int:
+def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
     """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
-    pipe = _effective_pipe(es, rs_mode, cs_mode)
+    pipe = _effective_pipe(es, rs_mode, cs_mode, pipe)
     if pipe == 0:
         return tiles
     per_sm = 2 if pipe == 2 else 3
@@ -226,9 +251,10 @@ def _launch_quant(
     in_code = _IN[x.dtype] if in_code is None else in_code
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
-    grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device)
+    req = _requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
+    grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    pipe3 = _effective_pipe(es, rs_mode, cs_mode) == 3
+    pipe3 = _effective_pipe(es, rs_mode, cs_mode, req) == 3
     stages = 2 * _TILE * _TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
     fixed = _SMEM_FIXED + (_SMEM_GPREP if cs_mode == _CS["grouped_prep"] else 0)
     smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
@@ -248,7 +274,8 @@ def _launch_quant(
         _cuda.i32(ctiles),
         p(x2),
     )
-    _launch(f"mx_quant<{in_code},{rs_mode},{cs_mode}>", grid, args, smem, x.device)
+    name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != _pipe() else ">")
+    _launch(name, grid, args, smem, x.device)
 
 
 # ------------------------------------------------------------------------------------------------------------

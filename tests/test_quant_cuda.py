@@ -246,6 +246,35 @@ def test_colwise(dev, dtype, layout):
         assert_bytes(scale_t, want, f"scale_t {m}x{k} {layout}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
+    """Column-only modes of 16-bit inputs launch mx_quant<.., 3> (persistent, cp.async) when the input has at least
+    _COL_PIPE3_TILES_PER_SLOT tiles per CTA slot: with the threshold at 0 every shape here takes it (the largest
+    run several tiles per CTA: 15 tiles on the emulator's 6 slots, 1848 on H200's 396); bytes equal to the reference
+    for plain, blocked and axis 0. At 1 tile per slot a 1-tile input stays on the plain launch."""
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    monkeypatch.setattr(mxfp8_cuda, "_COL_PIPE3_TILES_PER_SLOT", 0)
+    names = []
+    launch = mxfp8_cuda._launch
+    monkeypatch.setattr(mxfp8_cuda, "_launch", lambda name, *a: (names.append(name), launch(name, *a))[1])
+    for i, (m, k) in enumerate(_shapes(dev, COL_SMALL, COL_BIG)):
+        x = make_input(m, k, dtype, seed=30 + i)
+        reft = quantize_torch(x.t().contiguous(), -1)
+        for layout in ("plain", "blocked"):
+            data_t, scale_t = mxfp8_cuda.quantize_colwise(x.to(dev), layout)
+            assert_bytes(data_t, reft.data, f"data_t {m}x{k}")
+            assert_bytes(scale_t, reft.scale if layout == "plain" else to_blocked(reft.scale), f"scale {m}x{k}")
+        got = mxfp8_cuda.quantize(x.to(dev), 0)
+        ref = quantize_torch(x, 0)
+        assert_bytes(got.data, ref.data, f"axis 0 data {m}x{k}")
+        assert_bytes(got.scale, ref.scale, f"axis 0 scale {m}x{k}")
+    assert names and all(n.endswith(",3>") for n in names), names
+    monkeypatch.setattr(mxfp8_cuda, "_COL_PIPE3_TILES_PER_SLOT", 1)
+    names.clear()
+    mxfp8_cuda.quantize_colwise(make_input(32, 32, dtype).to(dev), "plain")
+    assert names == [f"mx_quant<{mxfp8_cuda._IN[dtype]},0,1>"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("row_layout", ["plain", "blocked"])
 @pytest.mark.parametrize("col_layout", ["plain", "blocked"])

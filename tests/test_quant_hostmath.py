@@ -292,7 +292,7 @@ typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, un
                         unsigned char*, const int*, int, long long, int, int, const unsigned char*);
 typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
 
-extern "C" int emu_quant(int in, int rs, int cs, int grid, const unsigned char* x, long long M, int K,
+extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, const unsigned char* x, long long M, int K,
                          unsigned char* rq, unsigned char* rsp, unsigned char* cq, unsigned char* csp,
                          const int* g, int G, long long group_rows, int nrt, int ctiles,
                          const unsigned char* x2) {
@@ -323,7 +323,11 @@ def build_emulator(workdir: Path):
     if CXX is None:
         return None
     qt = " ".join(
-        f"if (in == {i} && rs == {r} && cs == {c}) fn = &mx_quant<{i},{r},{c}>;" for i, r, c in mxfp8_cuda._QUANT_COMBOS
+        f"if (in == {i} && rs == {r} && cs == {c} && pp < 0) fn = &mx_quant<{i},{r},{c}>;"
+        for i, r, c in mxfp8_cuda._QUANT_COMBOS
+    ) + " ".join(
+        f"if (in == {i} && rs == {r} && cs == {c} && pp == 3) fn = &mx_quant<{i},{r},{c},3>;"
+        for i, r, c in mxfp8_cuda._COL_PIPE3_COMBOS
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
     src = workdir / "emu.cpp"
@@ -349,7 +353,7 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
+    so.emu_quant.argtypes = [i, i, i, i, i, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     return so
 
@@ -363,8 +367,8 @@ def install_emulator(monkeypatch, so) -> None:
     def launch(name, grid, args, shared_mem, device):
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
-        if name.startswith("mx_quant"):
-            rc = so.emu_quant(*params, grid, *a)
+        if name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
+            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, grid, *a)
         else:
             rc = so.emu_dequant(*params, grid, *a)
         assert rc == 0, f"emulator has no kernel {name}"
@@ -394,6 +398,16 @@ def test_quant_grid_full_and_balanced(monkeypatch):
     assert mxfp8_cuda._quant_ctas(2048, 2, 0, mxfp8_cuda._CS["blocked"], dev) == 2048  # column-only: pipe 0
     assert mxfp8_cuda._quant_ctas(2048, 2, blocked, mxfp8_cuda._CS["blocked"], dev) == 396  # fused: pipe 3
     assert mxfp8_cuda._quant_ctas(2048, 4, blocked, mxfp8_cuda._CS["blocked"], dev) == 2048  # fp32: pipe 0
+    # column-only bf16 under auto: pipe 3 from 32 * 396 = 12672 tiles (persistent grid), else one CTA per tile
+    col = mxfp8_cuda._CS["blocked"]
+    assert mxfp8_cuda._requested_pipe(2, 0, col, 16384, dev) == 3  # [131072, 2048]
+    assert mxfp8_cuda._quant_ctas(16384, 2, 0, col, dev, 3) == 396
+    assert mxfp8_cuda._requested_pipe(2, 0, col, 4096, dev) == -1  # [32768, 2048]: the kernel's auto, pipe 0
+    assert mxfp8_cuda._requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 3
+    assert mxfp8_cuda._requested_pipe(2, blocked, col, 16384, dev) == -1  # fused: already 3 by the kernel's auto
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "0")
+    assert mxfp8_cuda._requested_pipe(2, 0, col, 16384, dev) == 0  # an explicit switch wins
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE")
     monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
     assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 342  # ceil(2048 / 6): 6 tiles per CTA
     assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
