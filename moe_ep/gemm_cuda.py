@@ -43,13 +43,15 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
       4-stage ring (tensor maps from the driver's ``cuTensorMapEncodeTiled``); A is dequantized straight into
       wgmma register fragments (k permuted inside each 64-block, ``k_permutation``), B into a bf16 shared ring
       read by wgmma.m64n256k16. 0.50-0.58x.
-  ``wgmma4`` (default; ``kernels/grouped_gemm_wg4.cu``): A as wgmma3; the weight is exact bf16 prepared once per
+  ``wgmma4`` (``kernels/grouped_gemm_wg4.cu``): A as wgmma3; the weight is exact bf16 prepared once per
       weight version (``weight_operands`` with a ``WeightQuantCache``, or ``prepare_weight_bf16``; pass it as
       ``w_prepared`` / ``wt_prepared``; without it every call prepares it: one memory-bound pass and a
-      transient bf16 copy of the weight) and TMA-loaded with the 128-byte swizzle: no conversion of B. 0.86-0.97x.
-  ``wgmma5`` (``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a producer
-      warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs in
-      turn, TMA-store epilogue). Same prepared weight.
+      transient bf16 copy of the weight) and TMA-loaded with the 128-byte swizzle: no conversion of B.
+      0.89-1.02x in the last two benchmarks.
+  ``wgmma5`` (default; ``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a
+      producer warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs
+      in turn, TMA-store epilogue). Same prepared weight. 0.91-1.03x in the last two benchmarks, ahead of wgmma4
+      in the mean of the 8 fprop/dgrad ratios in both (benchmarks/NOTES.md, "Default kernel").
   ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
@@ -149,11 +151,11 @@ _PREPARED_IMPLS = ("wgmma4", "wgmma5")  # the kernels that read the weight as pr
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-DEFAULT_IMPL = "wgmma4"
+DEFAULT_IMPL = "wgmma5"
 
 
 def gemm_impl() -> str:
-    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``wgmma4``: the weight as exact bf16, prepared
+    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``wgmma5``: the weight as exact bf16, prepared
     once per weight version by :func:`weight_operands` / :func:`prepare_weight_bf16`, or on every call when the
     caller passes none; ``wgmma3`` is the fastest that reads MXFP8 weights as they are)."""
     impl = os.environ.get("MOE_EP_GEMM_IMPL", DEFAULT_IMPL).strip().lower() or DEFAULT_IMPL
