@@ -191,7 +191,7 @@ def run_shape(name, m, k, n, g, args, out_rows):
     # backward path (producer + preparation + GEMM against producer + GEMM) can be compared from the same run.
     dyp = mxfp8_cuda.quantize_grouped_dual(dy, sz, colwise="bf16")[2]
     xp = mxfp8_cuda.quantize_grouped_dual(x, sz, colwise="bf16")[2]
-    used = sum(64 * -(-r // 64) for r in sizes)
+    used = gemm_cuda.colwise_prep_rows_used(sizes)
     res["prepared_operands_match_prep_kernel"] = bool(
         torch.equal(dyp[:used], gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz)[:used])
         and torch.equal(xp[:used], gemm_cuda.prepare_colwise_bf16(xc, xcs, sz)[:used])

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moe_ep import mxfp8_cuda  # noqa: E402
+from moe_ep.gemm_operands import colwise_prep_rows_used  # noqa: E402
 from moe_ep.mxfp8 import quantize_torch, to_blocked, to_blocked_grouped  # noqa: E402
 
 TARGETS = {"row_blocked": 0.92, "col_blocked": 0.85, "fused": 0.85}  # fraction of copy bandwidth (H200)
@@ -187,7 +188,7 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
         got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), **kw)
         want = quantize_grouped_dual_torch(xs, sizes, **kw)  # SwiGLU on the GPU: torch's CUDA ops, as the kernel
         if kw.get("colwise") == "bf16":  # the prepared operand: its used rows (finite input: no NaN payloads)
-            used = sum(64 * -(-int(n) // 64) for n in sizes)
+            used = colwise_prep_rows_used(sizes)
             return all(map(_eq, got[:2], want[:2])) and _eq(got[2][:used], want[2][:used]) and got[2].shape[1] == kh
         used = sum(-(-int(n) // 32) for n in sizes)
         return all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used]) and got[3].shape[1] == kh
@@ -243,7 +244,7 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
         sizes = _random_sizes(m, groups, dev)
         outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, **kw)
         if kw.get("colwise") == "bf16":  # bf16 rows written: each group's rows up to its next multiple of 64
-            col = 2 * kh * sum(64 * -(-int(n) // 64) for n in sizes.tolist())
+            col = 2 * kh * colwise_prep_rows_used(sizes)
         else:
             col = m * kh + -(-m // 32) * kh
         nbytes = (

@@ -42,8 +42,9 @@
                       // block j of group g is scale row sum_{h<g} ceil(n_h/32) + j of [ceil(M/32) + G, K]
 #define CS_GPREP 5    // CS_GNT's blocks, written dequantized: bf16 [64 (ceil(M/64) + G), K], group g from row
                       // 64 sum_{h<g} ceil(n_h/64), zero rows up to its next multiple of 64, no column scales: the
-                      // operand moe_ep.gemm_operands.prepare_colwise_bf16 would make of CS_GNT's output (same bytes;
-                      // NaN blocks 0x7FC0), so the wgrad GEMM needs no preparation pass
+                      // operand prepare_colwise_bf16 makes of CS_GNT's output (same bytes except a NaN block's
+                      // payload: 0x7FC0 here and in the torch reference, 0x7FFF from the CUDA preparation kernel),
+                      // so the wgrad GEMM needs no preparation pass
 
 #define TILE 128
 #define NTHREADS 256
@@ -367,15 +368,19 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx
     if (CS == CS_NT || GCOL) {
         // CS_GPREP also writes the zero rows that pad the tile to whole 64-row blocks (the GEMM reads them).
         const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;
+        // CS_GPREP: the chunk's VEC bf16 values at prepared row 64 bs + r (16 or 8 bytes).
+        auto store_prep = [&](int r, int cc, unsigned b0, unsigned b1, unsigned b2, unsigned b3) {
+            unsigned short* dst = reinterpret_cast<unsigned short*>(cq) + (64 * bs + r) * K + col0 + cc * VEC;
+            if (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(b0, b1, b2, b3);
+            else *reinterpret_cast<uint2*>(dst) = make_uint2(b0, b1);
+        };
 #pragma unroll 4
         for (int q = 0; q < TILE * CPR / NTHREADS; ++q) {
             const int c = q * NTHREADS + tid;
             const int r = c / CPR, cc = c % CPR;
             if (!(r < wrows && col0 + cc * VEC < K)) continue;
             if (CS == CS_GPREP && r >= nrows) {
-                unsigned short* zdst = reinterpret_cast<unsigned short*>(cq) + (64 * bs + r) * K + col0 + cc * VEC;
-                if (VEC == 8) *reinterpret_cast<uint4*>(zdst) = make_uint4(0u, 0u, 0u, 0u);
-                else *reinterpret_cast<uint2*>(zdst) = make_uint2(0u, 0u);
+                store_prep(r, cc, 0u, 0u, 0u, 0u);
                 continue;
             }
             const uint4 v = *reinterpret_cast<const uint4*>(tile + r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3)));
@@ -417,15 +422,13 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx
                     d[4 * h + 2] = mx_mul(d[4 * h + 2], __uint_as_float(t.z));
                     d[4 * h + 3] = mx_mul(d[4 * h + 3], __uint_as_float(t.w));
                 }
-                unsigned b[4];
+                unsigned b[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
                 for (int i = 0; i < VEC / 2; ++i) {
                     const unsigned nm = __byte_perm(nanmask[i >> 1], 0u, (i & 1) ? 0x3322u : 0x1100u);
                     b[i] = (mx_pack16x2<1>(d[2 * i], d[2 * i + 1]) & ~nm) | (0x7FC07FC0u & nm);
                 }
-                unsigned short* dst = reinterpret_cast<unsigned short*>(cq) + (64 * bs + r) * K + col0 + cc * VEC;
-                if (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(b[0], b[1], b[2], b[3]);
-                else *reinterpret_cast<uint2*>(dst) = make_uint2(b[0], b[1]);
+                store_prep(r, cc, b[0], b[1], b[2], b[3]);
                 continue;
             }
             unsigned char* dst = cq + (row0 + r) * K + col0 + cc * VEC;

@@ -84,6 +84,7 @@ from .gemm_operands import (  # the operand side, re-exported: gemm_cuda.<name> 
     colwise_dequantize_ref,
     colwise_operand_ref,
     colwise_prep_rows,
+    colwise_prep_rows_used,
     colwise_scale_rows,
     k_permutation,
     prepare_colwise_bf16,
@@ -105,6 +106,7 @@ __all__ = [  # this module's API, with the operand side re-exported from gemm_op
     "colwise_dequantize_ref",
     "colwise_operand_ref",
     "colwise_prep_rows",
+    "colwise_prep_rows_used",
     "colwise_scale_rows",
     "gemm_impl",
     "grouped_mm_2d3d_out",
@@ -425,7 +427,8 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
 
 
 def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
-    """The wgmma wgrad kernel on prepared operands (checked by the callers)."""
+    """The wgmma wgrad kernel on prepared operands, checked by the callers: ap bf16 [R, N], bp bf16 [R, K] with
+    R = 64 (ceil(M/64) + G), group_sizes int32 [G], out fp32/bf16 [G, N, K]; m = M."""
     g, n, k = out.shape
     tiles = g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN)
     if tiles == 0:
@@ -464,13 +467,14 @@ def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out
     """Reference of :func:`grouped_wgrad_prepared_out` (host group sizes; same arguments but ``out``).
 
     a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K] -> [G, N, K] out_dtype: group g is rows
-    64 poff_g .. + n_g of both (poff_g = sum_{h<g} ceil(n_h/64)), reduced in fp32; sizes sum to num_rows (M).
+    64 poff_g .. + n_g of both (poff_g = sum_{h<g} ceil(n_h/64)), reduced in fp32; sizes sum to at most
+    num_rows (M), as the kernel's contract.
 
     Example: sizes [40, 0, 8] -> out[0] from rows 0-39, out[1] = 0, out[2] from rows 64-71.
     """
     sizes = [int(v) for v in (group_sizes.tolist() if isinstance(group_sizes, torch.Tensor) else group_sizes)]
-    if sum(sizes) != num_rows:
-        raise ValueError(f"group sizes sum to {sum(sizes)}, expected M = {num_rows}")
+    if sum(sizes) > num_rows:
+        raise ValueError(f"group sizes sum to {sum(sizes)}, more than M = {num_rows}")
     out = torch.zeros(len(sizes), a_prep.shape[1], b_prep.shape[1], dtype=torch.float32, device=a_prep.device)
     poff = 0
     for gi, rows in enumerate(sizes):
@@ -487,7 +491,10 @@ def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):
     as ``mxfp8_cuda.quantize_grouped_dual(..., colwise="bf16")`` writes them straight from the quantizer (group g
     at rows 64 poff_g .., zero rows up to its next multiple of 64); group_sizes int32 [G] (device); num_rows: M,
     the data rows the groups cover (a host int known without a sync: the quantizer's input rows);
-    out: fp32/bf16 [G, N, K], every element written (zeros for empty groups). Returns ``out``.
+    out: fp32/bf16 [G, N, K], every element written (zeros for empty groups). Returns ``out``. The sizes must sum
+    to at most num_rows (not checked: that would need a host sync); a num_rows that is wrong but gives the same
+    row count passes the shape check, and the kernel then clamps the groups to it. MOE_EP_WGRAD_IMPL does not apply:
+    this is the only kernel that reads prepared operands.
     Why: :func:`grouped_wgrad_out` prepares both operands on every call (one memory-bound pass, ~2 bytes more
     traffic per element than writing the prepared layout in the quantizer, plus a launch).
     """
@@ -513,8 +520,6 @@ def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):
         raise ValueError(f"wgrad needs N and K multiples of 8, got N={n}, K={k}")
     if tuple(out.shape) != (g, n, k):
         raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
-    if wgrad_impl() != "wgmma":
-        raise ValueError("grouped_wgrad_prepared_out needs MOE_EP_WGRAD_IMPL=wgmma (the mma kernel reads MXFP8)")
     _launch_wgrad_prepared(a_prep, b_prep, group_sizes, out, num_rows)
     return out
 

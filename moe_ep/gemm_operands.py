@@ -129,6 +129,15 @@ def colwise_prep_rows(m: int, num_groups: int) -> int:
     return 64 * (_cdiv(m, 64) + num_groups)
 
 
+def colwise_prep_rows_used(group_sizes) -> int:
+    """Rows of a prepared wgrad operand that its groups own (host sizes): ``sum_g 64 ceil(n_g / 64)``; the rest of
+    the ``colwise_prep_rows`` bound is never written by the kernels.
+
+    Example: sizes [40, 0, 8] -> 128 (rows 0-63 for group 0, 64-127 for group 2).
+    """
+    return sum(64 * _cdiv(max(int(n), 0), 64) for n in _host_sizes(group_sizes))
+
+
 def prepare_colwise_bf16_torch(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
     """Reference of :func:`prepare_colwise_bf16` (host group sizes): rows past the groups are zero here (the
     kernel leaves them unwritten; nothing reads them)."""

@@ -87,8 +87,9 @@ def _options() -> tuple[str, ...]:
 
 # Column-only inputs with at least this many tiles per CTA slot of pipe 3 (3 per SM) take pipe 3 under "auto".
 # Measured on H200 (bench_quant --pipes, benchmarks/NOTES.md "Column-only pipelining by size"): pipe 3 ahead at
-# M = 131072 (>= 41 tiles per slot), pipe 0 ahead at 16384-32768 x 2048 (<= 10), equal in between.
+# M = 131072 (>= 41 tiles per slot), pipe 0 ahead at 16384-32768 x 2048 (<= 10.3), equal in between.
 _COL_PIPE3_TILES_PER_SLOT = 32
+_PIPE3_CTAS_PER_SM = 3  # kernels/quantize.cu QuantCfg::MINB of pipes 1 and 3 (pipe 3: two 32 KB stages per CTA)
 
 
 def _requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: torch.device) -> int:
@@ -100,7 +101,7 @@ def _requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: tor
     """
     pipe = _pipe()
     if pipe < 0 and rs_mode == 0 and cs_mode != 0 and es == 2:
-        if tiles >= _COL_PIPE3_TILES_PER_SLOT * 3 * _sm_count(device):
+        if tiles >= _COL_PIPE3_TILES_PER_SLOT * _PIPE3_CTAS_PER_SM * _sm_count(device):
             return 3
     return pipe
 
@@ -122,7 +123,7 @@ def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.d
     pipe = _effective_pipe(es, rs_mode, cs_mode, pipe)
     if pipe == 0:
         return tiles
-    per_sm = 2 if pipe == 2 else 3
+    per_sm = 2 if pipe == 2 else _PIPE3_CTAS_PER_SM
     full = min(tiles, per_sm * _sm_count(device))
     if os.environ.get("MOE_EP_QUANT_GRID", "full").strip().lower() != "balanced":
         # Default: every CTA slot of the GPU. Measured on H200 (benchmarks/NOTES.md, pass 4): more bytes in
@@ -375,7 +376,8 @@ def quantize_grouped_dual_into(
     colwise="bf16" writes the column-wise operand already prepared for the Hopper wgrad kernel instead:
         data_c: bf16 [64 (ceil(M/64) + G), K], the exact value of every quantized element, group g from row
         64 sum_{h<g} ceil(n_h/64) and zero rows up to its next multiple of 64; scale_c must be None. These are the
-        bytes ``gemm_operands.prepare_colwise_bf16`` makes of the MXFP8 pair (NaN blocks are bf16 0x7FC0); rows
+        bytes ``gemm_operands.prepare_colwise_bf16`` makes of the MXFP8 pair, except a NaN block's payload (bf16
+        0x7FC0 here, as in ``prepare_colwise_bf16_torch``; 0x7FFF from the CUDA preparation kernel); rows
         past the last group's block are not written. Why: the wgrad operands are transient in the backward pass,
         so writing 2 bytes here replaces the preparation pass (read 1 + 1/32, write 2 bytes per element, plus a
         launch) that :func:`moe_ep.gemm_cuda.grouped_wgrad_out` runs otherwise.
@@ -454,6 +456,8 @@ def quantize_grouped_dual(
 
     The reference with the same signature is :func:`moe_ep.gemm.quantize_grouped_dual_torch`.
     """
+    if colwise not in ("mxfp8", "bf16"):
+        raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")
     m = x.shape[0]
     k = x.shape[1] // 2 if apply_swiglu else x.shape[1]
     g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0

@@ -171,3 +171,5 @@ def test_wgrad_prepared_errors():
         gemm_cuda.grouped_wgrad_prepared_out(ap, bp, sz, out[:2], 48)
     with pytest.raises(ValueError, match="CUDA"):
         gemm_cuda.grouped_wgrad_prepared_out(ap.cpu(), bp, sz, out, 48)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gemm_cuda.grouped_wgrad_prepared_out(ap[:, :12].contiguous(), bp, sz, out[:, :12].contiguous(), 48)

@@ -89,7 +89,7 @@ def test_wgrad_prepared_reference_worked_example():
     """grouped_wgrad_prepared_torch reads group g at rows 64 poff_g of the prepared layout: sizes [40, 0, 8] put
     group 0 at rows 0-39 and group 2 at rows 64-71; equal to grouped_wgrad_torch on the unpadded rows."""
     from moe_ep.gemm_cuda import grouped_wgrad_prepared_torch
-    from moe_ep.gemm_operands import colwise_prep_rows
+    from moe_ep.gemm_operands import colwise_prep_rows, colwise_prep_rows_used
 
     sizes = [40, 0, 8]
     gen = torch.Generator().manual_seed(0)
@@ -101,5 +101,6 @@ def test_wgrad_prepared_reference_worked_example():
     got = grouped_wgrad_prepared_torch(ap, bp, sizes, 48)
     assert torch.equal(got, grouped_wgrad_torch(a, b, sizes))
     assert torch.equal(got[1], torch.zeros(16, 24))
-    with pytest.raises(ValueError, match="sum to 47"):
-        grouped_wgrad_prepared_torch(ap, bp, [39, 0, 8], 48)
+    with pytest.raises(ValueError, match="sum to 49, more than M = 48"):
+        grouped_wgrad_prepared_torch(ap, bp, [41, 0, 8], 48)
+    assert colwise_prep_rows_used(sizes) == 128

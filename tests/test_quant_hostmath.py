@@ -292,14 +292,20 @@ typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, un
                         unsigned char*, const int*, int, long long, int, int, const unsigned char*);
 typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
 
-extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, const unsigned char* x, long long M, int K,
-                         unsigned char* rq, unsigned char* rsp, unsigned char* cq, unsigned char* csp,
-                         const int* g, int G, long long group_rows, int nrt, int ctiles,
+// Shared memory past the launch's dynamic size is filled with a canary before the grid runs and checked after it:
+// a kernel that writes beyond what the launcher allocated (a wrong size formula) fails with rc 2.
+extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, long long smem, const unsigned char* x,
+                         long long M, int K, unsigned char* rq, unsigned char* rsp, unsigned char* cq,
+                         unsigned char* csp, const int* g, int G, long long group_rows, int nrt, int ctiles,
                          const unsigned char* x2) {
     QuantFn fn = nullptr;
     QUANT_TABLE
     if (!fn) return 1;
+    if (smem > (long long)sizeof(g_smem)) return 3;
+    memset(g_smem, 0xA5, sizeof(g_smem));
     run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2); });
+    for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
+        if (g_smem[i] != 0xA5) return 2;
     return 0;
 }
 
@@ -353,7 +359,7 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, i, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
+    so.emu_quant.argtypes = [i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     return so
 
@@ -368,10 +374,11 @@ def install_emulator(monkeypatch, so) -> None:
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
         if name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
-            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, grid, *a)
+            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, grid, shared_mem, *a)
         else:
             rc = so.emu_dequant(*params, grid, *a)
-        assert rc == 0, f"emulator has no kernel {name}"
+        assert rc != 2, f"{name} wrote shared memory past the {shared_mem} bytes the launcher allocated"
+        assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
 
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
     monkeypatch.setattr(mxfp8_cuda, "_on_gpu", lambda t: True)
@@ -401,6 +408,8 @@ def test_quant_grid_full_and_balanced(monkeypatch):
     # column-only bf16 under auto: pipe 3 from 32 * 396 = 12672 tiles (persistent grid), else one CTA per tile
     col = mxfp8_cuda._CS["blocked"]
     assert mxfp8_cuda._requested_pipe(2, 0, col, 16384, dev) == 3  # [131072, 2048]
+    assert mxfp8_cuda._requested_pipe(2, 0, col, 12672, dev) == 3  # the boundary: exactly 32 tiles per slot
+    assert mxfp8_cuda._requested_pipe(2, 0, col, 12671, dev) == -1
     assert mxfp8_cuda._quant_ctas(16384, 2, 0, col, dev, 3) == 396
     assert mxfp8_cuda._requested_pipe(2, 0, col, 4096, dev) == -1  # [32768, 2048]: the kernel's auto, pipe 0
     assert mxfp8_cuda._requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 3
