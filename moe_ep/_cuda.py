@@ -109,9 +109,14 @@ def get_function(
     extra_options: tuple[str, ...] = (),
     device: int | None = None,
 ):
-    """Kernel ``kernel`` (a plain name or one of ``name_expressions``) of ``kernels/<name>``."""
+    """Kernel ``kernel`` (a plain name or one of ``name_expressions``) of ``kernels/<name>``.
+
+    Cached per (file, kernel, name expressions, full option list, device): the options include
+    MOE_EP_NVRTC_OPTIONS as it is at the call, so changing it between calls (the benchmarks' build A/B runs) gets
+    the other build, not the function cached for the first one.
+    """
     dev = torch.cuda.current_device() if device is None else device
-    key = (name, kernel, tuple(name_expressions), tuple(extra_options), dev)
+    key = (name, kernel, tuple(name_expressions), compile_options(tuple(extra_options)), dev)
     fn = _functions.get(key)
     if fn is None:
         mod = get_module(name, name_expressions, extra_options)
