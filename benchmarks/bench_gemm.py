@@ -71,6 +71,36 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in evs)
 
 
+def round_order(names: list[str], rnd: int) -> list[str]:
+    """Order of round ``rnd`` of an interleaved timing: rotated by rnd, and reversed on odd rounds, so that no
+    implementation always runs right after the same one (a plain rotation keeps every predecessor fixed, and a
+    position effect such as "the first kernel after torch's" would then pass for the implementation's own).
+
+    Example: names [a, b, c]: rounds 0-3 are [a, b, c], [a, c, b], [c, a, b], [c, b, a] (round 1 is the rotation
+    [b, c, a] reversed); b follows a, c, a, c.
+    """
+    k = rnd % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if rnd % 2 else order
+
+
+def interleaved_ms(fns: dict, rounds: int, warmup: int, reps: int, errors: dict | None = None) -> dict[str, list]:
+    """Times of every ``fns`` entry (name -> closure, or None: not timed) over ``rounds`` rounds in
+    :func:`round_order`; a closure that raises is recorded in ``errors[name]`` and not timed again."""
+    errors = {} if errors is None else errors
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rnd in range(rounds):
+        for name in round_order(list(fns), rnd):
+            fn = fns[name]
+            if fn is None or name in errors:
+                continue
+            try:
+                times[name].append(time_ms(fn, warmup, reps))
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    return times
+
+
 def dequant(t: mxfp8.MXFP8Tensor) -> torch.Tensor:
     try:
         return mxfp8.dequantize(t, torch.bfloat16)
@@ -304,22 +334,13 @@ def run_shape(name, m, k, n, g, args, out_rows):
         res["fp8_rowwise_setup_error"] = f"{type(e).__name__}: {e}"
 
     for var in ("fprop", "dgrad", "wgrad"):
-        vres = {}
         fns = {**ours[var], **base[var]}
-        rounds: dict[str, list[float]] = {impl: [] for impl in fns}
         # Interleaved rounds (every implementation once per round, then again): the GPU's clock and heat drift
         # between processes and within one moved torch bf16 itself by up to ~17 %, so a ratio is taken per round
         # (same minute, same clocks) and the median of those is reported.
-        names = list(fns)
-        for rnd in range(args.rounds):  # each round starts one implementation later (no fixed "first after X")
-            for impl in names[rnd % len(names) :] + names[: rnd % len(names)]:
-                fn = fns[impl]
-                if fn is None or "error" in vres.get(impl, {}):
-                    continue
-                try:
-                    rounds[impl].append(time_ms(fn, args.warmup, args.reps))
-                except Exception as e:  # noqa: BLE001
-                    vres[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        errors: dict[str, str] = {}
+        rounds = interleaved_ms(fns, args.rounds, args.warmup, args.reps, errors)
+        vres = {impl: {"error": err} for impl, err in errors.items()}
         for impl, fn in fns.items():
             if fn is None:
                 vres[impl] = {"error": "check failed: not timed"}

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import SHAPES, time_ms, uneven_sizes  # noqa: E402
+from bench_gemm import SHAPES, round_order, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep import _cuda, gemm_cuda, mxfp8  # noqa: E402
 
@@ -202,9 +202,9 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
         os.environ["MOE_EP_GEMM_IMPL"], os.environ["MOE_EP_NVRTC_OPTIONS"] = builds[name]
         return time_ms(ours, 3, 20)
 
-    # A first pass whose times are dropped (it compiles every build and checks the bytes); then ROUNDS rounds, each
-    # starting one build later, so that a position effect (e.g. the first kernel after torch's) cannot pass for a
-    # build's own: the fixed-order first runs of this experiment could not tell the two apart.
+    # A first pass whose times are dropped (it compiles every build and checks the bytes); then ROUNDS rounds in
+    # bench_gemm.round_order (rotated, every other one reversed), so that a position effect (e.g. the first kernel
+    # after torch's) cannot pass for a build's own.
     order = [*builds, "torch_bf16"]
     for name in order:
         run(name)
@@ -216,8 +216,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
             row[f"{name}_bytes_equal_{first}"] = bool(torch.equal(out, ref))
         out.fill_(float("nan"))
     for rnd in range(ROUNDS):
-        rot = rnd % len(order)
-        for name in order[rot:] + order[:rot]:
+        for name in round_order(order, rnd):
             times[name].append(run(name))
     row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
     row["ratio_vs_torch_bf16"] = {  # median over rounds of the same round's ratio
