@@ -305,6 +305,9 @@ def main() -> None:
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)
+        from moe_ep.provenance import code_version  # noqa: PLC0415
+
+        res["commit"] = code_version()  # MOE_EP_COMMIT on the device (its copy's git metadata may be stale)
         print(json.dumps(res, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
