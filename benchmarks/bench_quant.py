@@ -111,7 +111,7 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
     # The fused quantizer's traffic: read 2 B, write 1 B row-wise + 1 B at the transposed output's addresses.
     fus = _cuda.get_function("bench_probe.cu", "probe_fused")
     outt = torch.empty(k, m, dtype=torch.uint8, device=x.device)
-    # orders 2-4 (bench_probe.cu): evict-first xt stores; a second row-major output; the xt stores alone
+    # orders 2-5 (bench_probe.cu): evict-first xt stores; a second row-major output; the xt stores alone
     for order, name in (
         (0, "fused_tile"),
         (1, "fused_group4"),

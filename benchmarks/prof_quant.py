@@ -3,8 +3,9 @@
     ncu --clock-control none -k regex:'mx_quant|probe_' --section ... python benchmarks/prof_quant.py \
         --variants row_blocked,col_blocked --shapes 16384x2048,32768x7168
 
-Launches every (variant, shape) twice (the first call compiles and warms up) plus the same-traffic probes, so
-a profiler filtering on kernel names sees the steady-state launches. Correctness is bench_quant.py's job.
+Launches every (variant, shape) twice (the first call compiles and warms up), and with --probe the tile-order
+same-traffic probe (probe_tile) twice as well, so a profiler filtering on kernel names sees steady-state launches.
+Correctness is bench_quant.py's job.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("--variants", default="row_blocked,col_blocked,fused")
     ap.add_argument("--shapes", default="16384x2048,32768x7168")
     ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--probe", action="store_true", help="also launch the same-traffic probes")
+    ap.add_argument("--probe", action="store_true", help="also launch the tile-order same-traffic probe")
     args = ap.parse_args()
     torch.manual_seed(0)
     for shape in args.shapes.split(","):
@@ -47,8 +48,9 @@ def main() -> None:
             til = _cuda.get_function("bench_probe.cu", "probe_tile")
             ctiles = -(-k // 128)
             pargs = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
-            _cuda.launch(til, -(-m // 128) * ctiles, 256, pargs)
-            torch.cuda.synchronize()
+            for _ in range(2):
+                _cuda.launch(til, -(-m // 128) * ctiles, 256, pargs)
+                torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

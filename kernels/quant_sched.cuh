@@ -95,8 +95,10 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
 // MX_PIPE 3: persistent grid; each tile's 32 KB arrive by cp.async in a shared-memory double buffer (the next
 // tile's copies are in flight while the current one is processed). Bytes in flight then cost no registers: the
 // same-traffic probe (kernels/bench_probe.cu, 8 CTAs/SM) reaches 94-95 % of copy where the register-staged
-// kernel (4 CTAs/SM, 64 registers) stays near 85 %. Each thread reads back only the 16-byte slots it copied
-// itself, so the stage needs no CTA barrier (cp.async.wait_group orders a thread's own copies).
+// kernel (4 CTAs/SM, 64 registers) stays near 85 %. In row-only modes each thread reads back only the 16-byte
+// slots it copied itself, so the stage needs no CTA barrier (cp.async.wait_group orders a thread's own copies).
+// Modes with a column output read other threads' slots in phase 2 and rely on quantize.cu's __syncthreads after
+// phase 1, and on the one at the end of each tile before the stage is refilled: neither can go.
 #define MX_STAGE_BYTES (TILE * TILE * 2)
 
 __device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {

@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx
             }
         }
         unsigned char* cur = stage0 + buf * MX_STAGE_BYTES;
-        if (PIPE == 3) tile = reinterpret_cast<unsigned*>(cur);
         if (PIPE == 3) {
+            tile = reinterpret_cast<unsigned*>(cur);
             if (Tn < total) {
                 coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
                 issue(stage0 + (buf ^ 1) * MX_STAGE_BYTES, row0_n, nrows_n, ct_n * TILE);
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx
                 store_prep(r, cc, 0u, 0u, 0u, 0u);
                 continue;
             }
-            const uint4 v = *reinterpret_cast<const uint4*>(tile + r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3)));
+            const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(tile) + soff(r, cc));
             // The chunk's VEC column multipliers (16-byte shared loads; offset is a multiple of VEC) and NaN-block
             // byte masks (one 8- or 4-byte load): per element one multiply, per 4 elements one cvt and one mask.
             const int xo = (r >> 5) * TILE + cc * VEC;

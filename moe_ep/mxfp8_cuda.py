@@ -252,6 +252,7 @@ def _launch_quant(
     in_code = _IN[x.dtype] if in_code is None else in_code
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
+    env_pipe = _pipe()
     req = _requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
     grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
     table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
@@ -275,7 +276,7 @@ def _launch_quant(
         _cuda.i32(ctiles),
         p(x2),
     )
-    name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != _pipe() else ">")
+    name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
     _launch(name, grid, args, smem, x.device)
 
 

@@ -550,10 +550,13 @@ def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype):
 
     m, k = sum(sizes), 160
     x = _dual_input(m, k, dtype, seed=len(sizes) + m)
-    if m > 40:  # a block whose dequantized values fall below bf16's smallest normal: rounded once, as the reference
-        x[32:36, 96:128] = (torch.randn(4, 32, generator=torch.Generator().manual_seed(m)) * 1e-40).to(dtype)
+    if m >= 64:  # whole 32-row column blocks whose dequantized values fall below bf16's smallest normal: rounded once
+        x[32:64, 96:128] = (torch.randn(32, 32, generator=torch.Generator().manual_seed(m)) * 1e-40).to(dtype)
     st = torch.tensor(sizes, dtype=torch.int32)
     want = quantize_grouped_dual_torch(x, st, colwise="bf16")
+    if m >= 64:  # the case is really there: nonzero prepared values below bf16's smallest normal
+        mag = want[2].float().abs()
+        assert ((mag > 0) & (mag < torch.finfo(torch.bfloat16).tiny)).any()
     assert want[3] is None and want[2].shape == (colwise_prep_rows(m, len(sizes)), k)
     data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty_like(want[1], device=dev)

@@ -378,6 +378,7 @@ def install_emulator(monkeypatch, so) -> None:
         else:
             rc = so.emu_dequant(*params, grid, *a)
         assert rc != 2, f"{name} wrote shared memory past the {shared_mem} bytes the launcher allocated"
+        assert rc != 3, f"{name}: the launch asks for {shared_mem} bytes of shared memory, more than the emulator has"
         assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
 
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
