@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,23 +29,17 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import time_ms  # noqa: E402
+
 from moe_ep import _cuda  # noqa: E402
 
 KERNELS = ("rate_bf16", "rate_fp8_promoted", "rate_fp8_plain", "rate_hybrid")
 
 
 def launch_ms(fn, grid: int, block: int, kargs: tuple, smem: int) -> float:
-    """Median kernel time (CUDA events) of 10 launches after 2 warm-up launches."""
-    times = []
-    for rep in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        _cuda.launch(fn, grid, block, kargs, shared_mem=smem)
-        e.record()
-        torch.cuda.synchronize()
-        if rep >= 2:
-            times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    """Median kernel time (bench_gemm's CUDA-event timer) of 10 launches after 2 warm-up launches."""
+    return time_ms(lambda: _cuda.launch(fn, grid, block, kargs, shared_mem=smem), 2, 10)
 
 
 def main() -> None:

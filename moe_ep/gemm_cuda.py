@@ -81,6 +81,7 @@ from .gemm_operands import (  # the operand side, re-exported: gemm_cuda.<name> 
     _cdiv,
     _check_dtype,
     _check_memory,
+    _host_sizes,
     colwise_dequantize_ref,
     colwise_operand_ref,
     colwise_prep_rows,
@@ -419,7 +420,7 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
         grid = g * _cdiv(n, _TILE) * _cdiv(k, _TILE)
         _launch(f"mx_gmm_wgrad_{suffix}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
         return out
-    if g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN) == 0:
+    if not (g and n and k):
         return out
     ap, bp = prepare_colwise_bf16_pair(a, a_scale, b, b_scale, group_sizes)  # [64 (ceil(M/64) + G), N / K] bf16
     _launch_wgrad_prepared(ap, bp, group_sizes, out, m)
@@ -467,19 +468,20 @@ def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out
     """Reference of :func:`grouped_wgrad_prepared_out` (host group sizes; same arguments but ``out``).
 
     a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K] -> [G, N, K] out_dtype: group g is rows
-    64 poff_g .. + n_g of both (poff_g = sum_{h<g} ceil(n_h/64)), reduced in fp32; sizes sum to at most
-    num_rows (M), as the kernel's contract.
+    64 poff_g .. + n_g of both (poff_g = sum_{h<g} ceil(n_h/64)), reduced in fp32 (fp64 operands: in fp64);
+    sizes sum to at most num_rows (M), as the kernel's contract.
 
     Example: sizes [40, 0, 8] -> out[0] from rows 0-39, out[1] = 0, out[2] from rows 64-71.
     """
-    sizes = [int(v) for v in (group_sizes.tolist() if isinstance(group_sizes, torch.Tensor) else group_sizes)]
+    sizes = _host_sizes(group_sizes)
     if sum(sizes) > num_rows:
         raise ValueError(f"group sizes sum to {sum(sizes)}, more than M = {num_rows}")
-    out = torch.zeros(len(sizes), a_prep.shape[1], b_prep.shape[1], dtype=torch.float32, device=a_prep.device)
+    acc = torch.promote_types(a_prep.dtype, torch.float32)  # fp64 operands (tests' exact reference) stay fp64
+    out = torch.zeros(len(sizes), a_prep.shape[1], b_prep.shape[1], dtype=acc, device=a_prep.device)
     poff = 0
     for gi, rows in enumerate(sizes):
         if rows:
-            out[gi] = a_prep[poff : poff + rows].float().t() @ b_prep[poff : poff + rows].float()
+            out[gi] = a_prep[poff : poff + rows].to(acc).t() @ b_prep[poff : poff + rows].to(acc)
         poff += 64 * _cdiv(rows, 64)
     return out.to(out_dtype)
 

@@ -211,14 +211,18 @@ def test_prepare_colwise_bf16_worked_example():
     assert (out[40:64] == 0).all() and (out[72:] == 0).all()
 
 
-def test_prepare_colwise_bf16_pair_equals_two_calls_and_checks_shapes():
-    """The pair API (one CUDA launch) gives each operand's prepare_colwise_bf16 output; a row mismatch is an error."""
+def test_prepare_colwise_bf16_pair_writes_given_outputs_and_checks_shapes():
+    """The pair API on the CPU (the CUDA launch is tested on the GPU): given out_a / out_b are filled with each
+    operand's reference preparation and returned; a row mismatch is an error."""
     sizes = [40, 0, 8]
     sz = torch.tensor(sizes, dtype=torch.int32)
     (a, a_s), (b, b_s) = (gemm_cuda.colwise_operand_ref(torch.randn(48, c), sizes) for c in (16, 24))
-    pa, pb = gemm_cuda.prepare_colwise_bf16_pair(a, a_s, b, b_s, sz)
-    assert torch.equal(pa, gemm_cuda.prepare_colwise_bf16(a, a_s, sz))
-    assert torch.equal(pb, gemm_cuda.prepare_colwise_bf16(b, b_s, sz))
+    rows = gemm_cuda.colwise_prep_rows(48, 3)
+    oa, ob = (torch.full((rows, c), float("nan"), dtype=torch.bfloat16) for c in (16, 24))
+    pa, pb = gemm_cuda.prepare_colwise_bf16_pair(a, a_s, b, b_s, sz, out_a=oa, out_b=ob)
+    assert pa.data_ptr() == oa.data_ptr() and pb.data_ptr() == ob.data_ptr()
+    assert torch.equal(oa, gemm_cuda.prepare_colwise_bf16_torch(a, a_s, sizes))
+    assert torch.equal(ob, gemm_cuda.prepare_colwise_bf16_torch(b, b_s, sizes))
     with pytest.raises(ValueError, match="expected a"):
         gemm_cuda.prepare_colwise_bf16_pair(a, a_s, b[:40], b_s, sz)
 

@@ -68,7 +68,7 @@ def test_colwise_prep_kernel_matches_reference(sizes):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    used = 64 * sum(-(-n // 64) for n in sizes)
+    used = gemm_cuda.colwise_prep_rows_used(sizes)
     assert_same_bf16(out[:used].cpu(), ref[:used])
     assert torch.isnan(buf[prows * c :]).all(), "written past the end of out"
 
@@ -100,7 +100,7 @@ def test_colwise_prep_pair_kernel_matches_reference(sizes):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    used = 64 * sum(-(-n // 64) for n in sizes)
+    used = gemm_cuda.colwise_prep_rows_used(sizes)
     for out, ref, buf, c, res in zip(outs, refs, bufs, (264, 1032), got, strict=True):
         assert res.data_ptr() == out.data_ptr()
         assert_same_bf16(out[:used].cpu(), ref[:used])
