@@ -22,16 +22,8 @@ def _fn(src: str, name: str, names: tuple[str, ...] = ()):
     return _cuda.get_function(src, name, names)
 
 
-def _p(t: torch.Tensor | None) -> np.uint64:
-    return _cuda.ptr(t)
-
-
-def _i32(v: int) -> np.int32:
-    return np.int32(v)
-
-
-def _i64(v: int) -> np.int64:
-    return np.int64(v)
+# kernel-argument converters of the transport modules (short names: the launch argument lists are long)
+_p, _i32, _i64 = _cuda.ptr, _cuda.i32, _cuda.i64
 
 
 @dataclass

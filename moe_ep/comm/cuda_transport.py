@@ -41,8 +41,9 @@ from ..mxfp8 import grouped_blocked_size
 from .cuda_layout import _I_R, CudaEPHandle, _check_capacity, _fn, _i32, _i64, _p, build_layout
 from .nvshmem import EPRuntime
 from .ops import _Combine, _Dispatch, check_dispatch_inputs
+from .schedule import CTA_WARPS
 
-_THREADS = 512
+_THREADS = 32 * CTA_WARPS  # the fused kernels' CTA (the schedule's warp counts are checked against it)
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _DISPATCH_NAMES = (
     ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>", "ep_expand<0,1,1>")
