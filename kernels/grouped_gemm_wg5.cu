@@ -77,6 +77,35 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// Consumer-side forms whose control flow is warp-uniform (W5_UWARP): the wait loop exits on a vote, the arrive is
+// predicated inside the asm, so that ptxas can keep the ring counters in uniform registers.
+__device__ __forceinline__ void mbar_wait_warp(unsigned bar, unsigned parity) {
+    unsigned polls = 0;
+    while (true) {
+        unsigned done;
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+        if (__all_sync(0xffffffffu, done)) return;
+        if (++polls > (1u << 28)) __trap();
+    }
+}
+__device__ __forceinline__ void mbar_arrive_if(unsigned bar, bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+                 "r"((unsigned)pred)
+                 : "memory");
+}
+#ifdef W5_UWARP
+#define W5_CWAIT mbar_wait_warp
+#define W5_CARRIVE(bar, pred) mbar_arrive_if(bar, pred)
+#else
+#define W5_CWAIT mbar_wait
+#define W5_CARRIVE(bar, pred) \
+    if (pred) mbar_arrive(bar)
+#endif
+
 // The two consumer warpgroups issue their MMAs strictly in turn (named barriers 1 and 2: warpgroup 0 waits on 1
 // before issuing, warpgroup 1 on 2; each arrives on the other's barrier after issuing), so that one converts its A
 // fragments while the other's MMAs run (measured: +4-6 % over unordered issue).
@@ -251,7 +280,12 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     // Everything lives in dynamic shared memory (no static): it then starts at the 1024-aligned base of the
     // CTA's shared window, which the 128-byte swizzle of B and of the output tile needs (checked below).
     extern __shared__ __align__(1024) unsigned char smem[];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, lane = tid & 31;
+#ifdef W5_UWARP
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+#else
+    const int warp = tid >> 5;
+#endif
     const unsigned sbase = smem_u32(smem);
     if (sbase & 1023u) __trap();
     const unsigned full0 = sbase + W5_BAR, empty0 = full0 + 8u * W5_STAGES;
@@ -266,7 +300,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     }
     setmaxnreg_inc<224>();
 
-    const int wg = tid >> 7, q = warp & 3, c = tid & 3;
+    const int wg = warp >> 2, q = warp & 3, c = tid & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
     W3Thread T;  // only the A fields (w3_convert_a with the raw A tile at W5_A and the stage's scale tile)
     T.c16 = c * 16;
@@ -285,7 +319,11 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int n0, mrows;
         long long arow0, r_zero;
+#ifdef W5_UWARP
+        const int kind = __shfl_sync(0xffffffffu, w5_tile(gi, sizes, G, M, N, t, n0, mrows, arow0, r_zero), 0);
+#else
         const int kind = w5_tile(gi, sizes, G, M, N, t, n0, mrows, arow0, r_zero);
+#endif
         if (kind == 0) {
             if (zero_rest) {  // threads 0-255 = GM_THREADS: zero_rows' thread stride
                 zero_rows<OUT_F32>(out, r_zero, M, N, n0);
@@ -301,7 +339,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         // 3 A fragment buffers: A(s + 1) is converted right after M(s) is issued, before waiting for M(s - 1)
         // (more MMA work queued while converting); its buffer was read by M(s - 2), retired at the previous wait.
         unsigned f0[16], f1[16], f2[16];
-        mbar_wait(full0 + 8u * (unsigned)stage, phase);
+        W5_CWAIT(full0 + 8u * (unsigned)stage, phase);
         {
             const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
             w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
@@ -325,19 +363,19 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
                 const int cur_stage = stage;
                 ring_next(stage, phase, W5_STAGES);
                 if (ss + 1 < ksteps) {
-                    mbar_wait(full0 + 8u * (unsigned)stage, phase);
+                    W5_CWAIT(full0 + 8u * (unsigned)stage, phase);
                     const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
                     w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
                 }
                 wg_wait<1>();  // M(ss - 1) retired: its A buffer (old) and its stage are free
                 wg_fence_regs<16>(old);
-                if (ss >= 1 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
+                W5_CARRIVE(empty0 + 8u * (unsigned)prev, ss >= 1 && lane == 0);
                 prev = cur_stage;
             }
         }
         w2_drain(acc, f0, f1);
         wg_fence_regs<16>(f2);
-        if (lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
+        W5_CARRIVE(empty0 + 8u * (unsigned)prev, lane == 0);
 #ifdef W5_NO_EPI  // timing experiment only: no output stores
         if (mrows < 0)
 #endif
