@@ -17,8 +17,6 @@ raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER / -
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
 given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
 pin (``--kernel pin``): the same for wgmma5 with and without the opaque per-thread A fields (-DW3_NO_PIN).
-uniform (``--kernel uniform``): the same for wgmma5 with warp-uniform consumer control flow (-DW5_UWARP) and one
-scale decision per k-step (-DW5_SCALE_STEP), alone and together.
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
@@ -229,14 +227,6 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
 
 ROUNDS = 6
 PIN_BUILDS = {"wgmma5": ("wgmma5", ""), "wgmma5_no_pin": ("wgmma5", "-DW3_NO_PIN")}
-# the consumer loop with warp-uniform control flow (ring counters in uniform registers) and one scale decision per
-# k-step instead of a branch per 16 bytes (kernels/grouped_gemm_wg5.cu W5_UWARP, grouped_gemm_wg3.cu W5_SCALE_STEP)
-UNIFORM_BUILDS = {
-    "wgmma5": ("wgmma5", ""),
-    "uwarp": ("wgmma5", "-DW5_UWARP"),
-    "scale_step": ("wgmma5", "-DW5_SCALE_STEP"),
-    "uwarp_scale_step": ("wgmma5", "-DW5_UWARP -DW5_SCALE_STEP"),
-}
 RASTER_BUILDS = {
     f"{i}_r{r}": (i, f"-D{band}={r}")
     for i, band in (("wgmma4", "GM_RASTER"), ("wgmma5", "W5_RASTER"))
@@ -259,7 +249,7 @@ def _env_restored(*names: str):
 
 
 def experiments_builds(args) -> dict:
-    builds = {"raster": RASTER_BUILDS, "pin": PIN_BUILDS, "uniform": UNIFORM_BUILDS}[args.kernel]
+    builds = RASTER_BUILDS if args.kernel == "raster" else PIN_BUILDS
     res = {"kernel": args.kernel, "shapes": {}}
     with _env_restored("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS"):
         for shape in [args.shape] if args.shape_given else list(SHAPES):
@@ -300,21 +290,18 @@ def launches_for_ncu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "pin", "uniform", "ncu")
-    )
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "pin", "ncu"))
     ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster", "pin", "uniform", "ncu"):
+    if args.kernel in ("wgmma5", "wgrad", "raster", "pin", "ncu"):
         exp = {
             "wgmma5": experiments_w5,
             "wgrad": experiments_wgrad,
             "raster": experiments_builds,
             "pin": experiments_builds,
-            "uniform": experiments_builds,
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)

@@ -186,17 +186,6 @@ __device__ __forceinline__ void cvt16(uint4 raw, unsigned s, unsigned* o) {
     }
 }
 
-// cvt16 for a scale byte s < 135 only (one multiply by 2**(s-7), no branch).
-__device__ __forceinline__ void cvt16_fast(uint4 raw, unsigned s, unsigned* o) {
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-    const unsigned m = mult_fast(s);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        o[2 * j] = hmul2_bf16(e4m3x2_bits(w[j], 0x1404u), m);
-        o[2 * j + 1] = hmul2_bf16(e4m3x2_bits(w[j], 0x3424u), m);
-    }
-}
-
 // 4 x 4 transpose of 32-bit words inside each quad of lanes (lane c = lane % 4 holds row c: w[i] = M[c][i]; after
 // the call w[i] = M[i][c]): two xor-shuffle rounds, first the 2 x 2 blocks, then the blocks. Every lane of the
 // warp must take part. Used to turn 4-byte fragments spread over a quad into 16-byte row segments per lane.

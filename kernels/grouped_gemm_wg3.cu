@@ -60,17 +60,17 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 // Waits for phase `parity` of the mbarrier; traps (an error, not a hang) if it does not complete in ~2^28 polls.
+__device__ __forceinline__ unsigned mbar_try(unsigned bar, unsigned parity) {
+    unsigned done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return done;
+}
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done = 0, polls = 0;
-    while (true) {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-        if (done) return;
+    for (unsigned polls = 0; !mbar_try(bar, parity);)
         if (++polls > (1u << 28)) __trap();
-    }
 }
 __device__ __forceinline__ void tma_2d(unsigned dst, const TmaMap* map, int c0, int c1, unsigned bar) {
     asm volatile(
@@ -162,16 +162,6 @@ __device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, 
 #ifdef W3_NO_CVT
     o0[0] = r0.x ^ s0, o0[1] = r0.y, o0[2] = r0.z, o0[3] = r0.w, o0[4] = r0.x, o0[5] = r0.y, o0[6] = r0.z, o0[7] = r0.w;
     o1[0] = r1.x ^ s1, o1[1] = r1.y, o1[2] = r1.z, o1[3] = r1.w, o1[4] = r1.x, o1[5] = r1.y, o1[6] = r1.z, o1[7] = r1.w;
-#elif defined(W5_SCALE_STEP)
-    // One warp-uniform decision per k-step instead of a branch per 16 bytes: the single-multiply path holds for
-    // every scale byte below 135 (2**(s-7) is a normal bf16 up to s = 134), i.e. for all but blocks with amax > 448 * 2**7.
-    if (__any_sync(0xffffffffu, (s0 | s1) >= 135u)) {
-        cvt16(r0, s0, o0);
-        cvt16(r1, s1, o1);
-    } else {
-        cvt16_fast(r0, s0, o0);
-        cvt16_fast(r1, s1, o1);
-    }
 #else
     cvt16(r0, s0, o0);
     cvt16(r1, s1, o1);

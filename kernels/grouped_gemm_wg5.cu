@@ -77,34 +77,17 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// Consumer-side forms whose control flow is warp-uniform (W5_UWARP): the wait loop exits on a vote, the arrive is
-// predicated inside the asm, so that ptxas can keep the ring counters in uniform registers.
+// Consumer-side forms whose control flow is warp-uniform: the wait loop exits on a vote, the arrive is predicated
+// inside the asm, so that ptxas can keep the ring counters in uniform registers.
 __device__ __forceinline__ void mbar_wait_warp(unsigned bar, unsigned parity) {
-    unsigned polls = 0;
-    while (true) {
-        unsigned done;
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-        if (__all_sync(0xffffffffu, done)) return;
+    for (unsigned polls = 0; !__all_sync(0xffffffffu, mbar_try(bar, parity));)
         if (++polls > (1u << 28)) __trap();
-    }
 }
 __device__ __forceinline__ void mbar_arrive_if(unsigned bar, bool pred) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
                  "r"((unsigned)pred)
                  : "memory");
 }
-#ifdef W5_UWARP
-#define W5_CWAIT mbar_wait_warp
-#define W5_CARRIVE(bar, pred) mbar_arrive_if(bar, pred)
-#else
-#define W5_CWAIT mbar_wait
-#define W5_CARRIVE(bar, pred) \
-    if (pred) mbar_arrive(bar)
-#endif
 
 // The two consumer warpgroups issue their MMAs strictly in turn (named barriers 1 and 2: warpgroup 0 waits on 1
 // before issuing, warpgroup 1 on 2; each arrives on the other's barrier after issuing), so that one converts its A
@@ -281,11 +264,10 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     // CTA's shared window, which the 128-byte swizzle of B and of the output tile needs (checked below).
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31;
-#ifdef W5_UWARP
+    // The warp index through a shuffle from lane 0, and kind below: ptxas then knows them warp-uniform, keeps the
+    // ring counters and descriptors in uniform registers (no R2UR before every MMA) and the consumer loop's branches
+    // uniform. Measured +1.6 to +4.9 points of the torch ratio (benchmarks/NOTES.md).
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-#else
-    const int warp = tid >> 5;
-#endif
     const unsigned sbase = smem_u32(smem);
     if (sbase & 1023u) __trap();
     const unsigned full0 = sbase + W5_BAR, empty0 = full0 + 8u * W5_STAGES;
@@ -319,11 +301,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int n0, mrows;
         long long arow0, r_zero;
-#ifdef W5_UWARP
         const int kind = __shfl_sync(0xffffffffu, w5_tile(gi, sizes, G, M, N, t, n0, mrows, arow0, r_zero), 0);
-#else
-        const int kind = w5_tile(gi, sizes, G, M, N, t, n0, mrows, arow0, r_zero);
-#endif
         if (kind == 0) {
             if (zero_rest) {  // threads 0-255 = GM_THREADS: zero_rows' thread stride
                 zero_rows<OUT_F32>(out, r_zero, M, N, n0);
@@ -339,7 +317,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         // 3 A fragment buffers: A(s + 1) is converted right after M(s) is issued, before waiting for M(s - 1)
         // (more MMA work queued while converting); its buffer was read by M(s - 2), retired at the previous wait.
         unsigned f0[16], f1[16], f2[16];
-        W5_CWAIT(full0 + 8u * (unsigned)stage, phase);
+        mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
         {
             const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
             w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
@@ -363,19 +341,19 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
                 const int cur_stage = stage;
                 ring_next(stage, phase, W5_STAGES);
                 if (ss + 1 < ksteps) {
-                    W5_CWAIT(full0 + 8u * (unsigned)stage, phase);
+                    mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
                     const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
                     w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
                 }
                 wg_wait<1>();  // M(ss - 1) retired: its A buffer (old) and its stage are free
                 wg_fence_regs<16>(old);
-                W5_CARRIVE(empty0 + 8u * (unsigned)prev, ss >= 1 && lane == 0);
+                mbar_arrive_if(empty0 + 8u * (unsigned)prev, ss >= 1 && lane == 0);
                 prev = cur_stage;
             }
         }
         w2_drain(acc, f0, f1);
         wg_fence_regs<16>(f2);
-        W5_CARRIVE(empty0 + 8u * (unsigned)prev, lane == 0);
+        mbar_arrive_if(empty0 + 8u * (unsigned)prev, lane == 0);
 #ifdef W5_NO_EPI  // timing experiment only: no output stores
         if (mrows < 0)
 #endif
