@@ -12,6 +12,9 @@
 //   rank_reduce); BWD: d topk_w[t][j] = returned weight gradient of slot j from the row sent to rank(g_tj).
 //   The last CTA signals COMB_FREE(u).
 // Each lane owns 8 consecutive elements per 256-element step (16-byte bf16 / 32-byte fp32 accesses).
+// The sums and products are mx_add / mx_mul (PTX without .ftz): NVRTC builds with -ftz=true, which would flush
+// subnormal terms and results that the reference keeps.
+#include "common.cuh"
 #include "ep_sync.cuh"
 
 #define YT_F32 0
@@ -113,10 +116,10 @@ __device__ __forceinline__ void comb_send_row(int i, long long dst, unsigned cha
                     raw8_to_f32<YT>(ra[q], rb[q], v);
                     if (BWD) {
 #pragma unroll
-                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                        for (int k = 0; k < 8; ++k) acc[k] = mx_add(acc[k], v[k]);
                     } else {
 #pragma unroll
-                        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(v[k], wb[q]));
+                        for (int k = 0; k < 8; ++k) acc[k] = mx_add(acc[k], mx_mul(v[k], wb[q]));
                     }
                 }
             }
@@ -222,7 +225,7 @@ __device__ __forceinline__ void comb_recv_token(int t, int sr, unsigned char* __
                     float v[8];
                     raw8_to_f32<YT>(ra[q], rb[q], v);
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+                    for (int k = 0; k < 8; ++k) acc[k] = mx_add(acc[k], v[k]);
                 }
         }
         if (e0 < H) store8<YT>(out + ((long long)t * H + e0) * es, acc);

@@ -53,6 +53,16 @@ MX_HD float mx_mul(float a, float b) {
 #endif
 }
 
+MX_HD float mx_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return a + b;
+#endif
+}
+
 // Clamp to [-448, 448] (NaN-free input).
 MX_HD float mx_clamp448(float v) {
 #if defined(__CUDA_ARCH__)

@@ -309,13 +309,13 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
                     load16<OT>(y + (n * H + e0) * ob, yv);
 #pragma unroll
                     for (int k = 0; k < 16; ++k) {
-                        dot = __fadd_rn(dot, __fmul_rn(v[k], yv[k]));
-                        v[k] = __fmul_rn(v[k], wn);
+                        dot = mx_add(dot, mx_mul(v[k], yv[k]));  // mx_*: no ftz (subnormals kept)
+                        v[k] = mx_mul(v[k], wn);
                     }
                     store16<OT>(out + (n * H + e0) * ob, v);
                 }
 #pragma unroll
-                for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+                for (int o = 16; o; o >>= 1) dot = mx_add(dot, __shfl_xor_sync(0xFFFFFFFFu, dot, o));
                 if (lane == 0) dw[n] = dot;
             }
         } else {

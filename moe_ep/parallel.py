@@ -43,7 +43,8 @@ def finish(mesh: DeviceMesh | None = None, timeout_s: float = 120.0) -> None:
     1. a barrier on each group of ``mesh`` (its "dp" and "ep" groups; FSDP2 and the dispatch run their
        collectives there) and on the default group: every rank has finished every collective it issued;
     2. a rendezvous through the default store (no gloo/nccl traffic): every rank knows that every peer got there,
-       so nobody is still inside a collective when a peer closes its connections;
+       so nobody is still inside a collective when a peer closes its connections; rank 0 (the store's host
+       under env://) then waits until every peer has made its last store call;
     3. ``destroy_process_group``.
     Why: with only step 3 (or step 1 + 3), a rank that tears its gloo connections down while a slower peer is
     still receiving the last collective's messages can abort that peer at exit ("terminate called without an
@@ -61,12 +62,23 @@ def finish(mesh: DeviceMesh | None = None, timeout_s: float = 120.0) -> None:
     global _finish_calls
     _finish_calls += 1  # every rank calls finish equally often: the key is fresh even if the store outlives a group
     key = f"moe_ep/finish/{_finish_calls}"
-    store.add(key, 1)
     deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"finish(): not every rank of {world} arrived within {timeout_s} s")
-        time.sleep(0.002)
+
+    def wait_all(k: str, what: str) -> None:
+        while store.add(k, 0) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"finish(): not every rank of {world} {what} within {timeout_s} s")
+            time.sleep(0.002)
+
+    store.add(key, 1)
+    wait_all(key, "arrived")
+    # A second count: a rank adds to it after its last store call. Rank 0 hosts the store under the env://
+    # rendezvous (torchrun's agent hosts it otherwise), so it leaves only once every peer is done polling;
+    # without this a peer's last poll could reach a store whose process had exited
+    # (tests/test_parallel_finish.py forces that with a slow poller).
+    store.add(f"{key}/left", 1)
+    if dist.get_rank() == 0:
+        wait_all(f"{key}/left", "left the rendezvous")
     dist.destroy_process_group()
 
 

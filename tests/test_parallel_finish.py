@@ -32,3 +32,40 @@ def _finish_rank(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_finish_tears_down_every_rank(world_size):
     run_distributed(_finish_rank, world_size)
+
+
+class _SlowPollStore:
+    """The default store, except that this rank's first poll of the finish rendezvous (``add(key, 0)``) comes
+    ``delay_s`` late: the slow peer of the exit race. Attribute access goes to the real store."""
+
+    def __init__(self, store, delay_s: float) -> None:
+        self._store, self._delay_s, self._delayed = store, delay_s, False
+
+    def add(self, key: str, value: int) -> int:
+        if value == 0 and not self._delayed:
+            self._delayed = True
+            time.sleep(self._delay_s)
+        return self._store.add(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _finish_slow_poller_rank(rank: int, world_size: int) -> None:
+    # Rank 0 hosts the TCPStore (env:// rendezvous): it must not leave while a peer still has a store call to
+    # make. Every rank but 0 arrives, then polls 1 s late; rank 0 sees all arrivals at once and, without the
+    # "left" count, would return, exit and take the store with it before the peers' polls (they then fail).
+    real = dist.distributed_c10d._get_default_store
+    if rank != 0:
+        store = _SlowPollStore(real(), 1.0)
+        dist.distributed_c10d._get_default_store = lambda: store
+    try:
+        finish()
+    finally:
+        dist.distributed_c10d._get_default_store = real
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_finish_waits_for_a_slow_poller(world_size):
+    run_distributed(_finish_slow_poller_rank, world_size)
