@@ -56,15 +56,7 @@ __device__ __forceinline__ uint4 swiglu4(uint2 g, uint2 u) {
 
 // swiglu_bwd (moe_ep.gemm.swiglu_bwd), op by op as torch evaluates it on CUDA, each result rounded to fp32:
 //   sig = 1 / (1 + expf(-g));  dg = (dh * u) * (sig * (1 + g * (1 - sig)));  du = dh * (g * sig).
-__device__ __forceinline__ float mx_add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return a + b;
-#endif
-}
+// (mx_add: common.cuh)
 
 __device__ __forceinline__ float mx_sigmoid(float g) {
     const float d = mx_add(1.0f, expf(-g));
