@@ -218,6 +218,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
     for rnd in range(ROUNDS):
         for name in round_order(order, rnd):
             times[name].append(run(name))
+    row["ms_rounds"] = times  # per build, in round order (the pairs behind the median ratios below)
     row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
     row["ratio_vs_torch_bf16"] = {  # median over rounds of the same round's ratio
         kk: statistics.median(b / o for b, o in zip(times["torch_bf16"], v, strict=True)) for kk, v in times.items()

@@ -59,7 +59,7 @@ __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
-// Waits for phase `parity` of the mbarrier; traps (an error, not a hang) if it does not complete in ~2^28 polls.
+// 1 once phase `parity` of the mbarrier has completed (one try_wait; it may suspend the thread for a while).
 __device__ __forceinline__ unsigned mbar_try(unsigned bar, unsigned parity) {
     unsigned done;
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
@@ -68,6 +68,7 @@ __device__ __forceinline__ unsigned mbar_try(unsigned bar, unsigned parity) {
                  : "memory");
     return done;
 }
+// Waits for phase `parity` of the mbarrier; traps (an error, not a hang) if it does not complete in ~2^28 polls.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     for (unsigned polls = 0; !mbar_try(bar, parity);)
         if (++polls > (1u << 28)) __trap();

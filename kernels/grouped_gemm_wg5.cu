@@ -266,7 +266,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     const int tid = threadIdx.x, lane = tid & 31;
     // The warp index through a shuffle from lane 0, and kind below: ptxas then knows them warp-uniform, keeps the
     // ring counters and descriptors in uniform registers (no R2UR before every MMA) and the consumer loop's branches
-    // uniform. Measured +1.6 to +4.9 points of the torch ratio (benchmarks/NOTES.md).
+    // uniform. Measured +1.7 to +4.9 points of the torch ratio in two A/B runs (benchmarks/NOTES.md).
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
     const unsigned sbase = smem_u32(smem);
     if (sbase & 1023u) __trap();

@@ -199,8 +199,11 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
         return out
 
     def tiny_columns(t):
-        # specials: columns 0-7 of every row subnormal (in fp32 and bf16), so every term of those output columns is
-        # subnormal: a kernel that flushes them (-ftz arithmetic) gives 0 where the reference keeps the value.
+        # specials: columns 0-7 of every row subnormal (in fp32 and bf16; ~4 % round to 0 in bf16), so the terms of
+        # those output columns of combine, dispatch backward dx and the unquantized combine backward dy * w are
+        # subnormal: a kernel that flushes them (-ftz arithmetic) writes 0 where the reference keeps the value.
+        # Not covered: the quantized combine backward (the columns share an MXFP8 block with N(0, 1) values and
+        # quantize to 0) and dw (subnormal products underflow on both sides; compared with a tolerance).
         if specials and t.shape[0] and t.shape[1] >= 8:
             t[:, :8] = (torch.randn(t.shape[0], 8, generator=gen) * 1e-39).to(t.dtype).to(t.device)
         return t
