@@ -287,8 +287,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--variants",
-        default="row_plain,row_blocked,row_grouped,col_blocked,fused,grouped_dual,swiglu_dual,swiglu_bwd_dual,"
-        "grouped_dual_prep,swiglu_bwd_dual_prep",
+        default=",".join(("row_plain", "row_blocked", "row_grouped", "col_blocked", "fused", *DUAL)),
     )
     ap.add_argument("--groups", type=int, default=32, help="groups of the row_grouped variant")
     ap.add_argument("--pipes", default="", help="MOE_EP_QUANT_PIPE values to sweep, e.g. auto,0,2,3 (default: current)")

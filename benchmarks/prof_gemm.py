@@ -13,10 +13,11 @@ wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
 variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
-raster (``--kernel raster``): wgmma4 and wgmma5 fprop built with -DGM_RASTER / -DW5_RASTER = 1/4/8/16 (row tiles
+raster (``--kernel raster``): wgmma4 fprop built with -DGM_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
 given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
-pin (``--kernel pin``): the same for wgmma5 with and without the opaque per-thread A fields (-DW3_NO_PIN).
+(The wgmma5 band and the pinned A fields were measured the same way with -DW5_RASTER and -DW3_NO_PIN builds, switches
+that were removed once the results were in: results/prof_gemm_{raster,pin}_h200_rerun.json, code in a1e56ee.)
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.
@@ -24,7 +25,7 @@ wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each b
 wgrad (kernels/grouped_gemm_wgrad.cu, ``--kernel wgrad``): the operand preparation, the GEMM alone, the GEMM
 without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 
-    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|pin|ncu] [--shape dsv3_up] [--json PATH]
+    python benchmarks/prof_gemm.py [--kernel wgmma3|wgmma5|wgrad|raster|ncu] [--shape dsv3_up] [--json PATH]
 """
 
 from __future__ import annotations
@@ -227,12 +228,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
 
 
 ROUNDS = 6
-PIN_BUILDS = {"wgmma5": ("wgmma5", ""), "wgmma5_no_pin": ("wgmma5", "-DW3_NO_PIN")}
-RASTER_BUILDS = {
-    f"{i}_r{r}": (i, f"-D{band}={r}")
-    for i, band in (("wgmma4", "GM_RASTER"), ("wgmma5", "W5_RASTER"))
-    for r in (1, 4, 8, 16)
-}
+RASTER_BUILDS = {f"wgmma4_r{r}": ("wgmma4", f"-DGM_RASTER={r}") for r in (1, 4, 8, 16)}
 
 
 @contextlib.contextmanager
@@ -250,7 +246,7 @@ def _env_restored(*names: str):
 
 
 def experiments_builds(args) -> dict:
-    builds = RASTER_BUILDS if args.kernel == "raster" else PIN_BUILDS
+    builds = RASTER_BUILDS
     res = {"kernel": args.kernel, "shapes": {}}
     with _env_restored("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS"):
         for shape in [args.shape] if args.shape_given else list(SHAPES):
@@ -291,18 +287,17 @@ def launches_for_ncu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "pin", "ncu"))
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "ncu"))
     ap.add_argument("--shape", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster", "pin", "ncu"):
+    if args.kernel in ("wgmma5", "wgrad", "raster", "ncu"):
         exp = {
             "wgmma5": experiments_w5,
             "wgrad": experiments_wgrad,
             "raster": experiments_builds,
-            "pin": experiments_builds,
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)

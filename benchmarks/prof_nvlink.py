@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-NVLINK_GBS = 450.0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_dispatch import NVLINK_GBS  # noqa: E402
 
 
 def _pattern(rank: int, n: int, dev) -> torch.Tensor:
@@ -44,6 +46,7 @@ def main() -> int:
         return subprocess.call(cmd, env={**os.environ, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
     from moe_ep import _cuda, finish  # noqa: PLC0415
     from moe_ep.comm import nvshmem as nvs  # noqa: PLC0415
+    from moe_ep.provenance import code_version  # noqa: PLC0415
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -124,7 +127,7 @@ def main() -> int:
             world=world,
             mb_per_peer=args.mb,
             iters=args.iters,
-            commit=os.environ.get("MOE_EP_COMMIT", ""),
+            commit=code_version(),
         )
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -132,7 +135,7 @@ def main() -> int:
     dist.barrier()  # every rank is done with symmetric memory before NVSHMEM finalizes
     nvs.shutdown()
     finish()
-    return 0
+    return 0 if all(r["correct"] for r in rows) else 1  # a wrong received byte fails the run, as in bench_dispatch
 
 
 if __name__ == "__main__":

@@ -440,8 +440,9 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
 //      rflag[row at rank r][piece] = u into rank r's region (release). With every warp sending, the grid (about
 //      one token per warp) sends in a single wave and rows arrive only at its end; fewer senders spread the
 //      arrivals so that B overlaps A, and pieces make the last wave (the expand tail) smaller.
-//   B  the other warps at once, the senders once no token is left: warps take received rows by ticket (ctr[7]) in an order interleaving the source ranks (v -> rank v % W, its
-//      (v / W)-th row: rows arrive from every sender in token order), wait rflag[i][*] >= u, expand the row.
+//   B  the other warps at once, the senders once no token is left: warps take received rows by ticket (ctr[7])
+//      in an order interleaving the source ranks (v -> rank v % W, its (v / W)-th row: rows arrive from every
+//      sender in token order), wait rflag[i][*] >= u, expand the row.
 //   then the rows past N as ep_expand (small outputs; no data padding on this path), and the last CTA signals
 //   DISP_FREE(u) and resets the tickets. DISP_READY is not used (per-row flags replace it).
 template <int IN>
@@ -496,14 +497,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
         const int s = v % W;
         const int i = roff[s] + v / W;
         if (i >= roff[s + 1] || i >= R) continue;
-#ifdef EP_DIAG_SEND_ONLY  // timing diagnostics only (wrong results): the send part of the fused kernel alone
-        continue;
-#endif
         if (lane < pieces) ep_wait(c, rflag + (long long)i * pieces + lane, epoch, F_DISP_READY, s, me);
         __syncwarp();
-#ifdef EP_DIAG_NO_EXPAND  // ... the send and the receivers' waits, no expansion
-        continue;
-#endif
         expand_mx_row(i, lane, meta, data, scale, info, H, K, L, expand_cap, recv_pos, out, out_scale, w_out, exp_row,
                       exp_slot);
     }

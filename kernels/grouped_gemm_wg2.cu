@@ -210,10 +210,10 @@ __device__ __forceinline__ void w2_epilogue(float* acc, void* __restrict__ out, 
 // in bands of `band`: inside a band the row tile varies fastest, so the CTAs resident at one time share a few
 // column slices of the weight (which stay in L2) instead of sweeping all of it once per row tile (band 1: the plain
 // order m_t = t / n_tiles). Why: at llama4's expert size (N x K = 8192 x 5120 bf16 = 84 MB, more than L2) the plain
-// order re-reads the whole expert weight from DRAM for every ~4 row tiles. Measured (NOTES, "Design 3 (continued)",
-// 6 rounds in rotating order, ratio to torch bf16): wgmma4 with bands of 8 +5.5 / +6.8 / -1.4 / +8.5 % at dsv3_up /
-// dsv3_down / small / llama4; the persistent wgmma5 no better with bands (-5.6 % at dsv3_down): plain order there.
-// GM_RASTER: the band of wgmma2-4 (default 8); W5_RASTER: wgmma5's (default 1).
+// order re-reads the whole expert weight from DRAM for every ~4 row tiles. Measured (NOTES, "Correction", 6 rounds
+// in rotating order, ratio to torch bf16): wgmma4 with bands of 8 against 1: +3.5 / +4.9 / -0.4 / +9.8 points at
+// dsv3_up / dsv3_down / small / llama4; the persistent wgmma5 mixed with bands of 8: plain order there.
+// GM_RASTER: the band of wgmma2-4 (default 8); W5_RASTER: wgmma5's (1).
 // Example (m_tiles = 5, n_tiles = 3, band 2): t = 0..14 -> (0,0) (1,0) (0,1) (1,1) (0,2) (1,2) (2,0) (3,0)
 // (2,1) (3,1) (2,2) (3,2) (4,0) (4,1) (4,2).
 #ifndef GM_RASTER

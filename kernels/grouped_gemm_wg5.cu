@@ -42,9 +42,9 @@
 #include "grouped_gemm_wg4.cu"
 
 #define W5_THREADS 384
-#ifndef W5_RASTER  // tile order band (gm_raster in grouped_gemm_wg2.cu): the plain order measured best here
+// tile order band (gm_raster in grouped_gemm_wg2.cu): bands of 8 measured mixed here (NOTES, "Correction"), so the
+// plain order
 #define W5_RASTER 1
-#endif
 #define W5_CONSUMER_WARPS 8
 #ifndef W5_STAGES  // (-DW5_STAGES=5 -DW5_REG_EPI: an experiment of prof_gemm.py)
 #define W5_STAGES 4

@@ -56,8 +56,6 @@ __device__ __forceinline__ uint4 swiglu4(uint2 g, uint2 u) {
 
 // swiglu_bwd (moe_ep.gemm.swiglu_bwd), op by op as torch evaluates it on CUDA, each result rounded to fp32:
 //   sig = 1 / (1 + expf(-g));  dg = (dh * u) * (sig * (1 + g * (1 - sig)));  du = dh * (g * sig).
-// (mx_add: common.cuh)
-
 __device__ __forceinline__ float mx_sigmoid(float g) {
     const float d = mx_add(1.0f, expf(-g));
 #if defined(__CUDA_ARCH__)

@@ -15,6 +15,7 @@ Environment switches:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -45,8 +46,13 @@ def cupy():
 def kernels_dir() -> Path:
     """Directory with the CUDA sources: $MOE_EP_KERNELS_DIR, the source checkout, or the installed package."""
     env = os.environ.get("MOE_EP_KERNELS_DIR")
-    if env:
-        return Path(env)
+    return Path(env) if env else _package_kernels_dir()
+
+
+@functools.cache
+def _package_kernels_dir() -> Path:
+    # Cached: get_function's cache key calls this through compile_options on every launch, and the resolve()
+    # and is_file() below cost tens of microseconds each time.
     repo = Path(__file__).resolve().parent.parent / "kernels"
     if (repo / "common.cuh").is_file():
         return repo

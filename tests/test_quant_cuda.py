@@ -491,8 +491,8 @@ def _check_dual(got, want, sizes, exact: bool = True):
     """Compare (data, scale, data_c, scale_c); scale_c only in its used rows (the rest is not written).
 
     With scale_c None (colwise="bf16"), data_c is the prepared bf16 operand, compared in its used rows: NaN
-    exactly where the reference has NaN (a NaN block's payload is not part of the format), every other bit pattern
-    equal (signed zeros and zero padding rows included).
+    exactly where the reference has NaN, with the reference's payload 0x7FC0, every other bit pattern equal
+    (signed zeros and zero padding rows included).
     """
     pairs = [("data", got[0].view(torch.uint8), want[0].view(torch.uint8)), ("scale", got[1], want[1])]
     if want[3] is None:

@@ -18,8 +18,7 @@ _LAYOUT_TOKENS_PER_CTA = 128
 _I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/layout.cu)
 
 
-def _fn(src: str, name: str, names: tuple[str, ...] = ()):
-    return _cuda.get_function(src, name, names)
+_fn = _cuda.get_function  # (src, kernel, name_expressions)
 
 
 # kernel-argument converters of the transport modules (short names: the launch argument lists are long)
