@@ -13,6 +13,10 @@ wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
 variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
+builds (``--kernel builds --builds "base=wgmma5:;sext=wgmma5:-DGM_CVT_SEXT"``): the same interleaved A/B for any
+builds (``parse_builds``) on the shapes of ``--shape`` (names or MxKxNxG specs, comma-separated; default all of
+bench_gemm's), ``--rounds`` rounds.
+
 raster (``--kernel raster``): wgmma4 fprop built with -DGM_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
 given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
@@ -85,10 +89,18 @@ def launcher_w5(opts, xq, xs, wprep, sz, out):
     return run
 
 
+def shape_dims(shape: str) -> tuple[int, int, int, int]:
+    """(M, K, N, G) of a bench_gemm shape name or of a spec "MxKxNxG" (e.g. 32768x2048x4096x32)."""
+    if shape in SHAPES:
+        return SHAPES[shape]
+    m, k, n, g = (int(v) for v in shape.split("x"))
+    return m, k, n, g
+
+
 def fprop_operands(shape: str):
     """The benchmark shape's fprop operands (bench_gemm's uneven group sizes): (M, K, N, G, sizes, sz, x, w, xq,
     wq, xs, ws, out) with x/w bf16, xq/wq their MXFP8 quantization, xs/ws the blocked scales, out bf16 [M, N]."""
-    m, k, n, g = SHAPES[shape]
+    m, k, n, g = shape_dims(shape)
     sizes = uneven_sizes(m, g, seed=sum(map(ord, shape)))
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
     x = torch.randn(m, k, device="cuda").bfloat16()
@@ -179,8 +191,8 @@ def experiments_wgrad(args) -> dict:
     return res
 
 
-def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
-    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ROUNDS
+def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int = 6) -> dict:
+    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ``rounds``
     interleaved rounds in rotating order, bytes compared with the first build's output (all must be equal)."""
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
@@ -203,7 +215,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
         os.environ["MOE_EP_GEMM_IMPL"], os.environ["MOE_EP_NVRTC_OPTIONS"] = builds[name]
         return time_ms(ours, 3, 20)
 
-    # A first pass whose times are dropped (it compiles every build and checks the bytes); then ROUNDS rounds in
+    # A first pass whose times are dropped (it compiles every build and checks the bytes); then `rounds` rounds in
     # bench_gemm.round_order (rotated, every other one reversed), so that a position effect (e.g. the first kernel
     # after torch's) cannot pass for a build's own.
     order = [*builds, "torch_bf16"]
@@ -216,7 +228,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]]) -> dict:
             torch.cuda.synchronize()
             row[f"{name}_bytes_equal_{first}"] = bool(torch.equal(out, ref))
         out.fill_(float("nan"))
-    for rnd in range(ROUNDS):
+    for rnd in range(rounds):
         for name in round_order(order, rnd):
             times[name].append(run(name))
     row["ms_rounds"] = times  # per build, in round order (the pairs behind the median ratios below)
@@ -245,12 +257,25 @@ def _env_restored(*names: str):
                 os.environ[var] = val
 
 
+def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
+    """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS)}.
+
+    Example: ``base=wgmma5:;sext=wgmma5:-DGM_CVT_SEXT`` -> {"base": ("wgmma5", ""), "sext": ("wgmma5",
+    "-DGM_CVT_SEXT")}."""
+    out = {}
+    for item in spec.split(";"):
+        name, _, rest = item.partition("=")
+        impl, _, opts = rest.partition(":")
+        out[name.strip()] = (impl.strip(), opts.strip())
+    return out
+
+
 def experiments_builds(args) -> dict:
-    builds = RASTER_BUILDS
+    builds = parse_builds(args.builds) if args.builds else RASTER_BUILDS
     res = {"kernel": args.kernel, "shapes": {}}
     with _env_restored("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS"):
-        for shape in [args.shape] if args.shape_given else list(SHAPES):
-            res["shapes"][shape] = _builds_shape(shape, builds)
+        for shape in args.shape.split(",") if args.shape_given else list(SHAPES):
+            res["shapes"][shape] = _builds_shape(shape, builds, args.rounds)
             print(shape, json.dumps(res["shapes"][shape]))
     return res
 
@@ -287,17 +312,20 @@ def launches_for_ncu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "ncu"))
-    ap.add_argument("--shape", default=None)
+    ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "builds", "ncu"))
+    ap.add_argument("--shape", default=None, help="a bench_gemm shape or MxKxNxG; raster/builds: a comma list")
+    ap.add_argument("--builds", default=None, help="--kernel builds: name=impl:options;... (parse_builds)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
     args.shape = args.shape or "dsv3_up"
-    if args.kernel in ("wgmma5", "wgrad", "raster", "ncu"):
+    if args.kernel in ("wgmma5", "wgrad", "raster", "builds", "ncu"):
         exp = {
             "wgmma5": experiments_w5,
             "wgrad": experiments_wgrad,
             "raster": experiments_builds,
+            "builds": experiments_builds,
             "ncu": launches_for_ncu,
         }[args.kernel]
         res = exp(args)

@@ -185,11 +185,39 @@ __device__ __forceinline__ void w5_epilogue_bf16(const float* acc, unsigned shor
 // tensor map: it spans exactly [M, N]) and commits them as one bulk group.
 __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned region, int wg, long long arow0, int n0,
                                                 int N, const TmaMap* tmO) {
-    const int tid = threadIdx.x, lane = tid & 31, c = tid & 3, q = (tid >> 5) & 3;
+    const int tid = threadIdx.x, lane = tid & 31, q = (tid >> 5) & 3;
     const bool leader = (tid & 127) == 0;
     const int bar = 3 + wg;  // named barriers 3, 4: one per warpgroup (0: __syncthreads, 1-2: MMA turns)
     if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     named_bar_sync(bar, 128);
+#ifdef W5_STSM
+    // stmatrix.x4: matrix i of the instruction for column pair j0 = 2 p is the 8 x 8 block (rows 16 q + 8 (i & 1),
+    // columns 8 (j0 + (i >> 1))), whose fragment (lane l: row l / 4, columns 2 (l % 4), + 1) is exactly the bf16
+    // pair of accumulators 4 j + 2 h, + 1 with j = j0 + (i >> 1), h = i & 1; lane l gives the address of row l % 8
+    // of matrix l / 8. One instruction per 16 columns instead of 4 stores of 4 bytes per 8 columns; every 8-row
+    // matrix covers 8 distinct 16-byte units (the swizzle), i.e. all 32 banks once.
+    {
+        const unsigned mi = (unsigned)lane >> 3, rr = (unsigned)(q * 16) + 8u * (mi & 1u) + ((unsigned)lane & 7u);
+        const unsigned y = (mi >> 1) ^ ((unsigned)lane & 7u);  // unit (2 (p % 4) + (mi >> 1)) ^ (rr % 8)
+        unsigned rowa[4];
+#pragma unroll
+        for (int p4 = 0; p4 < 4; ++p4) rowa[p4] = region + rr * 128u + (((2u * (unsigned)p4) ^ y) << 4);
+#pragma unroll
+        for (int p = 0; p < 16; ++p) {  // columns 16 p .. 16 p + 15 = chunk p / 4
+            unsigned w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int a = 4 * (2 * p + (i >> 1)) + 2 * (i & 1);
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[a + 1]), "f"(acc[a]));
+            }
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                             rowa[p & 3] + (unsigned)(p >> 2) * 8192u),
+                         "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                         : "memory");
+        }
+    }
+#else
+    const int c = tid & 3;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = q * 16 + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
@@ -205,6 +233,7 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
                   pk);
         }
     }
+#endif
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     named_bar_sync(bar, 128);
     if (leader) {

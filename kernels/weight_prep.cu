@@ -120,8 +120,8 @@ __device__ __forceinline__ void prep_colwise_warp(const unsigned char* __restric
             for (int i = 0; i < 4; ++i) {
                 uint4 v = make_uint4(0u, 0u, 0u, 0u);  // rows past the group inside its last 64: zeros
                 if (r0 + i < bg.rows) {
-                    unsigned o[4] = {e4m3x2_bits(raw[i].x, 0x1404u), e4m3x2_bits(raw[i].x, 0x3424u),
-                                     e4m3x2_bits(raw[i].y, 0x1404u), e4m3x2_bits(raw[i].y, 0x3424u)};
+                    unsigned o[4] = {e4m3x2_bits(raw[i].x, E4M3X2_LO), e4m3x2_bits(raw[i].x, E4M3X2_HI),
+                                     e4m3x2_bits(raw[i].y, E4M3X2_LO), e4m3x2_bits(raw[i].y, E4M3X2_HI)};
 #pragma unroll
                     for (int j = 0; j < 4; ++j)
                         o[j] = fast ? hmul2_bf16(o[j], m[j]) : hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m[j]);

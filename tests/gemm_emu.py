@@ -30,8 +30,15 @@ TID = np.arange(256, dtype=np.int64)[None, :]  # threadIdx.x (one row per CTA of
 
 # ---------------------------------------------------------------------------------------------- bit helpers
 def byte_perm(x: int, y: int, s: int) -> int:
+    """prmt.b32 (default mode): selector nibble i picks byte (nibble & 7) of {y, x}; with bit 3 set, the byte's sign
+    bit replicated over 8 bits instead."""
     b = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
-    return sum(b[(s >> (4 * i)) & 7] << (8 * i) for i in range(4))
+    out = 0
+    for i in range(4):
+        nib = (s >> (4 * i)) & 0xF
+        v = b[nib & 7]
+        out |= ((0xFF if v & 0x80 else 0) if nib & 8 else v) << (8 * i)
+    return out
 
 
 def bf16_to_f(h: int) -> float:
@@ -56,6 +63,11 @@ def hmul2(a: int, b: int) -> int:  # mul.rn.bf16x2 (subnormals kept, RNE)
 def e4m3x2_bits(w: int, sel: int) -> int:
     d = byte_perm(w, 0, sel)
     return (d & 0x80008000) | ((d >> 4) & 0x07F007F0)
+
+
+def e4m3x2_bits_sext(w: int, sel: int) -> int:
+    """The -DGM_CVT_SEXT form (selectors 0x9180 / 0xB3A2: sign-extended bytes, shift, one mask)."""
+    return ((byte_perm(w, 0, sel) << 4) & 0xFFFFFFFF) & 0x87F087F0
 
 
 def mult_slow1(s: int) -> int:

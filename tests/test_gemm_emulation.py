@@ -28,6 +28,8 @@ from gemm_emu import (  # noqa: E402
     cta_2d3d,
     cvt_words_1s,
     cvt_words_ps,
+    e4m3x2_bits,
+    e4m3x2_bits_sext,
     emu_2d3d,
     emu_wgrad,
     f_to_bf16,
@@ -58,6 +60,16 @@ def test_bit_conversion_exact_for_all_codes_and_scales():
     # NaN scale gives NaN
     got = cvt_words_1s([0x38383838, 0, 0, 0], 0xFF)[0]
     assert np.isnan(bf16_to_f(got & 0xFFFF))
+
+
+def test_sign_extended_pair_form_equals_the_masked_form():
+    """kernels/grouped_gemm.cu's two forms of e4m3x2_bits give the same bits for every pair of bytes, in both word
+    halves (the selectors of the default build 0x1404 / 0x3424 against the -DGM_CVT_SEXT ones 0x9180 / 0xB3A2)."""
+    for lo in range(256):
+        for hi in range(256):
+            pair = lo | hi << 8
+            assert e4m3x2_bits_sext(pair, 0x9180) == e4m3x2_bits(pair, 0x1404), (hex(lo), hex(hi))
+            assert e4m3x2_bits_sext(pair << 16 | 0x5AA5, 0xB3A2) == e4m3x2_bits(pair << 16 | 0x5AA5, 0x3424)
 
 
 def test_pair_multipliers_match_scalar_path():
