@@ -182,23 +182,34 @@ __device__ __forceinline__ unsigned mult_slow1(unsigned s) {
 }
 #define BF16X2_2P120 0x7B807B80u
 
-// 16 e4m3 bytes sharing scale byte s -> 8 bf16x2 words o[2 j + h] = bytes 4 j + 2 h, 4 j + 2 h + 1 (scaled).
-__device__ __forceinline__ void cvt16(uint4 raw, unsigned s, unsigned* o) {
+// 16 e4m3 bytes -> 8 bf16x2 words o[2 j + h] = bytes 4 j + 2 h, 4 j + 2 h + 1, unscaled (v * 2**-120).
+__device__ __forceinline__ void e4m3_bits16(uint4 raw, unsigned* o) {
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         o[2 * j] = e4m3x2_bits(w[j], E4M3X2_LO);
         o[2 * j + 1] = e4m3x2_bits(w[j], E4M3X2_HI);
     }
-    if (s < 128u) {
-        const unsigned m = mult_fast(s);
+}
+// The 8 words of e4m3_bits16 times 2**(s - 127) * 2**120, exactly: one multiply when s < 128, two otherwise.
+__device__ __forceinline__ void scale16_fast(unsigned* o, unsigned s) {
+    const unsigned m = mult_fast(s);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(o[j], m);
+    for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(o[j], m);
+}
+__device__ __forceinline__ void scale16(unsigned* o, unsigned s) {
+    if (s < 128u) {
+        scale16_fast(o, s);
     } else {
         const unsigned m = mult_slow1(s) * 0x00010001u;
 #pragma unroll
         for (int j = 0; j < 8; ++j) o[j] = hmul2_bf16(hmul2_bf16(o[j], BF16X2_2P120), m);
     }
+}
+// 16 e4m3 bytes sharing scale byte s -> 8 bf16x2 words o[2 j + h] = bytes 4 j + 2 h, 4 j + 2 h + 1 (scaled).
+__device__ __forceinline__ void cvt16(uint4 raw, unsigned s, unsigned* o) {
+    e4m3_bits16(raw, o);
+    scale16(o, s);
 }
 
 // 4 x 4 transpose of 32-bit words inside each quad of lanes (lane c = lane % 4 holds row c: w[i] = M[c][i]; after

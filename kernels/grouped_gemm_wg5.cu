@@ -89,6 +89,37 @@ __device__ __forceinline__ void mbar_arrive_if(unsigned bar, bool pred) {
                  : "memory");
 }
 
+// A(s) of the consumer thread into wgmma fragments f (w3_convert_a's result). W5A: byte offsets of the thread's two
+// A rows in the raw tile, the offset of its scale byte for block c / 2 in the scale tile (row ar0; + 128: row
+// ar0 + 8), and slim, the number of k-steps whose k = 64 s + 16 c is inside K (only the last one can be outside:
+// its data is TMA's zero fill, and the scale byte there, padding, is not read).
+struct W5A {
+    unsigned a0, a1, sa;
+    int slim;
+};
+__device__ __forceinline__ void w5_convert_a(const W5A& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {
+    const bool kv = s < T.slim;
+    const unsigned sc = a_sc + T.sa + 2u * ((unsigned)s & 1u);  // block (64 s + 16 c) / 32 % 4 = 2 (s % 2) + c / 2
+    const uint4 r0 = lds128(a_raw + T.a0), r1 = lds128(a_raw + T.a1);
+    const unsigned s0 = kv ? lds8(sc) : 127u, s1 = kv ? lds8(sc + 128u) : 127u;
+    unsigned o0[8], o1[8];
+    e4m3_bits16(r0, o0);
+    e4m3_bits16(r1, o1);
+#ifdef W5_ONEBR  // one branch for both rows' scale paths
+    if ((s0 | s1) < 128u) {
+        scale16_fast(o0, s0);
+        scale16_fast(o1, s1);
+    } else {
+        scale16(o0, s0);
+        scale16(o1, s1);
+    }
+#else
+    scale16(o0, s0);
+    scale16(o1, s1);
+#endif
+    a_frags(o0, o1, f);
+}
+
 // The two consumer warpgroups issue their MMAs strictly in turn (named barriers 1 and 2: warpgroup 0 waits on 1
 // before issuing, warpgroup 1 on 2; each arrives on the other's barrier after issuing), so that one converts its A
 // fragments while the other's MMAs run (measured: +4-6 % over unordered issue).
@@ -313,6 +344,15 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
 
     const int wg = warp >> 2, q = warp & 3, c = tid & 3;
     const int ar0 = wg * 64 + q * 16 + (lane >> 2);
+#ifdef W5_SLIM
+    W5A T;
+    T.a0 = (unsigned)ar0 * 64u + 16u * c;
+    T.a1 = T.a0 + 512u;
+    T.sa = (unsigned)((ar0 & 31) * 16 + (ar0 >> 5) * 4 + (c >> 1));
+    T.slim = (K - 16 * c + 63) / 64;  // K >= 32, c <= 3: the numerator is positive
+    asm volatile("" : "+r"(T.a0), "+r"(T.a1), "+r"(T.sa), "+r"(T.slim));  // kept, not recomputed (w3_pin_a_fields)
+#define W5_CONVERT_A w5_convert_a
+#else
     W3Thread T;  // only the A fields (w3_convert_a with the raw A tile at W5_A and the stage's scale tile)
     T.c16 = c * 16;
     T.K = K;
@@ -320,6 +360,16 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     T.a1 = T.a0 + 512u;
     T.sa = (unsigned)((ar0 & 31) * 16 + (ar0 >> 5) * 4);
     w3_pin_a_fields(T);
+#define W5_CONVERT_A w3_convert_a
+#endif
+#ifdef W5_L0
+    // kept in registers, not recomputed at every k-step (S2R + compare, and two selects for the barrier ids)
+    unsigned lane0 = lane == 0, bar_mine = wg == 0 ? 1u : 2u, bar_other = 3u - bar_mine;
+    asm volatile("" : "+r"(lane0), "+r"(bar_mine), "+r"(bar_other));
+#else
+    const bool lane0 = lane == 0;
+    const int bar_mine = wg == 0 ? 1 : 2, bar_other = wg == 0 ? 2 : 1;
+#endif
 
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
     const int total = ((int)((M + W2_BM - 1) / W2_BM) + G) * n_tiles;
@@ -349,7 +399,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
         {
             const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
-            w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
+            W5_CONVERT_A(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
         }
         int prev = 0;  // stage of the previous k-step
         for (int s = 0; s < ksteps; s += 3) {
@@ -360,29 +410,29 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
                 unsigned* cur = u == 0 ? f0 : (u == 1 ? f1 : f2);
                 unsigned* nxt = u == 0 ? f1 : (u == 1 ? f2 : f0);
                 unsigned* old = u == 0 ? f2 : (u == 1 ? f0 : f1);
-                named_bar_sync(wg == 0 ? 1 : 2, 256);
+                named_bar_sync(bar_mine, 256);
                 wg_fence();
                 const unsigned long long db = wg_desc(sbase + (unsigned)stage * W5_STAGE_BYTES);
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs(acc, cur + 4 * kk, db + 2 * kk);
                 wg_commit();
-                named_bar_arrive(wg == 0 ? 2 : 1, 256);
+                named_bar_arrive(bar_other, 256);
                 const int cur_stage = stage;
                 ring_next(stage, phase, W5_STAGES);
                 if (ss + 1 < ksteps) {
                     mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
                     const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
-                    w3_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
+                    W5_CONVERT_A(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
                 }
                 wg_wait<1>();  // M(ss - 1) retired: its A buffer (old) and its stage are free
                 wg_fence_regs<16>(old);
-                mbar_arrive_if(empty0 + 8u * (unsigned)prev, ss >= 1 && lane == 0);
+                mbar_arrive_if(empty0 + 8u * (unsigned)prev, ss >= 1 && lane0);
                 prev = cur_stage;
             }
         }
         w2_drain(acc, f0, f1);
         wg_fence_regs<16>(f2);
-        mbar_arrive_if(empty0 + 8u * (unsigned)prev, lane == 0);
+        mbar_arrive_if(empty0 + 8u * (unsigned)prev, lane0);
 #ifdef W5_NO_EPI  // timing experiment only: no output stores
         if (mrows < 0)
 #endif
