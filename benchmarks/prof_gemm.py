@@ -13,9 +13,9 @@ wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
 variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
 
-builds (``--kernel builds --builds "base=wgmma5:;sext=wgmma5:-DGM_CVT_SEXT"``): the same interleaved A/B for any
-builds (``parse_builds``) on the shapes of ``--shape`` (names or MxKxNxG specs, comma-separated; default all of
-bench_gemm's), ``--rounds`` rounds.
+builds (``--kernel builds --builds "base=wgmma5:;st5=wgmma5:-DW5_STAGES=5 -DW5_REG_EPI"``): the same interleaved
+A/B for any builds (``parse_builds``) on the shapes of ``--shape`` (names or MxKxNxG specs, comma-separated;
+default all of bench_gemm's), ``--rounds`` rounds.
 
 raster (``--kernel raster``): wgmma4 fprop built with -DGM_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
@@ -260,8 +260,8 @@ def _env_restored(*names: str):
 def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
     """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS)}.
 
-    Example: ``base=wgmma5:;sext=wgmma5:-DGM_CVT_SEXT`` -> {"base": ("wgmma5", ""), "sext": ("wgmma5",
-    "-DGM_CVT_SEXT")}."""
+    Example: ``base=wgmma5:;st5=wgmma5:-DW5_STAGES=5`` -> {"base": ("wgmma5", ""), "st5": ("wgmma5",
+    "-DW5_STAGES=5")}."""
     out = {}
     for item in spec.split(";"):
         name, _, rest = item.partition("=")

@@ -152,10 +152,11 @@ __device__ __forceinline__ unsigned hmul2_bf16(unsigned a, unsigned b) {
 // Two e4m3 bytes placed as bf16 bits (sign at bit 15, exponent+mantissa bits (b & 0x7F) << 4) read as
 // v * 2**-120 exactly (normals and e4m3 subnormals alike: the exponent bias moves from 7 to 127). Selector
 // E4M3X2_LO takes bytes 0, 1 of w, E4M3X2_HI bytes 2, 3 (low element in the low half).
-#ifdef GM_CVT_SEXT
 // prmt's sign-replicate mode (bit 3 of a selector nibble) makes each 16-bit half the sign-extended byte; shifted left
 // by 4, its sign copy lands on bit 15 and the magnitude bits on 10..4, and one mask clears the other sign copies
-// (bits 14..11) and the bits the shift carried from the low half into bits 19..16: 3 instructions instead of 4.
+// (bits 14..11) and the bits the shift carried from the low half into bits 19..16. 3 instructions per pair instead
+// of the 4 of (d & 0x80008000) | ((d >> 4) & 0x07F007F0) on the plainly placed bytes (same bits for every pair:
+// tests/test_gemm_emulation.py); measured +4.0 to +7.8 points of the torch ratio in wgmma5 (benchmarks/NOTES.md).
 #define E4M3X2_LO 0x9180u
 #define E4M3X2_HI 0xB3A2u
 __device__ __forceinline__ unsigned e4m3x2_bits(unsigned w, unsigned sel) {
@@ -163,14 +164,6 @@ __device__ __forceinline__ unsigned e4m3x2_bits(unsigned w, unsigned sel) {
     asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(w), "r"(sel));  // [sext(b1) | sext(b0)]
     return (d << 4) & 0x87F087F0u;
 }
-#else
-#define E4M3X2_LO 0x1404u
-#define E4M3X2_HI 0x3424u
-__device__ __forceinline__ unsigned e4m3x2_bits(unsigned w, unsigned sel) {
-    const unsigned d = __byte_perm(w, 0u, sel);  // byte b0 -> bits 8..15, b1 -> bits 24..31
-    return (d & 0x80008000u) | ((d >> 4) & 0x07F007F0u);
-}
-#endif
 
 // bf16x2 multiplier for scale byte s (both halves): fast path s < 128: 2**(s-7) (so v*2**-120 * 2**(s-7)).
 __device__ __forceinline__ unsigned mult_fast(unsigned s) { return ((s + 120u) << 7) * 0x00010001u; }

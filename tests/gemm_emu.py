@@ -60,14 +60,19 @@ def hmul2(a: int, b: int) -> int:  # mul.rn.bf16x2 (subnormals kept, RNE)
     return lo | (hi << 16)
 
 
+E4M3X2_LO, E4M3X2_HI = 0x9180, 0xB3A2  # kernels/grouped_gemm.cu: bytes 0, 1 / 2, 3, sign-extended
+
+
 def e4m3x2_bits(w: int, sel: int) -> int:
+    """kernels/grouped_gemm.cu's e4m3x2_bits: prmt with sign-replicated bytes, shift by 4, one mask."""
+    return ((byte_perm(w, 0, sel) << 4) & 0xFFFFFFFF) & 0x87F087F0
+
+
+def e4m3x2_bits_placed(w: int, sel: int) -> int:
+    """The direct statement of the bit placement (the kernels' form before, selectors 0x1404 / 0x3424): byte b to
+    bits 8..15 of its half, sign kept at bit 15, bits (b & 0x7F) << 4."""
     d = byte_perm(w, 0, sel)
     return (d & 0x80008000) | ((d >> 4) & 0x07F007F0)
-
-
-def e4m3x2_bits_sext(w: int, sel: int) -> int:
-    """The -DGM_CVT_SEXT form (selectors 0x9180 / 0xB3A2: sign-extended bytes, shift, one mask)."""
-    return ((byte_perm(w, 0, sel) << 4) & 0xFFFFFFFF) & 0x87F087F0
 
 
 def mult_slow1(s: int) -> int:
@@ -77,7 +82,7 @@ def mult_slow1(s: int) -> int:
 def cvt_words_1s(words, s):
     o = []
     for w in words:
-        o += [e4m3x2_bits(w, 0x1404), e4m3x2_bits(w, 0x3424)]
+        o += [e4m3x2_bits(w, E4M3X2_LO), e4m3x2_bits(w, E4M3X2_HI)]
     if s < 128:
         m = ((s + 120) << 7) * 0x00010001
         return [hmul2(x, m) for x in o]
@@ -103,7 +108,7 @@ def pair_mults8(sv):
 def cvt_words_ps(words, m, fast):
     o = []
     for w in words:
-        o += [e4m3x2_bits(w, 0x1404), e4m3x2_bits(w, 0x3424)]
+        o += [e4m3x2_bits(w, E4M3X2_LO), e4m3x2_bits(w, E4M3X2_HI)]
     if fast:
         return [hmul2(x, mm) for x, mm in zip(o, m, strict=True)]
     return [hmul2(hmul2(x, 0x7B807B80), mm) for x, mm in zip(o, m, strict=True)]

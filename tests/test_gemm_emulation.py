@@ -29,7 +29,7 @@ from gemm_emu import (  # noqa: E402
     cvt_words_1s,
     cvt_words_ps,
     e4m3x2_bits,
-    e4m3x2_bits_sext,
+    e4m3x2_bits_placed,
     emu_2d3d,
     emu_wgrad,
     f_to_bf16,
@@ -62,14 +62,19 @@ def test_bit_conversion_exact_for_all_codes_and_scales():
     assert np.isnan(bf16_to_f(got & 0xFFFF))
 
 
-def test_sign_extended_pair_form_equals_the_masked_form():
-    """kernels/grouped_gemm.cu's two forms of e4m3x2_bits give the same bits for every pair of bytes, in both word
-    halves (the selectors of the default build 0x1404 / 0x3424 against the -DGM_CVT_SEXT ones 0x9180 / 0xB3A2)."""
+def test_sign_extended_pair_form_equals_the_bit_placement():
+    """kernels/grouped_gemm.cu's e4m3x2_bits (sign-extending prmt, shift, mask) gives, for every pair of bytes and in
+    both word halves, the bits of the direct placement (sign to bit 15, (b & 0x7F) << 4), i.e. v * 2**-120."""
+    from moe_ep import _cuda
+
+    src = _cuda.read_source("grouped_gemm.cu")
+    assert "#define E4M3X2_LO 0x9180u" in src and "#define E4M3X2_HI 0xB3A2u" in src
+    assert "return (d << 4) & 0x87F087F0u;" in src
     for lo in range(256):
         for hi in range(256):
             pair = lo | hi << 8
-            assert e4m3x2_bits_sext(pair, 0x9180) == e4m3x2_bits(pair, 0x1404), (hex(lo), hex(hi))
-            assert e4m3x2_bits_sext(pair << 16 | 0x5AA5, 0xB3A2) == e4m3x2_bits(pair << 16 | 0x5AA5, 0x3424)
+            assert e4m3x2_bits(pair, 0x9180) == e4m3x2_bits_placed(pair, 0x1404), (hex(lo), hex(hi))
+            assert e4m3x2_bits(pair << 16 | 0x5AA5, 0xB3A2) == e4m3x2_bits_placed(pair << 16 | 0x5AA5, 0x3424)
 
 
 def test_pair_multipliers_match_scalar_path():

@@ -315,3 +315,26 @@ def test_w5_tma_epilogue_direct_stores_are_the_box_layout_and_conflict_free():
         unit = (byte // 16) ^ (row & 7)
         assert (row, 64 * ch + 8 * unit + (byte % 16) // 2) == (r, col)
     assert len(region) == 64 * 128  # 64 rows x 128 bf16 pairs
+
+
+def test_w5_scale_offset_and_kstep_bound_match_their_definitions():
+    """w5_convert_a's per-thread constants: T.sa + 2 (s % 2) is the blocked-tile offset of row ar0's scale byte for
+    the 32-block of k = 64 s + 16 c ((ar0 % 32) 16 + (ar0 / 32) 4 + (k / 32) % 4), and s < T.slim holds exactly when
+    that k is inside K (the kernel reads the scale byte only then). Checked against the source's expressions."""
+    from moe_ep import _cuda
+
+    src = _cuda.read_source("grouped_gemm_wg5.cu")
+    assert "T.sa = (unsigned)((ar0 & 31) * 16 + (ar0 >> 5) * 4 + (c >> 1));" in src
+    assert "T.slim = (K - 16 * c + 63) / 64;" in src
+    assert "const unsigned sc = a_sc + T.sa + 2u * ((unsigned)s & 1u);" in src
+    assert "const bool kv = s < T.slim;" in src
+    for ar0 in range(128):
+        for c in range(4):
+            sa = (ar0 & 31) * 16 + (ar0 >> 5) * 4 + (c >> 1)
+            for s in range(6):
+                k = 64 * s + 16 * c
+                assert sa + 2 * (s & 1) == (ar0 % 32) * 16 + (ar0 // 32) * 4 + (k // 32) % 4
+    for kk in range(32, 64 * 9, 32):
+        for c in range(4):
+            slim = (kk - 16 * c + 63) // 64
+            assert all((s < slim) == (64 * s + 16 * c < kk) for s in range(-(-kk // 64)))
