@@ -44,7 +44,9 @@
 #define W5_THREADS 384
 // tile order band (gm_raster in grouped_gemm_wg2.cu): bands of 8 measured mixed here (NOTES, "Correction"), so the
 // plain order
+#ifndef W5_RASTER  // (-DW5_RASTER=b: prof_gemm.py A/B of the band)
 #define W5_RASTER 1
+#endif
 #define W5_CONSUMER_WARPS 8
 #ifndef W5_STAGES  // (-DW5_STAGES=5 -DW5_REG_EPI: an experiment of prof_gemm.py)
 #define W5_STAGES 4
