@@ -20,8 +20,8 @@ default all of bench_gemm's), ``--rounds`` rounds.
 raster (``--kernel raster``): wgmma4 fprop built with -DGM_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
 given, ROUNDS rounds interleaved in rotating order with the median per build, bytes checked equal to the first build.
-(The wgmma5 band and the pinned A fields were measured the same way with -DW5_RASTER and -DW3_NO_PIN builds, switches
-that were removed once the results were in: results/prof_gemm_{raster,pin}_h200_rerun.json, code in a1e56ee.)
+(The pinned A fields were measured the same way with -DW3_NO_PIN builds, a switch removed once the results were in:
+results/prof_gemm_pin_h200_rerun.json, code in a1e56ee; wgmma5's band with ``--kernel builds`` and -DW5_RASTER=b.)
 
 ncu (``--kernel ncu``): for profiling under Nsight Compute with ``--profile-from-start off``: per shape, wgmma4 and
 wgmma5 fprop and torch bf16 ``_grouped_mm`` warmed up, then launched once each between cudaProfilerStart/Stop.

@@ -213,7 +213,7 @@ __device__ __forceinline__ void w2_epilogue(float* acc, void* __restrict__ out, 
 // order re-reads the whole expert weight from DRAM for every ~4 row tiles. Measured (NOTES, "Correction", 6 rounds
 // in rotating order, ratio to torch bf16): wgmma4 with bands of 8 against 1: +3.5 / +4.9 / -0.4 / +9.8 points at
 // dsv3_up / dsv3_down / small / llama4; the persistent wgmma5 mixed with bands of 8: plain order there.
-// GM_RASTER: the band of wgmma2-4 (default 8); W5_RASTER: wgmma5's (1).
+// GM_RASTER: the band of wgmma2-4 (default 8); W5_RASTER: wgmma5's (8).
 // Example (m_tiles = 5, n_tiles = 3, band 2): t = 0..14 -> (0,0) (1,0) (0,1) (1,1) (0,2) (1,2) (2,0) (3,0)
 // (2,1) (3,1) (2,2) (3,2) (4,0) (4,1) (4,2).
 #ifndef GM_RASTER

@@ -15,7 +15,7 @@
 //     consumers take them (setmaxnreg.inc to 224): 128 x 56 + 256 x 224 = 64512 = 384 x 168, all the CTA holds
 //     (a larger inc waits forever for registers nobody frees). (A 288-thread block
 //     does not help: ptxas still budgets 12 warps.)
-//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... in gm_raster's order (W5_RASTER;
+//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... in gm_raster's order (W5_RASTER bands;
 //     (ceil(M/128) + G) * n_tiles tiles, those past the groups zero-fill rows past sum(sizes) when zero_rest).
 //     Each warp scans the group sizes itself (its own GroupInfo, no block barrier; the sizes stay in L1 after the
 //     first tile).
@@ -42,10 +42,11 @@
 #include "grouped_gemm_wg4.cu"
 
 #define W5_THREADS 384
-// tile order band (gm_raster in grouped_gemm_wg2.cu): bands of 8 measured mixed here (NOTES, "Correction"), so the
-// plain order
+// tile order band (gm_raster in grouped_gemm_wg2.cu): 8 row tiles per band. Measured mixed against the plain order
+// (1) while the consumers' instruction stream bound the kernel (NOTES, "Correction"); after the leaner k-step, 4.0 to
+// 7.7 % faster at the three large shapes and equal at small (NOTES, "wgmma5: fewer instructions per k-step").
 #ifndef W5_RASTER  // (-DW5_RASTER=b: prof_gemm.py A/B of the band)
-#define W5_RASTER 1
+#define W5_RASTER 8
 #endif
 #define W5_CONSUMER_WARPS 8
 #ifndef W5_STAGES  // (-DW5_STAGES=5 -DW5_REG_EPI: an experiment of prof_gemm.py)

@@ -361,7 +361,7 @@ def test_w2_constants_match_the_source():
     assert "#define W2_STAGES 3" in src and "#define W2_TILE_BYTES 32768" in src and "#define W2_BN 256" in src
     assert f"#define W2_EPI_LD {EPI_LD}" in src
     assert f"#define GM_RASTER {GM_RASTER}" in src
-    assert "#define W5_RASTER 1" in _cuda.read_source("grouped_gemm_wg5.cu")
+    assert "#define W5_RASTER 8" in _cuda.read_source("grouped_gemm_wg5.cu")
     assert W2_STAGES * W2_TILE + 1024 == W2_SMEM == gemm_cuda._WGMMA2_SMEM_BYTES
     assert gemm_cuda._WGMMA2_BN == W2_BN
     for suffix in gemm_cuda._OUT_SUFFIX.values():
