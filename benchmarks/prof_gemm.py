@@ -149,7 +149,7 @@ def experiments_w5(args) -> dict:
 def experiments_wgrad(args) -> dict:
     """The wgmma wgrad kernel: the operand preparation alone, the GEMM alone (prepared operands given), and the
     GEMM without its output stores (-DWR_NO_EPI), next to torch bf16 wgrad on the same shape."""
-    m, k, n, g = SHAPES[args.shape]
+    m, k, n, g = shape_dims(args.shape)
     sizes = uneven_sizes(m, g, seed=sum(map(ord, args.shape)))
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
     x = torch.randn(m, k, device="cuda").bfloat16()
@@ -191,7 +191,7 @@ def experiments_wgrad(args) -> dict:
     return res
 
 
-def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int = 6) -> dict:
+def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -> dict:
     """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ``rounds``
     interleaved rounds in rotating order, bytes compared with the first build's output (all must be equal)."""
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
@@ -261,12 +261,16 @@ def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
     """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS)}.
 
     Example: ``base=wgmma5:;st5=wgmma5:-DW5_STAGES=5`` -> {"base": ("wgmma5", ""), "st5": ("wgmma5",
-    "-DW5_STAGES=5")}."""
+    "-DW5_STAGES=5")}. An item without a name or an implementation from gemm_cuda.IMPLS, or a repeated name, raises
+    ValueError (an empty implementation would silently time the default kernel)."""
     out = {}
     for item in spec.split(";"):
-        name, _, rest = item.partition("=")
+        name, eq, rest = item.partition("=")
         impl, _, opts = rest.partition(":")
-        out[name.strip()] = (impl.strip(), opts.strip())
+        name, impl = name.strip(), impl.strip()
+        if not eq or not name or impl not in gemm_cuda.IMPLS or name in out:
+            raise ValueError(f"--builds item {item!r}: want name=impl:options, impl in {gemm_cuda.IMPLS}, names unique")
+        out[name] = (impl, opts.strip())
     return out
 
 
@@ -313,7 +317,9 @@ def launches_for_ncu(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", default="wgmma3", choices=("wgmma3", "wgmma5", "wgrad", "raster", "builds", "ncu"))
-    ap.add_argument("--shape", default=None, help="a bench_gemm shape or MxKxNxG; raster/builds: a comma list")
+    ap.add_argument(
+        "--shape", default=None, help="a bench_gemm shape or MxKxNxG; raster and builds also take a comma list"
+    )
     ap.add_argument("--builds", default=None, help="--kernel builds: name=impl:options;... (parse_builds)")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--json", default=None)

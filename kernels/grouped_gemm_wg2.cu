@@ -212,7 +212,8 @@ __device__ __forceinline__ void w2_epilogue(float* acc, void* __restrict__ out, 
 // order m_t = t / n_tiles). Why: at llama4's expert size (N x K = 8192 x 5120 bf16 = 84 MB, more than L2) the plain
 // order re-reads the whole expert weight from DRAM for every ~4 row tiles. Measured (NOTES, "Correction", 6 rounds
 // in rotating order, ratio to torch bf16): wgmma4 with bands of 8 against 1: +3.5 / +4.9 / -0.4 / +9.8 points at
-// dsv3_up / dsv3_down / small / llama4; the persistent wgmma5 mixed with bands of 8: plain order there.
+// dsv3_up / dsv3_down / small / llama4. The persistent wgmma5 measured mixed with bands of 8 until its k-step got
+// leaner, then as fast or faster at every shape (NOTES, "wgmma5: fewer instructions per k-step").
 // GM_RASTER: the band of wgmma2-4 (default 8); W5_RASTER: wgmma5's (8).
 // Example (m_tiles = 5, n_tiles = 3, band 2): t = 0..14 -> (0,0) (1,0) (0,1) (1,1) (0,2) (1,2) (2,0) (3,0)
 // (2,1) (3,1) (2,2) (3,2) (4,0) (4,1) (4,2).

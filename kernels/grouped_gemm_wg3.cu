@@ -142,14 +142,6 @@ __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, in
         for (int j = 0; j < 8; ++j) sts32(bst + (unsigned)i * 8192u + ((((unsigned)j) ^ sw) << 4), o[j]);
     }
 }
-// The A fields of T made opaque to the compiler (an empty asm that "may change" them): ptxas otherwise recomputes
-// them from the thread index at every k-step (the profile showed ~12 dependent instructions in front of each
-// step's scale-byte load). Used by wgmma5: +2.3 to +5.4 points of the torch ratio at every shape (NOTES,
-// "Correction"; the -DW3_NO_PIN switch that measured it lives in a1e56ee). wgmma4 does not use it (an earlier,
-// invalid A/B had it slower there; not measured again).
-__device__ __forceinline__ void w3_pin_a_fields(W3Thread& T) {
-    asm volatile("" : "+r"(T.a0), "+r"(T.a1), "+r"(T.sa), "+r"(T.c16), "+r"(T.K));
-}
 // a_raw: the stage's raw A tile (128 rows x 64 B), a_sc: its A scale tile (512 B).
 __device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {
     const int k = s * 64 + T.c16;

@@ -56,7 +56,7 @@ __device__ __forceinline__ void w4_2d3d(const unsigned char* __restrict__ As, co
     T.K = K;
     T.a0 = (unsigned)ar0 * 64u + 16u * c;
     T.a1 = T.a0 + 512u;
-    T.sa = (unsigned)((ar0 & 31) * 16 + (ar0 >> 5) * 4);  // (not pinned as in wgmma5: see w3_pin_a_fields)
+    T.sa = (unsigned)((ar0 & 31) * 16 + (ar0 >> 5) * 4);  // (not pinned as wgmma5's W5A: measured slower here once)
     const unsigned char* a_sc = As + (long long)(gi.toff + gi.tile) * tpr * 512;
     const int brow0 = g * N + n0;
 

@@ -106,6 +106,12 @@ __device__ __forceinline__ void w5_convert_a(const W5A& T, unsigned a_raw, unsig
     const uint4 r0 = lds128(a_raw + T.a0), r1 = lds128(a_raw + T.a1);
     const unsigned s0 = kv ? lds8(sc) : 127u, s1 = kv ? lds8(sc + 128u) : 127u;
     unsigned o0[8], o1[8];
+#ifdef W3_NO_CVT  // timing experiment only (prof_gemm.py --kernel wgmma5): the loads without the conversion
+    o0[0] = r0.x ^ s0, o0[1] = r0.y, o0[2] = r0.z, o0[3] = r0.w, o0[4] = r0.x, o0[5] = r0.y, o0[6] = r0.z, o0[7] = r0.w;
+    o1[0] = r1.x ^ s1, o1[1] = r1.y, o1[2] = r1.z, o1[3] = r1.w, o1[4] = r1.x, o1[5] = r1.y, o1[6] = r1.z, o1[7] = r1.w;
+    a_frags(o0, o1, f);
+    return;
+#endif
     e4m3_bits16(r0, o0);
     e4m3_bits16(r1, o1);
     if ((s0 | s1) < 128u) {  // one (divergent) branch for both rows' common case instead of one per row
