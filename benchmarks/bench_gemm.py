@@ -101,6 +101,11 @@ def interleaved_ms(fns: dict, rounds: int, warmup: int, reps: int, errors: dict 
     return times
 
 
+def paired_ratio(ref: list[float], times: list[float]) -> float:
+    """Median over rounds of the same round's ref / time (ratio > 1: faster than ref)."""
+    return statistics.median(b / o for b, o in zip(ref, times, strict=True))
+
+
 def dequant(t: mxfp8.MXFP8Tensor) -> torch.Tensor:
     try:
         return mxfp8.dequantize(t, torch.bfloat16)
@@ -350,7 +355,7 @@ def run_shape(name, m, k, n, g, args, out_rows):
         ref = rounds.get("bf16") if "tflops" in vres.get("bf16", {}) else None
         for v in vres.values():
             if ref and "tflops" in v:
-                v["ratio_vs_bf16"] = statistics.median(b / o for b, o in zip(ref, v["ms_rounds"], strict=True))
+                v["ratio_vs_bf16"] = paired_ratio(ref, v["ms_rounds"])
         res["variants"][var] = vres
         out_rows.append((name, var, vres))
     return res

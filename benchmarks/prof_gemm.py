@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import SHAPES, round_order, time_ms, uneven_sizes  # noqa: E402
+from bench_gemm import SHAPES, interleaved_ms, paired_ratio, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep import _cuda, gemm_cuda, mxfp8  # noqa: E402
 
@@ -198,8 +198,6 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     offs = torch.cumsum(sz, 0, dtype=torch.int32)
     flops = 2.0 * sum(sizes) * n * k
-    times: dict[str, list[float]] = {name: [] for name in builds}
-    times["torch_bf16"] = []
     row: dict = {"M": m, "K": k, "N": n, "G": g, "builds": builds}
     first = next(iter(builds))
 
@@ -209,18 +207,22 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -
     def bf16():
         torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
-    def run(name: str) -> float:
-        if name == "torch_bf16":
-            return time_ms(bf16, 3, 20)
-        os.environ["MOE_EP_GEMM_IMPL"], os.environ["MOE_EP_NVRTC_OPTIONS"] = builds[name]
-        return time_ms(ours, 3, 20)
+    def build(name: str):
+        env = dict(zip(("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS"), builds[name], strict=True))
 
+        def run():
+            if any(os.environ.get(k) != v for k, v in env.items()):  # set once per timing, compared after that
+                os.environ.update(env)
+            ours()
+
+        return run
+
+    fns = {name: build(name) for name in builds} | {"torch_bf16": bf16}
     # A first pass whose times are dropped (it compiles every build and checks the bytes); then `rounds` rounds in
-    # bench_gemm.round_order (rotated, every other one reversed), so that a position effect (e.g. the first kernel
-    # after torch's) cannot pass for a build's own.
-    order = [*builds, "torch_bf16"]
-    for name in order:
-        run(name)
+    # bench_gemm's rotating order (interleaved_ms), so that a position effect (e.g. the first kernel after torch's)
+    # cannot pass for a build's own.
+    for name, fn in fns.items():
+        fn()
         if name == first:
             torch.cuda.synchronize()
             ref = out.clone()
@@ -228,14 +230,13 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -
             torch.cuda.synchronize()
             row[f"{name}_bytes_equal_{first}"] = bool(torch.equal(out, ref))
         out.fill_(float("nan"))
-    for rnd in range(rounds):
-        for name in round_order(order, rnd):
-            times[name].append(run(name))
+    errors: dict[str, str] = {}
+    times = interleaved_ms(fns, rounds, 3, 20, errors)
+    if errors:
+        raise RuntimeError(f"{shape}: {errors}")
     row["ms_rounds"] = times  # per build, in round order (the pairs behind the median ratios below)
     row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
-    row["ratio_vs_torch_bf16"] = {  # median over rounds of the same round's ratio
-        kk: statistics.median(b / o for b, o in zip(times["torch_bf16"], v, strict=True)) for kk, v in times.items()
-    }
+    row["ratio_vs_torch_bf16"] = {kk: paired_ratio(times["torch_bf16"], v) for kk, v in times.items()}
     return row
 
 

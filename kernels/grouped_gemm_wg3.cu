@@ -142,6 +142,11 @@ __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, in
         for (int j = 0; j < 8; ++j) sts32(bst + (unsigned)i * 8192u + ((((unsigned)j) ^ sw) << 4), o[j]);
     }
 }
+// Timing experiment only (-DW3_NO_CVT, wrong results): the 16 raw bytes and the scale byte passed on as 8 words
+// without the conversion, so that the loads stay live.
+__device__ __forceinline__ void no_cvt16(uint4 r, unsigned s, unsigned* o) {
+    o[0] = r.x ^ s, o[1] = r.y, o[2] = r.z, o[3] = r.w, o[4] = r.x, o[5] = r.y, o[6] = r.z, o[7] = r.w;
+}
 // a_raw: the stage's raw A tile (128 rows x 64 B), a_sc: its A scale tile (512 B).
 __device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {
     const int k = s * 64 + T.c16;
@@ -152,8 +157,8 @@ __device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, 
     const unsigned s1 = kv ? lds8(a_sc + T.sa + 128u + blk) : 127u;
     unsigned o0[8], o1[8];
 #ifdef W3_NO_CVT
-    o0[0] = r0.x ^ s0, o0[1] = r0.y, o0[2] = r0.z, o0[3] = r0.w, o0[4] = r0.x, o0[5] = r0.y, o0[6] = r0.z, o0[7] = r0.w;
-    o1[0] = r1.x ^ s1, o1[1] = r1.y, o1[2] = r1.z, o1[3] = r1.w, o1[4] = r1.x, o1[5] = r1.y, o1[6] = r1.z, o1[7] = r1.w;
+    no_cvt16(r0, s0, o0);
+    no_cvt16(r1, s1, o1);
 #else
     cvt16(r0, s0, o0);
     cvt16(r1, s1, o1);

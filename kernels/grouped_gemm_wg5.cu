@@ -43,8 +43,8 @@
 
 #define W5_THREADS 384
 // tile order band (gm_raster in grouped_gemm_wg2.cu): 8 row tiles per band. Measured mixed against the plain order
-// (1) while the consumers' instruction stream bound the kernel (NOTES, "Correction"); after the leaner k-step, 4.0 to
-// 7.7 % faster at the three large shapes and equal at small (NOTES, "wgmma5: fewer instructions per k-step").
+// (1) while the consumers' instruction stream bound the kernel (NOTES, "Correction"); after the leaner k-step, 0.3 to
+// 7.7 % less time in one run and 0.5 to 1.9 % in a second (NOTES, "wgmma5: fewer instructions per k-step").
 #ifndef W5_RASTER  // (-DW5_RASTER=b: prof_gemm.py A/B of the band)
 #define W5_RASTER 8
 #endif
@@ -107,8 +107,8 @@ __device__ __forceinline__ void w5_convert_a(const W5A& T, unsigned a_raw, unsig
     const unsigned s0 = kv ? lds8(sc) : 127u, s1 = kv ? lds8(sc + 128u) : 127u;
     unsigned o0[8], o1[8];
 #ifdef W3_NO_CVT  // timing experiment only (prof_gemm.py --kernel wgmma5): the loads without the conversion
-    o0[0] = r0.x ^ s0, o0[1] = r0.y, o0[2] = r0.z, o0[3] = r0.w, o0[4] = r0.x, o0[5] = r0.y, o0[6] = r0.z, o0[7] = r0.w;
-    o1[0] = r1.x ^ s1, o1[1] = r1.y, o1[2] = r1.z, o1[3] = r1.w, o1[4] = r1.x, o1[5] = r1.y, o1[6] = r1.z, o1[7] = r1.w;
+    no_cvt16(r0, s0, o0);
+    no_cvt16(r1, s1, o1);
     a_frags(o0, o1, f);
     return;
 #endif

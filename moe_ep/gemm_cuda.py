@@ -50,8 +50,8 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
       0.91-1.00x in the last two benchmarks.
   ``wgmma5`` (default; ``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a
       producer warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs
-      in turn, TMA-store epilogue). Same prepared weight. 0.95-1.10x in the last two benchmarks (llama4 below 1.0
-      in both; benchmarks/NOTES.md, "wgmma5: fewer instructions per k-step"), ahead of wgmma4 at every variant.
+      in turn, TMA-store epilogue). Same prepared weight. 0.99-1.11x in the last two benchmarks (llama4 0.99-1.00;
+      benchmarks/NOTES.md, "wgmma5: fewer instructions per k-step"), ahead of wgmma4 at every variant.
   ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
