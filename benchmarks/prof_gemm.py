@@ -208,7 +208,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -
         torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     def build(name: str):
-        env = dict(zip(("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS"), builds[name], strict=True))
+        env = build_env(builds[name])
 
         def run():
             if any(os.environ.get(k) != v for k, v in env.items()):  # set once per timing, compared after that
@@ -258,12 +258,16 @@ def _env_restored(*names: str):
                 os.environ[var] = val
 
 
+BUILD_ENV = ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_GEMM_SPLIT")  # what a build sets
+
+
 def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
-    """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS)}.
+    """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, options)}.
 
     Example: ``base=wgmma5:;st5=wgmma5:-DW5_STAGES=5`` -> {"base": ("wgmma5", ""), "st5": ("wgmma5",
     "-DW5_STAGES=5")}. An item without a name or an implementation from gemm_cuda.IMPLS, or a repeated name, raises
-    ValueError (an empty implementation would silently time the default kernel)."""
+    ValueError (an empty implementation would silently time the default kernel). Options are NVRTC options, except
+    ``split=0`` / ``split=1`` (MOE_EP_GEMM_SPLIT: a launch argument of the same binary; see :func:`build_env`)."""
     out = {}
     for item in spec.split(";"):
         name, eq, rest = item.partition("=")
@@ -271,14 +275,26 @@ def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
         name, impl = name.strip(), impl.strip()
         if not eq or not name or impl not in gemm_cuda.IMPLS or name in out:
             raise ValueError(f"--builds item {item!r}: want name=impl:options, impl in {gemm_cuda.IMPLS}, names unique")
+        if any(o.startswith("split=") and o not in ("split=0", "split=1") for o in opts.split()):
+            raise ValueError(f"--builds item {item!r}: split=0 or split=1")
         out[name] = (impl, opts.strip())
     return out
+
+
+def build_env(build: tuple[str, str]) -> dict[str, str]:
+    """The environment of one build (impl, options): every variable of BUILD_ENV set, so that no build inherits
+    another's. Example: ("wgmma5", "-DW5_STAGES=5 split=0") -> {"MOE_EP_GEMM_IMPL": "wgmma5",
+    "MOE_EP_NVRTC_OPTIONS": "-DW5_STAGES=5", "MOE_EP_GEMM_SPLIT": "0"}."""
+    impl, opts = build
+    split = [o for o in opts.split() if o.startswith("split=")]
+    nvrtc = " ".join(o for o in opts.split() if not o.startswith("split="))
+    return dict(zip(BUILD_ENV, (impl, nvrtc, split[-1][6:] if split else "1"), strict=True))
 
 
 def experiments_builds(args) -> dict:
     builds = parse_builds(args.builds) if args.builds else RASTER_BUILDS
     res = {"kernel": args.kernel, "shapes": {}}
-    with _env_restored("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS"):
+    with _env_restored(*BUILD_ENV):
         for shape in args.shape.split(",") if args.shape_given else list(SHAPES):
             res["shapes"][shape] = _builds_shape(shape, builds, args.rounds)
             print(shape, json.dumps(res["shapes"][shape]))

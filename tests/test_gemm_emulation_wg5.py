@@ -338,3 +338,66 @@ def test_w5_scale_offset_and_kstep_bound_match_their_definitions():
         for c in range(4):
             slim = (kk - 16 * c + 63) // 64
             assert all((s < slim) == (64 * s + 16 * c < kk) for s in range(-(-kk // 64)))
+
+
+# ------------------------------------------------------------------ wgmma5's work schedule (split last round)
+def test_w5_schedule_worked_example():
+    """The docstring's table: 5 tiles of 4 k-steps on 2 CTAs."""
+    assert gemm_cuda.w5_schedule(5, 4, 2, False) == [[(0, 0, 4), (2, 0, 4), (4, 0, 4)], [(1, 0, 4), (3, 0, 4)]]
+    split = [[(0, 0, 4), (2, 0, 4), (3, 0, 2)], [(1, 0, 4), (3, 2, 4), (4, 0, 4)]]
+    assert gemm_cuda.w5_schedule(5, 4, 2, True) == split
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(
+    ("tiles", "ksteps", "ctas"),
+    [(1, 5, 3), (3, 5, 3), (4, 1, 3), (7, 2, 3), (10, 3, 4), (13, 8, 5), (133, 3, 132), (4128, 80, 132)]
+    + [(2580, 128, 132)],
+)
+def test_w5_schedule_covers_every_kstep_once_and_cuts_safely(tiles, ksteps, ctas, split):
+    """Every (tile, k-step) exactly once; a tile is cut at most once, between CTA b (its head, b's last work) and
+    b + 1 (its tail, b + 1's first split work: stored before b + 1 goes on, so b never waits on work that b + 1
+    does after its own wait); with the split, every CTA's k-steps are within one of the others'."""
+    sched = gemm_cuda.w5_schedule(tiles, ksteps, ctas, split)
+    seen = torch.zeros(tiles, ksteps, dtype=torch.int64)
+    pieces: dict[int, list[tuple[int, int, int]]] = {}
+    for b, work in enumerate(sched):
+        for t, kb, ke in work:
+            assert 0 <= kb < ke <= ksteps
+            seen[t, kb:ke] += 1
+            pieces.setdefault(t, []).append((b, kb, ke))
+    assert (seen == 1).all()
+    for t, ps in pieces.items():
+        assert len(ps) <= 2, (t, ps)
+        if len(ps) == 2:
+            (b0, kb0, ke0), (b1, kb1, ke1) = sorted(ps, key=lambda p: p[1])
+            assert split and b1 == b0 + 1 and kb0 == 0 and ke0 == kb1 and ke1 == ksteps
+            assert sched[b0][-1] == (t, kb0, ke0)  # the head is the last work of b
+            first_split = next(w for w in sched[b1] if w[1] > 0 or w[0] >= t)
+            assert first_split == (t, kb1, ke1)  # the tail is b + 1's first split work
+    per_cta = [sum(ke - kb for _, kb, ke in work) for work in sched]
+    if split and tiles >= ctas:
+        assert max(per_cta) - min(per_cta) <= 1
+    else:
+        assert sorted(per_cta, reverse=True) == [ksteps * len(range(b, tiles, ctas)) for b in range(ctas)]
+
+
+def test_w5_schedule_shortens_the_last_round():
+    """llama4 fprop on an H200 (4128 tiles of 80 k-steps, 132 SMs): whole tiles need 32 rounds (2560 k-steps on
+    the busiest CTA), the split ceil(4128 * 80 / 132) = 2502."""
+    for split, want in ((False, 32 * 80), (True, -(-4128 * 80 // 132))):
+        assert max(sum(ke - kb for _, kb, ke in w) for w in gemm_cuda.w5_schedule(4128, 80, 132, split)) == want
+
+
+def test_w5_schedule_model_matches_the_source():
+    """The model's formulas are the kernel's (w5_sched_init / w5_sched_next in kernels/grouped_gemm_wg5.cu)."""
+    src = re.sub(r"\s+", " ", (KERNELS / "grouped_gemm_wg5.cu").read_text())
+    for frag in (
+        "S.dp_end = (split && full >= 1 && T != full * P) ? (full - 1) * P : T;",
+        "const int U = (T - S.dp_end) * ks;",
+        "S.u = __shfl_sync(0xffffffffu, U * b / P, 0);",
+        "S.hi = __shfl_sync(0xffffffffu, U * (b + 1) / P, 0);",
+        "kb = S.u - j * S.ks; ke = min(S.ks, kb + (S.hi - S.u)); t = S.dp_end + j; S.u += ke - kb;",
+        "for (int t = blockIdx.x; t < S.dp_end; t += gridDim.x) work(t, 0, ksteps);",
+    ):
+        assert frag in src, frag
