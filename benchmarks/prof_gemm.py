@@ -15,7 +15,9 @@ variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only
 
 builds (``--kernel builds --builds "base=wgmma5:;st5=wgmma5:-DW5_STAGES=5 -DW5_REG_EPI"``): the same interleaved
 A/B for any builds (``parse_builds``) on the shapes of ``--shape`` (names or MxKxNxG specs, comma-separated;
-default all of bench_gemm's), ``--rounds`` rounds.
+default all of bench_gemm's), ``--rounds`` rounds, or with ``--pairs N`` N iterations of single launches in
+rotating order (``alternating_ms``: the ratio per iteration cancels the clock drift between 20-launch blocks).
+A dgrad is the fprop of the spec with K and N swapped (the same kernel on W^T; torch's column is then its NT GEMM).
 
 raster (``--kernel raster``): wgmma4 fprop built with -DGM_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
@@ -191,9 +193,10 @@ def experiments_wgrad(args) -> dict:
     return res
 
 
-def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -> dict:
-    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ``rounds``
-    interleaved rounds in rotating order, bytes compared with the first build's output (all must be equal)."""
+def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, pairs: int = 0) -> dict:
+    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, options) and torch bf16, ``rounds``
+    interleaved rounds in rotating order (or, with ``pairs``, that many iterations of :func:`alternating_ms`), bytes
+    compared with the first build's output (equal unless a build changes the summation order, e.g. split=0)."""
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     offs = torch.cumsum(sz, 0, dtype=torch.int32)
@@ -230,6 +233,17 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -
             torch.cuda.synchronize()
             row[f"{name}_bytes_equal_{first}"] = bool(torch.equal(out, ref))
         out.fill_(float("nan"))
+    if pairs:
+        times = alternating_ms(fns, pairs)
+        row["launches"] = pairs
+        row["ratio_vs_torch_bf16"] = {kk: paired_ratio(times["torch_bf16"], v) for kk, v in times.items()}
+        row[f"ratio_vs_{first}"] = {kk: paired_ratio(times[first], v) for kk, v in times.items()}
+        row[f"ratio_vs_{first}_p10_p90"] = {
+            kk: [float(q) for q in np.quantile(np.array(v) / np.array(times[first]), [0.1, 0.9])]
+            for kk, v in times.items()
+        }
+        row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
+        return row
     errors: dict[str, str] = {}
     times = interleaved_ms(fns, rounds, 3, 20, errors)
     if errors:
@@ -238,6 +252,32 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int) -
     row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
     row["ratio_vs_torch_bf16"] = {kk: paired_ratio(times["torch_bf16"], v) for kk, v in times.items()}
     return row
+
+
+def alternating_ms(fns: dict, iters: int, warmup: int = 3) -> dict[str, list[float]]:
+    """One launch of every fn per iteration, in an order rotated by the iteration, each timed by its own pair of
+    CUDA events; one synchronization at the end. Per-launch times: the ratio of two builds in the same iteration
+    is taken a few ms apart, so clock and power drift (which moves whole 20-launch blocks by 5-10 % on a busy
+    H200) cancel in it."""
+    names = list(fns)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+
+    def pair():
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    ev = {n: [pair() for _ in range(iters)] for n in names}
+    for i in range(iters):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            a, b = ev[name][i]
+            a.record()
+            fns[name]()
+            b.record()
+    torch.cuda.synchronize()
+    return {n: [a.elapsed_time(b) for a, b in ev[n]] for n in names}
 
 
 ROUNDS = 6
@@ -296,7 +336,7 @@ def experiments_builds(args) -> dict:
     res = {"kernel": args.kernel, "shapes": {}}
     with _env_restored(*BUILD_ENV):
         for shape in args.shape.split(",") if args.shape_given else list(SHAPES):
-            res["shapes"][shape] = _builds_shape(shape, builds, args.rounds)
+            res["shapes"][shape] = _builds_shape(shape, builds, args.rounds, args.pairs)
             print(shape, json.dumps(res["shapes"][shape]))
     return res
 
@@ -339,6 +379,7 @@ def main() -> None:
     )
     ap.add_argument("--builds", default=None, help="--kernel builds: name=impl:options;... (parse_builds)")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--pairs", type=int, default=0, help="--kernel builds: alternate single launches this many times")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.shape_given = args.shape is not None
