@@ -196,7 +196,7 @@ def experiments_wgrad(args) -> dict:
 def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, pairs: int = 0) -> dict:
     """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, options) and torch bf16, ``rounds``
     interleaved rounds in rotating order (or, with ``pairs``, that many iterations of :func:`alternating_ms`), bytes
-    compared with the first build's output (equal unless a build changes the summation order, e.g. split=0)."""
+    compared with the first build's output (all must be equal)."""
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     offs = torch.cumsum(sz, 0, dtype=torch.int32)
@@ -298,7 +298,7 @@ def _env_restored(*names: str):
                 os.environ[var] = val
 
 
-BUILD_ENV = ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_GEMM_SPLIT")  # what a build sets
+BUILD_ENV = ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")  # what a build sets
 
 
 def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
@@ -306,8 +306,7 @@ def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
 
     Example: ``base=wgmma5:;st5=wgmma5:-DW5_STAGES=5`` -> {"base": ("wgmma5", ""), "st5": ("wgmma5",
     "-DW5_STAGES=5")}. An item without a name or an implementation from gemm_cuda.IMPLS, or a repeated name, raises
-    ValueError (an empty implementation would silently time the default kernel). Options are NVRTC options, except
-    ``split=0`` / ``split=1`` (MOE_EP_GEMM_SPLIT: a launch argument of the same binary; see :func:`build_env`)."""
+    ValueError (an empty implementation would silently time the default kernel)."""
     out = {}
     for item in spec.split(";"):
         name, eq, rest = item.partition("=")
@@ -315,20 +314,13 @@ def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
         name, impl = name.strip(), impl.strip()
         if not eq or not name or impl not in gemm_cuda.IMPLS or name in out:
             raise ValueError(f"--builds item {item!r}: want name=impl:options, impl in {gemm_cuda.IMPLS}, names unique")
-        if any(o.startswith("split=") and o not in ("split=0", "split=1") for o in opts.split()):
-            raise ValueError(f"--builds item {item!r}: split=0 or split=1")
         out[name] = (impl, opts.strip())
     return out
 
 
 def build_env(build: tuple[str, str]) -> dict[str, str]:
-    """The environment of one build (impl, options): every variable of BUILD_ENV set, so that no build inherits
-    another's. Example: ("wgmma5", "-DW5_STAGES=5 split=0") -> {"MOE_EP_GEMM_IMPL": "wgmma5",
-    "MOE_EP_NVRTC_OPTIONS": "-DW5_STAGES=5", "MOE_EP_GEMM_SPLIT": "0"}."""
-    impl, opts = build
-    split = [o for o in opts.split() if o.startswith("split=")]
-    nvrtc = " ".join(o for o in opts.split() if not o.startswith("split="))
-    return dict(zip(BUILD_ENV, (impl, nvrtc, split[-1][6:] if split else "1"), strict=True))
+    """The environment of one build (impl, NVRTC options), every variable of BUILD_ENV set."""
+    return dict(zip(BUILD_ENV, build, strict=True))
 
 
 def experiments_builds(args) -> dict:

@@ -155,77 +155,27 @@ __device__ __forceinline__ void ring_next(int& stage, unsigned& phase, int stage
     }
 }
 
-// The persistent schedule. The T = R * n_tiles tiles that have rows (R = sum over groups of ceil(n / 128) row
-// tiles; gm_raster's band order) all cost ks k-steps, so with whole tiles per CTA the last round leaves most SMs
-// idle (llama4 fprop: 4128 tiles on 132 SMs = 31.3 rounds, run in 32). With `split`, the last T % P + P tiles
-// (P = gridDim.x) are cut into equal shares of k-steps instead, one per CTA (stream-K for the tail): CTA b
-// takes k-steps [b U / P, (b + 1) U / P) of those U = (T % P + P) ks. A share is at least ks long, so a tile is
-// cut at most once, between CTA b (its first k-steps, the last work of b) and CTA b + 1 (the rest, the first
-// split work of b + 1): b + 1 stores its partial sums in slot b + 1 of the workspace and raises that slot's flag;
-// b adds them before its epilogue (a fixed order: bitwise the same result every run on the same GPU). Without
-// `split` (or when T % P == 0 or T < P) CTA b takes tiles b, b + P, ... whole.
-struct W5Sched {
-    int ks, P, dp_end, t;  // k-steps per tile, CTAs, first tile of the split part, next whole tile of this CTA
-    int u, hi;             // this CTA's remaining share [u, hi) of the split part's k-steps
-};
-// (int arithmetic: the launcher asks for `split` only when 2 P^2 ks < 2^31, so U b stays in range.)
-__device__ __forceinline__ void w5_sched_init(W5Sched& S, int T, int ks, int split) {
-    const int P = (int)gridDim.x, b = (int)blockIdx.x, full = T / P;
-    S.ks = ks;
-    S.P = P;
-    S.t = b;
-    S.dp_end = (split && full >= 1 && T != full * P) ? (full - 1) * P : T;
-    const int U = (T - S.dp_end) * ks;  // < 2 P ks
-    // through shuffles: the divisions hide that these are warp-uniform, and ptxas would then move the consumers'
-    // ring counters and MMA descriptors out of uniform registers (22 R2UR more per k-step)
-    S.dp_end = __shfl_sync(0xffffffffu, S.dp_end, 0);
-    S.u = __shfl_sync(0xffffffffu, U * b / P, 0);
-    S.hi = __shfl_sync(0xffffffffu, U * (b + 1) / P, 0);
-}
-// The next work of this CTA: tile t, k-steps [kb, ke). kb > 0: the tile's head is CTA b - 1's (store the partial
-// sums); ke < ks: its tail is CTA b + 1's (add them). Returns false when the CTA is done.
-__device__ __forceinline__ bool w5_sched_next(W5Sched& S, int& t, int& kb, int& ke) {
-    if (S.t < S.dp_end) {
-        t = S.t;
-        kb = 0;
-        ke = S.ks;
-        S.t += S.P;
-        return true;
-    }
-    if (S.u >= S.hi) return false;
-    const int j = __shfl_sync(0xffffffffu, S.u / S.ks, 0);  // (uniform, as in w5_sched_init)
-    kb = S.u - j * S.ks;
-    ke = min(S.ks, kb + (S.hi - S.u));
-    t = S.dp_end + j;
-    S.u += ke - kb;
-    return true;
-}
-
-// The group totals (one warp, into its own GroupInfo): R = sum over groups of ceil(n / 128), the rows they hold.
-__device__ __forceinline__ void w5_totals(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int& R,
-                                          long long& total_rows) {
-    gm_scan_groups(sizes, G, M, 1, 0x7fffffff, gi);  // no tile matches: only the totals
-    __syncwarp();
-    R = gi->total_tiles;
-    total_rows = gi->total_rows;
-    __syncwarp();  // every lane has read gi before the next scan overwrites it
-}
-
-// Tile t (< R * n_tiles) of the schedule, computed by one warp into its own GroupInfo (no block barrier): sets n0,
-// mrows, arow0 and returns true when the tile has rows to compute (false only for rows past M when the sizes add
-// up to more than M).
-__device__ __forceinline__ bool w5_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
-                                        int R, int t, int& n0, int& mrows, long long& arow0) {
+// The tile t of the persistent schedule, computed by one warp into its own GroupInfo (no block barrier).
+// Returns 1 when the tile has rows to compute (sets n0, mrows, arow0), 0 when it is a tile past the groups
+// (sets r_zero: its first row past sum(sizes)), -1 when it has nothing to do.
+__device__ __forceinline__ int w5_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
+                                       int t, int& n0, int& mrows, long long& arow0, long long& r_zero) {
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
     int m_t, n_t;
-    gm_raster(t, R, n_tiles, W5_RASTER, m_t, n_t);
+    gm_raster(t, (int)((M + W2_BM - 1) / W2_BM) + G, n_tiles, W5_RASTER, m_t, n_t);
     n0 = n_t * W2_BN;
     gm_scan_groups(sizes, G, M, 1, m_t, gi);
     __syncwarp();
+    const int g = gi->g;
+    if (g < 0) {
+        r_zero = gi->total_rows + (long long)(m_t - gi->total_tiles) * W2_BM;
+        __syncwarp();  // every lane has read gi before the next scan overwrites it
+        return 0;
+    }
     mrows = min(W2_BM, gi->rows - gi->tile * W2_BM);
     arow0 = gi->row0 + (long long)gi->tile * W2_BM;
     __syncwarp();
-    return mrows > 0;
+    return mrows > 0 ? 1 : -1;
 }
 
 // The bf16 outputs of row half h, column group m of the 64 x 256 accumulator fragment: accumulator 4 j + 2 h + e
@@ -304,31 +254,26 @@ __device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned regio
     }
 }
 
-// Producer (warp 8): for every work of this CTA (w5_sched_next), every k-step, wait for the stage to be free and
-// load it. stage_bytes / a_off / sc_off: the ring layout (stage j at sbase + j * stage_bytes with B at 0 and the
-// raw A tile at a_off; scale tile j at sbase + sc_off + 512 j).
+// Producer (warp 8): for every tile of this CTA, every k-step, wait for the stage to be free and load it.
+// stage_bytes / a_off / sc_off: the ring layout (stage j at sbase + j * stage_bytes with B at 0 and the raw A tile
+// at a_off; scale tile j at sbase + sc_off + 512 j).
 __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* __restrict__ As,
-                                           const int* __restrict__ sizes, int G, long long M, int N, int K, int split,
+                                           const int* __restrict__ sizes, int G, long long M, int N, int K,
                                            const TmaMap* tmA, const TmaMap* tmB, unsigned sbase, unsigned full0,
                                            unsigned empty0, int nstages, unsigned stage_bytes, unsigned a_off,
                                            unsigned sc_off) {
     const int lane = threadIdx.x & 31, n_tiles = (N + W2_BN - 1) / W2_BN;
+    const int total = ((int)((M + W2_BM - 1) / W2_BM) + G) * n_tiles;
     const int tpr = ((K >> 5) + 3) >> 2, ksteps = (K + 63) / 64;
-    int R;
-    long long total_rows;
-    w5_totals(gi, sizes, G, M, R, total_rows);
-    W5Sched S;
-    w5_sched_init(S, R * n_tiles, ksteps, split);
     int stage = 0;
     unsigned phase = 0;
-    int t, kb, ke;
-    while (w5_sched_next(S, t, kb, ke)) {
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int n0, mrows;
-        long long arow0;
-        if (!w5_tile(gi, sizes, G, M, N, R, t, n0, mrows, arow0)) continue;
+        long long arow0, r_zero;
+        if (w5_tile(gi, sizes, G, M, N, t, n0, mrows, arow0, r_zero) != 1) continue;
         const unsigned char* a_sc = As + (long long)(gi->toff + gi->tile) * tpr * 512;
         const int brow0 = gi->g * N + n0;
-        for (int s = kb; s < ke; ++s) {
+        for (int s = 0; s < ksteps; ++s) {
             if (lane == 0) {
                 const unsigned st = sbase + (unsigned)stage * stage_bytes, full = full0 + 8u * (unsigned)stage;
                 mbar_wait(empty0 + 8u * (unsigned)stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
@@ -347,51 +292,10 @@ __device__ __forceinline__ void w5_produce(GroupInfo* gi, const unsigned char* _
     }
 }
 
-// The split tile's partial sums of one warpgroup (64 x 256 fp32) in slot `slot` of the workspace: [slot][wg][32 j]
-// [128 threads] float4s (accumulators 4 j .. 4 j + 3 of the thread; a warp's store is 512 contiguous bytes), and
-// its flag flags[2 slot + wg]: 1 while the partial sums wait for CTA slot - 1, reset to 0 by it (so the flags
-// are 0 between launches on one stream: the launcher gives every stream its own workspace).
-__device__ __forceinline__ float4* w5_slot(float* ws, int slot, int wg) {
-    return reinterpret_cast<float4*>(ws) + ((long long)(2 * slot + wg) * 32) * 128 + (threadIdx.x & 127);
-}
-__device__ __forceinline__ void w5_store_partial(const float* acc, float* ws, int* flags, int slot, int wg) {
-    float4* p = w5_slot(ws, slot, wg);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) __stcg(p + 128 * j, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
-    __threadfence();
-    named_bar_sync(3 + wg, 128);
-    if ((threadIdx.x & 127) == 0)
-        asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flags + 2 * slot + wg), "r"(1) : "memory");
-}
-__device__ __forceinline__ void w5_add_partial(float* acc, const float* ws, int* flags, int slot, int wg) {
-    if ((threadIdx.x & 127) == 0) {
-        int* f = flags + 2 * slot + wg;
-        unsigned v;
-        for (unsigned polls = 0;; ++polls) {
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
-            if (v) break;
-            if (polls > (1u << 26)) __trap();  // CTA slot never stored its partial sums (~7 s): fail, not hang
-            __nanosleep(100);
-        }
-        asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(f), "r"(0) : "memory");
-    }
-    named_bar_sync(3 + wg, 128);
-    const float4* p = w5_slot(const_cast<float*>(ws), slot, wg);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const float4 v = __ldcg(p + 128 * j);
-        acc[4 * j] += v.x;
-        acc[4 * j + 1] += v.y;
-        acc[4 * j + 2] += v.z;
-        acc[4 * j + 3] += v.w;
-    }
-}
-
 template <int OUT_F32>
 __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, const int* __restrict__ sizes,
                                         void* __restrict__ out, int G, long long M, int N, int K, int zero_rest,
-                                        const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmO, float* __restrict__ skws,
-                                        int* __restrict__ skflags, int split) {
+                                        const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmO) {
     // Everything lives in dynamic shared memory (no static): it then starts at the 1024-aligned base of the
     // CTA's shared window, which the 128-byte swizzle of B and of the output tile needs (checked below).
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -408,7 +312,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     if (warp >= W5_CONSUMER_WARPS) {
         setmaxnreg_dec<56>();
         if (warp == W5_CONSUMER_WARPS)
-            w5_produce(gi, As, sizes, G, M, N, K, split, tmA, tmB, sbase, full0, empty0, W5_STAGES, W5_STAGE_BYTES, W5_A,
+            w5_produce(gi, As, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0, W5_STAGES, W5_STAGE_BYTES, W5_A,
                        W5_SC);
         return;
     }
@@ -430,29 +334,23 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
     asm volatile("" : "+r"(T.a0), "+r"(T.a1), "+r"(T.sa), "+r"(T.slim), "+r"(lane0), "+r"(bar_mine), "+r"(bar_other));
 
     const int n_tiles = (N + W2_BN - 1) / W2_BN;
+    const int total = ((int)((M + W2_BM - 1) / W2_BM) + G) * n_tiles;
     const int ksteps = (K + 63) / 64;
-    int R;
-    long long total_rows;
-    w5_totals(gi, sizes, G, M, R, total_rows);
-    if (zero_rest && total_rows < M) {  // rows past the groups: 128-row pieces, spread over the CTAs
-        const long long zt = ((M - total_rows + W2_BM - 1) / W2_BM) * n_tiles;
-        for (long long z = blockIdx.x; z < zt; z += gridDim.x) {  // threads 0-255 = GM_THREADS: zero_rows' stride
-            const long long r0 = total_rows + (z / n_tiles) * W2_BM;
-            const int n0 = (int)(z % n_tiles) * W2_BN;
-            zero_rows<OUT_F32>(out, r0, M, N, n0);
-            zero_rows<OUT_F32>(out, r0, M, N, n0 + GM_BN);
-        }
-    }
-    W5Sched S;
-    w5_sched_init(S, R * n_tiles, ksteps, split);
     int stage = 0;  // stage and phase of the CTA's next k-step (the producer's counter, replayed)
     unsigned phase = 0;
     if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
-    // One work: tile t, k-steps [kb, ke).
-    auto work = [&](int t, int kb, int ke) {
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int n0, mrows;
-        long long arow0;
-        if (!__shfl_sync(0xffffffffu, (int)w5_tile(gi, sizes, G, M, N, R, t, n0, mrows, arow0), 0)) return;
+        long long arow0, r_zero;
+        const int kind = __shfl_sync(0xffffffffu, w5_tile(gi, sizes, G, M, N, t, n0, mrows, arow0, r_zero), 0);
+        if (kind == 0) {
+            if (zero_rest) {  // threads 0-255 = GM_THREADS: zero_rows' thread stride
+                zero_rows<OUT_F32>(out, r_zero, M, N, n0);
+                zero_rows<OUT_F32>(out, r_zero, M, N, n0 + GM_BN);
+            }
+            continue;
+        }
+        if (kind < 0) continue;
 
         float acc[128];
 #pragma unroll
@@ -463,15 +361,14 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
         {
             const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
-            w5_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, kb, f0);
+            w5_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, 0, f0);
         }
         int prev = 0;  // stage of the previous k-step
-        const int kn = ke - kb;  // k-steps kb + ss, ss < kn
-        for (int s = 0; s < kn; s += 3) {
+        for (int s = 0; s < ksteps; s += 3) {
 #pragma unroll
             for (int u = 0; u < 3; ++u) {
                 const int ss = s + u;
-                if (ss >= kn) break;
+                if (ss >= ksteps) break;
                 unsigned* cur = u == 0 ? f0 : (u == 1 ? f1 : f2);
                 unsigned* nxt = u == 0 ? f1 : (u == 1 ? f2 : f0);
                 unsigned* old = u == 0 ? f2 : (u == 1 ? f0 : f1);
@@ -484,10 +381,10 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
                 named_bar_arrive(bar_other, 256);
                 const int cur_stage = stage;
                 ring_next(stage, phase, W5_STAGES);
-                if (ss + 1 < kn) {
+                if (ss + 1 < ksteps) {
                     mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
                     const unsigned st = sbase + (unsigned)stage * W5_STAGE_BYTES;
-                    w5_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, kb + ss + 1, nxt);
+                    w5_convert_a(T, st + W5_A, sbase + W5_SC + 512u * (unsigned)stage, ss + 1, nxt);
                 }
                 wg_wait<1>();  // M(ss - 1) retired: its A buffer (old) and its stage are free
                 wg_fence_regs<16>(old);
@@ -498,11 +395,6 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         w2_drain(acc, f0, f1);
         wg_fence_regs<16>(f2);
         mbar_arrive_if(empty0 + 8u * (unsigned)prev, lane0);
-        if (kb > 0) {  // the tile's tail: CTA b - 1 adds these sums to its head's and writes the tile
-            w5_store_partial(acc, skws, skflags, (int)blockIdx.x, wg);
-            return;
-        }
-        if (ke < ksteps) w5_add_partial(acc, skws, skflags, (int)blockIdx.x + 1, wg);  // the head: add the tail
 #ifdef W5_NO_EPI  // timing experiment only: no output stores
         if (mrows < 0)
 #endif
@@ -512,14 +404,7 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
             w5_epilogue_tma(acc, sbase + W5_EPI + 32768u * (unsigned)wg, wg, arow0, n0, N, tmO);
         else  // rows past the group belong to another tile: masked stores from registers
             w5_epilogue_bf16(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, ar0);
-    };
-    // The whole tiles first, in their own copy of the k-loop: with trip counts that come from the kernel's
-    // parameters ptxas keeps the ring counters and MMA descriptors in uniform registers; a trip count from the
-    // data (the split shares below) moves them to vector registers (+22 R2UR and ~10 ALU per 3 k-steps).
-    for (int t = blockIdx.x; t < S.dp_end; t += gridDim.x) work(t, 0, ksteps);
-    S.t = S.dp_end;
-    int t, kb, ke;
-    while (w5_sched_next(S, t, kb, ke)) work(t, kb, ke);
+    }
     if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before exit
     if (wg == 0) named_bar_sync(1, 256);  // takes warpgroup 1's arrive after its last MMAs
 }
@@ -528,11 +413,11 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
 #ifndef WG5_NO_KERNELS
 // Same parameters as the wgmma4 kernels (B = the prepared bf16 weight [G, N, Kp], reached only through tmB).
 // tmO: the bf16 output [M, N] in boxes of 64 rows x 64 columns with the 128-byte swizzle (unused for fp32).
-#define W5_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO, float* __restrict__ skws, int* __restrict__ skflags, int split
+#define W5_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO
 extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_bf16(W5_ARGS) {
-    w5_2d3d<0>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO, skws, skflags, split);
+    w5_2d3d<0>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }
 extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wg5_2d3d_f32(W5_ARGS) {
-    w5_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO, skws, skflags, split);
+    w5_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }
 #endif  // WG5_NO_KERNELS

@@ -176,64 +176,6 @@ def wgrad_impl() -> str:
     return impl
 
 
-def gemm_split() -> bool:
-    """Whether wgmma5 cuts the last round of tiles into equal shares of k-steps (``MOE_EP_GEMM_SPLIT``, default on;
-    ``0`` gives every CTA whole tiles only). See :func:`w5_schedule` for what it does."""
-    v = os.environ.get("MOE_EP_GEMM_SPLIT", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"MOE_EP_GEMM_SPLIT={v!r} must be 0 or 1")
-    return v == "1"
-
-
-def w5_schedule(tiles: int, ksteps: int, ctas: int, split: bool) -> list[list[tuple[int, int, int]]]:
-    """Model of wgmma5's work schedule (kernels/grouped_gemm_wg5.cu ``w5_sched_init`` / ``w5_sched_next``): per CTA
-    the list of (tile, first k-step, end k-step) it computes, in order. The tiles are the ones with rows, in the
-    kernel's band order; all cost ``ksteps``.
-
-    Without a split (or when ``tiles % ctas == 0`` or ``tiles < ctas``) CTA b takes tiles b, b + ctas, ... whole.
-    With it, the last ``tiles % ctas + ctas`` tiles are shared out as equal ranges of k-steps, so that every CTA
-    ends within one k-step of the others; a tile cut between CTA b and b + 1 gives b its first k-steps (b's last
-    work) and b + 1 the rest (b + 1's first split work, whose partial sums b adds before writing the tile).
-
-    Example: 5 tiles of 4 k-steps on 2 CTAs: the whole-tile schedule is [(0,0,4), (2,0,4), (4,0,4)] and
-    [(1,0,4), (3,0,4)] (3 tiles against 2); split: the last 1 + 2 = 3 tiles (12 k-steps) go 6 and 6:
-    CTA 0 [(0,0,4), (2,0,4), (3,0,2)], CTA 1 [(1,0,4), (3,2,4), (4,0,4)]; tile 3 is cut at k-step 2.
-    """
-    full = tiles // ctas
-    dp_end = (full - 1) * ctas if split and full >= 1 and tiles != full * ctas else tiles
-    units = (tiles - dp_end) * ksteps
-    out = []
-    for b in range(ctas):
-        work = [(t, 0, ksteps) for t in range(b, dp_end, ctas)]
-        u, hi = units * b // ctas, units * (b + 1) // ctas
-        while u < hi:
-            j, kb = divmod(u, ksteps)
-            ke = min(ksteps, kb + hi - u)
-            work.append((dp_end + j, kb, ke))
-            u += ke - kb
-        out.append(work)
-    return out
-
-
-_W5_MAX_CTAS: int | None = None  # tests only: a smaller persistent grid (more tiles per CTA, more cut tiles)
-_SPLIT_WS: dict = {}  # (device index, stream) -> (partial sums fp32, flags int32): wgmma5's split workspace
-
-
-def _split_workspace(device: torch.device, ctas: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """wgmma5's workspace for ``ctas`` CTAs: one 128 x 256 fp32 partial tile and 2 int32 flags per CTA. One per
-    (device, stream), so that kernels on other streams never share it; the flags are created zero and every kernel
-    leaves them zero (the CTA that adds a partial tile resets its flag), so no memset per call."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    ws = _SPLIT_WS.get(key)
-    if ws is None or ws[1].numel() < 2 * ctas:
-        ws = (
-            torch.empty(ctas * 128 * 256, dtype=torch.float32, device=device),
-            torch.zeros(2 * ctas, dtype=torch.int32, device=device),
-        )
-        _SPLIT_WS[key] = ws
-    return ws
-
-
 # ----------------------------------------------------------------------------------------------------------
 # argument checks
 # ----------------------------------------------------------------------------------------------------------
@@ -392,7 +334,7 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         if impl == "wgmma5":  # persistent: one CTA per SM walks the tiles (host-side property, cached by torch)
             kernel, kfile, smem = f"mx_gmm_wg5_2d3d_{suffix}", _WGMMA5_FILE, _WGMMA5_SMEM_BYTES
             threads = _WGMMA5_THREADS
-            grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count, _W5_MAX_CTAS or grid)
+            grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)
         else:
             kernel, kfile, smem = f"mx_gmm_wg4_2d3d_{suffix}", _WGMMA4_FILE, _WGMMA4_SMEM_BYTES
         if grid > 0:
@@ -409,12 +351,6 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
             )
             if impl == "wgmma5":  # the output for the TMA-store epilogue (bf16: boxes of 64 x 64, 128-byte swizzle)
                 extra += (extra[0] if out.dtype == torch.float32 else _tma_map_2d(out, m, n, 64, 64, 2, True),)
-                # the split schedule's workspace; its int arithmetic needs 2 grid^2 ksteps < 2^31
-                split = gemm_split() and 2 * grid * grid * _cdiv(k, 64) < 2**31
-                ws, flags = _split_workspace(out.device, grid)
-                from . import _cuda  # noqa: PLC0415  (numpy + torch only)
-
-                extra += (_cuda.ptr(ws), _cuda.ptr(flags), _cuda.i32(int(split)))
     elif impl == "wgmma3":
         kernel, kfile, smem = f"mx_gmm_wg3_2d3d_{suffix}", _WGMMA3_FILE, _WGMMA3_SMEM_BYTES
         if grid > 0:  # A [M, K] in boxes of 128 rows x 64 bytes, B [G * N, K] in boxes of 256 rows x 64 bytes

@@ -455,58 +455,6 @@ def test_many_tiles_per_cta(k, impl):
     assert torch.equal(o1, o2), "not deterministic"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("ctas", [5, 7, None])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_wgmma5_split_last_round(ctas, out_dtype, monkeypatch):
-    """wgmma5's split schedule (gemm_cuda.w5_schedule): the last round's tiles cut into shares of k-steps, partial
-    sums handed from CTA b + 1 to b through the workspace. On a small grid (5 or 7 CTAs: dozens of tiles each,
-    one cut per CTA boundary, cuts in tiles with fewer than 128 rows) and the full one: within the tolerance with
-    and without the split, the same bits twice, trailing rows zero, and the flags left at zero for the next call."""
-    _skip_without_gpu()
-    monkeypatch.setenv("MOE_EP_GEMM_IMPL", "wgmma5")
-    monkeypatch.setattr(gemm_cuda, "_W5_MAX_CTAS", ctas)
-    gen0 = torch.Generator().manual_seed(ctas or 0)
-    sizes = _rand_sizes(9, 6000 if ctas else 40000, gen0)
-    while ctas and sum(-(-v // 128) for v in sizes) * 3 % ctas == 0:  # a tile count the grid does not divide
-        sizes[0] += 128
-    g, s, n, k = len(sizes), sum(sizes), 520, 480  # 3 column tiles (the last partial), 8 k-steps (the last half)
-    m = s + 45
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    x = _varied(m, k, gen)
-    w = torch.randn(g, n, k, generator=gen, device="cuda") * 0.05
-    xd, xs = gemm_cuda.rowwise_operand_ref(x[:s], sizes)
-    xd = torch.cat([xd, mxfp8.quantize_torch(x[s:], -1).data])
-    xs = torch.cat([xs, xs.new_zeros(mxfp8.grouped_blocked_size(m, g, k // 32, "m") - xs.numel())])
-    wd, ws = gemm_cuda.weight_operand_ref(w)
-    wp = gemm_cuda.prepare_weight_bf16(wd, ws)
-    sz = _sizes_t(sizes)
-    xq = mxfp8.dequantize_torch(mxfp8.quantize_torch(x[:s], -1), torch.float32)
-    wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -1), torch.float32)
-    ref64, asum = _mm64(xq, wq, sizes), _mm64(xq.abs(), wq.abs(), sizes)
-    ref32 = _mm32(xq, wq, sizes)
-    outs = {}
-    for split in ("1", "0", "1"):
-        monkeypatch.setenv("MOE_EP_GEMM_SPLIT", split)
-        o = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, out_dtype=out_dtype, w_prepared=wp)
-        torch.cuda.synchronize()
-        _assert_close(o[:s], ref64, ref32, asum, out_dtype, f"fprop split={split}", k)
-        assert (o[s:] == 0).all(), "rows past the groups must be zero"
-        if split in outs:
-            assert torch.equal(o, outs[split]), "split schedule not deterministic"
-        outs[split] = o
-    r = -(-m // 128) + g  # the launcher's bound of the row tiles: the grid is min(r * column tiles, SMs, ctas)
-    grid = min(r * 3, torch.cuda.get_device_properties(0).multi_processor_count, ctas or r * 3)
-    flags = gemm_cuda._SPLIT_WS[(0, torch.cuda.current_stream().cuda_stream)][1]
-    assert flags.numel() >= 2 * grid and not flags.any(), "a split flag was left raised"
-    if ctas:  # on the small grids the split must have cut tiles (the kernel took the partial-sum path)
-        tiles = sum(-(-v // 128) for v in sizes) * 3
-        cut = [w for sched in gemm_cuda.w5_schedule(tiles, -(-k // 64), grid, True) for w in sched if w[1] > 0]
-        assert cut, "this case does not exercise the split"
-        if out_dtype == torch.float32:  # two partial sums added: other fp32 roundings in the cut tiles
-            assert not torch.equal(outs["1"], outs["0"]), "the split did not change the cut tiles' summation"
-
-
 # ------------------------------------------------------------------------------------------- argument errors
 # (checked before anything touches the GPU: these run on CPU too)
 
@@ -545,13 +493,6 @@ def test_errors_env_switch(monkeypatch):
     assert gemm_cuda.wgrad_impl() == "wgmma"
     monkeypatch.delenv("MOE_EP_GEMM_IMPL")
     assert gemm_cuda.gemm_impl() == "wgmma5"  # the default (prepared bf16 weights; the fastest on H200 so far)
-    monkeypatch.setenv("MOE_EP_GEMM_SPLIT", "yes")
-    with pytest.raises(ValueError, match="MOE_EP_GEMM_SPLIT"):
-        gemm_cuda.gemm_split()
-    monkeypatch.setenv("MOE_EP_GEMM_SPLIT", "0")
-    assert not gemm_cuda.gemm_split()
-    monkeypatch.delenv("MOE_EP_GEMM_SPLIT")
-    assert gemm_cuda.gemm_split()
 
 
 @pytest.mark.gpu
