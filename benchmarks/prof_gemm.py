@@ -17,7 +17,8 @@ builds (``--kernel builds --builds "base=wgmma5:;st5=wgmma5:-DW5_STAGES=5 -DW5_R
 A/B for any builds (``parse_builds``) on the shapes of ``--shape`` (names or MxKxNxG specs, comma-separated;
 default all of bench_gemm's), ``--rounds`` rounds, or with ``--pairs N`` N iterations of single launches in
 rotating order (``alternating_ms``: the ratio per iteration cancels the clock drift between 20-launch blocks).
-A dgrad is the fprop of the spec with K and N swapped (the same kernel on W^T; torch's column is then its NT GEMM).
+A dgrad is the fprop of the spec with K and N swapped (the same kernel on W^T; torch's column is then its NT GEMM;
+the group sizes are seeded by the spec string, so they are not bench_gemm's for the named shape).
 
 raster (``--kernel raster``): wgmma4 fprop built with -DGM_RASTER = 1/4/8/16 (row tiles
 per band of the tile order, kernels/grouped_gemm_wg2.cu gm_raster), every shape of bench_gemm unless --shape is
@@ -50,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import SHAPES, interleaved_ms, paired_ratio, time_ms, uneven_sizes  # noqa: E402
+from bench_gemm import SHAPES, interleaved_ms, paired_ratio, round_order, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep import _cuda, gemm_cuda, mxfp8  # noqa: E402
 
@@ -214,16 +215,16 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, p
         env = build_env(builds[name])
 
         def run():
-            if any(os.environ.get(k) != v for k, v in env.items()):  # set once per timing, compared after that
+            if any(os.environ.get(k) != v for k, v in env.items()):  # set when it differs (every launch with --pairs)
                 os.environ.update(env)
             ours()
 
         return run
 
     fns = {name: build(name) for name in builds} | {"torch_bf16": bf16}
-    # A first pass whose times are dropped (it compiles every build and checks the bytes); then `rounds` rounds in
-    # bench_gemm's rotating order (interleaved_ms), so that a position effect (e.g. the first kernel after torch's)
-    # cannot pass for a build's own.
+    # A first pass whose times are dropped (it compiles every build and checks the bytes); then `rounds` rounds (or
+    # `pairs` iterations) in bench_gemm's round_order, so that a position effect (e.g. the first kernel after
+    # torch's) cannot pass for a build's own.
     for name, fn in fns.items():
         fn()
         if name == first:
@@ -235,10 +236,13 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, p
         out.fill_(float("nan"))
     if pairs:
         times = alternating_ms(fns, pairs)
-        row["launches"] = pairs
+        row["iterations"] = pairs  # launches per build
+        row["ms_launches"] = times  # per build, in iteration order (the pairs behind the ratios below)
+        # speed ratios (> 1: faster than the reference), median over iterations
         row["ratio_vs_torch_bf16"] = {kk: paired_ratio(times["torch_bf16"], v) for kk, v in times.items()}
         row[f"ratio_vs_{first}"] = {kk: paired_ratio(times[first], v) for kk, v in times.items()}
-        row[f"ratio_vs_{first}_p10_p90"] = {
+        # time ratios (> 1: slower than the first build), 10 % and 90 % quantiles over iterations
+        row[f"time_ratio_to_{first}_p10_p90"] = {
             kk: [float(q) for q in np.quantile(np.array(v) / np.array(times[first]), [0.1, 0.9])]
             for kk, v in times.items()
         }
@@ -255,10 +259,12 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, p
 
 
 def alternating_ms(fns: dict, iters: int, warmup: int = 3) -> dict[str, list[float]]:
-    """One launch of every fn per iteration, in an order rotated by the iteration, each timed by its own pair of
-    CUDA events; one synchronization at the end. Per-launch times: the ratio of two builds in the same iteration
-    is taken a few ms apart, so clock and power drift (which moves whole 20-launch blocks by 5-10 % on a busy
-    H200) cancel in it."""
+    """One launch of every fn per iteration, in bench_gemm.round_order (rotated, reversed on odd iterations, so
+    that no fn always follows the same one), each timed by its own pair of CUDA events; one synchronization at the
+    end. The ratio of two builds within an iteration is taken a few ms apart, so clock and power drift (which moved
+    whole 20-launch blocks by 5-10 % on this session's H200) cancels in it."""
+    if iters < 1:
+        raise ValueError(f"--pairs must be >= 1, got {iters}")
     names = list(fns)
     for fn in fns.values():
         for _ in range(warmup):
@@ -270,8 +276,7 @@ def alternating_ms(fns: dict, iters: int, warmup: int = 3) -> dict[str, list[flo
 
     ev = {n: [pair() for _ in range(iters)] for n in names}
     for i in range(iters):
-        for j in range(len(names)):
-            name = names[(i + j) % len(names)]
+        for name in round_order(names, i):
             a, b = ev[name][i]
             a.record()
             fns[name]()
