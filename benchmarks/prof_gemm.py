@@ -195,7 +195,7 @@ def experiments_wgrad(args) -> dict:
 
 
 def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, pairs: int = 0) -> dict:
-    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, options) and torch bf16, ``rounds``
+    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ``rounds``
     interleaved rounds in rotating order (or, with ``pairs``, that many iterations of :func:`alternating_ms`), bytes
     compared with the first build's output (all must be equal)."""
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
@@ -212,7 +212,7 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, p
         torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     def build(name: str):
-        env = build_env(builds[name])
+        env = dict(zip(BUILD_ENV, builds[name], strict=True))
 
         def run():
             if any(os.environ.get(k) != v for k, v in env.items()):  # set when it differs (every launch with --pairs)
@@ -238,22 +238,20 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, p
         times = alternating_ms(fns, pairs)
         row["iterations"] = pairs  # launches per build
         row["ms_launches"] = times  # per build, in iteration order (the pairs behind the ratios below)
-        # speed ratios (> 1: faster than the reference), median over iterations
-        row["ratio_vs_torch_bf16"] = {kk: paired_ratio(times["torch_bf16"], v) for kk, v in times.items()}
         row[f"ratio_vs_{first}"] = {kk: paired_ratio(times[first], v) for kk, v in times.items()}
         # time ratios (> 1: slower than the first build), 10 % and 90 % quantiles over iterations
         row[f"time_ratio_to_{first}_p10_p90"] = {
             kk: [float(q) for q in np.quantile(np.array(v) / np.array(times[first]), [0.1, 0.9])]
             for kk, v in times.items()
         }
-        row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
-        return row
-    errors: dict[str, str] = {}
-    times = interleaved_ms(fns, rounds, 3, 20, errors)
-    if errors:
-        raise RuntimeError(f"{shape}: {errors}")
-    row["ms_rounds"] = times  # per build, in round order (the pairs behind the median ratios below)
+    else:
+        errors: dict[str, str] = {}
+        times = interleaved_ms(fns, rounds, 3, 20, errors)
+        if errors:
+            raise RuntimeError(f"{shape}: {errors}")
+        row["ms_rounds"] = times  # per build, in round order (the pairs behind the median ratios below)
     row["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items()}
+    # speed ratios (> 1: faster than torch), median over rounds / iterations
     row["ratio_vs_torch_bf16"] = {kk: paired_ratio(times["torch_bf16"], v) for kk, v in times.items()}
     return row
 
@@ -307,7 +305,7 @@ BUILD_ENV = ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")  # what a build sets
 
 
 def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
-    """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, options)}.
+    """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS)}.
 
     Example: ``base=wgmma5:;st5=wgmma5:-DW5_STAGES=5`` -> {"base": ("wgmma5", ""), "st5": ("wgmma5",
     "-DW5_STAGES=5")}. An item without a name or an implementation from gemm_cuda.IMPLS, or a repeated name, raises
@@ -321,11 +319,6 @@ def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
             raise ValueError(f"--builds item {item!r}: want name=impl:options, impl in {gemm_cuda.IMPLS}, names unique")
         out[name] = (impl, opts.strip())
     return out
-
-
-def build_env(build: tuple[str, str]) -> dict[str, str]:
-    """The environment of one build (impl, NVRTC options), every variable of BUILD_ENV set."""
-    return dict(zip(BUILD_ENV, build, strict=True))
 
 
 def experiments_builds(args) -> dict:
