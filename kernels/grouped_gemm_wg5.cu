@@ -49,6 +49,9 @@
 #define W5_RASTER 8
 #endif
 #define W5_CONSUMER_WARPS 8
+#ifndef W5_HALF_SKIP  // (-DW5_HALF_SKIP=0: prof_gemm.py A/B of the skipped half tiles)
+#define W5_HALF_SKIP 1
+#endif
 #ifndef W5_STAGES  // (-DW5_STAGES=5 -DW5_REG_EPI: an experiment of prof_gemm.py)
 #define W5_STAGES 4
 #endif
@@ -351,6 +354,21 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
             continue;
         }
         if (kind < 0) continue;
+        // A group's last tile with at most 64 rows leaves warpgroup 1 without rows (bench_gemm's dsv3 sizes: 3-4 %
+        // of the MMA work). It keeps its place in the MMA turns and gives its empty arrivals, so the producer and
+        // warpgroup 0 run as before, but loads, converts, multiplies and stores nothing: warpgroup 0's MMAs have the
+        // tensor cores to themselves.
+        if (W5_HALF_SKIP && __shfl_sync(0xffffffffu, mrows, 0) <= 64 * wg) {
+            for (int s = 0; s < ksteps; ++s) {
+                // warpgroup 0 has issued M(s), so step s is in its stage and the stage's pending empty phase is s's
+                // (the arrival completes it only with warpgroup 0's, after M(s) retired)
+                named_bar_sync(bar_mine, 256);
+                named_bar_arrive(bar_other, 256);
+                mbar_arrive_if(empty0 + 8u * (unsigned)stage, lane0);
+                ring_next(stage, phase, W5_STAGES);
+            }
+            continue;
+        }
 
         float acc[128];
 #pragma unroll

@@ -455,6 +455,36 @@ def test_many_tiles_per_cta(k, impl):
     assert torch.equal(o1, o2), "not deterministic"
 
 
+HALF_TILE_SIZES = [64, 1, 65, 192, 0, 127, 129, 63, 288, 193, 320, 33] * 4  # last tiles of 64 rows or fewer, and more
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_half_tiles(out_dtype, impl):
+    """Groups whose last 128-row tile has at most 64 rows (wgmma5's warpgroup 1 then only keeps its MMA turns and
+    ring arrivals) next to tiles that need both warpgroups, ~5 tiles per persistent CTA so that full tiles follow
+    skipped halves on the same ring; K % 64 == 32 (a last half k-step)."""
+    _skip_without_gpu()
+    sizes, k, n = HALF_TILE_SIZES, 96, 2048
+    g, s = len(sizes), sum(sizes)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = _varied(s, k, gen)
+    w = torch.randn(g, n, k, generator=gen, device="cuda") * 0.05
+    xd, xs = gemm_cuda.rowwise_operand_ref(x, sizes)
+    wd, ws = gemm_cuda.weight_operand_ref(w)
+    sz = _sizes_t(sizes)
+    out, guard = _guarded_out((s, n), out_dtype)
+    gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, out=out)
+    again = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, out_dtype=out_dtype)
+    torch.cuda.synchronize()
+    xq = mxfp8.dequantize_torch(mxfp8.quantize_torch(x, -1), torch.float32)
+    wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -1), torch.float32)
+    ref32 = _mm32(xq, wq, sizes)
+    _assert_close(out, _mm64(xq, wq, sizes), ref32, _mm64(xq.abs(), wq.abs(), sizes), out_dtype, "half tiles", k)
+    assert torch.isnan(guard.float()).all(), "written past the end of out"
+    assert torch.equal(out, again), "not deterministic"
+
+
 # ------------------------------------------------------------------------------------------- argument errors
 # (checked before anything touches the GPU: these run on CPU too)
 
