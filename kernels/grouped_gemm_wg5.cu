@@ -27,6 +27,10 @@
 //   * mainloop per consumer warpgroup: issue M(s) (4 x wgmma.m64n256k16, A from registers), convert A(s + 1) into
 //     the third of 3 fragment buffers, then wait for M(s - 1) and release its stage. The two warpgroups issue
 //     their MMAs strictly in turn (named barriers 1 and 2), so that one converts while the other's MMAs run.
+//   * half tiles: in a group's last tile with at most 64 rows, warpgroup 1 only keeps its MMA turns and gives its
+//     empty arrivals (no loads, conversion, MMAs or stores), so warpgroup 0 has the tensor cores alone. Measured
+//     (benchmarks/NOTES.md, "half tiles"): 1.8-1.9 % less time at dsv3_down fprop and a dsv3_up dgrad spec, 0-0.6 %
+//     elsewhere (the static tile order gives the time saved to CTAs that then wait for the others).
 //   * epilogue: a warpgroup whose 64 rows are all inside the group writes its bf16 tile into its own 32 KiB of
 //     shared memory (128-byte swizzle) and one thread issues TMA stores, which drain while the next tile runs;
 //     otherwise (rows past the group belong to another tile) masked 16-byte stores from registers after a quad
