@@ -1,0 +1,134 @@
+"""The expert MLP on the CUDA kernels (moe_ep.expert_mlp_cuda) against the reference recipe (moe_ep.gemm.expert_mlp).
+
+Tolerance. Both sides run the same MXFP8 recipe: every GEMM operand quantized along its reduction axis, products of
+exactly dequantized operands, fp32 sums. They differ only in the fp32 summation order inside the GEMMs, and an
+intermediate (A, h, dh, dA) that lands on the other side of a bf16 or e4m3 rounding boundary then takes the
+neighbouring value. So the gap is a few rounding steps on a few elements, while the recipe's own error against
+unquantized bf16 math is one e4m3 rounding (up to 2**-4 relative) on every element. We require the gap (relative
+Frobenius norm) to be at most 1/10 of the recipe's error on the same inputs, measured in the test. Indexing, scale or
+layout bugs give errors of the order of the values themselves, far above it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ep import gemm
+from moe_ep.expert_mlp_cuda import expert_mlp_cuda
+from moe_ep.weight_cache import WeightQuantCache
+
+CUDA = torch.cuda.is_available()
+
+
+def _skip_without_gpu():
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cupy")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _problem(sizes, hdim, ffn, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    m, e = sum(sizes), len(sizes)
+    x = torch.randn(m, hdim, generator=gen, device="cuda").bfloat16()
+    w13 = (torch.randn(e, 2 * ffn, hdim, generator=gen, device="cuda") * hdim**-0.5).bfloat16()
+    w2 = (torch.randn(e, hdim, ffn, generator=gen, device="cuda") * ffn**-0.5).bfloat16()
+    dout = torch.randn(m, hdim, generator=gen, device="cuda").bfloat16()
+    return x, w13, w2, dout
+
+
+def _run(fn, x, w13, w2, dout, *args):
+    xs, w13s, w2s = (t.detach().clone().requires_grad_(True) for t in (x, w13, w2))
+    out = fn(xs, w13s, w2s, *args)
+    out.backward(dout)
+    return out.detach(), xs.grad, w13s.grad, w2s.grad
+
+
+SIZES = [
+    [300, 0, 77, 1, 1000, 129],  # empty expert, sizes neither multiples of 32 nor of 128
+    [0, 0, 2048, 0],  # every row on one expert
+    [64, 33, 31, 200, 5, 400, 0, 96],  # half tiles (<= 64 rows in a last 128-row tile) next to full ones
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(SIZES)))
+def test_matches_reference_recipe(case):
+    _skip_without_gpu()
+    sizes, hdim, ffn = SIZES[case], 256, 96
+    x, w13, w2, dout = _problem(sizes, hdim, ffn, seed=case)
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    got = _run(expert_mlp_cuda, x, w13, w2, dout, sz)
+    ref = _run(gemm.expert_mlp, x, w13, w2, dout, sizes, True)
+    bf16 = _run(gemm.expert_mlp, x, w13, w2, dout, sizes, False)
+    for name, g, r, b in zip(("out", "dx", "dw13", "dw2"), got, ref, bf16, strict=True):
+        assert g.shape == r.shape and g.dtype == r.dtype, f"{name}: {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
+        assert torch.isfinite(g).all(), f"{name}: non-finite values"
+        recipe = _rel(r, b)
+        assert recipe > 1e-3, f"{name}: the recipe's own error {recipe:.2e} is too small to bound anything"
+        gap = _rel(g, r)
+        assert gap <= 0.1 * recipe, f"{name}: gap to the reference recipe {gap:.2e} > 0.1 x recipe error {recipe:.2e}"
+    for e, n in enumerate(sizes):  # empty experts get exactly zero weight gradients
+        if n == 0:
+            assert not got[2][e].any() and not got[3][e].any()
+
+
+@pytest.mark.gpu
+def test_deterministic_cached_and_sync_free():
+    """The same inputs give the same bits; the weight cache quantizes once per weight version; the second forward
+    and backward (weights' operands cached) run with no host synchronization."""
+    _skip_without_gpu()
+    sizes, hdim, ffn = [500, 0, 300, 700], 128, 64
+    x, w13, w2, dout = _problem(sizes, hdim, ffn, seed=7)
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    w13p, w2p = torch.nn.Parameter(w13.clone()), torch.nn.Parameter(w2.clone())
+    cache = WeightQuantCache()
+    outs, dxs, grads = [], [], []
+    for it in range(2):
+        xs = x.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        if it == 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = expert_mlp_cuda(xs, w13p, w2p, sz, cache)
+            out.backward(dout)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        outs.append(out.detach())
+        dxs.append(xs.grad)
+        grads.append((w13p.grad.clone(), w2p.grad.clone()))
+        assert cache.misses == 2  # w13 and w2 once each: the backward and the second call reuse them
+    assert torch.equal(outs[0], outs[1]) and torch.equal(dxs[0], dxs[1])
+    assert torch.equal(grads[1][0], 2 * grads[0][0]) and torch.equal(grads[1][1], 2 * grads[0][1])  # accumulated
+    uncached = _run(expert_mlp_cuda, x, w13, w2, dout, sz)  # no cache: the same bits
+    assert torch.equal(uncached[0], outs[0]) and torch.equal(uncached[1], dxs[0])
+    assert torch.equal(uncached[2], grads[0][0]) and torch.equal(uncached[3], grads[0][1])
+    with torch.no_grad():  # an optimizer step: the next call quantizes the new W2 (only)
+        w2p.mul_(0.5)
+    out2 = expert_mlp_cuda(x, w13p, w2p, sz, cache)
+    assert cache.misses == 3
+    # W2 / 2 has the same e4m3 elements and scales one lower: every product and sum halves exactly
+    assert torch.equal(out2, 0.5 * outs[0])
+
+
+def test_rejects_bad_inputs():
+    """Checked before any kernel runs (also on CPU)."""
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(2, 64, 64), torch.zeros(2, 64, 32)
+    sz = torch.tensor([4, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="shapes"):
+        expert_mlp_cuda(x, w13, torch.zeros(2, 64, 64), sz)
+    with pytest.raises(TypeError, match="bf16"):
+        expert_mlp_cuda(x.float(), w13, w2, sz)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        expert_mlp_cuda(torch.zeros(8, 48, dtype=torch.bfloat16), torch.zeros(2, 64, 48), torch.zeros(2, 48, 32), sz)
+    with pytest.raises(TypeError, match="int32"):
+        expert_mlp_cuda(x, w13, w2, sz.long())
+    with pytest.raises(TypeError, match="int32"):
+        expert_mlp_cuda(x, w13, w2, [4, 4])
+    with pytest.raises(ValueError, match="CUDA"):
+        expert_mlp_cuda(x, w13, w2, sz)
