@@ -260,10 +260,25 @@ class WeightOperands:
 
 
 def _weight_operands(w: torch.Tensor) -> WeightOperands:
-    q = mxfp8.quantize(w, -1)
-    qt = mxfp8.quantize(w.transpose(1, 2).contiguous(), -1)
-    ws, wts = mxfp8.to_blocked(q.scale), mxfp8.to_blocked(qt.scale)
-    return WeightOperands(q.data, ws, prepare_weight_bf16(q.data, ws), qt.data, wts, prepare_weight_bf16(qt.data, wts))
+    if mxfp8._use_reference(w):
+        q = mxfp8.quantize(w, -1)
+        qt = mxfp8.quantize(w.transpose(1, 2).contiguous(), -1)
+        wd, ws, wtd, wts = q.data, mxfp8.to_blocked(q.scale), qt.data, mxfp8.to_blocked(qt.scale)
+    else:
+        # One fused pass per expert writes both quantizations with blocked scales: the column-wise output of W[e]
+        # [N, K] is W[e]^T [K, N] quantized along N, i.e. the dgrad operand. (Two row-wise passes over W and a
+        # transposed copy, as above, took 14.2 ms for dsv3's W13 + W2: benchmarks/NOTES.md, "The expert MLP".)
+        from . import mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
+
+        e, n, k = w.shape
+        w = w.contiguous()
+        wd = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+        wtd = torch.empty((e, k, n), dtype=torch.float8_e4m3fn, device=w.device)
+        ws = torch.empty((e, mxfp8.blocked_size(n, k // 32)), dtype=torch.uint8, device=w.device)
+        wts = torch.empty((e, mxfp8.blocked_size(k, n // 32)), dtype=torch.uint8, device=w.device)
+        for i in range(e):
+            mxfp8_cuda.quantize_fused_into(w[i], wd[i], ws[i], wtd[i], wts[i])
+    return WeightOperands(wd, ws, prepare_weight_bf16(wd, ws), wtd, wts, prepare_weight_bf16(wtd, wts))
 
 
 def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:

@@ -108,12 +108,15 @@ def test_colwise_prep_pair_kernel_matches_reference(sizes):
 
 
 @pytest.mark.gpu
-def test_weight_operands_on_gpu_match_cpu():
-    """weight_operands on CUDA (quantization + preparation kernels) == on CPU (the references), byte for byte."""
+@pytest.mark.parametrize("shape,dtype", [((3, 160, 96), torch.float32), ((2, 32, 288), torch.bfloat16)])
+def test_weight_operands_on_gpu_match_cpu(shape, dtype):
+    """weight_operands on CUDA (one fused row + column quantization per expert, preparation kernels) == on CPU (two
+    row-wise quantizations of W and W^T, the references), byte for byte; N and K not multiples of 128."""
     _skip_without_gpu()
     import dataclasses  # noqa: PLC0415
 
-    w = _varied(3 * 160, 96, torch.Generator(device="cuda").manual_seed(5)).reshape(3, 160, 96)
+    e, n, k = shape
+    w = _varied(e * n, k, torch.Generator(device="cuda").manual_seed(5)).reshape(e, n, k).to(dtype)
     gpu, cpu = gemm_cuda.weight_operands(w), gemm_cuda.weight_operands(w.cpu())
     for f in dataclasses.fields(gpu):
         a, b = getattr(gpu, f.name).cpu(), getattr(cpu, f.name)
