@@ -270,14 +270,7 @@ def _weight_operands(w: torch.Tensor) -> WeightOperands:
         # transposed copy, as above, took 14.2 ms for dsv3's W13 + W2: benchmarks/NOTES.md, "The expert MLP".)
         from . import mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
 
-        e, n, k = w.shape
-        w = w.contiguous()
-        wd = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
-        wtd = torch.empty((e, k, n), dtype=torch.float8_e4m3fn, device=w.device)
-        ws = torch.empty((e, mxfp8.blocked_size(n, k // 32)), dtype=torch.uint8, device=w.device)
-        wts = torch.empty((e, mxfp8.blocked_size(k, n // 32)), dtype=torch.uint8, device=w.device)
-        for i in range(e):
-            mxfp8_cuda.quantize_fused_into(w[i], wd[i], ws[i], wtd[i], wts[i])
+        wd, ws, wtd, wts = mxfp8_cuda.quantize_weights_fused(w.contiguous())
     return WeightOperands(wd, ws, prepare_weight_bf16(wd, ws), wtd, wts, prepare_weight_bf16(wtd, wts))
 
 

@@ -589,6 +589,43 @@ def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale
 
 
+def quantize_weights_fused_into(
+    w: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor
+) -> None:
+    """Both MXFP8 operands of an expert weight from one read of it: per expert, the fused row + column pass.
+
+    w: [E, N, K] bf16/fp16/fp32, contiguous, N % 32 == 0, K % 32 == 0.
+    data: [E, N, K] e4m3, scale: [E, blocked_size(N, K//32)] u8 (what :func:`quantize_weights` writes: fprop's W);
+    data_t: [E, K, N] e4m3 = W[e]^T quantized along N, scale_t: [E, blocked_size(K, N//32)] u8 (dgrad's W^T, the
+    bytes of ``quantize_weights(w.transpose(1, 2).contiguous())``).
+    Why: the dgrad copy otherwise needs a transposed copy of W and a second quantization pass. One launch per expert,
+    with the arguments checked once.
+    """
+    _check_input(w, 3, "quantize_weights_fused")
+    e, n, k = w.shape
+    if n % BLOCK:
+        raise ValueError(f"quantize_weights_fused: N = {n} is not a multiple of {BLOCK} (the W^T blocks run along N)")
+    _check_out(data, "data", (e, n, k), torch.float8_e4m3fn, w.device)
+    _check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
+    _check_out(data_t, "data_t", (e, k, n), torch.float8_e4m3fn, w.device)
+    _check_out(scale_t, "scale_t", (e, blocked_size(k, n // BLOCK)), torch.uint8, w.device)
+    for i in range(e):
+        _launch_quant(w[i], n, k, _RS["blocked"], _CS["blocked"], rq=data[i], rs=scale[i], cq=data_t[i], cs=scale_t[i])
+
+
+def quantize_weights_fused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w: [E, N, K]`` -> ``(data, scale, data_t, scale_t)`` of :func:`quantize_weights_fused_into`."""
+    _check_input(w, 3, "quantize_weights_fused")
+    e, n, k = w.shape
+    dev = w.device
+    data = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.empty((e, blocked_size(n, k // BLOCK)), dtype=torch.uint8, device=dev)
+    data_t = torch.empty((e, k, n), dtype=torch.float8_e4m3fn, device=dev)
+    scale_t = torch.empty((e, blocked_size(k, n // BLOCK)), dtype=torch.uint8, device=dev)
+    quantize_weights_fused_into(w, data, scale, data_t, scale_t)
+    return data, scale, data_t, scale_t
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the moe_ep.mxfp8 entry points (plain scales, MXFP8Tensor)
 # ------------------------------------------------------------------------------------------------------------

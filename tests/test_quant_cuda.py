@@ -332,6 +332,24 @@ def test_weights(dev, dtype):
         assert_bytes(scale, to_blocked(ref.scale), f"scale {e}x{n}x{k}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weights_fused(dev, dtype):
+    """quantize_weights_fused: per expert, W row-wise (the bytes of quantize_weights) and W^T quantized along N (the
+    bytes of quantize_weights on the transposed copy) from one fused pass; N and K not multiples of 128."""
+    shapes = [(3, 160, 96), (2, 32, 288), (1, 288, 64)] + ([(4, 2048, 7168)] if _big(dev) else [])
+    for i, (e, n, k) in enumerate(shapes):
+        w = make_input(e * n, k, dtype, seed=60 + i).reshape(e, n, k)
+        ref, ref_t = quantize_torch(w, -1), quantize_torch(w.transpose(1, 2).contiguous(), -1)
+        data, scale, data_t, scale_t = mxfp8_cuda.quantize_weights_fused(w.to(dev))
+        what = f"{e}x{n}x{k}"
+        assert_bytes(data, ref.data, f"data {what}")
+        assert_bytes(scale, to_blocked(ref.scale), f"scale {what}")
+        assert_bytes(data_t, ref_t.data, f"data_t {what}")
+        assert_bytes(scale_t, to_blocked(ref_t.scale), f"scale_t {what}")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp8_cuda.quantize_weights_fused(make_input(2 * 48, 64, dtype, seed=1).reshape(2, 48, 64).to(dev))
+
+
 @pytest.mark.parametrize("out_dtype", DTYPES)
 @pytest.mark.parametrize("axis", [0, -1])
 def test_dequantize(dev, out_dtype, axis):
