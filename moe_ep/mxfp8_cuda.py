@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from . import _cuda
@@ -225,6 +226,52 @@ def col_scale_shape(m: int, k: int, scale_layout: str) -> tuple[int, ...]:
     raise ValueError(f"column-wise scale_layout must be 'plain' or 'blocked', got {scale_layout!r}")
 
 
+def _quant_plan(
+    x: torch.Tensor, m: int, k: int, rs_mode: int, cs_mode: int, n_groups: int, n_row_tiles: int | None, in_code
+) -> tuple[str, int, int, int, int] | None:
+    """(kernel name, grid, shared memory, row tiles, column tiles) of an mx_quant launch; None: nothing to do.
+    x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
+    ctiles = _cdiv(k, _TILE)
+    if n_row_tiles is None:
+        n_row_tiles = _cdiv(m, _TILE)
+    tiles = n_row_tiles * ctiles
+    if tiles == 0:
+        return None
+    in_code = _IN[x.dtype] if in_code is None else in_code
+    # bytes of a staged element: the SwiGLU inputs stage their fp32 results
+    es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
+    env_pipe = _pipe()
+    req = _requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
+    grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
+    table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
+    pipe3 = _effective_pipe(es, rs_mode, cs_mode, req) == 3
+    stages = 2 * _TILE * _TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
+    fixed = _SMEM_FIXED + (_SMEM_GPREP if cs_mode == _CS["grouped_prep"] else 0)
+    smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
+    name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
+    return name, grid, smem, n_row_tiles, ctiles
+
+
+def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, group_rows, n_row_tiles, ctiles, x2) -> tuple:
+    """mx_quant's argument tuple; the pointers as kernel pointer arguments (``_cuda.ptr`` or ``np.uint64``)."""
+    i32, i64 = _cuda.i32, _cuda.i64
+    return (
+        x,
+        i64(m),
+        i32(k),
+        rq,
+        rs,
+        cq,
+        cs,
+        gsizes,
+        i32(n_groups),
+        i64(group_rows),
+        i32(n_row_tiles),
+        i32(ctiles),
+        x2,
+    )
+
+
 def _launch_quant(
     x,
     m,
@@ -243,40 +290,14 @@ def _launch_quant(
     x2=None,
 ) -> None:
     """x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
-    ctiles = _cdiv(k, _TILE)
-    if n_row_tiles is None:
-        n_row_tiles = _cdiv(m, _TILE)
-    tiles = n_row_tiles * ctiles
-    if tiles == 0:
+    plan = _quant_plan(x, m, k, rs_mode, cs_mode, n_groups, n_row_tiles, in_code)
+    if plan is None:
         return
-    in_code = _IN[x.dtype] if in_code is None else in_code
-    # bytes of a staged element: the SwiGLU inputs stage their fp32 results
-    es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
-    env_pipe = _pipe()
-    req = _requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
-    grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
-    table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    pipe3 = _effective_pipe(es, rs_mode, cs_mode, req) == 3
-    stages = 2 * _TILE * _TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
-    fixed = _SMEM_FIXED + (_SMEM_GPREP if cs_mode == _CS["grouped_prep"] else 0)
-    smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
+    name, grid, smem, n_row_tiles, ctiles = plan
     p = _cuda.ptr
-    args = (
-        p(x),
-        _cuda.i64(m),
-        _cuda.i32(k),
-        p(rq),
-        p(rs),
-        p(cq),
-        p(cs),
-        p(gsizes),
-        _cuda.i32(n_groups),
-        _cuda.i64(group_rows),
-        _cuda.i32(n_row_tiles),
-        _cuda.i32(ctiles),
-        p(x2),
+    args = _quant_args(
+        p(x), m, k, p(rq), p(rs), p(cq), p(cs), p(gsizes), n_groups, group_rows, n_row_tiles, ctiles, p(x2)
     )
-    name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
     _launch(name, grid, args, smem, x.device)
 
 
@@ -609,8 +630,19 @@ def quantize_weights_fused_into(
     _check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
     _check_out(data_t, "data_t", (e, k, n), torch.float8_e4m3fn, w.device)
     _check_out(scale_t, "scale_t", (e, blocked_size(k, n // BLOCK)), torch.uint8, w.device)
+    plan = _quant_plan(w, n, k, _RS["blocked"], _CS["blocked"], 0, None, None)  # the same for every expert
+    if plan is None or e == 0:
+        return
+    name, grid, smem, n_row_tiles, ctiles = plan
+    # per expert only the pointers move, so the host pays the launch alone (the experts of a small weight, e.g.
+    # 16 x [1536, 2048], take a few microseconds of GPU time each: the full argument path per expert was host-bound)
+    bases = [t.data_ptr() for t in (w, data, scale, data_t, scale_t)]
+    steps = [n * k * w.element_size(), n * k, scale.shape[1], n * k, scale_t.shape[1]]
+    null = _cuda.ptr(None)
     for i in range(e):
-        _launch_quant(w[i], n, k, _RS["blocked"], _CS["blocked"], rq=data[i], rs=scale[i], cq=data_t[i], cs=scale_t[i])
+        px, prq, prs, pcq, pcs = (np.uint64(b + i * st) for b, st in zip(bases, steps, strict=True))
+        args = _quant_args(px, n, k, prq, prs, pcq, pcs, null, 0, 0, n_row_tiles, ctiles, null)
+        _launch(name, grid, args, smem, w.device)
 
 
 def quantize_weights_fused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
