@@ -284,7 +284,7 @@ def alternating_ms(fns: dict, iters: int, warmup: int = 3) -> dict[str, list[flo
 
 
 ROUNDS = 6
-RASTER_BUILDS = {f"wgmma4_r{r}": ("wgmma4", f"-DGM_RASTER={r}") for r in (1, 4, 8, 16)}
+RASTER_BUILDS = {f"wgmma4_r{r}": ("wgmma4", f"-DGM_RASTER={r}", "auto") for r in (1, 4, 8, 16)}
 
 
 @contextlib.contextmanager
@@ -301,23 +301,29 @@ def _env_restored(*names: str):
                 os.environ[var] = val
 
 
-BUILD_ENV = ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS")  # what a build sets
+BUILD_ENV = ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_GEMM_STAGES")  # what a build sets
 
 
-def parse_builds(spec: str) -> dict[str, tuple[str, str]]:
-    """``name=impl:options;name=impl:options`` -> {name: (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS)}.
+def parse_builds(spec: str) -> dict[str, tuple[str, str, str]]:
+    """``name=impl[@stages]:options;...`` -> {name: (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS, MOE_EP_GEMM_STAGES)}.
 
-    Example: ``base=wgmma5:;st5=wgmma5:-DW5_STAGES=5`` -> {"base": ("wgmma5", ""), "st5": ("wgmma5",
-    "-DW5_STAGES=5")}. An item without a name or an implementation from gemm_cuda.IMPLS, or a repeated name, raises
-    ValueError (an empty implementation would silently time the default kernel)."""
+    Example: ``auto=wgmma5:;s4=wgmma5@4:;band16=wgmma5@4:-DW5_RASTER=16`` -> {"auto": ("wgmma5", "", "auto"), "s4":
+    ("wgmma5", "", "4"), "band16": ("wgmma5", "-DW5_RASTER=16", "4")}: stages (``gemm_cuda.w5_stages``) default to
+    auto, which picks the 5-stage build for K >= 3072 (pin them when the options touch W5_STAGES or W5_REG_EPI). An
+    item without a name or an implementation from gemm_cuda.IMPLS, stages other than auto/4/5, or a repeated name,
+    raises ValueError (an empty implementation would silently time the default kernel)."""
     out = {}
     for item in spec.split(";"):
         name, eq, rest = item.partition("=")
         impl, _, opts = rest.partition(":")
-        name, impl = name.strip(), impl.strip()
-        if not eq or not name or impl not in gemm_cuda.IMPLS or name in out:
-            raise ValueError(f"--builds item {item!r}: want name=impl:options, impl in {gemm_cuda.IMPLS}, names unique")
-        out[name] = (impl, opts.strip())
+        impl, _, stages = impl.partition("@")
+        name, impl, stages = name.strip(), impl.strip(), stages.strip() or "auto"
+        if not eq or not name or impl not in gemm_cuda.IMPLS or stages not in ("auto", "4", "5") or name in out:
+            raise ValueError(
+                f"--builds item {item!r}: want name=impl[@stages]:options, impl in {gemm_cuda.IMPLS}, stages auto/4/5, "
+                "names unique"
+            )
+        out[name] = (impl, opts.strip(), stages)
     return out
 
 
@@ -367,7 +373,7 @@ def main() -> None:
     ap.add_argument(
         "--shape", default=None, help="a bench_gemm shape or MxKxNxG; raster and builds also take a comma list"
     )
-    ap.add_argument("--builds", default=None, help="--kernel builds: name=impl:options;... (parse_builds)")
+    ap.add_argument("--builds", default=None, help="--kernel builds: name=impl[@stages]:options;... (parse_builds)")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--pairs", type=int, default=0, help="--kernel builds: alternate single launches this many times")
     ap.add_argument("--json", default=None)

@@ -41,6 +41,11 @@
 // through quad transposes, measured no faster and lives in commit 1aebbd0 as -DW5_EPI_SHFL.)
 // Shared memory (all dynamic): 4 x 40960 ring + 65536 output tile + 4 x 512 scales + barriers + 9 GroupInfo =
 // 231920 B of the 232448 an H100/H200 CTA may have.
+// Long reductions (K >= 3072) run the build -DW5_STAGES=5 -DW5_REG_EPI (moe_ep.gemm_cuda.w5_stages): a fifth
+// stage fits only without the output tile (5 x 40960 + 5 x 512 + barriers + GroupInfo = 207872 B). Measured with
+// single launches alternated in one process: 1.2-2.6 % less time from K = 3072 up, 1.1 % more at K = 2048 and
+// 3.6 % more at K = 1536, where the register epilogue's stores weigh more per k-step (benchmarks/NOTES.md, "a fifth
+// stage for long reductions").
 
 #define WG4_NO_KERNELS
 #include "grouped_gemm_wg4.cu"
@@ -56,13 +61,13 @@
 #ifndef W5_HALF_SKIP  // (-DW5_HALF_SKIP=0: prof_gemm.py A/B of the skipped half tiles)
 #define W5_HALF_SKIP 1
 #endif
-#ifndef W5_STAGES  // (-DW5_STAGES=5 -DW5_REG_EPI: an experiment of prof_gemm.py)
+#ifndef W5_STAGES  // -DW5_STAGES=5 -DW5_REG_EPI: the long-reduction build (gemm_cuda.w5_stages picks it)
 #define W5_STAGES 4
 #endif
 #define W5_STAGE_BYTES 40960  // B bf16 256 x 128 B (SW128) at 0 | A raw 128 x 64 B at W5_A
 #define W5_A 32768
 #define W5_EPI (W5_STAGES * W5_STAGE_BYTES)  // 163840: bf16 output tile, 2 warpgroups x 4 chunks x 64 rows x 128 B
-#ifdef W5_REG_EPI  // experiment: every bf16 tile through the register epilogue, no shared output tile
+#ifdef W5_REG_EPI  // every bf16 tile through the register epilogue, no shared output tile (room for a 5th stage)
 #define W5_EPI_BYTES 0
 #else
 #define W5_EPI_BYTES 65536

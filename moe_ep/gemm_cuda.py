@@ -50,8 +50,11 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
       0.91-1.00x in the last two benchmarks.
   ``wgmma5`` (default; ``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a
       producer warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs
-      in turn, TMA-store epilogue). Same prepared weight. 0.99-1.11x in the last two benchmarks (llama4 0.99-1.00;
-      benchmarks/NOTES.md, "wgmma5: fewer instructions per k-step"), ahead of wgmma4 at every variant.
+      in turn, TMA-store epilogue). Same prepared weight. 0.98-1.12x in the last benchmark (llama4 0.98-1.00;
+      benchmarks/NOTES.md, "wgmma5: fewer instructions per k-step"), ahead of wgmma4 at every variant. With a long
+      reduction (K >= 3072: 48 or more k-steps) it runs a second build with a 5-stage ring and the register
+      epilogue instead (the TMA epilogue's staging tile does not fit next to a fifth stage): ``w5_stages``,
+      ``MOE_EP_GEMM_STAGES``.
   ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
@@ -149,6 +152,12 @@ _WGMMA2_BN = 256  # output columns per CTA of the wgmma2 / wgmma3 kernels (128 r
 _WGMMA3_SMEM_BYTES = 203776  # bf16 ring 3 x 32768 + raw ring 4 x 26112 + 1024, grouped_gemm_wg3.cu W3_SMEM_BYTES
 _WGMMA4_SMEM_BYTES = 168960  # 4 x (32768 + 8192 + 512 -> 41984) + 1024, grouped_gemm_wg4.cu W4_SMEM_BYTES
 _WGMMA5_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, grouped_gemm_wg5.cu W5_SMEM_BYTES
+# the long-reduction build of wgmma5: 5 ring stages, no shared output tile (register epilogue)
+_WGMMA5_DEEP_OPTIONS = ("-DW5_STAGES=5", "-DW5_REG_EPI")
+_WGMMA5_DEEP_SMEM_BYTES = 207872  # 5 x 40960 + 0 + 5 x 512 + 80 + 9 x 48
+# Measured (benchmarks/NOTES.md, "wgmma5: a fifth stage for long reductions"; per-launch A/B, M = 32768, N = 4096,
+# G = 32): K = 1536 -3.6 %, 2048 -1.1 %, 3072 +1.2 %, 4096 +1.4 %, 5120 +2.5 % less time with the deep build.
+_W5_DEEP_KSTEPS = 48
 _WGMMA5_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (grouped_gemm_wg5.cu W5_THREADS)
 _PREPARED_IMPLS = ("wgmma4", "wgmma5")  # the kernels that read the weight as prepare_weight_bf16's output
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -165,6 +174,18 @@ def gemm_impl() -> str:
     if impl not in IMPLS:
         raise ValueError(f"MOE_EP_GEMM_IMPL={impl!r} is not one of {IMPLS}")
     return impl
+
+
+def w5_stages(k: int) -> int:
+    """Ring stages of the wgmma5 build for a reduction of ``k``: ``MOE_EP_GEMM_STAGES`` = ``auto`` (default: 5 when
+    ceil(k / 64) >= 48, else 4), ``4`` (TMA-store epilogue) or ``5`` (register epilogue). Same results either way
+    (the same k-steps in the same order)."""
+    v = os.environ.get("MOE_EP_GEMM_STAGES", "auto").strip().lower() or "auto"
+    if v not in ("auto", "4", "5"):
+        raise ValueError(f"MOE_EP_GEMM_STAGES={v!r} must be auto, 4 or 5")
+    if v != "auto":
+        return int(v)
+    return 5 if _cdiv(k, 64) >= _W5_DEEP_KSTEPS else 4
 
 
 def wgrad_impl() -> str:
@@ -219,12 +240,13 @@ def _launch(
     smem: int = _SMEM_BYTES,
     extra: tuple = (),
     threads: int = _THREADS,
+    options: tuple[str, ...] = (),
 ):
     if grid <= 0:
         return
     from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
-    fn = _cuda.get_function(kernel_file, kernel, device=out.device.index)
+    fn = _cuda.get_function(kernel_file, kernel, extra_options=options, device=out.device.index)
     args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest) + tuple(extra)
     _cuda.launch(fn, grid, threads, args, shared_mem=smem, device=out.device)
 
@@ -330,9 +352,12 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     suffix = _OUT_SUFFIX[out.dtype]
     extra = ()
     threads = _THREADS
+    options: tuple[str, ...] = ()
     if impl in _PREPARED_IMPLS:
         if impl == "wgmma5":  # persistent: one CTA per SM walks the tiles (host-side property, cached by torch)
             kernel, kfile, smem = f"mx_gmm_wg5_2d3d_{suffix}", _WGMMA5_FILE, _WGMMA5_SMEM_BYTES
+            if w5_stages(k) == 5:
+                options, smem = _WGMMA5_DEEP_OPTIONS, _WGMMA5_DEEP_SMEM_BYTES
             threads = _WGMMA5_THREADS
             grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)
         else:
@@ -361,7 +386,8 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         kernel, kfile, smem = f"mx_gmm_wg_2d3d_{suffix}", _WGMMA_FILE, _WGMMA_SMEM_BYTES
     else:
         kernel, kfile, smem = f"mx_gmm_2d3d_{suffix}", _KERNEL_FILE, _SMEM_BYTES
-    _launch(kernel, grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest, kfile, smem, extra, threads)
+    args = (a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest)
+    _launch(kernel, grid, *args, kfile, smem, extra, threads, options)
     return out
 
 

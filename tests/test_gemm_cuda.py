@@ -30,14 +30,17 @@ from moe_ep import _cuda, gemm_cuda, mxfp8
 
 CUDA = torch.cuda.is_available()
 
-# fprop/dgrad run through every kernel family (MOE_EP_GEMM_IMPL); wgrad has only the mma kernel so far.
-IMPLS = list(gemm_cuda.IMPLS)
+# fprop/dgrad run through every kernel family (MOE_EP_GEMM_IMPL), and wgmma5 also through its long-reduction build
+# (MOE_EP_GEMM_STAGES=5: 5 ring stages, register epilogue), which the tests' small K would not select by itself.
+IMPLS = [*gemm_cuda.IMPLS, "wgmma5:5"]
 
 
 @pytest.fixture(params=IMPLS)
 def impl(request, monkeypatch):
-    """Selects the kernel family of the 2d3d (fprop / dgrad) launches of a test."""
-    monkeypatch.setenv("MOE_EP_GEMM_IMPL", request.param)
+    """Selects the kernel family (and for "wgmma5:S" the wgmma5 build) of the 2d3d (fprop / dgrad) launches."""
+    family, _, stages = request.param.partition(":")
+    monkeypatch.setenv("MOE_EP_GEMM_IMPL", family)
+    monkeypatch.setenv("MOE_EP_GEMM_STAGES", stages or "auto")
     return request.param
 
 

@@ -193,8 +193,25 @@ def test_w5_constants_match_the_launcher():
     assert gemm_cuda._WGMMA5_SMEM_BYTES == expect
     assert gemm_cuda._WGMMA5_THREADS == define("W5_THREADS")
     assert gemm_cuda._WGMMA5_SMEM_BYTES <= 232448  # all of it dynamic; an H100/H200 CTA may have 227 KiB
+    # the long-reduction build: 5 stages, the register epilogue (no shared output tile)
+    assert gemm_cuda._WGMMA5_DEEP_OPTIONS == ("-DW5_STAGES=5", "-DW5_REG_EPI")
+    assert "#ifndef W5_STAGES" in src and re.search(r"#ifdef W5_REG_EPI[^\n]*\n#define W5_EPI_BYTES 0\n", src)
+    assert gemm_cuda._WGMMA5_DEEP_SMEM_BYTES == 5 * stage_bytes + 0 + 512 * 5 + 16 * 5 + 9 * 48 <= 232448
     for suffix in gemm_cuda._OUT_SUFFIX.values():
         assert f"mx_gmm_wg5_2d3d_{suffix}(W5_ARGS)" in src
+
+
+def test_w5_stages_rule_and_switch(monkeypatch):
+    """The deep build from 48 k-steps (K >= 3008 + 64 = 3072) under auto; MOE_EP_GEMM_STAGES forces 4 or 5."""
+    monkeypatch.delenv("MOE_EP_GEMM_STAGES", raising=False)
+    assert [gemm_cuda.w5_stages(k) for k in (32, 2048, 3008, 3040, 3072, 7168)] == [4, 4, 4, 5, 5, 5]
+    monkeypatch.setenv("MOE_EP_GEMM_STAGES", "4")
+    assert gemm_cuda.w5_stages(8192) == 4
+    monkeypatch.setenv("MOE_EP_GEMM_STAGES", "5")
+    assert gemm_cuda.w5_stages(32) == 5
+    monkeypatch.setenv("MOE_EP_GEMM_STAGES", "6")
+    with pytest.raises(ValueError, match="MOE_EP_GEMM_STAGES"):
+        gemm_cuda.w5_stages(64)
 
 
 # ------------------------------------------------------------------------- wgrad: prepared operands, k-steps
