@@ -4,8 +4,8 @@ Per shape (M expert-sorted rows of hidden H, E experts of FFN width F; random un
   mxfp8   ``moe_ep.expert_mlp_cuda``'s ``expert_mlp_cuda_fwd`` + ``expert_mlp_cuda_bwd`` with the weights' MXFP8
           operands cached (what every micro-batch after the first of an optimizer step pays); the per-step weight
           quantization and preparation (``weight_operands`` of W13 and W2) is timed alone as ``weight_prep_ms``.
-  bf16    the same step in bf16 with ``torch._grouped_mm`` (6 GEMMs), SwiGLU forward/backward compiled with
-          ``torch.compile`` (one fused elementwise kernel each), and the two transposes torch's wgrad needs.
+  bf16    the same step in bf16 with ``torch._grouped_mm`` (6 GEMMs; the wgrads take dY^T as a transposed view, no
+          copy), SwiGLU forward/backward compiled with ``torch.compile`` (one fused elementwise kernel each).
 It first checks ours against the reference recipe (``moe_ep.gemm.expert_mlp_fwd/bwd`` with quantize=True): the gap
 must be at most 1/10 of the recipe's own error against quantize=False (tests/test_expert_mlp_cuda.py explains the
 bound). Then it times with CUDA events (median of --reps per round, --rounds rounds in bench_gemm.round_order) and
@@ -94,10 +94,10 @@ def run_shape(name: str, rounds: int, reps: int) -> dict:
         hh = swiglu_c(a)
         torch._grouped_mm(hh, w2.transpose(-2, -1), offs=offs)
         dh = torch._grouped_mm(dout, w2, offs=offs)
-        torch._grouped_mm(dout.t().contiguous(), hh, offs=offs)  # dW2 [E, H, F]
+        torch._grouped_mm(dout.t(), hh, offs=offs)  # dW2 [E, H, F]
         da = swiglu_bwd_c(a, dh)
         torch._grouped_mm(da, w13, offs=offs)  # dX
-        torch._grouped_mm(da.t().contiguous(), x, offs=offs)  # dW13 [E, 2F, H]
+        torch._grouped_mm(da.t(), x, offs=offs)  # dW13 [E, 2F, H]
 
     def bf16_fwd():
         a = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)

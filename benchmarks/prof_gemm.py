@@ -11,9 +11,10 @@ Each build is timed with bench_gemm's CUDA-event timer (median of 20) next to th
 wgmma5 (kernels/grouped_gemm_wg5.cu, ``--kernel wgmma5``): the kernel and timing-only builds with wrong results:
 ``-DW3_NO_CVT`` (no A conversion), ``-DW5_HALF_B`` (B loaded on every other k-step: half the B bytes from L2),
 ``-DW5_NO_EPI`` (no output stores); what each removes from the time says what bounds the kernel. Layout
-variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5``.
+variants that must give the same bytes: ``-DW5_REG_EPI`` (register epilogue only), ``-DW5_STAGES=5 -DW5_REG_EPI``
+(the long-reduction build; 5 stages do not fit next to the TMA epilogue's tile).
 
-builds (``--kernel builds --builds "base=wgmma5:;st5=wgmma5:-DW5_STAGES=5 -DW5_REG_EPI"``): the same interleaved
+builds (``--kernel builds --builds "s4=wgmma5@4:;s5=wgmma5@5:"``): the same interleaved
 A/B for any builds (``parse_builds``) on the shapes of ``--shape`` (names or MxKxNxG specs, comma-separated;
 default all of bench_gemm's), ``--rounds`` rounds, or with ``--pairs N`` N iterations of single launches in
 rotating order (``alternating_ms``: the ratio per iteration cancels the clock drift between 20-launch blocks).
@@ -194,8 +195,8 @@ def experiments_wgrad(args) -> dict:
     return res
 
 
-def _builds_shape(shape: str, builds: dict[str, tuple[str, str]], rounds: int, pairs: int = 0) -> dict:
-    """Fprop of ``shape`` for every build name -> (MOE_EP_GEMM_IMPL, MOE_EP_NVRTC_OPTIONS) and torch bf16, ``rounds``
+def _builds_shape(shape: str, builds: dict[str, tuple[str, str, str]], rounds: int, pairs: int = 0) -> dict:
+    """Fprop of ``shape`` for every build name -> BUILD_ENV values (:func:`parse_builds`) and torch bf16, ``rounds``
     interleaved rounds in rotating order (or, with ``pairs``, that many iterations of :func:`alternating_ms`), bytes
     compared with the first build's output (all must be equal)."""
     m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)

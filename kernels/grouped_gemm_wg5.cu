@@ -37,8 +37,9 @@
 //     transpose. fp32 output: float2 stores (w2_epilogue).
 // Timing experiments (wrong results; benchmarks/prof_gemm.py --kernel wgmma5): -DW5_HALF_B loads B on even
 // k-steps only, -DW5_NO_EPI skips the output stores, -DW3_NO_CVT skips the A conversion. Variants with the same
-// results: -DW5_REG_EPI (register epilogue only), -DW5_STAGES=5 (with it). (The first TMA epilogue, staged
-// through quad transposes, measured no faster and lives in commit 1aebbd0 as -DW5_EPI_SHFL.)
+// results: -DW5_REG_EPI (register epilogue only), -DW5_HALF_SKIP=0 (half tiles computed by both warpgroups), and
+// the long-reduction build below. (The first TMA epilogue, staged through quad transposes, measured no faster and
+// lives in commit 1aebbd0 as -DW5_EPI_SHFL.)
 // Shared memory (all dynamic): 4 x 40960 ring + 65536 output tile + 4 x 512 scales + barriers + 9 GroupInfo =
 // 231920 B of the 232448 an H100/H200 CTA may have.
 // Long reductions (K >= 3072) run the build -DW5_STAGES=5 -DW5_REG_EPI (moe_ep.gemm_cuda.w5_stages): a fifth
@@ -66,7 +67,7 @@
 #endif
 #define W5_STAGE_BYTES 40960  // B bf16 256 x 128 B (SW128) at 0 | A raw 128 x 64 B at W5_A
 #define W5_A 32768
-#define W5_EPI (W5_STAGES * W5_STAGE_BYTES)  // 163840: bf16 output tile, 2 warpgroups x 4 chunks x 64 rows x 128 B
+#define W5_EPI (W5_STAGES * W5_STAGE_BYTES)  // (163840 with 4 stages) bf16 output tile: 2 wg x 4 chunks x 64 x 128 B
 #ifdef W5_REG_EPI  // every bf16 tile through the register epilogue, no shared output tile (room for a 5th stage)
 #define W5_EPI_BYTES 0
 #else
@@ -87,6 +88,8 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 
 static_assert(sizeof(GroupInfo) == 48, "W5_SMEM_BYTES assumes 48-byte GroupInfo entries");
+static_assert(W5_STAGES >= 2, "the half-tile skip's empty arrivals assume a ring of at least 2 stages");
+static_assert(W5_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -369,8 +372,9 @@ __device__ __forceinline__ void w5_2d3d(const unsigned char* __restrict__ As, co
         // tensor cores to themselves.
         if (W5_HALF_SKIP && __shfl_sync(0xffffffffu, mrows, 0) <= 64 * wg) {
             for (int s = 0; s < ksteps; ++s) {
-                // warpgroup 0 has issued M(s), so step s is in its stage and the stage's pending empty phase is s's
-                // (the arrival completes it only with warpgroup 0's, after M(s) retired)
+                // warpgroup 0 has issued M(s), so step s is in its stage; warpgroup 0 has arrived for steps up to
+                // s - 2 >= s - S, so the stage's pending empty phase is step s's, and it completes only with warpgroup
+                // 0's own arrival, after M(s) retired
                 named_bar_sync(bar_mine, 256);
                 named_bar_arrive(bar_other, 256);
                 mbar_arrive_if(empty0 + 8u * (unsigned)stage, lane0);

@@ -69,9 +69,10 @@ def expert_mlp_cuda_bwd(
     w2: torch.Tensor,
     group_sizes: torch.Tensor,
     cache=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dout: [M, H] bf16, saved: from :func:`expert_mlp_cuda_fwd` -> (dx [M, H] bf16, dw13 [E, 2F, H] w13.dtype,
-    dw2 [E, H, F] w2.dtype)."""
+    need_dx: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """dout: [M, H] bf16, saved: from :func:`expert_mlp_cuda_fwd` -> (dx [M, H] bf16 or None without ``need_dx``,
+    dw13 [E, 2F, H] w13.dtype, dw2 [E, H, F] w2.dtype)."""
     a, xc, hc = saved
     m = a.shape[0]
     w13o, w2o = weight_operands(w13, cache), weight_operands(w2, cache)
@@ -79,13 +80,20 @@ def expert_mlp_cuda_bwd(
     dh = gemm_cuda.grouped_mm_dgrad(
         dq, ds, w2o.wt, w2o.wt_scale, group_sizes, out_dtype=torch.float32, wt_prepared=w2o.wt_prepared
     )
-    dw2 = torch.empty(w2.shape, dtype=torch.float32, device=dout.device)
-    gemm_cuda.grouped_wgrad_prepared_out(dc, hc, group_sizes, dw2, m)
+    dw2 = gemm_cuda.grouped_wgrad_prepared_out(dc, hc, group_sizes, _wgrad_out(w2), m)
     aq, as_, ac, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, swiglu_dh=dh, colwise="bf16")
-    dx = gemm_cuda.grouped_mm_dgrad(aq, as_, w13o.wt, w13o.wt_scale, group_sizes, wt_prepared=w13o.wt_prepared)
-    dw13 = torch.empty(w13.shape, dtype=torch.float32, device=dout.device)
-    gemm_cuda.grouped_wgrad_prepared_out(ac, xc, group_sizes, dw13, m)
+    dx = None
+    if need_dx:
+        dx = gemm_cuda.grouped_mm_dgrad(aq, as_, w13o.wt, w13o.wt_scale, group_sizes, wt_prepared=w13o.wt_prepared)
+    dw13 = gemm_cuda.grouped_wgrad_prepared_out(ac, xc, group_sizes, _wgrad_out(w13), m)
     return dx, dw13.to(w13.dtype), dw2.to(w2.dtype)
+
+
+def _wgrad_out(w: torch.Tensor) -> torch.Tensor:
+    """The weight gradient's buffer: in the weight's dtype when the kernel writes it (bf16 / fp32: its epilogue
+    rounds the fp32 sums once, as a cast would), else fp32 (cast after)."""
+    dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    return torch.empty(w.shape, dtype=dtype, device=w.device)
 
 
 class _ExpertMLPCuda(torch.autograd.Function):
@@ -99,7 +107,9 @@ class _ExpertMLPCuda(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         a, xc, hc, w13, w2, group_sizes = ctx.saved_tensors
-        dx, dw13, dw2 = expert_mlp_cuda_bwd(dout.contiguous(), (a, xc, hc), w13, w2, group_sizes, ctx.cache)
+        dx, dw13, dw2 = expert_mlp_cuda_bwd(
+            dout.contiguous(), (a, xc, hc), w13, w2, group_sizes, ctx.cache, need_dx=ctx.needs_input_grad[0]
+        )
         return dx, dw13, dw2, None, None
 
 

@@ -47,14 +47,14 @@ Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200
       weight version (``weight_operands`` with a ``WeightQuantCache``, or ``prepare_weight_bf16``; pass it as
       ``w_prepared`` / ``wt_prepared``; without it every call prepares it: one memory-bound pass and a
       transient bf16 copy of the weight) and TMA-loaded with the 128-byte swizzle: no conversion of B.
-      0.91-1.00x in the last two benchmarks.
+      0.94-1.14x in the last benchmark.
   ``wgmma5`` (default; ``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a
       producer warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs
-      in turn, TMA-store epilogue). Same prepared weight. 0.98-1.12x in the last benchmark (llama4 0.98-1.00;
-      benchmarks/NOTES.md, "wgmma5: fewer instructions per k-step"), ahead of wgmma4 at every variant. With a long
-      reduction (K >= 3072: 48 or more k-steps) it runs a second build with a 5-stage ring and the register
-      epilogue instead (the TMA epilogue's staging tile does not fit next to a fifth stage): ``w5_stages``,
-      ``MOE_EP_GEMM_STAGES``.
+      in turn, TMA-store epilogue). Same prepared weight. With a long reduction (K >= 3072) it runs a second build
+      with a 5-stage ring and the register epilogue instead (the TMA epilogue's staging tile does not fit next to
+      a fifth stage): ``w5_stages``, ``MOE_EP_GEMM_STAGES``. 1.01-1.17x in the last benchmark (llama4 1.01 / 1.04;
+      single launches alternated with torch: 0.99 / 1.00; benchmarks/NOTES.md, "a fifth stage"), ahead of wgmma4
+      at every variant.
   ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
   ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
       tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
@@ -155,9 +155,10 @@ _WGMMA5_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, groupe
 # the long-reduction build of wgmma5: 5 ring stages, no shared output tile (register epilogue)
 _WGMMA5_DEEP_OPTIONS = ("-DW5_STAGES=5", "-DW5_REG_EPI")
 _WGMMA5_DEEP_SMEM_BYTES = 207872  # 5 x 40960 + 0 + 5 x 512 + 80 + 9 x 48
-# Measured (benchmarks/NOTES.md, "wgmma5: a fifth stage for long reductions"; per-launch A/B, M = 32768, N = 4096,
-# G = 32): K = 1536 -3.6 %, 2048 -1.1 %, 3072 +1.2 %, 4096 +1.4 %, 5120 +2.5 % less time with the deep build.
-_W5_DEEP_KSTEPS = 48
+# Measured (benchmarks/NOTES.md, "wgmma5: a fifth stage for long reductions"; per-launch A/B, time saved by the
+# deep build): at M = 32768, N = 4096, G = 32, K = 2048 -1.1 %, 3072 +1.2 %, 4096 +1.4 %, 5120 +2.5 %; at
+# 32768 x 1536 x 2048 x 16 (K = 1536) -3.6 %.
+_W5_DEEP_K = 3072
 _WGMMA5_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (grouped_gemm_wg5.cu W5_THREADS)
 _PREPARED_IMPLS = ("wgmma4", "wgmma5")  # the kernels that read the weight as prepare_weight_bf16's output
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -178,14 +179,14 @@ def gemm_impl() -> str:
 
 def w5_stages(k: int) -> int:
     """Ring stages of the wgmma5 build for a reduction of ``k``: ``MOE_EP_GEMM_STAGES`` = ``auto`` (default: 5 when
-    ceil(k / 64) >= 48, else 4), ``4`` (TMA-store epilogue) or ``5`` (register epilogue). Same results either way
-    (the same k-steps in the same order)."""
+    k >= 3072, else 4), ``4`` (TMA-store epilogue) or ``5`` (register epilogue). Same results either way (the same
+    k-steps in the same order)."""
     v = os.environ.get("MOE_EP_GEMM_STAGES", "auto").strip().lower() or "auto"
     if v not in ("auto", "4", "5"):
         raise ValueError(f"MOE_EP_GEMM_STAGES={v!r} must be auto, 4 or 5")
     if v != "auto":
         return int(v)
-    return 5 if _cdiv(k, 64) >= _W5_DEEP_KSTEPS else 4
+    return 5 if k >= _W5_DEEP_K else 4
 
 
 def wgrad_impl() -> str:

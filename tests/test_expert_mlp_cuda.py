@@ -57,24 +57,33 @@ SIZES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", range(len(SIZES)))
-def test_matches_reference_recipe(case):
+@pytest.mark.parametrize("stages", ["auto", "5"])  # 5: the long-reduction GEMM build, which K = 256 never picks
+def test_matches_reference_recipe(case, stages, monkeypatch):
     _skip_without_gpu()
+    monkeypatch.setenv("MOE_EP_GEMM_STAGES", stages)
     sizes, hdim, ffn = SIZES[case], 256, 96
     x, w13, w2, dout = _problem(sizes, hdim, ffn, seed=case)
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
     got = _run(expert_mlp_cuda, x, w13, w2, dout, sz)
     ref = _run(gemm.expert_mlp, x, w13, w2, dout, sizes, True)
     bf16 = _run(gemm.expert_mlp, x, w13, w2, dout, sizes, False)
-    for name, g, r, b in zip(("out", "dx", "dw13", "dw2"), got, ref, bf16, strict=True):
-        assert g.shape == r.shape and g.dtype == r.dtype, f"{name}: {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
+
+    def check(name, g, r, b):
         assert torch.isfinite(g).all(), f"{name}: non-finite values"
         recipe = _rel(r, b)
         assert recipe > 1e-3, f"{name}: the recipe's own error {recipe:.2e} is too small to bound anything"
         gap = _rel(g, r)
         assert gap <= 0.1 * recipe, f"{name}: gap to the reference recipe {gap:.2e} > 0.1 x recipe error {recipe:.2e}"
-    for e, n in enumerate(sizes):  # empty experts get exactly zero weight gradients
-        if n == 0:
-            assert not got[2][e].any() and not got[3][e].any()
+
+    for name, g, r, b in zip(("out", "dx", "dw13", "dw2"), got, ref, bf16, strict=True):
+        assert g.shape == r.shape and g.dtype == r.dtype, f"{name}: {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
+        check(name, g, r, b)
+    for e, n in enumerate(sizes):  # per expert too: a small expert's error would vanish in the whole norm
+        for name, i in (("dw13", 2), ("dw2", 3)):
+            if n:
+                check(f"{name}[{e}] ({n} rows)", got[i][e], ref[i][e], bf16[i][e])
+            else:  # empty experts get exactly zero weight gradients
+                assert not got[i][e].any(), f"{name}[{e}]: an empty expert got a nonzero gradient"
 
 
 @pytest.mark.gpu
@@ -107,6 +116,9 @@ def test_deterministic_cached_and_sync_free():
     uncached = _run(expert_mlp_cuda, x, w13, w2, dout, sz)  # no cache: the same bits
     assert torch.equal(uncached[0], outs[0]) and torch.equal(uncached[1], dxs[0])
     assert torch.equal(uncached[2], grads[0][0]) and torch.equal(uncached[3], grads[0][1])
+    w13n, w2n = torch.nn.Parameter(w13.clone()), torch.nn.Parameter(w2.clone())
+    expert_mlp_cuda(x, w13n, w2n, sz).backward(dout)  # x needs no gradient: the backward skips the dx GEMM
+    assert torch.equal(w13n.grad, grads[0][0]) and torch.equal(w2n.grad, grads[0][1])
     with torch.no_grad():  # an optimizer step: the next call quantizes the new W2 (only)
         w2p.mul_(0.5)
     out2 = expert_mlp_cuda(x, w13p, w2p, sz, cache)

@@ -202,9 +202,9 @@ def test_w5_constants_match_the_launcher():
 
 
 def test_w5_stages_rule_and_switch(monkeypatch):
-    """The deep build from 48 k-steps (K >= 3008 + 64 = 3072) under auto; MOE_EP_GEMM_STAGES forces 4 or 5."""
+    """The deep build from K = 3072 under auto; MOE_EP_GEMM_STAGES forces 4 or 5."""
     monkeypatch.delenv("MOE_EP_GEMM_STAGES", raising=False)
-    assert [gemm_cuda.w5_stages(k) for k in (32, 2048, 3008, 3040, 3072, 7168)] == [4, 4, 4, 5, 5, 5]
+    assert [gemm_cuda.w5_stages(k) for k in (32, 2048, 3040, 3072, 3104, 7168)] == [4, 4, 4, 5, 5, 5]
     monkeypatch.setenv("MOE_EP_GEMM_STAGES", "4")
     assert gemm_cuda.w5_stages(8192) == 4
     monkeypatch.setenv("MOE_EP_GEMM_STAGES", "5")
