@@ -28,13 +28,18 @@
 #define WG5_NO_KERNELS
 #include "grouped_gemm_wg5.cu"
 
+#ifndef WR_STAGES  // (-DWR_STAGES=4: 4 ring stages with half the output staging, the epilogue in more rounds)
 #define WR_STAGES 3
+#endif
+// output staging per consumer warpgroup: 32 KiB with 3 stages, 16 KiB with 4 (4 x 49152 + 2 x 32768 would not fit)
+#define WR_REGION (WR_STAGES >= 4 ? 16384 : 32768)
 #define WR_A_BYTES 16384                               // 2 boxes of 64 rows x 128 B
 #define WR_STAGE_BYTES 49152                           // A | B (4 boxes)
-#define WR_EPI (WR_STAGES * WR_STAGE_BYTES)            // output staging: 32 KiB per consumer warpgroup
-#define WR_BAR (WR_EPI + 65536)                        // full[S], empty[S]
+#define WR_EPI (WR_STAGES * WR_STAGE_BYTES)            // output staging: WR_REGION per consumer warpgroup
+#define WR_BAR (WR_EPI + 2 * WR_REGION)                // full[S], empty[S]
 #define WR_GI (WR_BAR + 16 * WR_STAGES)
-#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 213472
+#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 213472 (3 stages), 229872 (4)
+static_assert(WR_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
 // d[128] += A(64 x 16) x B(256 x 16)^T from shared memory, both bf16 and MN-major ("transposed": the 64 / 256
 // output-dimension values of one k are contiguous), 128-byte swizzle; fp32 accumulation.
@@ -77,26 +82,27 @@ __device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ 
     __syncwarp();
 }
 
-// fp32 epilogue of one warpgroup's 64 full rows: 64 x 256 fp32 = 64 KiB through its 32 KiB region, in two halves
-// of 128 columns; a half is 4 TMA boxes of 64 rows x 32 columns (128-byte rows, 128-byte swizzle: 16-byte unit u of
-// row r at (u ^ (r % 8)) << 4). Accumulator 4 j + 2 h + e is column 8 j + 2 c + e: half j / 16, box (j % 16) / 4,
-// unit 2 (j % 4) + c / 2, byte 8 (c % 2) within it. Before writing a half the leader waits until the previous
-// stores (the other half, or the previous tile) have read the region.
+// fp32 epilogue of one warpgroup's 64 full rows: 64 x 256 fp32 = 64 KiB through its WR_REGION bytes, in rounds of
+// WR_REGION / 8192 TMA boxes of 64 rows x 32 columns (128-byte rows, 128-byte swizzle: 16-byte unit u of row r at
+// (u ^ (r % 8)) << 4). Accumulator 4 j + 2 h + e is column 8 j + 2 c + e: box j / 4, unit 2 (j % 4) + c / 2, byte
+// 8 (c % 2) within it. Before writing a round the leader waits until the previous stores (the previous round, or
+// the previous tile) have read the region.
 __device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned region, int wg, long long orow, int k0,
                                                     int K, const TmaMap* tmO) {
+    constexpr int BOXES = WR_REGION / 8192;  // per round
     const int tid = threadIdx.x, lane = tid & 31, c = tid & 3, q = (tid >> 5) & 3;
     const bool leader = (tid & 127) == 0;
     const int bar = 3 + wg;
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
+    for (int rd = 0; rd < 8 / BOXES; ++rd) {
         if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
         named_bar_sync(bar, 128);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = q * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
-            for (int jj = 0; jj < 16; ++jj) {
-                const int j = 16 * hf + jj;
+            for (int jj = 0; jj < 4 * BOXES; ++jj) {
+                const int j = 4 * BOXES * rd + jj;
                 const unsigned u = (unsigned)(2 * (jj & 3) + (c >> 1));
                 const unsigned addr = region + (unsigned)(jj >> 2) * 8192u + (unsigned)r * 128u +
                                       ((u ^ (unsigned)(r & 7)) << 4) + 8u * (unsigned)(c & 1);
@@ -109,10 +115,54 @@ __device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned r
         named_bar_sync(bar, 128);
         if (leader) {
             const int row = (int)(orow + 64 * wg);
-            for (int b = 0; b < 4 && k0 + 128 * hf + 32 * b < K; ++b)
+            for (int b = 0; b < BOXES && k0 + 32 * (BOXES * rd + b) < K; ++b)
                 asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                                  reinterpret_cast<unsigned long long>(tmO)),
-                             "r"(k0 + 128 * hf + 32 * b), "r"(row), "r"(region + 8192u * (unsigned)b)
+                             "r"(k0 + 32 * (BOXES * rd + b)), "r"(row), "r"(region + 8192u * (unsigned)b)
+                             : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+    }
+}
+
+// bf16 epilogue of one warpgroup's 64 full rows (64 x 256 bf16 = 32 KiB) through WR_REGION bytes: with 32 KiB it is
+// wgmma5's (w5_epilogue_tma); with 16 KiB, two rounds of 2 chunks of 64 columns (the same swizzled chunk layout),
+// the second after the first round's stores have read the region.
+__device__ __forceinline__ void wr_epilogue_tma_bf16(const float* acc, unsigned region, int wg, long long orow,
+                                                     int k0, int K, const TmaMap* tmO) {
+    if (WR_REGION >= 32768) {
+        w5_epilogue_tma(acc, region, wg, orow, k0, K, tmO);
+        return;
+    }
+    const int tid = threadIdx.x, lane = tid & 31, q = (tid >> 5) & 3, c = tid & 3;
+    const bool leader = (tid & 127) == 0;
+    const int bar = 3 + wg;
+#pragma unroll
+    for (int rd = 0; rd < 2; ++rd) {
+        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        named_bar_sync(bar, 128);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = q * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int jj = 0; jj < 16; ++jj) {
+                const int j = 16 * rd + jj;  // columns 8 j + 2 c, + 1: chunk j / 8 (here jj / 8), unit j % 8
+                unsigned pk;
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
+                const unsigned u = (unsigned)(jj & 7);
+                sts32(region + (unsigned)(jj >> 3) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4) +
+                          4u * (unsigned)c,
+                      pk);
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        named_bar_sync(bar, 128);
+        if (leader) {
+            const int row = (int)(orow + 64 * wg);
+            for (int ch = 0; ch < 2 && k0 + 64 * (2 * rd + ch) < K; ++ch)
+                asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                                 reinterpret_cast<unsigned long long>(tmO)),
+                             "r"(k0 + 64 * (2 * rd + ch)), "r"(row), "r"(region + 8192u * (unsigned)ch)
                              : "memory");
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
@@ -193,7 +243,7 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
         if (ksteps > 0 && lane == 0) mbar_arrive(empty0 + 8u * (unsigned)prev);
         // out[g] is [N, K]: tile rows n0 .., columns k0 ..; as a [G * N, K] matrix its first row is g * N + n0
         const long long orow = (long long)g * N + n0;
-        const unsigned region = sbase + WR_EPI + 32768u * (unsigned)wg;
+        const unsigned region = sbase + WR_EPI + (unsigned)WR_REGION * (unsigned)wg;
 #ifdef WR_NO_EPI  // timing experiment only (prof_gemm.py --kernel wgrad): no output stores
         if (orow >= 0) continue;
 #endif
@@ -205,7 +255,7 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
         } else if (OUT_F32) {
             wr_epilogue_tma_f32(acc, region, wg, orow, k0, K, tmO);
         } else {
-            w5_epilogue_tma(acc, region, wg, orow, k0, K, tmO);
+            wr_epilogue_tma_bf16(acc, region, wg, orow, k0, K, tmO);
         }
     }
     if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before exit

@@ -143,6 +143,7 @@ _WGMMA5_FILE = "grouped_gemm_wg5.cu"
 _WGRAD_FILE = "grouped_gemm_wgrad.cu"
 WGRAD_IMPLS = ("wgmma", "mma")
 _WGRAD_SMEM_BYTES = 213472  # 3 x 49152 + 65536 + 48 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
+_WGRAD_SMEM_BYTES_4 = 229872  # -DWR_STAGES=4: 4 x 49152 + 32768 + 64 + 9 x 48
 _THREADS = 256
 _TILE = 128
 _SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
@@ -187,6 +188,15 @@ def w5_stages(k: int) -> int:
     if v != "auto":
         return int(v)
     return 5 if k >= _W5_DEEP_K else 4
+
+
+def wgrad_stages() -> int:
+    """Ring stages of the wgmma wgrad kernel: ``MOE_EP_WGRAD_STAGES`` = 3 (default: 32 KiB of output staging per
+    warpgroup) or 4 (16 KiB: the epilogue in twice the rounds). Same results either way."""
+    v = os.environ.get("MOE_EP_WGRAD_STAGES", "3").strip() or "3"
+    if v not in ("3", "4"):
+        raise ValueError(f"MOE_EP_WGRAD_STAGES={v!r} must be 3 or 4")
+    return int(v)
 
 
 def wgrad_impl() -> str:
@@ -469,6 +479,7 @@ def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
         _tma_map_2d(out, g * n, k, 64, 128 // eo, eo, True),
     )
     grid = min(tiles, torch.cuda.get_device_properties(out.device).multi_processor_count)
+    four = wgrad_stages() == 4
     # GM_ARGS' operand pointers are unused by this kernel (it reads the tensor maps); ap / bp stand in for them.
     _launch(
         f"mx_gmm_wgrad_wg_{_OUT_SUFFIX[out.dtype]}",
@@ -485,9 +496,10 @@ def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
         k,
         False,
         _WGRAD_FILE,
-        _WGRAD_SMEM_BYTES,
+        _WGRAD_SMEM_BYTES_4 if four else _WGRAD_SMEM_BYTES,
         extra,
         _WGMMA5_THREADS,
+        ("-DWR_STAGES=4",) if four else (),
     )
 
 

@@ -197,10 +197,12 @@ WGRAD_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(range(len(WGRAD_CASES))))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("wgrad_impl", gemm_cuda.WGRAD_IMPLS)
+@pytest.mark.parametrize("wgrad_impl", [*gemm_cuda.WGRAD_IMPLS, "wgmma:4"])  # wgmma:4 = MOE_EP_WGRAD_STAGES=4
 def test_wgrad_matches_reference(case, out_dtype, wgrad_impl, monkeypatch):
     _skip_without_gpu()
+    wgrad_impl, _, stages = wgrad_impl.partition(":")
     monkeypatch.setenv("MOE_EP_WGRAD_IMPL", wgrad_impl)
+    monkeypatch.setenv("MOE_EP_WGRAD_STAGES", stages or "3")
     sizes, n, k = WGRAD_CASES[case]
     gen = torch.Generator(device="cuda").manual_seed(10 + case)
     g, m = len(sizes), sum(sizes)

@@ -212,6 +212,13 @@ def test_w5_stages_rule_and_switch(monkeypatch):
     monkeypatch.setenv("MOE_EP_GEMM_STAGES", "6")
     with pytest.raises(ValueError, match="MOE_EP_GEMM_STAGES"):
         gemm_cuda.w5_stages(64)
+    monkeypatch.delenv("MOE_EP_WGRAD_STAGES", raising=False)
+    assert gemm_cuda.wgrad_stages() == 3
+    monkeypatch.setenv("MOE_EP_WGRAD_STAGES", "4")
+    assert gemm_cuda.wgrad_stages() == 4
+    monkeypatch.setenv("MOE_EP_WGRAD_STAGES", "5")
+    with pytest.raises(ValueError, match="MOE_EP_WGRAD_STAGES"):
+        gemm_cuda.wgrad_stages()
 
 
 # ------------------------------------------------------------------------- wgrad: prepared operands, k-steps
@@ -303,8 +310,11 @@ def test_wgrad_constants_match_the_launcher():
 
     stages, stage = define("WR_STAGES"), define("WR_STAGE_BYTES")
     assert define("WR_A_BYTES") == 2 * 64 * 128 and stage == define("WR_A_BYTES") + 4 * 64 * 128
-    assert "#define WR_EPI (WR_STAGES * WR_STAGE_BYTES)" in src  # then 64 KiB of output staging (2 x 32 KiB)
-    assert gemm_cuda._WGRAD_SMEM_BYTES == stages * stage + 65536 + 16 * stages + 9 * 48 <= 232448
+    assert "#define WR_EPI (WR_STAGES * WR_STAGE_BYTES)" in src  # then 2 x WR_REGION of output staging
+    assert "#define WR_REGION (WR_STAGES >= 4 ? 16384 : 32768)" in src
+    assert "#define WR_BAR (WR_EPI + 2 * WR_REGION)" in src
+    assert stages == 3 and gemm_cuda._WGRAD_SMEM_BYTES == stages * stage + 65536 + 16 * stages + 9 * 48 <= 232448
+    assert gemm_cuda._WGRAD_SMEM_BYTES_4 == 4 * stage + 32768 + 16 * 4 + 9 * 48 <= 232448  # MOE_EP_WGRAD_STAGES=4
     for suffix in gemm_cuda._OUT_SUFFIX.values():
         assert f"mx_gmm_wgrad_wg_{suffix}(WR_ARGS)" in src
 
