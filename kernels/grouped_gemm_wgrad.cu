@@ -16,20 +16,24 @@
 //     8192 bytes apart (leading byte offset), 8-row k groups 1024 bytes (stride byte offset).
 //   * schedule as wgmma5 (grouped_gemm_wg5.cu): persistent grid over G x ceil(N/128) x ceil(K/256) tiles, a
 //     producer warp, 2 consumer warpgroups (64 x 256 each, 128 fp32 accumulators), a 4-stage full/empty
-//     mbarrier ring; empty groups store zeros.
+//     mbarrier ring (WR_STAGES; 3 with -DWR_STAGES=3); empty groups store zeros.
 //   * epilogue through shared memory and TMA stores (it is the largest cost otherwise: dW in fp32 is 3.8 GB at
 //     dsv3_up, and a register epilogue kept the MMAs idle while it drained; measured without stores: 2.42 against
-//     3.44 ms): bf16 as wgmma5 (w5_epilogue_tma), fp32 in two halves of 128 columns (wr_epilogue_tma_f32); a
+//     3.44 ms). With 4 stages only 16 KiB per warpgroup are left for it, so a warpgroup's 64 x 256 tile leaves in
+//     rounds: bf16 in 2 rounds of 128 columns (wr_epilogue_tma_bf16), fp32 in 4 of 64 (wr_epilogue_tma_f32), each
+//     round after the previous one's stores have read the region. (3 stages leave 32 KiB: 1 and 2 rounds.) A
 //     warpgroup whose 64 rows run past N (they would land in the next group's rows) stores from registers.
-//     The 64 KiB of staging leave room for 3 stages.
+//     Measured (benchmarks/NOTES.md, "wgrad: a fourth stage"): the fourth stage with the extra rounds took 0-8 %
+//     less time than 3 stages at 7 of 8 shape / dtype pairs (fp32 outputs most), +0.3-0.5 % at dsv3_down bf16.
 // Timing experiment: -DWR_NO_EPI (no output stores; benchmarks/prof_gemm.py --kernel wgrad).
-// Shared memory (all dynamic): 3 x 49152 + 65536 staging + barriers + 9 GroupInfo = 213472 B.
+// Shared memory (all dynamic): 4 x 49152 + 32768 staging + barriers + 9 GroupInfo = 229872 B (3 stages: 3 x 49152
+// + 65536 + ... = 213472 B).
 
 #define WG5_NO_KERNELS
 #include "grouped_gemm_wg5.cu"
 
-#ifndef WR_STAGES  // (-DWR_STAGES=4: 4 ring stages with half the output staging, the epilogue in more rounds)
-#define WR_STAGES 3
+#ifndef WR_STAGES  // (-DWR_STAGES=3: the earlier layout, 3 ring stages and twice the output staging)
+#define WR_STAGES 4
 #endif
 // output staging per consumer warpgroup: 32 KiB with 3 stages, 16 KiB with 4 (4 x 49152 + 2 x 32768 would not fit)
 #define WR_REGION (WR_STAGES >= 4 ? 16384 : 32768)
@@ -38,7 +42,7 @@
 #define WR_EPI (WR_STAGES * WR_STAGE_BYTES)            // output staging: WR_REGION per consumer warpgroup
 #define WR_BAR (WR_EPI + 2 * WR_REGION)                // full[S], empty[S]
 #define WR_GI (WR_BAR + 16 * WR_STAGES)
-#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 213472 (3 stages), 229872 (4)
+#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 229872 (4 stages), 213472 (3)
 static_assert(WR_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
 // d[128] += A(64 x 16) x B(256 x 16)^T from shared memory, both bf16 and MN-major ("transposed": the 64 / 256

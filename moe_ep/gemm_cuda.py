@@ -142,8 +142,8 @@ _WGMMA4_FILE = "grouped_gemm_wg4.cu"
 _WGMMA5_FILE = "grouped_gemm_wg5.cu"
 _WGRAD_FILE = "grouped_gemm_wgrad.cu"
 WGRAD_IMPLS = ("wgmma", "mma")
-_WGRAD_SMEM_BYTES = 213472  # 3 x 49152 + 65536 + 48 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
-_WGRAD_SMEM_BYTES_4 = 229872  # -DWR_STAGES=4: 4 x 49152 + 32768 + 64 + 9 x 48
+_WGRAD_SMEM_BYTES = 229872  # 4 x 49152 + 32768 + 64 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
+_WGRAD_SMEM_BYTES_3 = 213472  # -DWR_STAGES=3: 3 x 49152 + 65536 + 48 + 9 x 48
 _THREADS = 256
 _TILE = 128
 _SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
@@ -191,9 +191,10 @@ def w5_stages(k: int) -> int:
 
 
 def wgrad_stages() -> int:
-    """Ring stages of the wgmma wgrad kernel: ``MOE_EP_WGRAD_STAGES`` = 3 (default: 32 KiB of output staging per
-    warpgroup) or 4 (16 KiB: the epilogue in twice the rounds). Same results either way."""
-    v = os.environ.get("MOE_EP_WGRAD_STAGES", "3").strip() or "3"
+    """Ring stages of the wgmma wgrad kernel: ``MOE_EP_WGRAD_STAGES`` = 4 (default: 16 KiB of output staging per
+    warpgroup, the epilogue in rounds) or 3 (32 KiB, half the rounds). Same results either way. Measured: 4 took
+    0-8 % less time at 7 of 8 shape / output-dtype pairs (benchmarks/NOTES.md, "wgrad: a fourth stage")."""
+    v = os.environ.get("MOE_EP_WGRAD_STAGES", "4").strip() or "4"
     if v not in ("3", "4"):
         raise ValueError(f"MOE_EP_WGRAD_STAGES={v!r} must be 3 or 4")
     return int(v)
@@ -479,7 +480,7 @@ def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
         _tma_map_2d(out, g * n, k, 64, 128 // eo, eo, True),
     )
     grid = min(tiles, torch.cuda.get_device_properties(out.device).multi_processor_count)
-    four = wgrad_stages() == 4
+    three = wgrad_stages() == 3
     # GM_ARGS' operand pointers are unused by this kernel (it reads the tensor maps); ap / bp stand in for them.
     _launch(
         f"mx_gmm_wgrad_wg_{_OUT_SUFFIX[out.dtype]}",
@@ -496,10 +497,10 @@ def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
         k,
         False,
         _WGRAD_FILE,
-        _WGRAD_SMEM_BYTES_4 if four else _WGRAD_SMEM_BYTES,
+        _WGRAD_SMEM_BYTES_3 if three else _WGRAD_SMEM_BYTES,
         extra,
         _WGMMA5_THREADS,
-        ("-DWR_STAGES=4",) if four else (),
+        ("-DWR_STAGES=3",) if three else (),
     )
 
 

@@ -213,9 +213,9 @@ def test_w5_stages_rule_and_switch(monkeypatch):
     with pytest.raises(ValueError, match="MOE_EP_GEMM_STAGES"):
         gemm_cuda.w5_stages(64)
     monkeypatch.delenv("MOE_EP_WGRAD_STAGES", raising=False)
-    assert gemm_cuda.wgrad_stages() == 3
-    monkeypatch.setenv("MOE_EP_WGRAD_STAGES", "4")
     assert gemm_cuda.wgrad_stages() == 4
+    monkeypatch.setenv("MOE_EP_WGRAD_STAGES", "3")
+    assert gemm_cuda.wgrad_stages() == 3
     monkeypatch.setenv("MOE_EP_WGRAD_STAGES", "5")
     with pytest.raises(ValueError, match="MOE_EP_WGRAD_STAGES"):
         gemm_cuda.wgrad_stages()
@@ -313,8 +313,8 @@ def test_wgrad_constants_match_the_launcher():
     assert "#define WR_EPI (WR_STAGES * WR_STAGE_BYTES)" in src  # then 2 x WR_REGION of output staging
     assert "#define WR_REGION (WR_STAGES >= 4 ? 16384 : 32768)" in src
     assert "#define WR_BAR (WR_EPI + 2 * WR_REGION)" in src
-    assert stages == 3 and gemm_cuda._WGRAD_SMEM_BYTES == stages * stage + 65536 + 16 * stages + 9 * 48 <= 232448
-    assert gemm_cuda._WGRAD_SMEM_BYTES_4 == 4 * stage + 32768 + 16 * 4 + 9 * 48 <= 232448  # MOE_EP_WGRAD_STAGES=4
+    assert stages == 4 and gemm_cuda._WGRAD_SMEM_BYTES == stages * stage + 32768 + 16 * stages + 9 * 48 <= 232448
+    assert gemm_cuda._WGRAD_SMEM_BYTES_3 == 3 * stage + 65536 + 16 * 3 + 9 * 48 <= 232448  # MOE_EP_WGRAD_STAGES=3
     for suffix in gemm_cuda._OUT_SUFFIX.values():
         assert f"mx_gmm_wgrad_wg_{suffix}(WR_ARGS)" in src
 
