@@ -86,6 +86,28 @@ __device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ 
     __syncwarp();
 }
 
+// One round of the TMA-store epilogues below. Begin: the leader waits until the previous stores (the previous round,
+// or the previous tile) have read the region, then the warpgroup meets. End: the region's writes are made visible to
+// the TMA unit, the warpgroup meets, and the leader stores boxes b = 0 .. n - 1 (64 rows, columns col0 + width b,
+// those that start inside K; box b at region + 8192 b) as one bulk group.
+__device__ __forceinline__ void wr_round_begin(bool leader, int bar) {
+    if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    named_bar_sync(bar, 128);
+}
+__device__ __forceinline__ void wr_round_end(bool leader, int bar, const TmaMap* tmO, unsigned region, int col0,
+                                             int width, int n, int K, int row) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    named_bar_sync(bar, 128);
+    if (leader) {
+        for (int b = 0; b < n && col0 + width * b < K; ++b)
+            asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                             reinterpret_cast<unsigned long long>(tmO)),
+                         "r"(col0 + width * b), "r"(row), "r"(region + 8192u * (unsigned)b)
+                         : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+}
+
 // fp32 epilogue of one warpgroup's 64 full rows: 64 x 256 fp32 = 64 KiB through its WR_REGION bytes, in rounds of
 // WR_REGION / 8192 TMA boxes of 64 rows x 32 columns (128-byte rows, 128-byte swizzle: 16-byte unit u of row r at
 // (u ^ (r % 8)) << 4). Accumulator 4 j + 2 h + e is column 8 j + 2 c + e: box j / 4, unit 2 (j % 4) + c / 2, byte
@@ -99,8 +121,7 @@ __device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned r
     const int bar = 3 + wg;
 #pragma unroll
     for (int rd = 0; rd < 8 / BOXES; ++rd) {
-        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        named_bar_sync(bar, 128);
+        wr_round_begin(leader, bar);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = q * 16 + (lane >> 2) + 8 * h;
@@ -115,17 +136,7 @@ __device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned r
                              : "memory");
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        named_bar_sync(bar, 128);
-        if (leader) {
-            const int row = (int)(orow + 64 * wg);
-            for (int b = 0; b < BOXES && k0 + 32 * (BOXES * rd + b) < K; ++b)
-                asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
-                                 reinterpret_cast<unsigned long long>(tmO)),
-                             "r"(k0 + 32 * (BOXES * rd + b)), "r"(row), "r"(region + 8192u * (unsigned)b)
-                             : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        }
+        wr_round_end(leader, bar, tmO, region, k0 + 32 * BOXES * rd, 32, BOXES, K, (int)(orow + 64 * wg));
     }
 }
 
@@ -143,8 +154,7 @@ __device__ __forceinline__ void wr_epilogue_tma_bf16(const float* acc, unsigned 
     const int bar = 3 + wg;
 #pragma unroll
     for (int rd = 0; rd < 2; ++rd) {
-        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        named_bar_sync(bar, 128);
+        wr_round_begin(leader, bar);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = q * 16 + (lane >> 2) + 8 * h;
@@ -159,17 +169,7 @@ __device__ __forceinline__ void wr_epilogue_tma_bf16(const float* acc, unsigned 
                       pk);
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        named_bar_sync(bar, 128);
-        if (leader) {
-            const int row = (int)(orow + 64 * wg);
-            for (int ch = 0; ch < 2 && k0 + 64 * (2 * rd + ch) < K; ++ch)
-                asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
-                                 reinterpret_cast<unsigned long long>(tmO)),
-                             "r"(k0 + 64 * (2 * rd + ch)), "r"(row), "r"(region + 8192u * (unsigned)ch)
-                             : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        }
+        wr_round_end(leader, bar, tmO, region, k0 + 128 * rd, 64, 2, K, (int)(orow + 64 * wg));
     }
 }
 
