@@ -42,26 +42,23 @@ MX_HD float mx_exp2i(int e) {
 }
 
 // Device arithmetic is written as PTX without .ftz: CuPy compiles with -ftz=true, and subnormal inputs
-// (fp32 and bf16 have them) must keep their value exactly as in the reference.
-MX_HD float mx_mul(float a, float b) {
+// (fp32 and bf16 have them) must keep their value exactly as in the reference. One fp32 operation, rounded to
+// nearest, on the device as the named PTX instruction and on the host (the CPU emulator) as the C operator.
 #if defined(__CUDA_ARCH__)
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
+#define MX_FP32_OP(name, ptx, op)                                       \
+    MX_HD float name(float a, float b) {                                \
+        float r;                                                        \
+        asm(ptx " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));             \
+        return r;                                                       \
+    }
 #else
-    return a * b;
+#define MX_FP32_OP(name, ptx, op) \
+    MX_HD float name(float a, float b) { return a op b; }
 #endif
-}
-
-MX_HD float mx_add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return a + b;
-#endif
-}
+MX_FP32_OP(mx_mul, "mul.rn.f32", *)
+MX_FP32_OP(mx_add, "add.rn.f32", +)
+MX_FP32_OP(mx_div, "div.rn.f32", /)  // IEEE division (torch's sigmoid and silu on CUDA)
+#undef MX_FP32_OP
 
 // Clamp to [-448, 448] (NaN-free input).
 MX_HD float mx_clamp448(float v) {

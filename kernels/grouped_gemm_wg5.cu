@@ -226,47 +226,67 @@ __device__ __forceinline__ void w5_epilogue_bf16(const float* acc, unsigned shor
     }
 }
 
-// bf16 epilogue of one warpgroup's 64 full rows through shared memory and TMA stores, so that the consumers go
-// on with the next tile while the output drains to memory. The warpgroup's 32 KiB region holds 4 chunks of 64
-// columns, each 64 rows x 128 B in the 128-byte swizzle (16-byte unit u of row r at ((u ^ (r % 8)) << 4)), the
-// layout of a 64 x 64 TMA box. Lane c holds, after quad_transpose4, columns 32 m + 8 c .. + 7 = chunk m / 2,
-// unit 4 (m % 2) + c. Order: the leader waits until the previous tile's stores have read the region; barrier;
-// everyone writes; proxy fence; barrier; the leader issues the (up to 4) stores (columns >= N are clipped by the
-// tensor map: it spans exactly [M, N]) and commits them as one bulk group.
-__device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned region, int wg, long long arow0, int n0,
-                                                int N, const TmaMap* tmO) {
-    const int tid = threadIdx.x, lane = tid & 31, q = (tid >> 5) & 3;
-    const bool leader = (tid & 127) == 0;
-    const int bar = 3 + wg;  // named barriers 3, 4: one per warpgroup (0: __syncthreads, 1-2: MMA turns)
+// One round of a TMA-store epilogue. Begin: the leader waits until the previous stores (the previous round, or the
+// previous tile) have read the region, then the warpgroup meets (named barrier 3 + wg: one per warpgroup; 0 is
+// __syncthreads, 1-2 the MMA turns). End: the region's writes are made visible to the TMA unit, the warpgroup meets,
+// and the leader stores boxes b = 0 .. n - 1 (64 rows from row, columns col0 + width b, those that start before
+// ncols; columns past the tensor map's width are clipped by it; box b at region + 8192 b) as one bulk group.
+__device__ __forceinline__ void epi_round_begin(bool leader, int bar) {
     if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     named_bar_sync(bar, 128);
-    const int c = tid & 3;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = q * 16 + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
-        // each bf16 pair straight to its place: columns 8 j + 2 c, + 1 = chunk j / 8, 16-byte unit j % 8, byte 4 c;
-        // a warp's store (8 rows x 4 lanes) hits 8 distinct units x 4 words = 32 banks, and no shuffles are needed
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            unsigned pk;
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
-            const unsigned u = (unsigned)(j & 7);
-            sts32(region + (unsigned)(j >> 3) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4) +
-                      4u * (unsigned)c,
-                  pk);
-        }
-    }
+}
+__device__ __forceinline__ void epi_round_end(bool leader, int bar, const TmaMap* tmO, unsigned region, int col0,
+                                              int width, int n, int ncols, int row) {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     named_bar_sync(bar, 128);
     if (leader) {
-        const int row = (int)(arow0 + 64 * wg);
-        for (int ch = 0; ch < 4 && n0 + 64 * ch < N; ++ch)
+        for (int b = 0; b < n && col0 + width * b < ncols; ++b)
             asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                              reinterpret_cast<unsigned long long>(tmO)),
-                         "r"(n0 + 64 * ch), "r"(row), "r"(region + 8192u * (unsigned)ch)
+                         "r"(col0 + width * b), "r"(row), "r"(region + 8192u * (unsigned)b)
                          : "memory");
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
+}
+
+// bf16 epilogue of one warpgroup's 64 full rows (64 x 256) through shared memory and TMA stores, so that the
+// consumers go on with the next tile while the output drains to memory. The tile is 4 chunks of 64 columns, each
+// 64 rows x 128 B in the 128-byte swizzle (16-byte unit u of row r at ((u ^ (r % 8)) << 4)), the layout of a 64 x 64
+// TMA box; the region holds 4 / ROUNDS of them (wgmma5: 32 KiB, one round; the 4-stage wgrad: 16 KiB, two), and
+// each round is written after the previous round's stores have read it (epi_round_begin / epi_round_end).
+template <int ROUNDS>
+__device__ __forceinline__ void w5_epilogue_tma_rounds(const float* acc, unsigned region, int wg, long long arow0,
+                                                       int n0, int N, const TmaMap* tmO) {
+    constexpr int J = 32 / ROUNDS;  // 8-column groups per round
+    const int tid = threadIdx.x, lane = tid & 31, q = (tid >> 5) & 3, c = tid & 3;
+    const bool leader = (tid & 127) == 0;
+    const int bar = 3 + wg;
+#pragma unroll
+    for (int rd = 0; rd < ROUNDS; ++rd) {
+        epi_round_begin(leader, bar);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = q * 16 + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
+            // each bf16 pair straight to its place: columns 8 j + 2 c, + 1 = chunk j / 8 (jj / 8 in the round's
+            // region), 16-byte unit j % 8, byte 4 c; a warp's store (8 rows x 4 lanes) hits 8 distinct units x 4
+            // words = 32 banks, and no shuffles are needed
+#pragma unroll
+            for (int jj = 0; jj < J; ++jj) {
+                const int j = J * rd + jj;
+                unsigned pk;
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
+                const unsigned u = (unsigned)(jj & 7);
+                sts32(region + (unsigned)(jj >> 3) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4) +
+                          4u * (unsigned)c,
+                      pk);
+            }
+        }
+        epi_round_end(leader, bar, tmO, region, n0 + 8 * J * rd, 64, J / 8, N, (int)(arow0 + 64 * wg));
+    }
+}
+__device__ __forceinline__ void w5_epilogue_tma(const float* acc, unsigned region, int wg, long long arow0, int n0,
+                                                int N, const TmaMap* tmO) {
+    w5_epilogue_tma_rounds<1>(acc, region, wg, arow0, n0, N, tmO);
 }
 
 // Producer (warp 8): for every tile of this CTA, every k-step, wait for the stage to be free and load it.

@@ -20,7 +20,7 @@
 //   * epilogue through shared memory and TMA stores (it is the largest cost otherwise: dW in fp32 is 3.8 GB at
 //     dsv3_up, and a register epilogue kept the MMAs idle while it drained; measured without stores: 2.42 against
 //     3.44 ms). With 4 stages only 16 KiB per warpgroup are left for it, so a warpgroup's 64 x 256 tile leaves in
-//     rounds: bf16 in 2 rounds of 128 columns (wr_epilogue_tma_bf16), fp32 in 4 of 64 (wr_epilogue_tma_f32), each
+//     rounds: bf16 in 2 rounds of 128 columns (w5_epilogue_tma_rounds), fp32 in 4 of 64 (wr_epilogue_tma_f32), each
 //     round after the previous one's stores have read the region. (3 stages leave 32 KiB: 1 and 2 rounds.) A
 //     warpgroup whose 64 rows run past N (they would land in the next group's rows) stores from registers.
 //     Measured (benchmarks/NOTES.md, "wgrad: a fourth stage"): the fourth stage with the extra rounds took 0-8 %
@@ -86,28 +86,6 @@ __device__ __forceinline__ void wgr_tile(GroupInfo* gi, const int* __restrict__ 
     __syncwarp();
 }
 
-// One round of the TMA-store epilogues below. Begin: the leader waits until the previous stores (the previous round,
-// or the previous tile) have read the region, then the warpgroup meets. End: the region's writes are made visible to
-// the TMA unit, the warpgroup meets, and the leader stores boxes b = 0 .. n - 1 (64 rows, columns col0 + width b,
-// those that start inside K; box b at region + 8192 b) as one bulk group.
-__device__ __forceinline__ void wr_round_begin(bool leader, int bar) {
-    if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    named_bar_sync(bar, 128);
-}
-__device__ __forceinline__ void wr_round_end(bool leader, int bar, const TmaMap* tmO, unsigned region, int col0,
-                                             int width, int n, int K, int row) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    named_bar_sync(bar, 128);
-    if (leader) {
-        for (int b = 0; b < n && col0 + width * b < K; ++b)
-            asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
-                             reinterpret_cast<unsigned long long>(tmO)),
-                         "r"(col0 + width * b), "r"(row), "r"(region + 8192u * (unsigned)b)
-                         : "memory");
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    }
-}
-
 // fp32 epilogue of one warpgroup's 64 full rows: 64 x 256 fp32 = 64 KiB through its WR_REGION bytes, in rounds of
 // WR_REGION / 8192 TMA boxes of 64 rows x 32 columns (128-byte rows, 128-byte swizzle: 16-byte unit u of row r at
 // (u ^ (r % 8)) << 4). Accumulator 4 j + 2 h + e is column 8 j + 2 c + e: box j / 4, unit 2 (j % 4) + c / 2, byte
@@ -121,7 +99,7 @@ __device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned r
     const int bar = 3 + wg;
 #pragma unroll
     for (int rd = 0; rd < 8 / BOXES; ++rd) {
-        wr_round_begin(leader, bar);
+        epi_round_begin(leader, bar);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = q * 16 + (lane >> 2) + 8 * h;
@@ -136,42 +114,10 @@ __device__ __forceinline__ void wr_epilogue_tma_f32(const float* acc, unsigned r
                              : "memory");
             }
         }
-        wr_round_end(leader, bar, tmO, region, k0 + 32 * BOXES * rd, 32, BOXES, K, (int)(orow + 64 * wg));
+        epi_round_end(leader, bar, tmO, region, k0 + 32 * BOXES * rd, 32, BOXES, K, (int)(orow + 64 * wg));
     }
 }
 
-// bf16 epilogue of one warpgroup's 64 full rows (64 x 256 bf16 = 32 KiB) through WR_REGION bytes: with 32 KiB it is
-// wgmma5's (w5_epilogue_tma); with 16 KiB, two rounds of 2 chunks of 64 columns (the same swizzled chunk layout),
-// the second after the first round's stores have read the region.
-__device__ __forceinline__ void wr_epilogue_tma_bf16(const float* acc, unsigned region, int wg, long long orow,
-                                                     int k0, int K, const TmaMap* tmO) {
-    if (WR_REGION >= 32768) {
-        w5_epilogue_tma(acc, region, wg, orow, k0, K, tmO);
-        return;
-    }
-    const int tid = threadIdx.x, lane = tid & 31, q = (tid >> 5) & 3, c = tid & 3;
-    const bool leader = (tid & 127) == 0;
-    const int bar = 3 + wg;
-#pragma unroll
-    for (int rd = 0; rd < 2; ++rd) {
-        wr_round_begin(leader, bar);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = q * 16 + (lane >> 2) + 8 * h;
-#pragma unroll
-            for (int jj = 0; jj < 16; ++jj) {
-                const int j = 16 * rd + jj;  // columns 8 j + 2 c, + 1: chunk j / 8 (here jj / 8), unit j % 8
-                unsigned pk;
-                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
-                const unsigned u = (unsigned)(jj & 7);
-                sts32(region + (unsigned)(jj >> 3) * 8192u + (unsigned)r * 128u + ((u ^ (unsigned)(r & 7)) << 4) +
-                          4u * (unsigned)c,
-                      pk);
-            }
-        }
-        wr_round_end(leader, bar, tmO, region, k0 + 128 * rd, 64, 2, K, (int)(orow + 64 * wg));
-    }
-}
 
 __device__ __forceinline__ void wgr_produce(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
                                             int K, const TmaMap* tmA, const TmaMap* tmB, unsigned sbase,
@@ -259,7 +205,7 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
         } else if (OUT_F32) {
             wr_epilogue_tma_f32(acc, region, wg, orow, k0, K, tmO);
         } else {
-            wr_epilogue_tma_bf16(acc, region, wg, orow, k0, K, tmO);
+            w5_epilogue_tma_rounds<32768 / WR_REGION>(acc, region, wg, orow, k0, K, tmO);
         }
     }
     if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before exit

@@ -30,15 +30,7 @@ __device__ __forceinline__ uint2 ld_nc8(const unsigned char* p) {
 // g / (1 + expf(-g)) then one multiply. The adds/divides/multiplies are PTX without .ftz (CuPy compiles with
 // -ftz=true); expf's result only enters 1 + e, where a flushed subnormal changes nothing.
 __device__ __forceinline__ float mx_swiglu(float g, float u) {
-    const float e = expf(-g);
-#if defined(__CUDA_ARCH__)
-    float d, s;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(1.0f), "f"(e));
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(s) : "f"(g), "f"(d));
-    return mx_mul(s, u);
-#else
-    return g / (1.0f + e) * u;
-#endif
+    return mx_mul(mx_div(g, mx_add(1.0f, expf(-g))), u);
 }
 
 // 4 gate + 4 up bf16 values (8 bytes each) -> 4 fp32 h words.
@@ -57,14 +49,7 @@ __device__ __forceinline__ uint4 swiglu4(uint2 g, uint2 u) {
 // swiglu_bwd (moe_ep.gemm.swiglu_bwd), op by op as torch evaluates it on CUDA, each result rounded to fp32:
 //   sig = 1 / (1 + expf(-g));  dg = (dh * u) * (sig * (1 + g * (1 - sig)));  du = dh * (g * sig).
 __device__ __forceinline__ float mx_sigmoid(float g) {
-    const float d = mx_add(1.0f, expf(-g));
-#if defined(__CUDA_ARCH__)
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(1.0f), "f"(d));
-    return r;
-#else
-    return 1.0f / d;
-#endif
+    return mx_div(1.0f, mx_add(1.0f, expf(-g)));
 }
 
 // Chunk of 4 dA values at column c (c % 4 == 0) of row ``ar`` (a, 2F bf16) / ``dr`` (dh, F values of DHB bytes:

@@ -124,7 +124,9 @@ def expert_mlp_cuda(
 
     x: [M, H] bf16 CUDA (groups contiguous from row 0; sum(group_sizes) must equal M), w13: [E, 2F, H] (gate rows
     then up rows), w2: [E, H, F], group_sizes: int32 [E] on x's device (never read on the host), cache: a
-    ``WeightQuantCache`` (the weights' MXFP8 operands once per weight version) -> [M, H] bf16.
+    ``WeightQuantCache`` (the weights' MXFP8 operands once per weight version; without one, the backward quantizes
+    the weights again rather than holding their operands, ~6 bytes per weight element, from forward to backward)
+    -> [M, H] bf16.
     The reference is ``moe_ep.gemm.expert_mlp(x, w13, w2, sizes, quantize=True)`` (the same recipe; results equal
     up to fp32 summation order, which can move an intermediate across an e4m3 rounding boundary).
     """

@@ -387,7 +387,9 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
                 _tma_map_2d(b_prepared, g * n, kp, 256, 64, elem_bytes=2, swizzle128=True),
             )
             if impl == "wgmma5":  # the output for the TMA-store epilogue (bf16: boxes of 64 x 64, 128-byte swizzle)
-                extra += (extra[0] if out.dtype == torch.float32 else _tma_map_2d(out, m, n, 64, 64, 2, True),)
+                # fp32 outputs and the 5-stage build store from registers: the parameter is then a placeholder
+                tma_out = out.dtype == torch.bfloat16 and not options
+                extra += (_tma_map_2d(out, m, n, 64, 64, 2, True) if tma_out else extra[0],)
     elif impl == "wgmma3":
         kernel, kfile, smem = f"mx_gmm_wg3_2d3d_{suffix}", _WGMMA3_FILE, _WGMMA3_SMEM_BYTES
         if grid > 0:  # A [M, K] in boxes of 128 rows x 64 bytes, B [G * N, K] in boxes of 256 rows x 64 bytes
