@@ -291,6 +291,11 @@ def main() -> None:
     )
     ap.add_argument("--groups", type=int, default=32, help="groups of the row_grouped variant")
     ap.add_argument("--pipes", default="", help="MOE_EP_QUANT_PIPE values to sweep, e.g. auto,0,2,3 (default: current)")
+    ap.add_argument(
+        "--dual-impls",
+        default="",
+        help="MOE_EP_QUANT_DUAL values to sweep for the grouped-dual variants, e.g. reg,smem (default: current)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant.py needs a CUDA GPU")
@@ -318,6 +323,7 @@ def main() -> None:
 
     rows = []
     pipes = [-1 if p == "auto" else int(p) for p in args.pipes.split(",") if p] or [mxfp8_cuda._pipe()]
+    duals = [d for d in args.dual_impls.split(",") if d] or [mxfp8_cuda._dual_impl()]
     tcs: dict = {}  # torch.compile time per (variant, M, K), timed once
     hdr = (
         f"{'variant':<12} {'pipe':>4} {'M':>7} {'K':>5}  {'ok':>3} {'us':>8} {'GB/s':>7} {'%copy':>6}  "
@@ -342,8 +348,11 @@ def main() -> None:
                     + ", ".join(f"{n} {v / 1e9:.0f} GB/s ({100 * v / copy_bw:.1f}% copy)" for n, v in probes.items()),
                     flush=True,
                 )
-            for v, pipe in [(v, p) for v in variants for p in pipes]:
+            combos = [(v, p, d) for v in variants for p in pipes for d in (duals if v in DUAL else [""])]
+            for v, pipe, dual in combos:
                 os.environ["MOE_EP_QUANT_PIPE"] = "auto" if pipe < 0 else str(pipe)
+                if dual:
+                    os.environ["MOE_EP_QUANT_DUAL"] = dual
                 ok = check(v, x)
                 fn, nbytes = kernel_fn(v, x, args.groups)
                 t = timer(fn)
@@ -358,6 +367,7 @@ def main() -> None:
                 row = {
                     "variant": v,
                     "pipe": pipe,
+                    "dual_impl": dual or None,
                     "M": m,
                     "K": k,
                     "dtype": args.dtype,
@@ -378,8 +388,9 @@ def main() -> None:
                     row["meets_target"] = bool(bw >= TARGETS[v] * copy_bw and (tc is None or tc / t >= MIN_RATIO))
                 rows.append(row)
                 ctxt = f"{tc * 1e3:10.1f} {tc / t:11.2f}x" if tc else f"{'-':>10} {'-':>12}"
+                label = v + (":" + dual if dual else "")
                 print(
-                    f"{v:<12} {pipe:>4} {m:>7} {k:>5}  {'yes' if ok else 'NO':>3} {t * 1e3:8.1f} {bw / 1e9:7.0f} "
+                    f"{label:<12} {pipe:>4} {m:>7} {k:>5}  {'yes' if ok else 'NO':>3} {t * 1e3:8.1f} {bw / 1e9:7.0f} "
                     f"{100 * bw / copy_bw:5.1f}%  {ctxt}",
                     flush=True,
                 )
@@ -408,6 +419,7 @@ def main() -> None:
                 "variants": variants,
                 "groups": args.groups,
                 "pipes": pipes,
+                "dual_impls": duals,
                 "M": ms_list,
                 "K": ks,
                 "copy_bandwidth_GBps": copy_bw / 1e9,

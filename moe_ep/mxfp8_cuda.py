@@ -59,10 +59,13 @@ _QUANT_COMBOS = (
 )
 # column-only modes of 16-bit inputs, also compiled with pipe 3 (chosen at launch for large inputs: _requested_pipe)
 _COL_PIPE3_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
+# the register-tiled dual quantizer (kernels/quant_dual.cuh): bf16, grouped rows + per-group columns in x's layout
+_DUAL_CS = (4, 5)
 _NAMES = (
     tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS)
     + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in _COL_PIPE3_COMBOS)
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
+    + tuple(f"mx_quant_dual<1,{c}>" for c in _DUAL_CS)
 )
 
 
@@ -133,6 +136,16 @@ def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.d
     # Balanced: as few CTAs as still give every CTA the same number of tiles (+-1), so no short last round runs
     # with a fraction of the CTAs (2048 tiles: 342 CTAs x 6 instead of 396 x 5.17).
     return _cdiv(tiles, _cdiv(tiles, full))
+
+
+def _dual_impl() -> str:
+    """MOE_EP_QUANT_DUAL: ``reg`` (default) runs bf16 grouped-dual inputs through the register-tiled
+    ``mx_quant_dual`` (kernels/quant_dual.cuh); ``smem`` keeps them on mx_quant's shared-memory transpose (the
+    kernel it replaced, kept for A/B measurements). Both write the same bytes."""
+    v = os.environ.get("MOE_EP_QUANT_DUAL", "reg").strip().lower()
+    if v not in ("reg", "smem"):
+        raise ValueError(f"MOE_EP_QUANT_DUAL must be reg or smem, got {v!r}")
+    return v
 
 
 def _kernel(name: str, device: torch.device):
@@ -238,6 +251,10 @@ def _quant_plan(
     if tiles == 0:
         return None
     in_code = _IN[x.dtype] if in_code is None else in_code
+    if in_code == _IN[torch.bfloat16] and rs_mode == _RS["grouped"] and cs_mode in _DUAL_CS and _dual_impl() == "reg":
+        # Persistent like pipe 3 (3 CTAs per SM, two 32 KB cp.async stages); the group table comes first.
+        grid = _quant_ctas(tiles, 2, rs_mode, cs_mode, x.device, 3)
+        return f"mx_quant_dual<1,{cs_mode}>", grid, 16 * (n_groups + 1) + 2 * _TILE * _TILE * 2, n_row_tiles, ctiles
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
     env_pipe = _pipe()

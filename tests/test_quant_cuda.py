@@ -532,11 +532,17 @@ def _check_dual(got, want, sizes, exact: bool = True):
         _frac_ok(name, a, b, exact)
 
 
+# bf16 runs through both grouped-dual kernels (MOE_EP_QUANT_DUAL): the register-tiled mx_quant_dual (default)
+# and mx_quant's shared-memory transpose; fp32 has only the latter.
+DUAL_IMPLS = [(torch.bfloat16, "reg"), (torch.bfloat16, "smem"), (torch.float32, "reg")]
+
+
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_dual_matches_reference(dev, sizes, dtype):
+@pytest.mark.parametrize("dtype,impl", DUAL_IMPLS)
+def test_grouped_dual_matches_reference(dev, sizes, dtype, impl, monkeypatch):
     from moe_ep.gemm import quantize_grouped_dual_torch
 
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl)
     m, k = sum(sizes), 160
     x = _dual_input(m, k, dtype, seed=len(sizes) + m)
     st = torch.tensor(sizes, dtype=torch.int32)
@@ -558,14 +564,15 @@ def test_swiglu_dual_matches_reference(dev, sizes):
 
 
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype):
+@pytest.mark.parametrize("dtype,impl", DUAL_IMPLS)
+def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype, impl, monkeypatch):
     """colwise="bf16": the row-wise pair as with MXFP8 column output, and the column operand written as the
     prepared bf16 layout (64-row group blocks, zero padding rows) == prepare_colwise_bf16_torch of the reference's
     MXFP8 column operand; nothing written past the last group's block."""
     from moe_ep.gemm import quantize_grouped_dual_torch
     from moe_ep.gemm_operands import colwise_prep_rows
 
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl)
     m, k = sum(sizes), 160
     x = _dual_input(m, k, dtype, seed=len(sizes) + m)
     if m >= 64:  # whole 32-row column blocks whose dequantized values fall below bf16's smallest normal: rounded once
@@ -582,6 +589,50 @@ def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype):
     mxfp8_cuda.quantize_grouped_dual_into(x.to(dev), st.to(dev), data, scale, prep, None, colwise="bf16")
     _check_dual((data, scale, prep, None), want, sizes)
     assert torch.isnan(prep[colwise_prep_rows_used(sizes) :]).all(), "written past the last group's 64-row block"
+
+
+def _extreme_dual_input(m: int, k: int, seed: int) -> torch.Tensor:
+    """bf16 [m, k] whose 32x32 blocks (in both directions) carry awkward exponents: bf16 subnormals, values near
+    bf16's largest finite, single huge outliers among tiny values, zeros, NaN and +-Inf, signed zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 10.0 ** (torch.rand(m, 1, generator=g) * 8 - 4)
+    kinds = torch.randint(0, 7, ((m + 31) // 32, (k + 31) // 32), generator=g)
+    for (bi, bj), kind in zip(
+        torch.cartesian_prod(torch.arange(kinds.shape[0]), torch.arange(kinds.shape[1])).tolist(),
+        kinds.flatten().tolist(),
+        strict=True,
+    ):
+        blk = x[32 * bi : 32 * bi + 32, 32 * bj : 32 * bj + 32]
+        if kind == 1:
+            blk.mul_(1e-40)  # bf16 subnormals (and fp32 products below them)
+        elif kind == 2:
+            blk.copy_(torch.sign(blk) * 3.0e38)  # near bf16's largest finite
+        elif kind == 3:
+            blk.mul_(1e-30)
+            blk[0, 0] = 1e30  # one outlier: the rest underflows to signed e4m3 zeros
+        elif kind == 4:
+            blk.zero_()
+            blk[::2].neg_()  # -0.0 rows
+        elif kind == 5:
+            blk[5, 7] = float("nan") if (bi + bj) % 2 else float("-inf")
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
+def test_grouped_dual_extreme_and_persistent(dev, colwise):
+    """bf16 grouped dual (the register-tiled kernel) on extreme blocks, with enough tiles that every persistent
+    CTA runs several (GPU: 1.9k tiles over 396 CTAs; emulator: 24 tiles over 6), bytes == the reference."""
+    from moe_ep.gemm import quantize_grouped_dual_torch
+
+    if _big(dev):
+        sizes, k = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 1440
+    else:
+        sizes, k = [0, 200, 1, 127, 33, 0, 64], 288
+    m = sum(sizes)
+    x = _extreme_dual_input(m, k, seed=5)
+    st = torch.tensor(sizes, dtype=torch.int32)
+    got = mxfp8_cuda.quantize_grouped_dual(x.to(dev), st.to(dev), colwise=colwise)
+    _check_dual(got, quantize_grouped_dual_torch(x, st, colwise=colwise), sizes)
 
 
 @pytest.mark.parametrize("mode", ["forward", "backward_f32", "backward_bf16"])

@@ -29,6 +29,7 @@ HARNESS = r"""
 //                               MODE "c": IN = n float32, OUT = n e4m3 bytes (soft conversion of clamped v).
 //                               MODE "d": IN = n bytes, OUT = n float32 (soft e4m3 decode).
 //                               MODE "e": IN = n uint32 fp32 bit patterns, OUT = n int32 mx_block_exp.
+//                               MODE "t": IN = n uint32 bf16 keys, OUT = n int32 mx_bf16_block_t - 135.
 //                               MODE "x": IN ignored, OUT = int64 count of finite keys k >= 0 where
 //                                 mx_block_exp != mx_block_exp_div, then the first such key (uint32).
 int main(int argc, char** argv) {
@@ -55,6 +56,12 @@ int main(int argc, char** argv) {
         long n = nb / 4;
         for (long i = 0; i < n; ++i) {
             int e = mx_block_exp(mx_u2f(((const unsigned*)buf)[i]));
+            fwrite(&e, 4, 1, o);
+        }
+    } else if (argv[1][0] == 't') {
+        long n = nb / 4;
+        for (long i = 0; i < n; ++i) {
+            int e = (int)mx_bf16_block_t(((const unsigned*)buf)[i]) - 135;
             fwrite(&e, 4, 1, o);
         }
     } else if (argv[1][0] == 'x') {
@@ -182,6 +189,19 @@ def test_block_exp_every_fp32_key(harness, tmp_path):
     bad = int.from_bytes(out[:8], "little", signed=True)
     first = int.from_bytes(out[8:12], "little")
     assert bad == 0, f"{bad} keys differ, first 0x{first:08X}"
+
+
+def test_bf16_block_exp_every_key(harness, tmp_path):
+    """kernels/quant_dual.cuh's bf16 shortcut (mx_bf16_block_t - 135) == mx_block_exp == the torch specification's
+    block exponent, for every finite bf16 amax key (0 .. 0x7F7F)."""
+    k = torch.arange(0x7F80, dtype=torch.int32)
+    got = torch.frombuffer(bytearray(_run(harness, tmp_path, "t", k.numpy().tobytes())), dtype=torch.int32)
+    via_fp32 = torch.frombuffer(bytearray(_run(harness, tmp_path, "e", (k << 16).numpy().tobytes())), dtype=torch.int32)
+    blocks = torch.zeros(k.numel(), 32, dtype=torch.float32)
+    blocks[:, 0] = (k << 16).view(torch.float32)
+    ref = quantize_torch(blocks.to(torch.bfloat16), -1).scale.reshape(-1).to(torch.int32) - 127
+    assert torch.equal(got, via_fp32), f"first differing key 0x{int((got != via_fp32).nonzero()[0]):04X}"
+    assert torch.equal(got, ref), f"first differing key 0x{int((got != ref).nonzero()[0]):04X}"
 
 
 def test_block_exp_matches_reference_at_boundaries(harness, tmp_path):
@@ -328,12 +348,18 @@ def build_emulator(workdir: Path):
 
     if CXX is None:
         return None
-    qt = " ".join(
-        f"if (in == {i} && rs == {r} && cs == {c} && pp < 0) fn = &mx_quant<{i},{r},{c}>;"
-        for i, r, c in mxfp8_cuda._QUANT_COMBOS
-    ) + " ".join(
-        f"if (in == {i} && rs == {r} && cs == {c} && pp == 3) fn = &mx_quant<{i},{r},{c},3>;"
-        for i, r, c in mxfp8_cuda._COL_PIPE3_COMBOS
+    qt = (
+        " ".join(
+            f"if (in == {i} && rs == {r} && cs == {c} && pp < 0) fn = &mx_quant<{i},{r},{c}>;"
+            for i, r, c in mxfp8_cuda._QUANT_COMBOS
+        )
+        + " ".join(
+            f"if (in == {i} && rs == {r} && cs == {c} && pp == 3) fn = &mx_quant<{i},{r},{c},3>;"
+            for i, r, c in mxfp8_cuda._COL_PIPE3_COMBOS
+        )
+        + " ".join(
+            f"if (in == 1 && rs == 3 && cs == {c} && pp == -2) fn = &mx_quant_dual<1,{c}>;" for c in mxfp8_cuda._DUAL_CS
+        )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
     src = workdir / "emu.cpp"
@@ -373,7 +399,9 @@ def install_emulator(monkeypatch, so) -> None:
     def launch(name, grid, args, shared_mem, device):
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
-        if name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
+        if name.startswith("mx_quant_dual"):  # mx_quant_dual<in,cs>: grouped rows; pipe code -2 in the table
+            rc = so.emu_quant(params[0], 3, params[1], -2, grid, shared_mem, *a)
+        elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
             rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, grid, shared_mem, *a)
         else:
             rc = so.emu_dequant(*params, grid, *a)

@@ -1,0 +1,205 @@
+// Register-tiled dual quantizer of kernels/quantize.cu: bf16 x [M, K] -> row-wise MXFP8 with per-group blocked
+// scales (RS_GROUPED) and the per-group column-wise operand in x's own [M, K] layout (CS_GNT, or CS_GPREP's
+// prepared bf16 values), from one read. Same arguments, tile order, group table and bytes as
+// mx_quant<IN_BF16, RS_GROUPED, CS>; included by quantize.cu after mx_quant.
+//
+// Why a second kernel: mx_quant's column modes go through the tile staged in shared memory twice (phase 2: 32
+// word loads per thread for the column amax; phase 3: the tile again, with the multipliers and NaN masks read
+// back per element). About 1350 SASS instructions per thread and tile made grouped_dual issue-bound at 62-79 % of
+// copy, while a probe moving the same bytes (two row-major output streams) reaches 88-95 % (benchmarks/NOTES.md,
+// passes 5-6). Here nothing is transposed: a thread holds an 8 x 8 block of the 128 x 128 tile (8 rows of one
+// 16-byte chunk), so a 1x32 row block is spread over the 4 lanes lane ^ {1, 2} and a 32x1 column block over the 4
+// lanes lane ^ {8, 16} of the same warp. Both amaxes are two shuffles, each element is read once from shared
+// memory and widened once for both outputs, and no CTA barrier is needed (each thread reads back only the cp.async
+// copies it issued itself, as in pipe 3).
+//
+// Thread layout: warp w covers tile rows 32 (w & 3) .. + 32 (one 32-row column block) and columns
+// 64 (w >> 2) .. + 64; lane = 8 rg + cc covers rows 32 (w & 3) + 8 rg + i (i < 8) and columns 64 (w >> 2) + 8 cc
+// .. + 8. Each tile arrives by cp.async in a shared-memory double buffer laid out [8][NTHREADS] x 16 bytes, so
+// the 16-byte loads of one warp touch consecutive addresses (conflict-free).
+#pragma once
+
+#define MXD_STAGE_BYTES (8 * NTHREADS * 16)
+
+template <int IN, int CS>
+__global__ void __launch_bounds__(NTHREADS, 3)
+    mx_quant_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,
+                  unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
+                  const int* __restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,
+                  const unsigned char* __restrict__ x2) {
+    static_assert(IN == IN_BF16, "the register-tiled dual quantizer reads bf16");
+    static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in x's layout");
+    constexpr int BR = CS == CS_GPREP ? 64 : 32;  // rows per unit of the table's third prefix sum
+    (void)group_rows;
+    (void)x2;
+    MX_DYN_SMEM(smem);
+    // Group table (16 (G + 1) bytes, a multiple of 16), then the two cp.async stages.
+    long long* g_rstart = reinterpret_cast<long long*>(smem);
+    int* g_tstart = reinterpret_cast<int*>(g_rstart + G + 1);
+    int* g_bstart = g_tstart + G + 1;
+    unsigned char* stage0 = smem + 16 * (G + 1);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int mb = warp & 3;                             // the warp's 32-row block in the tile
+    const int tr0 = 32 * mb + 8 * (lane >> 3);           // first tile row of this thread
+    const int tc0 = 64 * (warp >> 2) + 8 * (lane & 7);   // first tile column
+    const int total = n_row_tiles * ctiles;
+    grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
+
+    auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows, long long& bs) {
+        rt = (int)((unsigned)T / (unsigned)ctiles);
+        ct = (int)((unsigned)T % (unsigned)ctiles);
+        grouped_lookup<BR>(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
+        nrows = (int)max(0LL, min((long long)nrows, M - row0));
+    };
+    auto issue = [&](unsigned char* stage, long long row0, int nrows, int col0) {
+        const bool cok = col0 + tc0 < K;
+        const unsigned char* src = x + ((row0 + tr0) * K + col0 + tc0) * 2;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const bool ok = cok && tr0 + i < nrows;
+            cp_async16(stage + (i * NTHREADS + tid) * 16, ok ? src + (long long)i * K * 2 : x, ok);
+        }
+        cp_async_commit();
+    };
+
+    int T = (int)blockIdx.x;
+    if (T >= total) return;
+    int rt, ct, nrows;
+    long long row0, bs;
+    coords(T, rt, ct, row0, nrows, bs);
+    issue(stage0, row0, nrows, ct * TILE);
+    int buf = 0;
+    for (;;) {
+        const int Tn = T + (int)gridDim.x;
+        int rt_n = 0, ct_n = 0, nrows_n = 0;
+        long long row0_n = 0, bs_n = 0;
+        if (Tn < total) {
+            coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
+            issue(stage0 + (buf ^ 1) * MXD_STAGE_BYTES, row0_n, nrows_n, ct_n * TILE);
+            cp_async_wait<1>();  // all but the copies just issued: this tile has landed
+        } else {
+            cp_async_wait<0>();
+        }
+        const unsigned char* cur = stage0 + buf * MXD_STAGE_BYTES;
+        const int col0 = ct * TILE;
+        const bool cok = col0 + tc0 < K;
+
+        // ---- amax keys: rows (packed u16x2: rows 2j / 2j + 1) and word columns (columns 2c / 2c + 1) ----
+        uint4 v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint4*>(cur + (i * NTHREADS + tid) * 16);
+        unsigned rkey[4], ckey[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            unsigned m[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 a = v[2 * j + h];
+                const unsigned w0 = a.x & 0x7FFF7FFFu, w1 = a.y & 0x7FFF7FFFu, w2 = a.z & 0x7FFF7FFFu,
+                               w3 = a.w & 0x7FFF7FFFu;
+                ckey[0] = __vmaxu2(ckey[0], w0);
+                ckey[1] = __vmaxu2(ckey[1], w1);
+                ckey[2] = __vmaxu2(ckey[2], w2);
+                ckey[3] = __vmaxu2(ckey[3], w3);
+                m[h] = __vmaxu2(__vmaxu2(w0, w1), __vmaxu2(w2, w3));
+            }
+            rkey[j] = __vmaxu2(__byte_perm(m[0], m[1], 0x5410u), __byte_perm(m[0], m[1], 0x7632u));
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 1));
+            rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 2));
+            ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 8));
+            ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 16));
+        }
+
+        // ---- column blocks: multipliers 2**-E, NaN byte masks, scale bytes (CS_GNT) / 2**E (CS_GPREP) ----
+        float cmul[8], cdeq[8];
+        unsigned cnan[2] = {0u, 0u}, csb[2] = {0u, 0u};
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const unsigned k = c & 1 ? ckey[c >> 1] >> 16 : ckey[c >> 1] & 0xFFFFu;
+            const bool bad = k >= Key<IN_BF16>::BAD;
+            const unsigned t = mx_bf16_block_t(k);
+            cmul[c] = bad ? 0.0f : __uint_as_float((262u - t) << 23);
+            cdeq[c] = t > 8u ? __uint_as_float((t - 8u) << 23) : __uint_as_float(1u << 22);  // 2**-127: subnormal
+            cnan[c >> 2] |= (bad ? 0xFFu : 0u) << (8 * (c & 3));
+            csb[c >> 2] |= (bad ? MX_SCALE_NAN : t - 8u) << (8 * (c & 3));
+        }
+        const bool blk_ok = cok && 32 * mb < nrows;
+        if (CS == CS_GNT && blk_ok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
+            *reinterpret_cast<uint2*>(cs + (bs + mb) * K + col0 + tc0) = make_uint2(csb[0], csb[1]);
+
+        // ---- per row: row-wise bytes, column-wise bytes (or their prepared bf16 values) ----
+        const long long off0 = (row0 + tr0) * K + col0 + tc0;
+        const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;  // CS_GPREP: zero rows to a 64-row block
+        unsigned rsb[2] = {0u, 0u};  // the 8 rows' scale bytes (0 past the group or past K: tile padding)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int r = tr0 + i;
+            const bool ok = cok && r < nrows;
+            const unsigned k = i & 1 ? rkey[i >> 1] >> 16 : rkey[i >> 1] & 0xFFFFu;
+            const bool bad = k >= Key<IN_BF16>::BAD;
+            const unsigned t = mx_bf16_block_t(k);
+            const float s = __uint_as_float((262u - t) << 23);
+            rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : t - 8u) : 0u) << (8 * (i & 3));
+            const unsigned vw[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+            float f[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[e] = word_elem<IN_BF16>(vw[e >> 1], e & 1);
+            uint2 q = make_uint2(mx_cvt4_e4m3(mx_mul(f[0], s), mx_mul(f[1], s), mx_mul(f[2], s), mx_mul(f[3], s)),
+                                 mx_cvt4_e4m3(mx_mul(f[4], s), mx_mul(f[5], s), mx_mul(f[6], s), mx_mul(f[7], s)));
+            if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+            unsigned o[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                o[h] = (mx_cvt4_e4m3(mx_mul(f[4 * h], cmul[4 * h]), mx_mul(f[4 * h + 1], cmul[4 * h + 1]),
+                                     mx_mul(f[4 * h + 2], cmul[4 * h + 2]), mx_mul(f[4 * h + 3], cmul[4 * h + 3])) &
+                        ~cnan[h]) |
+                       (0x7F7F7F7Fu & cnan[h]);
+            const long long off = off0 + (long long)i * K;
+            if (ok) *reinterpret_cast<uint2*>(rq + off) = q;
+            if (CS == CS_GNT) {
+                if (ok) *reinterpret_cast<uint2*>(cq + off) = make_uint2(o[0], o[1]);
+            } else if (cok && r < wrows) {
+                // The exact value of each byte: e4m3 -> fp32 (exact) times 2**E (exact), rounded once to bf16 as
+                // the reference's .to(bfloat16) of its fp32 dequantization; NaN blocks give bf16 NaN 0x7FC0.
+                unsigned b[4] = {0u, 0u, 0u, 0u};
+                if (r < nrows) {
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        float lo, hi;
+                        mx_e4m3x2_to_f32(o[p >> 1] >> (16 * (p & 1)), lo, hi);
+                        const unsigned nm = __byte_perm(cnan[p >> 1], 0u, (p & 1) ? 0x3322u : 0x1100u);
+                        b[p] = (mx_pack16x2<1>(mx_mul(lo, cdeq[2 * p]), mx_mul(hi, cdeq[2 * p + 1])) & ~nm) |
+                               (0x7FC07FC0u & nm);
+                    }
+                }
+                *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + col0 + tc0) * 2) = make_uint4(b[0], b[1], b[2], b[3]);
+            }
+        }
+
+        // ---- row scales: bytes (r % 32) * 16 + 4 mb + cb of the tile's 512-byte cuBLAS block, cb = 2 (w >> 2) +
+        // (lane & 4) / 4: lanes with lane & 7 == 0 take their neighbour's (lane ^ 4) byte and store 2 bytes a row.
+        const unsigned n0 = __shfl_xor_sync(0xFFFFFFFFu, rsb[0], 4), n1 = __shfl_xor_sync(0xFFFFFFFFu, rsb[1], 4);
+        if ((lane & 7) == 0) {
+            unsigned short* dst = reinterpret_cast<unsigned short*>(rs + ((long long)rt * ctiles + ct) * 512 +
+                                                                    (tr0 & 31) * 16 + 4 * mb + 2 * (warp >> 2));
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned mine = i < 4 ? rsb[0] : rsb[1], other = i < 4 ? n0 : n1;
+                dst[8 * i] = (unsigned short)(__byte_perm(mine, other, (i & 3) | ((4 + (i & 3)) << 4)));
+            }
+        }
+
+        if (Tn >= total) break;
+        T = Tn;
+        buf ^= 1;
+        rt = rt_n;
+        ct = ct_n;
+        row0 = row0_n;
+        nrows = nrows_n;
+        bs = bs_n;
+    }
+}
