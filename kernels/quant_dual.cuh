@@ -15,20 +15,24 @@
 //
 // Thread layout: warp w covers tile rows 32 (w & 3) .. + 32 (one 32-row column block) and columns
 // 64 (w >> 2) .. + 64; lane = 8 rg + cc covers rows 32 (w & 3) + 8 rg + i (i < 8) and columns 64 (w >> 2) + 8 cc
-// .. + 8. Each tile arrives by cp.async in a shared-memory double buffer laid out [8][NTHREADS] x 16 bytes, so
-// the 16-byte loads of one warp touch consecutive addresses (conflict-free).
+// .. + 8. Each tile arrives by cp.async in one of S shared-memory stages (S - 1 tiles in flight ahead of the one
+// processed), laid out [8][NTHREADS] x 16 bytes, so the 16-byte loads of one warp touch consecutive addresses.
+// The row scales go through a 512-byte shared tile (two, alternating per tile) and one CTA barrier per tile:
+// every 16-byte word of the cuBLAS tile holds bytes of all four 32-row blocks, i.e. of four warps (stored from
+// the lanes as 2-byte pieces instead, they cost 2-7 points of copy bandwidth: benchmarks/NOTES.md).
 #pragma once
 
 #define MXD_STAGE_BYTES (8 * NTHREADS * 16)
 
-template <int IN, int CS>
-__global__ void __launch_bounds__(NTHREADS, 3)
+template <int IN, int CS, int S>
+__global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     mx_quant_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,
                   unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
                   const int* __restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,
                   const unsigned char* __restrict__ x2) {
     static_assert(IN == IN_BF16, "the register-tiled dual quantizer reads bf16");
     static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in x's layout");
+    static_assert(S >= 2 && S <= 6, "cp.async stages of 32 KB");
     constexpr int BR = CS == CS_GPREP ? 64 : 32;  // rows per unit of the table's third prefix sum
     (void)group_rows;
     (void)x2;
@@ -38,6 +42,7 @@ __global__ void __launch_bounds__(NTHREADS, 3)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + G + 1);
     int* g_bstart = g_tstart + G + 1;
     unsigned char* stage0 = smem + 16 * (G + 1);
+    unsigned char* stile0 = stage0 + S * MXD_STAGE_BYTES;  // [2][512] row-scale tiles
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int mb = warp & 3;                             // the warp's 32-row block in the tile
@@ -63,24 +68,43 @@ __global__ void __launch_bounds__(NTHREADS, 3)
         cp_async_commit();
     };
 
+    // S - 1 tiles are in flight ahead of the one processed; their coordinates wait in a small ring (registers:
+    // every index is a compile-time constant after unrolling). Past the last tile empty commit groups keep
+    // cp.async.wait_group<S - 1> meaning "the oldest tile has landed".
+    struct Coord {
+        int rt, ct, nrows;
+        long long row0, bs;
+    };
+    Coord q[S - 1];
+    const int step = (int)gridDim.x;
     int T = (int)blockIdx.x;
     if (T >= total) return;
-    int rt, ct, nrows;
-    long long row0, bs;
-    coords(T, rt, ct, row0, nrows, bs);
-    issue(stage0, row0, nrows, ct * TILE);
-    int buf = 0;
-    for (;;) {
-        const int Tn = T + (int)gridDim.x;
-        int rt_n = 0, ct_n = 0, nrows_n = 0;
-        long long row0_n = 0, bs_n = 0;
-        if (Tn < total) {
-            coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
-            issue(stage0 + (buf ^ 1) * MXD_STAGE_BYTES, row0_n, nrows_n, ct_n * TILE);
-            cp_async_wait<1>();  // all but the copies just issued: this tile has landed
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        const int Ts = T + s * step;
+        if (Ts < total) {
+            coords(Ts, q[s].rt, q[s].ct, q[s].row0, q[s].nrows, q[s].bs);
+            issue(stage0 + s * MXD_STAGE_BYTES, q[s].row0, q[s].nrows, q[s].ct * TILE);
         } else {
-            cp_async_wait<0>();
+            cp_async_commit();
         }
+    }
+    int buf = 0, par = 0;
+    for (; T < total; T += step) {
+        const int rt = q[0].rt, ct = q[0].ct, nrows = q[0].nrows;
+        const long long row0 = q[0].row0, bs = q[0].bs;
+#pragma unroll
+        for (int s = 0; s + 1 < S - 1; ++s) q[s] = q[s + 1];
+        const int Tf = T + (S - 1) * step;
+        const int fbuf = buf == 0 ? S - 1 : buf - 1;  // the stage processed last (its reads are done)
+        if (Tf < total) {
+            Coord& c = q[S - 2];
+            coords(Tf, c.rt, c.ct, c.row0, c.nrows, c.bs);
+            issue(stage0 + fbuf * MXD_STAGE_BYTES, c.row0, c.nrows, c.ct * TILE);
+        } else {
+            cp_async_commit();
+        }
+        cp_async_wait<S - 1>();
         const unsigned char* cur = stage0 + buf * MXD_STAGE_BYTES;
         const int col0 = ct * TILE;
         const bool cok = col0 + tc0 < K;
@@ -181,25 +205,19 @@ __global__ void __launch_bounds__(NTHREADS, 3)
         }
 
         // ---- row scales: bytes (r % 32) * 16 + 4 mb + cb of the tile's 512-byte cuBLAS block, cb = 2 (w >> 2) +
-        // (lane & 4) / 4: lanes with lane & 7 == 0 take their neighbour's (lane ^ 4) byte and store 2 bytes a row.
-        const unsigned n0 = __shfl_xor_sync(0xFFFFFFFFu, rsb[0], 4), n1 = __shfl_xor_sync(0xFFFFFFFFu, rsb[1], 4);
-        if ((lane & 7) == 0) {
-            unsigned short* dst = reinterpret_cast<unsigned short*>(rs + ((long long)rt * ctiles + ct) * 512 +
-                                                                    (tr0 & 31) * 16 + 4 * mb + 2 * (warp >> 2));
+        // (lane & 4) / 4.
+        unsigned char* st = stile0 + par * 512;
+        if ((lane & 3) == 0) {
+            unsigned char* d = st + (tr0 & 31) * 16 + 4 * mb + 2 * (warp >> 2) + ((lane >> 2) & 1);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const unsigned mine = i < 4 ? rsb[0] : rsb[1], other = i < 4 ? n0 : n1;
-                dst[8 * i] = (unsigned short)(__byte_perm(mine, other, (i & 3) | ((4 + (i & 3)) << 4)));
-            }
+            for (int i = 0; i < 8; ++i) d[16 * i] = (unsigned char)(rsb[i >> 2] >> (8 * (i & 3)));
         }
+        __syncthreads();  // the tile is complete; the other buffer is refilled only after the next barrier
+        if (tid < 32)
+            reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid] =
+                reinterpret_cast<const uint4*>(st)[tid];
 
-        if (Tn >= total) break;
-        T = Tn;
-        buf ^= 1;
-        rt = rt_n;
-        ct = ct_n;
-        row0 = row0_n;
-        nrows = nrows_n;
-        bs = bs_n;
+        buf = buf == S - 1 ? 0 : buf + 1;
+        par ^= 1;
     }
 }

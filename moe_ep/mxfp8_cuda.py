@@ -61,11 +61,12 @@ _QUANT_COMBOS = (
 _COL_PIPE3_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
 # the register-tiled dual quantizer (kernels/quant_dual.cuh): bf16, grouped rows + per-group columns in x's layout
 _DUAL_CS = (4, 5)
+_DUAL_STAGES = (2, 3, 4, 5, 6)  # cp.async stages of 32 KB; CTAs per SM: 3, 2, then 1 (kernels/quant_dual.cuh)
 _NAMES = (
     tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS)
     + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in _COL_PIPE3_COMBOS)
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
-    + tuple(f"mx_quant_dual<1,{c}>" for c in _DUAL_CS)
+    + tuple(f"mx_quant_dual<1,{c},{st}>" for c in _DUAL_CS for st in _DUAL_STAGES)
 )
 
 
@@ -146,6 +147,27 @@ def _dual_impl() -> str:
     if v not in ("reg", "smem"):
         raise ValueError(f"MOE_EP_QUANT_DUAL must be reg or smem, got {v!r}")
     return v
+
+
+# mx_quant_dual's depth under "auto": 4 stages (1 CTA per SM, 3 tiles in flight) from this many tiles per SM, else
+# 2 (3 CTAs per SM). Measured on H200 (benchmarks/NOTES.md, "Register-tiled grouped dual"): 4 stages ahead by 1.5-5.5
+# points of copy from 68 tiles per SM, even at 35, behind by 4 at 19 (16384 x 2048, where the last round dominates).
+_DUAL_DEEP_TILES_PER_SM = 32
+
+
+def _dual_stages(tiles: int, device: torch.device) -> int:
+    """cp.async stages of mx_quant_dual: MOE_EP_QUANT_DUAL_STAGES (2-6), or under "auto" (default) 4 for inputs of
+    at least 32 tiles per SM and 2 below.
+
+    Example (132 SMs): bf16 [32768, 7168] with 32 groups: (256 + 32) * 56 = 16128 tiles >= 4224 -> 4;
+    [16384, 2048]: (128 + 32) * 16 = 2560 tiles -> 2.
+    """
+    v = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
+    if v == "auto":
+        return 4 if tiles >= _DUAL_DEEP_TILES_PER_SM * _sm_count(device) else 2
+    if v not in ("2", "3", "4", "5", "6"):
+        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {v!r}")
+    return int(v)
 
 
 def _kernel(name: str, device: torch.device):
@@ -252,9 +274,11 @@ def _quant_plan(
         return None
     in_code = _IN[x.dtype] if in_code is None else in_code
     if in_code == _IN[torch.bfloat16] and rs_mode == _RS["grouped"] and cs_mode in _DUAL_CS and _dual_impl() == "reg":
-        # Persistent like pipe 3 (3 CTAs per SM, two 32 KB cp.async stages); the group table comes first.
-        grid = _quant_ctas(tiles, 2, rs_mode, cs_mode, x.device, 3)
-        return f"mx_quant_dual<1,{cs_mode}>", grid, 16 * (n_groups + 1) + 2 * _TILE * _TILE * 2, n_row_tiles, ctiles
+        # Persistent: every CTA slot (S stages of 32 KB: 3, 2 or 1 CTAs per SM); the group table comes first.
+        st = _dual_stages(tiles, x.device)
+        grid = min(tiles, {2: 3, 3: 2}.get(st, 1) * _sm_count(x.device))
+        smem = 16 * (n_groups + 1) + st * _TILE * _TILE * 2 + 2 * 512  # table, stages, two row-scale tiles
+        return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
     env_pipe = _pipe()

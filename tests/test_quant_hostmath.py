@@ -260,7 +260,7 @@ static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define __align__(n) alignas(n)
 thread_local dim3 threadIdx, blockIdx;
 static dim3 gridDim, blockDim;
-alignas(16) static unsigned char g_smem[128 * 128 * 4 + 2 * 128 * 128 * 2 + 65536];  // + PIPE 3 stages, tables
+alignas(16) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // the largest: mx_quant_dual's 6 stages + tables
 #define MX_DYN_SMEM(name) unsigned char* name = g_smem
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
@@ -358,7 +358,9 @@ def build_emulator(workdir: Path):
             for i, r, c in mxfp8_cuda._COL_PIPE3_COMBOS
         )
         + " ".join(
-            f"if (in == 1 && rs == 3 && cs == {c} && pp == -2) fn = &mx_quant_dual<1,{c}>;" for c in mxfp8_cuda._DUAL_CS
+            f"if (in == 1 && rs == 3 && cs == {c} && pp == -{st}) fn = &mx_quant_dual<1,{c},{st}>;"
+            for c in mxfp8_cuda._DUAL_CS
+            for st in mxfp8_cuda._DUAL_STAGES
         )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
@@ -399,8 +401,8 @@ def install_emulator(monkeypatch, so) -> None:
     def launch(name, grid, args, shared_mem, device):
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
-        if name.startswith("mx_quant_dual"):  # mx_quant_dual<in,cs>: grouped rows; pipe code -2 in the table
-            rc = so.emu_quant(params[0], 3, params[1], -2, grid, shared_mem, *a)
+        if name.startswith("mx_quant_dual"):  # mx_quant_dual<in,cs,stages>: grouped rows; pipe code -stages
+            rc = so.emu_quant(params[0], 3, params[1], -params[2], grid, shared_mem, *a)
         elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
             rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, grid, shared_mem, *a)
         else:
@@ -449,3 +451,38 @@ def test_quant_grid_full_and_balanced(monkeypatch):
     monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
     assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 342  # ceil(2048 / 6): 6 tiles per CTA
     assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
+
+
+def test_dual_kernel_plan(monkeypatch):
+    """Which grouped-dual kernel a bf16 input gets, its depth, grid and shared memory (hand-worked, 132 SMs)."""
+    from moe_ep import mxfp8_cuda
+
+    monkeypatch.setattr(mxfp8_cuda, "_sm_count", lambda d: 132)
+    monkeypatch.delenv("MOE_EP_QUANT_DUAL", raising=False)
+    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES", raising=False)
+    dev = torch.device("cpu")
+    grouped, gnt, gprep = mxfp8_cuda._RS["grouped"], mxfp8_cuda._CS["grouped_nt"], mxfp8_cuda._CS["grouped_prep"]
+    # auto depth: 4 stages from 32 tiles per SM (4224 on 132 SMs), else 2
+    assert [mxfp8_cuda._dual_stages(t, dev) for t in (16128, 4224, 4223, 2560)] == [4, 4, 2, 2]
+    # [32768, 7168] in 32 groups: (256 + 32) row tiles x 56 column tiles; 4 stages, one CTA per SM;
+    # shared memory = group table 16 * 33 + 4 stages of 32 KB + two 512-byte row-scale tiles
+    x = torch.empty(32768, 7168, dtype=torch.bfloat16)
+    plan = mxfp8_cuda._quant_plan(x, 32768, 7168, grouped, gnt, 32, 288, None)
+    assert plan == ("mx_quant_dual<1,4,4>", 132, 528 + 4 * 32768 + 1024, 288, 56)
+    # [16384, 2048]: 160 x 16 = 2560 tiles -> 2 stages, 3 CTAs per SM
+    x = torch.empty(16384, 2048, dtype=torch.bfloat16)
+    assert mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gprep, 32, 160, None)[:3] == (
+        "mx_quant_dual<1,5,2>",
+        396,
+        528 + 2 * 32768 + 1024,
+    )
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "3")
+    assert mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[:2] == ("mx_quant_dual<1,4,3>", 264)
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "7")
+    with pytest.raises(ValueError, match="MOE_EP_QUANT_DUAL_STAGES"):
+        mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)
+    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")  # the shared-memory transpose of mx_quant
+    assert mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<1,3,4")
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
+    assert mxfp8_cuda._quant_plan(x.float(), 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<0,3,4")
