@@ -1,0 +1,94 @@
+"""A/B of the bf16 grouped-dual quantization kernels in one process (a profiling aid; bench_quant.py is the benchmark).
+
+    python benchmarks/prof_quant_dual.py [--configs smem,reg2,reg4] [--variants grouped_dual,grouped_dual_prep]
+                                         [--rounds 4] [--reps 20] [--json PATH]
+
+Configurations: ``smem`` is mx_quant's shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the
+register-tiled mx_quant_dual with N cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N). For each
+shape and variant every configuration is first checked byte for byte against the reference (bench_quant.check), then
+timed in ``--rounds`` rounds whose order alternates (forward, reversed), each the median of ``--reps`` launches with
+bench_quant's flushed-L2 timer; reported: the median over rounds, in us and in % of the copy bandwidth measured in
+the same process (bytes as bench_quant counts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_quant import Timer, check, copy_bandwidth, git_commit, kernel_fn  # noqa: E402
+
+
+def config_env(name: str) -> dict[str, str]:
+    if name == "smem":
+        return {"MOE_EP_QUANT_DUAL": "smem", "MOE_EP_QUANT_DUAL_STAGES": "auto"}
+    if name.startswith("reg"):
+        return {"MOE_EP_QUANT_DUAL": "reg", "MOE_EP_QUANT_DUAL_STAGES": name.removeprefix("reg") or "auto"}
+    raise ValueError(f"unknown configuration {name!r} (smem, reg, reg2 ... reg6)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="smem,reg2,reg4")
+    ap.add_argument("--variants", default="grouped_dual,grouped_dual_prep")
+    ap.add_argument("--shapes", default="16384x2048,16384x7168,32768x2048,32768x7168,131072x2048,131072x7168")
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    configs = args.configs.split(",")
+    timer = Timer(args.reps, warmup=3)
+    bw = copy_bandwidth(timer)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        m, k = (int(v) for v in shape.split("x"))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+        for v in args.variants.split(","):
+            fns, nbytes = {}, 0
+            for c in configs:
+                os.environ.update(config_env(c))
+                if not check(v, x):
+                    raise SystemExit(f"{v} {shape} {c}: bytes differ from the reference")
+                fns[c], nbytes = kernel_fn(v, x, args.groups)
+            times: dict[str, list[float]] = {c: [] for c in configs}
+            for r in range(args.rounds):
+                for c in configs if r % 2 == 0 else configs[::-1]:
+                    os.environ.update(config_env(c))
+                    times[c].append(timer(fns[c]))
+            row = {"variant": v, "M": m, "K": k, "bytes": nbytes}
+            for c in configs:
+                t = statistics.median(times[c])
+                row[c] = {"us": 1e3 * t, "pct_copy": 100 * nbytes / (t * 1e-3) / bw, "rounds_ms": times[c]}
+            rows.append(row)
+            print(
+                f"{v:<18} {m:>7} {k:>5}  "
+                + "  ".join(f"{c} {row[c]['us']:7.1f} us {row[c]['pct_copy']:5.1f}%" for c in configs),
+                flush=True,
+            )
+        del x
+    if args.json:
+        out = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "commit": git_commit(),
+            "config": {**vars(args), "json": str(args.json), "copy_bandwidth_GBps": bw / 1e9},
+            "rows": rows,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
