@@ -69,6 +69,23 @@ __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, in
     __syncthreads();
 }
 
+// Output tile T of group g (the largest g with tstart[g] <= T; g = G: past the last group): its first row, rows
+// and first BR-row block, as grouped_lookup below returns them.
+template <int BR>
+__device__ __forceinline__ void grouped_tile(const int* tstart, const long long* rstart, const int* bstart, int G,
+                                             int g, int T, long long& row0, int& nrows, long long& bs) {
+    if (g >= G) {
+        row0 = rstart[G];
+        nrows = 0;
+        bs = bstart[G];
+        return;
+    }
+    const int lt = T - tstart[g];
+    row0 = rstart[g] + (long long)lt * TILE;
+    bs = bstart[g] + (long long)(TILE / BR) * lt;
+    nrows = (int)min((long long)TILE, rstart[g + 1] - row0);
+}
+
 // Rows [row0, row0 + nrows) of output tile T under the table above (nrows = 0: a zero tile past the last group)
 // and the index of its first BR-row block, counted per group and continued across groups (bs).
 template <int BR>
@@ -80,16 +97,7 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
         if (tstart[mid] <= T) lo = mid;
         else hi = mid - 1;
     }
-    if (lo >= G) {
-        row0 = rstart[G];
-        nrows = 0;
-        bs = bstart[G];
-        return;
-    }
-    const int lt = T - tstart[lo];
-    row0 = rstart[lo] + (long long)lt * TILE;
-    bs = bstart[lo] + (long long)(TILE / BR) * lt;
-    nrows = (int)min((long long)TILE, rstart[lo + 1] - row0);
+    grouped_tile<BR>(tstart, rstart, bstart, G, lo, T, row0, nrows, bs);
 }
 
 // MX_PIPE 3: persistent grid; each tile's 32 KB arrive by cp.async in a shared-memory double buffer (the next
