@@ -204,6 +204,24 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
     raise ValueError(variant)
 
 
+def check_at_timed_depth(variant: str, x: torch.Tensor, groups: int) -> bool:
+    """check() with the grouped-dual kernel at the cp.async depth the timed full-size input gets (the 512-row check
+    input alone would get 2 stages under MOE_EP_QUANT_DUAL_STAGES=auto)."""
+    if variant not in ("grouped_dual", "grouped_dual_prep") or x.dtype != torch.bfloat16:
+        return check(variant, x)
+    m, k = x.shape
+    tiles = (-(-m // 128) + groups) * -(-k // 128)
+    old = os.environ.get("MOE_EP_QUANT_DUAL_STAGES")
+    os.environ["MOE_EP_QUANT_DUAL_STAGES"] = str(mxfp8_cuda._dual_stages(tiles, x.device))
+    try:
+        return check(variant, x)
+    finally:
+        if old is None:
+            del os.environ["MOE_EP_QUANT_DUAL_STAGES"]
+        else:
+            os.environ["MOE_EP_QUANT_DUAL_STAGES"] = old
+
+
 def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
@@ -353,7 +371,7 @@ def main() -> None:
                 os.environ["MOE_EP_QUANT_PIPE"] = "auto" if pipe < 0 else str(pipe)
                 if dual:
                     os.environ["MOE_EP_QUANT_DUAL"] = dual
-                ok = check(v, x)
+                ok = check_at_timed_depth(v, x, args.groups)
                 fn, nbytes = kernel_fn(v, x, args.groups)
                 t = timer(fn)
                 tc = tcs.get((v, m, k))

@@ -5,13 +5,14 @@
 //
 // Why a second kernel: mx_quant's column modes go through the tile staged in shared memory twice (phase 2: 32
 // word loads per thread for the column amax; phase 3: the tile again, with the multipliers and NaN masks read
-// back per element). About 1350 SASS instructions per thread and tile made grouped_dual issue-bound at 62-79 % of
-// copy, while a probe moving the same bytes (two row-major output streams) reaches 88-95 % (benchmarks/NOTES.md,
-// passes 5-6). Here nothing is transposed: a thread holds an 8 x 8 block of the 128 x 128 tile (8 rows of one
+// back per element): about 1350 SASS instructions per thread and tile, ncu's issue rate near its limit, and
+// 62-79 % of copy, while a probe moving the same bytes (two row-major output streams) reaches 88-95 %
+// (benchmarks/NOTES.md, passes 5-6). Here nothing is transposed: a thread holds an 8 x 8 block of the 128 x 128 tile (8 rows of one
 // 16-byte chunk), so a 1x32 row block is spread over the 4 lanes lane ^ {1, 2} and a 32x1 column block over the 4
 // lanes lane ^ {8, 16} of the same warp. Both amaxes are two shuffles, each element is read once from shared
-// memory and widened once for both outputs, and no CTA barrier is needed (each thread reads back only the cp.async
-// copies it issued itself, as in pipe 3).
+// memory and widened once for both outputs, and the stages need no CTA barrier (each thread reads back only the
+// cp.async copies it issued itself, as in pipe 3). Where it stands (84-91 % of the same-traffic probe, 3-13 points
+// of copy ahead of mx_quant): benchmarks/NOTES.md, "Register-tiled grouped dual".
 //
 // Thread layout: warp w covers tile rows 32 (w & 3) .. + 32 (one 32-row column block) and columns
 // 64 (w >> 2) .. + 64; lane = 8 rg + cc covers rows 32 (w & 3) + 8 rg + i (i < 8) and columns 64 (w >> 2) + 8 cc
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     (void)group_rows;
     (void)x2;
     MX_DYN_SMEM(smem);
-    // Group table (16 (G + 1) bytes, a multiple of 16), then the two cp.async stages.
+    // Group table (16 (G + 1) bytes, a multiple of 16), then S cp.async stages, then two 512-byte row-scale tiles.
     long long* g_rstart = reinterpret_cast<long long*>(smem);
     int* g_tstart = reinterpret_cast<int*>(g_rstart + G + 1);
     int* g_bstart = g_tstart + G + 1;
@@ -52,8 +53,8 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
 
     // The CTA's tiles are T = blockIdx.x + j * step in increasing order, so a cursor advances the row tile, the
-    // column tile and the group incrementally: no division and no binary search per tile (both were ~60 of the
-    // ~1000 instructions per thread and tile of an issue-bound kernel).
+    // column tile and the group incrementally: no division and no binary search per tile (~130 of the ~1000
+    // instructions per thread and tile; removing them measured neutral, but there is no reason to pay them).
     struct Coord {
         int rt, ct, nrows;
         long long row0, bs;
@@ -92,28 +93,28 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     // S - 1 tiles are in flight ahead of the one processed; their coordinates wait in a small ring (registers:
     // every index is a compile-time constant after unrolling). Past the last tile empty commit groups keep
     // cp.async.wait_group<S - 1> meaning "the oldest tile has landed".
-    Coord q[S - 1];
+    Coord pend[S - 1] = {};
     int T = (int)blockIdx.x;
     if (T >= total) return;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (T + s * step < total) {
-            next_tile(q[s]);
-            issue(stage0 + s * MXD_STAGE_BYTES, q[s]);
+            next_tile(pend[s]);
+            issue(stage0 + s * MXD_STAGE_BYTES, pend[s]);
         } else {
             cp_async_commit();
         }
     }
     int buf = 0, par = 0;
     for (; T < total; T += step) {
-        const int rt = q[0].rt, ct = q[0].ct, nrows = q[0].nrows;
-        const long long row0 = q[0].row0, bs = q[0].bs;
+        const int rt = pend[0].rt, ct = pend[0].ct, nrows = pend[0].nrows;
+        const long long row0 = pend[0].row0, bs = pend[0].bs;
 #pragma unroll
-        for (int s = 0; s + 1 < S - 1; ++s) q[s] = q[s + 1];
+        for (int s = 0; s + 1 < S - 1; ++s) pend[s] = pend[s + 1];
         const int fbuf = buf == 0 ? S - 1 : buf - 1;  // the stage processed last (its reads are done)
         if (T + (S - 1) * step < total) {
-            next_tile(q[S - 2]);
-            issue(stage0 + fbuf * MXD_STAGE_BYTES, q[S - 2]);
+            next_tile(pend[S - 2]);
+            issue(stage0 + fbuf * MXD_STAGE_BYTES, pend[S - 2]);
         } else {
             cp_async_commit();
         }

@@ -150,8 +150,8 @@ def _dual_impl() -> str:
 
 
 # mx_quant_dual's depth under "auto": 4 stages (1 CTA per SM, 3 tiles in flight) from this many tiles per SM, else
-# 2 (3 CTAs per SM). Measured on H200 (benchmarks/NOTES.md, "Register-tiled grouped dual"): 4 stages ahead by 1.5-5.5
-# points of copy from 68 tiles per SM, even at 35, behind by 4 at 19 (16384 x 2048, where the last round dominates).
+# 2 (3 CTAs per SM). Measured on H200 (benchmarks/NOTES.md, "Register-tiled grouped dual"): 4 stages ahead by 1.4-6.3
+# points of copy from 35 tiles per SM, behind by 3.5 at 19 (16384 x 2048, where the last round dominates).
 _DUAL_DEEP_TILES_PER_SM = 32
 
 
@@ -168,6 +168,33 @@ def _dual_stages(tiles: int, device: torch.device) -> int:
     if v not in ("2", "3", "4", "5", "6"):
         raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {v!r}")
     return int(v)
+
+
+_SMEM_PER_SM = 233472  # Hopper: 228 KiB of shared memory per SM ...
+_SMEM_PER_CTA = 232448  # ... at most 227 KiB of it per CTA, and 1 KiB reserved per resident CTA
+
+
+def _dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
+    """(stages, grid, shared memory) of mx_quant_dual; None when even 2 stages do not fit next to the group table.
+
+    Shared memory = group table 16 (G + 1) + stages x 32 KB + two 512-byte row-scale tiles. The depth from
+    :func:`_dual_stages` comes down while it does not fit one CTA; the persistent grid is every CTA slot, the
+    fewer of the register bound (3, 2, then 1 CTA per SM for 2, 3, >= 4 stages) and the shared-memory bound.
+
+    Example (132 SMs): 32 groups, 2 stages: 67088 B, 3 CTAs per SM, grid 396; 700 groups: 77776 B, 2 per SM (264).
+    """
+    st = _dual_stages(tiles, device)
+
+    def smem_of(s: int) -> int:
+        return 16 * (n_groups + 1) + s * _TILE * _TILE * 2 + 2 * 512
+
+    while st > 2 and smem_of(st) > _SMEM_PER_CTA:
+        st -= 1
+    smem = smem_of(st)
+    if smem > _SMEM_PER_CTA:
+        return None
+    per_sm = min({2: 3, 3: 2}.get(st, 1), _SMEM_PER_SM // (smem + 1024))
+    return st, min(tiles, per_sm * _sm_count(device)), smem
 
 
 def _kernel(name: str, device: torch.device):
@@ -274,11 +301,10 @@ def _quant_plan(
         return None
     in_code = _IN[x.dtype] if in_code is None else in_code
     if in_code == _IN[torch.bfloat16] and rs_mode == _RS["grouped"] and cs_mode in _DUAL_CS and _dual_impl() == "reg":
-        # Persistent: every CTA slot (S stages of 32 KB: 3, 2 or 1 CTAs per SM); the group table comes first.
-        st = _dual_stages(tiles, x.device)
-        grid = min(tiles, {2: 3, 3: 2}.get(st, 1) * _sm_count(x.device))
-        smem = 16 * (n_groups + 1) + st * _TILE * _TILE * 2 + 2 * 512  # table, stages, two row-scale tiles
-        return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
+        plan = _dual_plan(tiles, n_groups, x.device)
+        if plan is not None:
+            st, grid, smem = plan
+            return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
     env_pipe = _pipe()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moe_ep import mxfp8_cuda
-from moe_ep.gemm_operands import colwise_prep_rows_used
+from moe_ep.gemm_operands import colwise_prep_rows, colwise_prep_rows_used
 from moe_ep.mxfp8 import (
     MXFP8Tensor,
     dequantize_torch,
@@ -533,8 +533,12 @@ def _check_dual(got, want, sizes, exact: bool = True):
 
 
 # bf16 runs through both grouped-dual kernels (MOE_EP_QUANT_DUAL): the register-tiled mx_quant_dual (default)
-# and mx_quant's shared-memory transpose; fp32 has only the latter.
-DUAL_IMPLS = [(torch.bfloat16, "reg"), (torch.bfloat16, "smem"), (torch.float32, "reg")]
+# and mx_quant's shared-memory transpose; fp32 has only the latter (the switch does not apply to it).
+DUAL_IMPLS = [
+    pytest.param(torch.bfloat16, "reg", id="bf16-reg"),
+    pytest.param(torch.bfloat16, "smem", id="bf16-smem"),
+    pytest.param(torch.float32, "reg", id="fp32"),
+]
 
 
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
@@ -618,14 +622,29 @@ def _extreme_dual_input(m: int, k: int, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("stages", ["2", "3", "4", "6"])
+def _record_launches(monkeypatch) -> list[str]:
+    """Names of the mxfp8_cuda kernels launched from now on (the GPU launcher or the emulator's, unchanged)."""
+    names: list[str] = []
+    launch = mxfp8_cuda._launch
+
+    def rec(name, *args):
+        names.append(name)
+        return launch(name, *args)
+
+    monkeypatch.setattr(mxfp8_cuda, "_launch", rec)
+    return names
+
+
+@pytest.mark.parametrize("stages", ["2", "3", "4", "5", "6"])
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
 def test_grouped_dual_extreme_and_persistent(dev, colwise, stages, monkeypatch):
-    """bf16 grouped dual (the register-tiled kernel, each cp.async depth) on extreme blocks, with enough tiles that
-    every persistent CTA runs several (GPU: 1.9k tiles over at most 396 CTAs; emulator: 24 tiles over at most 6),
-    bytes == the reference."""
+    """bf16 grouped dual (the register-tiled kernel, each cp.async depth) on extreme blocks, K % 128 = 32, with
+    enough tiles that every persistent CTA runs several (GPU: 1284 tiles over at most 396 CTAs; emulator: 33 tiles
+    over at most 6), bytes == the reference. The emulator copies cp.async data at once: only the GPU run checks
+    the stage ring's waits."""
     from moe_ep.gemm import quantize_grouped_dual_torch
 
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", stages)
     if _big(dev):
         sizes, k = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 1440
@@ -634,8 +653,58 @@ def test_grouped_dual_extreme_and_persistent(dev, colwise, stages, monkeypatch):
     m = sum(sizes)
     x = _extreme_dual_input(m, k, seed=5)
     st = torch.tensor(sizes, dtype=torch.int32)
+    names = _record_launches(monkeypatch)
+    got = mxfp8_cuda.quantize_grouped_dual(x.to(dev), st.to(dev), colwise=colwise)
+    assert names == [f"mx_quant_dual<1,{5 if colwise == 'bf16' else 4},{stages}>"]
+    _check_dual(got, quantize_grouped_dual_torch(x, st, colwise=colwise), sizes)
+
+
+@pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
+def test_grouped_dual_k224(dev, colwise, monkeypatch):
+    """K = 224: the last column tile holds 96 of 128 columns (3 of 4 scale columns), with a trailing empty group."""
+    from moe_ep.gemm import quantize_grouped_dual_torch
+
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
+    sizes = [3, 0, 70, 129, 0]
+    x = _extreme_dual_input(sum(sizes), 224, seed=9)
+    st = torch.tensor(sizes, dtype=torch.int32)
     got = mxfp8_cuda.quantize_grouped_dual(x.to(dev), st.to(dev), colwise=colwise)
     _check_dual(got, quantize_grouped_dual_torch(x, st, colwise=colwise), sizes)
+
+
+def _dual_into_sentinel(x, sizes, m, colwise):
+    """quantize_grouped_dual_into x[:m] with every output prefilled with a sentinel byte; the outputs as bytes."""
+    dev, k, g = x.device, x.shape[1], len(sizes)
+    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
+    data = torch.full((m, k), 0x55, dtype=torch.uint8, device=dev)
+    scale = torch.full(mxfp8_cuda.row_scale_shape(m, k, "grouped", g), 0x33, dtype=torch.uint8, device=dev)
+    if colwise == "bf16":
+        data_c, scale_c = torch.full((colwise_prep_rows(m, g), 2 * k), 0x12, dtype=torch.uint8, device=dev), None
+    else:
+        data_c = torch.full((m, k), 0x66, dtype=torch.uint8, device=dev)
+        scale_c = torch.full((mxfp8_cuda.grouped_colwise_scale_rows(m, g), k), 0x77, dtype=torch.uint8, device=dev)
+    dc = data_c.view(torch.bfloat16) if colwise == "bf16" else data_c.view(torch.float8_e4m3fn)
+    mxfp8_cuda.quantize_grouped_dual_into(
+        x[:m].contiguous(), st, data.view(torch.float8_e4m3fn), scale, dc, scale_c, colwise=colwise
+    )
+    return [t.cpu() for t in (data, scale, data_c, scale_c) if t is not None]
+
+
+@pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
+def test_grouped_dual_sizes_not_summing_to_m(dev, colwise):
+    """Group sizes summing to less than M (rows past the groups untouched) or more (clamped at M): the register-
+    tiled kernel writes exactly the bytes mx_quant's transpose writes, sentinels included (the reference needs
+    sum == M, so the two kernels are compared with each other)."""
+    sizes = [40, 0, 90, 7]
+    x = _extreme_dual_input(160, 96, seed=11).to(dev)
+    for m in (sum(sizes) - 20, sum(sizes) + 23):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MOE_EP_QUANT_DUAL", "reg")
+            got = _dual_into_sentinel(x, sizes, m, colwise)
+            mp.setenv("MOE_EP_QUANT_DUAL", "smem")
+            want = _dual_into_sentinel(x, sizes, m, colwise)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), f"M = {m}, output {i}: {int((a != b).sum())} bytes differ"
 
 
 @pytest.mark.parametrize("mode", ["forward", "backward_f32", "backward_bf16"])

@@ -482,6 +482,13 @@ def test_dual_kernel_plan(monkeypatch):
     with pytest.raises(ValueError, match="MOE_EP_QUANT_DUAL_STAGES"):
         mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
+    # many groups: the table takes shared memory; 700 groups leave room for 2 CTAs per SM, not 3
+    assert mxfp8_cuda._dual_plan(2560, 700, dev) == (2, 264, 16 * 701 + 2 * 32768 + 1024)
+    # 2500 groups at 6 stages would exceed 227 KiB per CTA: the depth comes down to 5
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "6")
+    assert mxfp8_cuda._dual_plan(100000, 2500, dev) == (5, 132, 16 * 2501 + 5 * 32768 + 1024)
+    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
+    assert mxfp8_cuda._dual_plan(2560, 20000, dev) is None  # not even 2 stages: the launcher takes mx_quant
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")  # the shared-memory transpose of mx_quant
     assert mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<1,3,4")
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
