@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm import interleaved_ms, paired_ratio, time_ms, uneven_sizes  # noqa: E402
+from bench_gemm import interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep import gemm  # noqa: E402
 from moe_ep.expert_mlp_cuda import expert_mlp_cuda_bwd, expert_mlp_cuda_fwd  # noqa: E402
@@ -47,10 +47,6 @@ def flops(m: int, h: int, f: int) -> float:
     """One step's GEMM flops: the forward's M x H x 2F and M x F x H multiply-adds are 3 M H F (6 M H F flops);
     the backward's two dgrads and two wgrads twice that; 18 M H F flops in all."""
     return 18.0 * m * h * f
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def run_shape(name: str, rounds: int, reps: int) -> dict:
@@ -77,7 +73,7 @@ def run_shape(name: str, rounds: int, reps: int) -> dict:
         del r_a
     ok = True
     for i, what in enumerate(("out", "dx", "dw13", "dw2")):
-        gap, recipe = _rel(got[i], check["ref"][i]), _rel(check["ref"][i], check["bf16"][i])
+        gap, recipe = rel_err(got[i], check["ref"][i]), rel_err(check["ref"][i], check["bf16"][i])
         row[f"check_{what}"] = {"gap_to_recipe": gap, "recipe_error": recipe}
         ok &= gap <= 0.1 * recipe
     row["correct"] = ok

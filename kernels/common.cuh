@@ -73,16 +73,7 @@ MX_HD float mx_clamp448(float v) {
 }
 
 // amax / 448 with one IEEE round-to-nearest-even division (never a reciprocal multiply, no flush).
-MX_HD float mx_div448(float amax) {
-#if defined(__CUDA_ARCH__)
-    float r;
-    asm("div.rn.f32 %0, %1, 0f43E00000;" : "=f"(r) : "f"(amax));
-    return r;
-#else
-    volatile float a = amax;  // keep the host compiler from turning it into a multiply
-    return a / MX_E4M3_MAX;
-#endif
-}
+MX_HD float mx_div448(float amax) { return mx_div(amax, MX_E4M3_MAX); }
 
 // Smallest E with 2**E >= d for finite d >= 0, clamped to [-127, 127]; read off the fp32 bits (exact).
 MX_HD int mx_ceil_log2(float d) {

@@ -123,6 +123,11 @@ struct W3Thread {
     int c16, K;
 };
 
+// Timing experiment only (-DW3_NO_CVT, wrong results): the 16 raw bytes and the scale byte passed on as 8 words
+// without the conversion, so that the loads stay live.
+__device__ __forceinline__ void no_cvt16(uint4 r, unsigned s, unsigned* o) {
+    o[0] = r.x ^ s, o[1] = r.y, o[2] = r.z, o[3] = r.w, o[4] = r.x, o[5] = r.y, o[6] = r.z, o[7] = r.w;
+}
 // Convert step s from raw stage `raw`: B into the bf16 stage at bst (as w2_store_b), A into fragments f.
 __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, int s, unsigned bst, unsigned sw) {
     const int k = s * 64 + T.c16;
@@ -134,18 +139,13 @@ __device__ __forceinline__ void w3_convert_b(const W3Thread& T, unsigned raw, in
         const unsigned sc = kv ? lds8(raw + W3_RAW_SC + T.sb[i] + blk) : 127u;
         unsigned o[8];
 #ifdef W3_NO_CVT  // timing experiment only (wrong results): the MMA / load / sync skeleton without the conversion
-        o[0] = r.x, o[1] = r.y, o[2] = r.z, o[3] = r.w, o[4] = r.x ^ sc, o[5] = r.y, o[6] = r.z, o[7] = r.w;
+        no_cvt16(r, sc, o);
 #else
         cvt16(r, sc, o);
 #endif
 #pragma unroll
         for (int j = 0; j < 8; ++j) sts32(bst + (unsigned)i * 8192u + ((((unsigned)j) ^ sw) << 4), o[j]);
     }
-}
-// Timing experiment only (-DW3_NO_CVT, wrong results): the 16 raw bytes and the scale byte passed on as 8 words
-// without the conversion, so that the loads stay live.
-__device__ __forceinline__ void no_cvt16(uint4 r, unsigned s, unsigned* o) {
-    o[0] = r.x ^ s, o[1] = r.y, o[2] = r.z, o[3] = r.w, o[4] = r.x, o[5] = r.y, o[6] = r.z, o[7] = r.w;
 }
 // a_raw: the stage's raw A tile (128 rows x 64 B), a_sc: its A scale tile (512 B).
 __device__ __forceinline__ void w3_convert_a(const W3Thread& T, unsigned a_raw, unsigned a_sc, int s, unsigned* f) {

@@ -124,9 +124,7 @@ __device__ __forceinline__ void w5_convert_a(const W5A& T, unsigned a_raw, unsig
 #ifdef W3_NO_CVT  // timing experiment only (prof_gemm.py --kernel wgmma5): the loads without the conversion
     no_cvt16(r0, s0, o0);
     no_cvt16(r1, s1, o1);
-    a_frags(o0, o1, f);
-    return;
-#endif
+#else
     e4m3_bits16(r0, o0);
     e4m3_bits16(r1, o1);
     if ((s0 | s1) < 128u) {  // one (divergent) branch for both rows' common case instead of one per row
@@ -136,6 +134,7 @@ __device__ __forceinline__ void w5_convert_a(const W5A& T, unsigned a_raw, unsig
         scale16(o0, s0);
         scale16(o1, s1);
     }
+#endif
     a_frags(o0, o1, f);
 }
 

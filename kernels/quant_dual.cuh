@@ -20,7 +20,7 @@
 // processed), laid out [8][NTHREADS] x 16 bytes, so the 16-byte loads of one warp touch consecutive addresses.
 // The row scales go through a 512-byte shared tile (two, alternating per tile) and one CTA barrier per tile:
 // every 16-byte word of the cuBLAS tile holds bytes of all four 32-row blocks, i.e. of four warps (stored from
-// the lanes as 2-byte pieces instead, they cost 2-7 points of copy bandwidth: benchmarks/NOTES.md).
+// the lanes as 2-byte pieces instead, they cost 1-9 points of copy bandwidth: benchmarks/NOTES.md).
 #pragma once
 
 #define MXD_STAGE_BYTES (8 * NTHREADS * 16)

@@ -368,7 +368,8 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     if impl in _PREPARED_IMPLS:
         if impl == "wgmma5":  # persistent: one CTA per SM walks the tiles (host-side property, cached by torch)
             kernel, kfile, smem = f"mx_gmm_wg5_2d3d_{suffix}", _WGMMA5_FILE, _WGMMA5_SMEM_BYTES
-            if w5_stages(k) == 5:
+            deep = w5_stages(k) == 5
+            if deep:
                 options, smem = _WGMMA5_DEEP_OPTIONS, _WGMMA5_DEEP_SMEM_BYTES
             threads = _WGMMA5_THREADS
             grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)
@@ -388,7 +389,7 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
             )
             if impl == "wgmma5":  # the output for the TMA-store epilogue (bf16: boxes of 64 x 64, 128-byte swizzle)
                 # fp32 outputs and the 5-stage build store from registers: the parameter is then a placeholder
-                tma_out = out.dtype == torch.bfloat16 and not options
+                tma_out = out.dtype == torch.bfloat16 and not deep
                 extra += (_tma_map_2d(out, m, n, 64, 64, 2, True) if tma_out else extra[0],)
     elif impl == "wgmma3":
         kernel, kfile, smem = f"mx_gmm_wg3_2d3d_{suffix}", _WGMMA3_FILE, _WGMMA3_SMEM_BYTES

@@ -703,8 +703,9 @@ def quantize_weights_fused_into(
     name, grid, smem, n_row_tiles, ctiles = plan
     # per expert only the pointers move, so the host pays the launch alone (the experts of a small weight, e.g.
     # 16 x [1536, 2048], take a few microseconds of GPU time each: the full argument path per expert was host-bound)
-    bases = [t.data_ptr() for t in (w, data, scale, data_t, scale_t)]
-    steps = [n * k * w.element_size(), n * k, scale.shape[1], n * k, scale_t.shape[1]]
+    per_expert = (w, data, scale, data_t, scale_t)  # contiguous: expert i starts i * stride(0) elements in
+    bases = [t.data_ptr() for t in per_expert]
+    steps = [t.stride(0) * t.element_size() for t in per_expert]
     null = _cuda.ptr(None)
     for i in range(e):
         px, prq, prs, pcq, pcs = (np.uint64(b + i * st) for b, st in zip(bases, steps, strict=True))

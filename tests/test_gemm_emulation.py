@@ -19,6 +19,8 @@ from moe_ep.gemm import fake_quantize_grouped_cols, grouped_mm_torch, grouped_wg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_emu import (  # noqa: E402
+    E4M3X2_HI,
+    E4M3X2_LO,
     _check_loads,
     _u8,
     addresses_2d3d,
@@ -68,13 +70,13 @@ def test_sign_extended_pair_form_equals_the_bit_placement():
     from moe_ep import _cuda
 
     src = _cuda.read_source("grouped_gemm.cu")
-    assert "#define E4M3X2_LO 0x9180u" in src and "#define E4M3X2_HI 0xB3A2u" in src
+    assert f"#define E4M3X2_LO 0x{E4M3X2_LO:04X}u" in src and f"#define E4M3X2_HI 0x{E4M3X2_HI:04X}u" in src
     assert "return (d << 4) & 0x87F087F0u;" in src
     for lo in range(256):
         for hi in range(256):
             pair = lo | hi << 8
-            assert e4m3x2_bits(pair, 0x9180) == e4m3x2_bits_placed(pair, 0x1404), (hex(lo), hex(hi))
-            assert e4m3x2_bits(pair << 16 | 0x5AA5, 0xB3A2) == e4m3x2_bits_placed(pair << 16 | 0x5AA5, 0x3424)
+            assert e4m3x2_bits(pair, E4M3X2_LO) == e4m3x2_bits_placed(pair, 0x1404), (hex(lo), hex(hi))
+            assert e4m3x2_bits(pair << 16 | 0x5AA5, E4M3X2_HI) == e4m3x2_bits_placed(pair << 16 | 0x5AA5, 0x3424)
 
 
 def test_pair_multipliers_match_scalar_path():
