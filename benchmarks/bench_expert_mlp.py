@@ -10,15 +10,18 @@ It first checks ours against the reference recipe (``moe_ep.gemm.expert_mlp_fwd/
 must be at most 1/10 of the recipe's own error against quantize=False (tests/test_expert_mlp_cuda.py explains the
 bound). Then it times with CUDA events (median of --reps per round, --rounds rounds in bench_gemm.round_order) and
 reports ms, tokens/s (M / step time), TFLOP/s (:func:`flops`), % of the H100/H200 dense bf16 peak (989 TFLOP/s)
-and the ratio bf16 / ours per round (median; > 1: ours faster).
+and the ratio bf16 / ours per round (median; > 1: ours faster). ``--ab-quant`` also times our step with
+MOE_EP_QUANT_DUAL=smem (all four quantization passes on mx_quant's shared-memory kernels) in the same rounds, and
+reports that time over the default's. Exits 1 when a shape's check fails.
 
-Usage: python benchmarks/bench_expert_mlp.py [--shapes dsv3,small] [--rounds 3] [--reps 10] [--json PATH]
+Usage: python benchmarks/bench_expert_mlp.py [--shapes dsv3,small] [--rounds 3] [--reps 10] [--ab-quant] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,7 +52,7 @@ def flops(m: int, h: int, f: int) -> float:
     return 18.0 * m * h * f
 
 
-def run_shape(name: str, rounds: int, reps: int) -> dict:
+def run_shape(name: str, rounds: int, reps: int, ab_quant: bool = False) -> dict:
     m, h, f, e = SHAPES[name]
     sizes = uneven_sizes(m, e, seed=sum(map(ord, name)))
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
@@ -106,7 +109,20 @@ def run_shape(name: str, rounds: int, reps: int) -> dict:
     def ours_fwd():
         expert_mlp_cuda_fwd(x, w13, w2, sz, cache)
 
+    def ours_step_smem():  # the environment is read at each launch
+        old = os.environ.get("MOE_EP_QUANT_DUAL")
+        os.environ["MOE_EP_QUANT_DUAL"] = "smem"
+        try:
+            ours_step()
+        finally:
+            if old is None:
+                del os.environ["MOE_EP_QUANT_DUAL"]
+            else:
+                os.environ["MOE_EP_QUANT_DUAL"] = old
+
     fns = {"mxfp8_step": ours_step, "bf16_step": bf16_step, "mxfp8_fwd": ours_fwd, "bf16_fwd": bf16_fwd}
+    if ab_quant:
+        fns["mxfp8_step_quant_smem"] = ours_step_smem
     errors: dict = {}
     times = interleaved_ms(fns, rounds, 2, reps, errors)
     row["errors"] = errors
@@ -116,6 +132,8 @@ def run_shape(name: str, rounds: int, reps: int) -> dict:
         row["step_ratio_bf16_over_mxfp8"] = paired_ratio(times["bf16_step"], times["mxfp8_step"])
     if times["mxfp8_fwd"] and times["bf16_fwd"]:
         row["fwd_ratio_bf16_over_mxfp8"] = paired_ratio(times["bf16_fwd"], times["mxfp8_fwd"])
+    if times.get("mxfp8_step_quant_smem") and times["mxfp8_step"]:
+        row["step_ratio_quant_smem_over_default"] = paired_ratio(times["mxfp8_step_quant_smem"], times["mxfp8_step"])
     fl = flops(m, h, f)
     for k in ("mxfp8_step", "bf16_step"):
         if k in row["ms"]:
@@ -132,6 +150,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ab-quant", action="store_true", help="also time the step with MOE_EP_QUANT_DUAL=smem")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from moe_ep.provenance import code_version  # noqa: PLC0415
@@ -146,7 +165,7 @@ def main() -> None:
         "shapes": {},
     }
     for name in args.shapes.split(","):
-        res["shapes"][name] = run_shape(name, args.rounds, args.reps)
+        res["shapes"][name] = run_shape(name, args.rounds, args.reps, args.ab_quant)
         torch.cuda.empty_cache()
     nan = float("nan")
     print(f"{'shape':8s} {'mxfp8 ms':>9s} {'bf16 ms':>9s} {'ratio':>6s} {'fwd':>6s} {'%peak':>6s} {'wprep ms':>8s}")
@@ -157,8 +176,12 @@ def main() -> None:
             f"{name:8s} {ms.get('mxfp8_step', nan):9.3f} {ms.get('bf16_step', nan):9.3f} {step:6.3f} {fwd:6.3f} "
             f"{r.get('mxfp8_step_pct_peak', nan):6.1f} {r['weight_prep_ms']:8.3f}"
         )
+        if "step_ratio_quant_smem_over_default" in r:
+            print(f"{'':8s} step with MOE_EP_QUANT_DUAL=smem / default: {r['step_ratio_quant_smem_over_default']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
+    if not all(r["correct"] for r in res["shapes"].values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -229,7 +229,14 @@ def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
 
 
 # both grouped GEMM operands from one read; "_prep": the column operand written as the wgrad's prepared bf16
-DUAL = ("grouped_dual", "swiglu_dual", "swiglu_bwd_dual", "grouped_dual_prep", "swiglu_bwd_dual_prep")
+DUAL = (
+    "grouped_dual",
+    "swiglu_dual",
+    "swiglu_bwd_dual",
+    "grouped_dual_prep",
+    "swiglu_dual_prep",
+    "swiglu_bwd_dual_prep",
+)
 
 
 def _dual_args(variant: str, x: torch.Tensor) -> tuple[torch.Tensor, dict, int]:

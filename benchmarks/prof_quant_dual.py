@@ -1,10 +1,11 @@
-"""A/B of the bf16 grouped-dual quantization kernels in one process (a profiling aid; bench_quant.py is the benchmark).
+"""A/B of the grouped-dual quantization kernels in one process (a profiling aid; bench_quant.py is the benchmark).
 
     python benchmarks/prof_quant_dual.py [--configs smem,reg2,reg4] [--variants grouped_dual,grouped_dual_prep]
                                          [--rounds 4] [--reps 20] [--json PATH]
 
 Configurations: ``smem`` is mx_quant's shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the
-register-tiled mx_quant_dual with N cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N). For each
+register-tiled mx_quant_dual with N cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N), or for the
+SwiGLU variants (``--variants swiglu_dual_prep,swiglu_bwd_dual_prep``) mx_swiglu_dual (forward: 2 or 3 stages). For each
 shape and variant every configuration is first checked byte for byte against the reference (bench_quant.check), then
 timed in ``--rounds`` rounds whose order alternates (forward, reversed), each the median of ``--reps`` launches with
 bench_quant's flushed-L2 timer; reported: the median over rounds, in us and in % of the copy bandwidth measured in

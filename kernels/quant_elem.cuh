@@ -52,6 +52,12 @@ __device__ __forceinline__ float mx_sigmoid(float g) {
     return mx_div(1.0f, mx_add(1.0f, expf(-g)));
 }
 
+// dA's gate value dg and up value du from g, u, dh and sig = mx_sigmoid(g) (one sigmoid serves both).
+__device__ __forceinline__ float mx_swiglu_dg(float g, float u, float dh, float sig) {
+    return mx_mul(mx_mul(dh, u), mx_mul(sig, mx_add(1.0f, mx_mul(g, mx_add(1.0f, -sig)))));
+}
+__device__ __forceinline__ float mx_swiglu_du(float g, float dh, float sig) { return mx_mul(dh, mx_mul(g, sig)); }
+
 // Chunk of 4 dA values at column c (c % 4 == 0) of row ``ar`` (a, 2F bf16) / ``dr`` (dh, F values of DHB bytes:
 // 4 = fp32, 2 = bf16, widened exactly, so a bf16 dh gives the same dA as dh.float()).
 template <int DHB>
@@ -77,10 +83,9 @@ __device__ __forceinline__ uint4 swiglu_bwd4(const unsigned char* ar, const unsi
         float r;
         if (gate) {
             const float u = __uint_as_float(i & 1 ? (uw[i >> 1] & 0xFFFF0000u) : (uw[i >> 1] << 16));
-            const float t = mx_mul(sig, mx_add(1.0f, mx_mul(g, mx_add(1.0f, -sig))));
-            r = mx_mul(mx_mul(dh, u), t);
+            r = mx_swiglu_dg(g, u, dh, sig);
         } else {
-            r = mx_mul(dh, mx_mul(g, sig));
+            r = mx_swiglu_du(g, dh, sig);
         }
         o[i] = __float_as_uint(r);
     }

@@ -514,3 +514,5 @@ __global__ void __launch_bounds__(NTHREADS) mx_dequant(const unsigned char* __re
 }
 
 #include "quant_dual.cuh"
+
+#include "quant_swiglu.cuh"

@@ -67,6 +67,7 @@ _NAMES = (
     + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in _COL_PIPE3_COMBOS)
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
     + tuple(f"mx_quant_dual<1,{c},{st}>" for c in _DUAL_CS for st in _DUAL_STAGES)
+    + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in _DUAL_CS)
 )
 
 
@@ -141,8 +142,9 @@ def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.d
 
 def _dual_impl() -> str:
     """MOE_EP_QUANT_DUAL: ``reg`` (default) runs bf16 grouped-dual inputs through the register-tiled
-    ``mx_quant_dual`` (kernels/quant_dual.cuh); ``smem`` keeps them on mx_quant's shared-memory transpose (the
-    kernel it replaced, kept for A/B measurements). Both write the same bytes."""
+    ``mx_quant_dual`` (kernels/quant_dual.cuh) and the SwiGLU forward / backward (bf16 dh) through
+    ``mx_swiglu_dual`` (kernels/quant_swiglu.cuh); ``smem`` keeps all of them on mx_quant's shared-memory
+    transpose (the kernel they replaced, kept for A/B measurements). Both write the same bytes."""
     v = os.environ.get("MOE_EP_QUANT_DUAL", "reg").strip().lower()
     if v not in ("reg", "smem"):
         raise ValueError(f"MOE_EP_QUANT_DUAL must be reg or smem, got {v!r}")
@@ -195,6 +197,35 @@ def _dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, in
         return None
     per_sm = min({2: 3, 3: 2}.get(st, 1), _SMEM_PER_SM // (smem + 1024))
     return st, min(tiles, per_sm * _sm_count(device)), smem
+
+
+def _swiglu_plan(bwd: bool, k: int, h_tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
+    """(stages, grid, shared memory) of mx_swiglu_dual (kernels/quant_swiglu.cuh); None: mx_quant runs instead.
+
+    k: the output width (F forward, 2F backward); h_tiles: its 128 x 128 tiles of h. The backward needs
+    F % 128 == 0 (its up tile must start on a tile of the blocked scales). A stage holds 2 (forward: gate, up)
+    or 3 (backward: and dh) streams of 32 KB; depth 3 forward and 2 backward (1 CTA per SM either way; under
+    MOE_EP_QUANT_DUAL_STAGES=2 the forward takes 2 as well), coming down while it does not fit.
+
+    Example (132 SMs): forward, 32 groups: 528 + 3 * 65536 + 1024 = 198160 B, grid min(tiles, 132); backward of
+    F = 2048 with 32 groups: 528 + 2 * 98304 + 2048 = 199184 B; backward of F = 96: None.
+    """
+    if bwd and k % (2 * _TILE):
+        return None
+    streams = 3 if bwd else 2
+    env = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
+    if env not in ("auto", "2", "3", "4", "5", "6"):
+        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {env!r}")
+    st = 2 if bwd or env == "2" else 3
+
+    def smem_of(s: int) -> int:
+        return 16 * (n_groups + 1) + s * streams * _TILE * _TILE * 2 + 2 * (1 + bwd) * 512
+
+    while st > 2 and smem_of(st) > _SMEM_PER_CTA:
+        st -= 1
+    if smem_of(st) > _SMEM_PER_CTA:
+        return None
+    return st, min(h_tiles, _sm_count(device)), smem_of(st)
 
 
 def _kernel(name: str, device: torch.device):
@@ -300,11 +331,18 @@ def _quant_plan(
     if tiles == 0:
         return None
     in_code = _IN[x.dtype] if in_code is None else in_code
-    if in_code == _IN[torch.bfloat16] and rs_mode == _RS["grouped"] and cs_mode in _DUAL_CS and _dual_impl() == "reg":
+    reg = rs_mode == _RS["grouped"] and cs_mode in _DUAL_CS and _dual_impl() == "reg"
+    if reg and in_code == _IN[torch.bfloat16]:
         plan = _dual_plan(tiles, n_groups, x.device)
         if plan is not None:
             st, grid, smem = plan
             return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
+    if reg and in_code in (_IN_SWIGLU, _IN_SWIGLU_BWD16):
+        bwd = in_code == _IN_SWIGLU_BWD16
+        plan = _swiglu_plan(bwd, k, tiles // 2 if bwd else tiles, n_groups, x.device)
+        if plan is not None:
+            st, grid, smem = plan
+            return f"mx_swiglu_dual<{int(bwd)},{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
     env_pipe = _pipe()

@@ -362,6 +362,11 @@ def build_emulator(workdir: Path):
             for c in mxfp8_cuda._DUAL_CS
             for st in mxfp8_cuda._DUAL_STAGES
         )
+        + " ".join(
+            f"if (in == {3 + 2 * b} && rs == 3 && cs == {c} && pp == -{10 + st}) fn = &mx_swiglu_dual<{b},{c},{st}>;"
+            for b, st in ((0, 2), (0, 3), (1, 2))
+            for c in mxfp8_cuda._DUAL_CS
+        )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
     src = workdir / "emu.cpp"
@@ -403,6 +408,8 @@ def install_emulator(monkeypatch, so) -> None:
         a = [int(v) for v in args]
         if name.startswith("mx_quant_dual"):  # mx_quant_dual<in,cs,stages>: grouped rows; pipe code -stages
             rc = so.emu_quant(params[0], 3, params[1], -params[2], grid, shared_mem, *a)
+        elif name.startswith("mx_swiglu_dual"):  # mx_swiglu_dual<bwd,cs,stages>: IN 3 / 5, pipe code -(10 + stages)
+            rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], grid, shared_mem, *a)
         elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
             rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, grid, shared_mem, *a)
         else:

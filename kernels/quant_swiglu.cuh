@@ -1,0 +1,316 @@
+// Register-tiled SwiGLU quantizers of kernels/quantize.cu: the forward h = silu(gate) * up and the backward
+// dA = swiglu_bwd(a, dh) of moe_ep.gemm, each computed in fp32 exactly as mx_quant's IN_SWIGLU / IN_SWIGLU_BWD16
+// (quant_elem.cuh) and quantized both ways in one pass: row-wise MXFP8 with per-group blocked scales
+// (RS_GROUPED) and the per-group column-wise operand in the output's [M, K] layout (CS_GNT, or CS_GPREP's
+// prepared bf16 values). Same arguments, group table and bytes as mx_quant<IN_SWIGLU | IN_SWIGLU_BWD16,
+// RS_GROUPED, CS>; included by quantize.cu after quant_dual.cuh.
+//
+// Why a second kernel: mx_quant stages SwiGLU's fp32 results in shared memory (64 KB a tile, one tile per CTA at
+// a time, no prefetch) and transposes them there for the column blocks, and its backward tiles are dA's: the gate
+// half and the up half of a row are separate tiles, so sigmoid(g) (an expf and an IEEE divide) is evaluated twice
+// per element and g and dh are read twice. It ran at 35-42 % (forward) and 29-37 % (backward) of copy bandwidth
+// on H200 (benchmarks/NOTES.md). Here the thread layout is mx_quant_dual's (a thread holds an 8 x 8 block of a
+// 128 x 128 tile of h; 1x32 row blocks reduce over lanes ^1/^2, 32x1 column blocks over lanes ^8/^16; no
+// transpose), the fp32 values stay in registers, the bf16 inputs arrive by cp.async S - 1 tiles ahead, and a
+// backward tile is one 128 x 128 tile of h: the thread computes sigmoid(g) once and both dA values (gate column
+// c and up column F + c) from one read of g, u and dh, then quantizes the gate and the up tile of dA.
+//
+// Stage layout: NS streams of [8][NTHREADS] x 16 bytes (gate, up, and in the backward dh), so the 16-byte loads
+// of a warp touch consecutive addresses and each thread reads back only the copies it issued itself (no barrier
+// for the stages). The backward needs F % 128 == 0 (the up tile of dA then starts on a 128-column tile of the
+// output's blocked scales); the launcher takes mx_quant otherwise.
+#pragma once
+
+#define SWD_STREAM_BYTES (8 * NTHREADS * 16)
+
+// A tile of the grouped row order: row tile, column tile, first row and rows (0: a zero tile past the last group;
+// rows clamped at M), and its first BR-row block (grouped_tile).
+struct MxdCoord {
+    int rt, ct, nrows;
+    long long row0, bs;
+};
+
+// The tiles T = first + j * step (j = 0, 1, ...) of an n_row_tiles x ctiles grid (column tile fastest), in
+// increasing order: the row tile, the column tile and the group advance incrementally (no division and no binary
+// search per tile). mx_quant_dual keeps its own copy of this walk: moving it onto this helper changed its
+// measured SASS (+52 instructions at 4 stages), so it was left as measured.
+template <int BR>
+struct MxdCursor {
+    const int* tstart;
+    const long long* rstart;
+    const int* bstart;
+    int G;
+    long long M;
+    int ctiles, step_rt, step_ct, rt, ct, g;
+    __device__ __forceinline__ MxdCursor(const int* ts, const long long* rs, const int* bs, int G_, long long M_,
+                                         int ctiles_, int first, int step)
+        : tstart(ts), rstart(rs), bstart(bs), G(G_), M(M_), ctiles(ctiles_), step_rt(step / ctiles_),
+          step_ct(step % ctiles_), rt(first / ctiles_), ct(first % ctiles_), g(0) {}
+    __device__ __forceinline__ void next(MxdCoord& c) {
+        c.rt = rt;
+        c.ct = ct;
+        while (g < G && tstart[g + 1] <= rt) ++g;  // largest g with tstart[g] <= rt
+        grouped_tile<BR>(tstart, rstart, bstart, G, g, rt, c.row0, c.nrows, c.bs);
+        c.nrows = (int)max(0LL, min((long long)c.nrows, M - c.row0));
+        rt += step_rt;
+        ct += step_ct;
+        if (ct >= ctiles) {
+            ct -= ctiles;
+            ++rt;
+        }
+    }
+};
+
+// The persistent loop: body(stage, tile, par) on the CTA's tiles T = blockIdx.x + j * gridDim.x < total, each
+// copied by issue(stage, tile) (one cp.async commit group) into one of S stages of SB bytes, S - 1 tiles ahead of
+// the one processed; their coordinates wait in a register ring (constant indices after unrolling). Past the last
+// tile, empty commit groups keep cp.async.wait_group<S - 1> meaning "the oldest tile has landed". par alternates
+// per tile (the double-buffered row-scale tiles behind one CTA barrier per tile).
+template <int S, int SB, class Cursor, class Issue, class Body>
+__device__ __forceinline__ void mxd_pipeline(int total, Cursor& cursor, unsigned char* stage0, Issue& issue,
+                                             Body& body) {
+    const int step = (int)gridDim.x;
+    int T = (int)blockIdx.x;
+    if (T >= total) return;
+    MxdCoord pend[S - 1] = {};
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (T + s * step < total) {
+            cursor.next(pend[s]);
+            issue(stage0 + s * SB, pend[s]);
+        } else {
+            cp_async_commit();
+        }
+    }
+    int buf = 0, par = 0;
+    for (; T < total; T += step) {
+        const MxdCoord tc = pend[0];
+#pragma unroll
+        for (int s = 0; s + 1 < S - 1; ++s) pend[s] = pend[s + 1];
+        const int fbuf = buf == 0 ? S - 1 : buf - 1;  // the stage processed last (its reads are done)
+        if (T + (S - 1) * step < total) {
+            cursor.next(pend[S - 2]);
+            issue(stage0 + fbuf * SB, pend[S - 2]);
+        } else {
+            cp_async_commit();
+        }
+        cp_async_wait<S - 1>();
+        body(stage0 + buf * SB, tc, par);
+        buf = buf == S - 1 ? 0 : buf + 1;
+        par ^= 1;
+    }
+}
+
+// Both quantizations of the thread's 8 x 8 fp32 block v (tile rows tr0 + i, output columns oc .. oc + 7 of the
+// [M, K] output). rkey / ckey: |v| bit keys of the thread's 8 rows / 8 columns, already reduced over the 4 lanes
+// of each 1x32 / 32x1 block. cok: the columns exist (not past F); nr: rows i < nr exist (0 when !cok); blk_ok:
+// the warp's 32-row column block exists.
+// The row scale bytes go to the 512-byte shared cuBLAS tile st (0 for rows past the group or columns past K).
+template <int CS>
+__device__ __forceinline__ void swd_emit(const float (&v)[8][8], const unsigned (&rkey)[8], const unsigned (&ckey)[8],
+                                         long long row0, int nrows, long long bs, int K, int oc, bool cok, int nr, bool blk_ok,
+                                         int tr0, int mb, int lane, int warp, unsigned char* __restrict__ rq,
+                                         unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
+                                         unsigned char* st) {
+    float cmul[8], cdeq[8];
+    unsigned cnan[2] = {0u, 0u}, csb[2] = {0u, 0u};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+        const bool bad = ckey[c] >= Key<IN_F32>::BAD;
+        const int e = mx_block_exp(__uint_as_float(ckey[c]));
+        cmul[c] = bad ? 0.0f : mx_exp2i(-e);
+        cdeq[c] = mx_exp2i(e);
+        cnan[c >> 2] |= (bad ? 0xFFu : 0u) << (8 * (c & 3));
+        csb[c >> 2] |= (bad ? MX_SCALE_NAN : (unsigned)(e + 127)) << (8 * (c & 3));
+    }
+    if (CS == CS_GNT && blk_ok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
+        *reinterpret_cast<uint2*>(cs + (bs + mb) * K + oc) = make_uint2(csb[0], csb[1]);
+
+    const long long off0 = (row0 + tr0) * K + oc;
+    unsigned char* prq = rq + off0;
+    unsigned char* pcq = cq + off0;
+    const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;  // CS_GPREP: zero rows to a 64-row block
+    unsigned rsb[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int r = tr0 + i;
+        const bool ok = i < nr;
+        const bool bad = rkey[i] >= Key<IN_F32>::BAD;
+        const int e = mx_block_exp(__uint_as_float(rkey[i]));
+        const float s = mx_exp2i(-e);
+        rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : (unsigned)(e + 127)) : 0u) << (8 * (i & 3));
+        const float* f = v[i];
+        uint2 q = make_uint2(mx_cvt4_e4m3(mx_mul(f[0], s), mx_mul(f[1], s), mx_mul(f[2], s), mx_mul(f[3], s)),
+                             mx_cvt4_e4m3(mx_mul(f[4], s), mx_mul(f[5], s), mx_mul(f[6], s), mx_mul(f[7], s)));
+        if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+        unsigned o[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            o[h] = (mx_cvt4_e4m3(mx_mul(f[4 * h], cmul[4 * h]), mx_mul(f[4 * h + 1], cmul[4 * h + 1]),
+                                 mx_mul(f[4 * h + 2], cmul[4 * h + 2]), mx_mul(f[4 * h + 3], cmul[4 * h + 3])) &
+                    ~cnan[h]) |
+                   (0x7F7F7F7Fu & cnan[h]);
+        if (ok) *reinterpret_cast<uint2*>(prq) = q;
+        prq += K;
+        if (CS == CS_GNT) {
+            if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
+            pcq += K;
+        } else if (cok && r < wrows) {
+            // The exact value of each byte times 2**E, rounded once to bf16 (as mx_quant_dual); NaN blocks 0x7FC0.
+            unsigned b[4] = {0u, 0u, 0u, 0u};
+            if (r < nrows) {
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    float lo, hi;
+                    mx_e4m3x2_to_f32(o[p >> 1] >> (16 * (p & 1)), lo, hi);
+                    const unsigned nm = __byte_perm(cnan[p >> 1], 0u, (p & 1) ? 0x3322u : 0x1100u);
+                    b[p] = (mx_pack16x2<1>(mx_mul(lo, cdeq[2 * p]), mx_mul(hi, cdeq[2 * p + 1])) & ~nm) |
+                           (0x7FC07FC0u & nm);
+                }
+            }
+            *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + oc) * 2) = make_uint4(b[0], b[1], b[2], b[3]);
+        }
+    }
+    // Row scale bytes (r % 32) * 16 + 4 mb + cb of the cuBLAS tile, cb = 2 (w >> 2) + (lane & 4) / 4.
+    if ((lane & 3) == 0) {
+        unsigned char* d = st + (tr0 & 31) * 16 + 4 * mb + 2 * (warp >> 2) + ((lane >> 2) & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d[16 * i] = (unsigned char)(rsb[i >> 2] >> (8 * (i & 3)));
+    }
+}
+
+// Row keys over lanes ^1/^2 (the 4 lanes of a 1x32 row block), column keys over lanes ^8/^16 (a 32x1 block).
+__device__ __forceinline__ void swd_reduce_keys(unsigned (&rkey)[8], unsigned (&ckey)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        rkey[j] = max(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 1));
+        rkey[j] = max(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 2));
+        ckey[j] = max(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 8));
+        ckey[j] = max(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 16));
+    }
+}
+
+// BWD = 0: x = a [M, 2F] bf16 (gate | up), output h [M, F] (K = F, ctiles = ceil(F / 128)).
+// BWD = 1: x = a [M, 2F] bf16, x2 = dh [M, F] bf16, output dA [M, 2F] (K = 2F, ctiles = 2F / 128, F % 128 == 0).
+// Grid: persistent over n_row_tiles x ceil(F / 128) tiles of h; 256 threads, 1 CTA per SM. Shared memory: the
+// group table 16 (G + 1), S stages of NS x 32 KB, then 2 x (1 + BWD) row-scale tiles of 512 bytes.
+template <int BWD, int CS, int S>
+__global__ void __launch_bounds__(NTHREADS, 1)
+    mx_swiglu_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,
+                   unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
+                   const int* __restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,
+                   const unsigned char* __restrict__ x2) {
+    static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in the output's layout");
+    static_assert(S >= 2 && S <= 3, "cp.async stages of 64 KB (forward) / 96 KB (backward)");
+    constexpr int NS = BWD ? 3 : 2;             // input streams: gate, up (, dh)
+    constexpr int SB = NS * SWD_STREAM_BYTES;   // bytes of a stage
+    constexpr int BR = CS == CS_GPREP ? 64 : 32;
+    (void)group_rows;
+    MX_DYN_SMEM(smem);
+    long long* g_rstart = reinterpret_cast<long long*>(smem);
+    int* g_tstart = reinterpret_cast<int*>(g_rstart + G + 1);
+    int* g_bstart = g_tstart + G + 1;
+    unsigned char* stage0 = smem + 16 * (G + 1);
+    unsigned char* stile0 = stage0 + S * SB;  // [2][1 + BWD][512] row-scale tiles
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int mb = warp & 3;
+    const int tr0 = 32 * mb + 8 * (lane >> 3);
+    const int tc0 = 64 * (warp >> 2) + 8 * (lane & 7);
+    const int F = BWD ? K / 2 : K;
+    const int htiles = BWD ? ctiles / 2 : ctiles;  // column tiles of h
+    const int total = n_row_tiles * htiles;
+    grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
+    MxdCursor<BR> cursor(g_tstart, g_rstart, g_bstart, G, M, htiles, (int)blockIdx.x, (int)gridDim.x);
+
+    // The thread's 8 chunks of each stream; rows past the group or chunks past F are zero-filled (the source
+    // address is then x itself, always valid). Zero inputs give h = 0 and dA = 0, the reference's block padding.
+    auto issue = [&](unsigned char* stage, const MxdCoord& c) {
+        const int col0 = c.ct * TILE;
+        const int nr = col0 + tc0 < F ? c.nrows - tr0 : 0;
+        const unsigned char* ga = x + ((c.row0 + tr0) * (2LL * F) + col0 + tc0) * 2;
+        const unsigned char* gd = BWD ? x2 + ((c.row0 + tr0) * F + col0 + tc0) * 2 : x;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const bool ok = i < nr;
+            unsigned char* d = stage + (i * NTHREADS + tid) * 16;
+            cp_async16(d, ok ? ga : x, ok);
+            cp_async16(d + SWD_STREAM_BYTES, ok ? ga + 2LL * F : x, ok);
+            if (BWD) cp_async16(d + 2 * SWD_STREAM_BYTES, ok ? gd : x, ok);
+            ga += 4LL * F;
+            gd += 2LL * F;
+        }
+        cp_async_commit();
+    };
+
+    auto body = [&](const unsigned char* cur, const MxdCoord& tc, int par) {
+        const int col0 = tc.ct * TILE;
+        const bool cok = col0 + tc0 < F;
+        const int nr = cok ? tc.nrows - tr0 : 0;
+        const bool blk_ok = cok && 32 * mb < tc.nrows;
+        unsigned char* st = stile0 + par * (512 * (1 + BWD));
+        if (!BWD) {
+            float h[8][8];
+            unsigned rkey[8], ckey[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const uint4 gv = *reinterpret_cast<const uint4*>(cur + (i * NTHREADS + tid) * 16);
+                const uint4 uv = *reinterpret_cast<const uint4*>(cur + SWD_STREAM_BYTES + (i * NTHREADS + tid) * 16);
+                const unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+                rkey[i] = 0u;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    h[i][e] = mx_swiglu(word_elem<IN_BF16>(gw[e >> 1], e & 1), word_elem<IN_BF16>(uw[e >> 1], e & 1));
+                    const unsigned k = __float_as_uint(h[i][e]) & 0x7FFFFFFFu;
+                    rkey[i] = max(rkey[i], k);
+                    ckey[e] = max(ckey[e], k);
+                }
+            }
+            swd_reduce_keys(rkey, ckey);
+            swd_emit<CS>(h, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
+                         cq, cs, st);
+        } else {
+            float dg[8][8], du[8][8];
+            unsigned rg[8], ru[8], cg[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, cu[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned char* p = cur + (i * NTHREADS + tid) * 16;
+                const uint4 gv = *reinterpret_cast<const uint4*>(p);
+                const uint4 uv = *reinterpret_cast<const uint4*>(p + SWD_STREAM_BYTES);
+                const uint4 dv = *reinterpret_cast<const uint4*>(p + 2 * SWD_STREAM_BYTES);
+                const unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w},
+                               dw[4] = {dv.x, dv.y, dv.z, dv.w};
+                rg[i] = 0u;
+                ru[i] = 0u;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float g = word_elem<IN_BF16>(gw[e >> 1], e & 1);
+                    const float u = word_elem<IN_BF16>(uw[e >> 1], e & 1);
+                    const float d = word_elem<IN_BF16>(dw[e >> 1], e & 1);
+                    const float sig = mx_sigmoid(g);
+                    dg[i][e] = mx_swiglu_dg(g, u, d, sig);
+                    du[i][e] = mx_swiglu_du(g, d, sig);
+                    const unsigned kg = __float_as_uint(dg[i][e]) & 0x7FFFFFFFu;
+                    const unsigned ku = __float_as_uint(du[i][e]) & 0x7FFFFFFFu;
+                    rg[i] = max(rg[i], kg);
+                    ru[i] = max(ru[i], ku);
+                    cg[e] = max(cg[e], kg);
+                    cu[e] = max(cu[e], ku);
+                }
+            }
+            swd_reduce_keys(rg, cg);
+            swd_reduce_keys(ru, cu);
+            swd_emit<CS>(dg, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
+                         cq, cs, st);
+            swd_emit<CS>(du, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp,
+                         rq, cq, cs, st + 512);
+        }
+        __syncthreads();  // the scale tiles are complete; the other parity is refilled only after the next barrier
+        if (tid < 32 * (1 + BWD)) {
+            const int ot = tc.rt * ctiles + tc.ct + (tid >= 32 ? htiles : 0);  // output tile (the up half: + F/128)
+            reinterpret_cast<uint4*>(rs + (long long)ot * 512)[tid & 31] =
+                reinterpret_cast<const uint4*>(st + (tid >= 32 ? 512 : 0))[tid & 31];
+        }
+    };
+    mxd_pipeline<S, SB>(total, cursor, stage0, issue, body);
+}
