@@ -101,13 +101,57 @@ __device__ __forceinline__ void mxd_pipeline(int total, Cursor& cursor, unsigned
     }
 }
 
-// Both quantizations of the thread's 8 x 8 fp32 block v (tile rows tr0 + i, output columns oc .. oc + 7 of the
-// [M, K] output). rkey / ckey: |v| bit keys of the thread's 8 rows / 8 columns, already reduced over the 4 lanes
+// x / d rounded as div.rn.f32, without its slow-path branch: the fast path the compiler emits for div.rn.f32
+// (MUFU.RCP, one Newton step, the quotient and one fma correction; its FCHK then decides whether the slow path
+// must redo it). ok is false outside the range where this program uses it (d in [1, 2**100]; x zero or |x| in
+// [2**-100, 2**100]); the caller then recomputes with mx_div. Why: every IEEE division is its own branch region
+// (FCHK, a CALL to the slow path, BSSY/BSYNC), so the 64 SwiGLU elements of a thread could not be interleaved
+// and the kernel stalled on one element's chain at a time. That the quotient equals div.rn is checked on the GPU
+// for every input this kernel can divide: x = g and x = 1 over d = 1 + expf(-g), all 65536 bf16 g
+// (tests/test_quant_dual_cuda.py, mx_swiglu_div_check). The host build (CPU emulator) divides exactly.
+__device__ __forceinline__ float swd_div(float x, float d, bool& ok) {
+    const float ax = fabsf(x);
+    ok = d <= 0x1p100f && (x == 0.0f || (ax >= 0x1p-100f && ax <= 0x1p100f));
+#if defined(__CUDA_ARCH__)
+    float r, t, q, rem, res;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    asm("fma.rn.f32 %0, %1, %2, 0f3F800000;" : "=f"(t) : "f"(-d), "f"(r));
+    asm("fma.rn.f32 %0, %1, %2, %1;" : "=f"(r) : "f"(r), "f"(t));
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(r));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(rem) : "f"(-d), "f"(q), "f"(x));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(res) : "f"(r), "f"(rem), "f"(q));
+    return x == 0.0f ? x : res;  // the correction turns -0 into +0; x / d keeps the sign of a zero x
+#else
+    return x / d;
+#endif
+}
+
+// silu(g) * u and sigmoid(g), the operations of mx_swiglu / mx_sigmoid with swd_div (ok as there).
+__device__ __forceinline__ float swd_swiglu(float g, float u, bool& ok) {
+    return mx_mul(swd_div(g, mx_add(1.0f, expf(-g)), ok), u);
+}
+__device__ __forceinline__ float swd_sigmoid(float g, bool& ok) { return swd_div(1.0f, mx_add(1.0f, expf(-g)), ok); }
+
+// For the test: out[8 i ..] = fp32 bits of swd_swiglu(g, 1), its ok, mx_swiglu(g, 1), then swd_sigmoid(g), its ok,
+// mx_sigmoid(g), 0, 0, for the n bf16 values g = in[i].
+__global__ void mx_swiglu_div_check(const unsigned short* __restrict__ in, unsigned* __restrict__ out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = __uint_as_float((unsigned)in[i] << 16);
+    bool ok1, ok2;
+    const float h = swd_swiglu(g, 1.0f, ok1), s = swd_sigmoid(g, ok2);
+    const unsigned o[8] = {__float_as_uint(h), ok1, __float_as_uint(mx_swiglu(g, 1.0f)), __float_as_uint(s), ok2,
+                           __float_as_uint(mx_sigmoid(g)), 0u, 0u};
+    for (int j = 0; j < 8; ++j) out[8LL * i + j] = o[j];
+}
+
+// Both quantizations of the thread's 8 x 8 fp32 block (tile rows tr0 + i, output columns oc .. oc + 7 of the
+// [M, K] output), whose row i vals(i, f) writes into f[8]. rkey / ckey: |v| bit keys of the thread's 8 rows / 8 columns, already reduced over the 4 lanes
 // of each 1x32 / 32x1 block. cok: the columns exist (not past F); nr: rows i < nr exist (0 when !cok); blk_ok:
 // the warp's 32-row column block exists.
 // The row scale bytes go to the 512-byte shared cuBLAS tile st (0 for rows past the group or columns past K).
-template <int CS>
-__device__ __forceinline__ void swd_emit(const float (&v)[8][8], const unsigned (&rkey)[8], const unsigned (&ckey)[8],
+template <int CS, class Vals>
+__device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8], const unsigned (&ckey)[8],
                                          long long row0, int nrows, long long bs, int K, int oc, bool cok, int nr, bool blk_ok,
                                          int tr0, int mb, int lane, int warp, unsigned char* __restrict__ rq,
                                          unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
@@ -139,7 +183,8 @@ __device__ __forceinline__ void swd_emit(const float (&v)[8][8], const unsigned 
         const int e = mx_block_exp(__uint_as_float(rkey[i]));
         const float s = mx_exp2i(-e);
         rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : (unsigned)(e + 127)) : 0u) << (8 * (i & 3));
-        const float* f = v[i];
+        float f[8];
+        vals(i, f);
         uint2 q = make_uint2(mx_cvt4_e4m3(mx_mul(f[0], s), mx_mul(f[1], s), mx_mul(f[2], s), mx_mul(f[3], s)),
                              mx_cvt4_e4m3(mx_mul(f[4], s), mx_mul(f[5], s), mx_mul(f[6], s), mx_mul(f[7], s)));
         if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
@@ -249,49 +294,87 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         const int nr = cok ? tc.nrows - tr0 : 0;
         const bool blk_ok = cok && 32 * mb < tc.nrows;
         unsigned char* st = stile0 + par * (512 * (1 + BWD));
+        // Element (i, e) of stream s in the stage, as fp32.
+        auto in = [&](int s, int i, int e) {
+            const uint4 v = *reinterpret_cast<const uint4*>(cur + s * SWD_STREAM_BYTES + (i * NTHREADS + tid) * 16);
+            const unsigned w = e < 4 ? (e < 2 ? v.x : v.y) : (e < 6 ? v.z : v.w);
+            return word_elem<IN_BF16>(w, e & 1);
+        };
         if (!BWD) {
             float h[8][8];
+            bool ok = true;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    bool oke;
+                    h[i][e] = swd_swiglu(in(0, i, e), in(1, i, e), oke);
+                    ok &= oke;
+                }
+            }
+            if (!ok) {  // rare (|g| out of swd_div's range, NaN/Inf, g <= -69): the IEEE division for the thread
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) h[i][e] = mx_swiglu(in(0, i, e), in(1, i, e));
+            }
             unsigned rkey[8], ckey[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const uint4 gv = *reinterpret_cast<const uint4*>(cur + (i * NTHREADS + tid) * 16);
-                const uint4 uv = *reinterpret_cast<const uint4*>(cur + SWD_STREAM_BYTES + (i * NTHREADS + tid) * 16);
-                const unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
                 rkey[i] = 0u;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
-                    h[i][e] = mx_swiglu(word_elem<IN_BF16>(gw[e >> 1], e & 1), word_elem<IN_BF16>(uw[e >> 1], e & 1));
                     const unsigned k = __float_as_uint(h[i][e]) & 0x7FFFFFFFu;
                     rkey[i] = max(rkey[i], k);
                     ckey[e] = max(ckey[e], k);
                 }
             }
             swd_reduce_keys(rkey, ckey);
-            swd_emit<CS>(h, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
+            auto vals = [&](int i, float(&f)[8]) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) f[e] = h[i][e];
+            };
+            swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
                          cq, cs, st);
         } else {
-            float dg[8][8], du[8][8];
+            // sigmoid(g) stays in registers (64), dA is recomputed from it at each use (6 and 2 fp32 operations):
+            // keeping both halves of dA (128 registers) spilled.
+            float sig[8][8];
+            bool ok = true;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    bool oke;
+                    sig[i][e] = swd_sigmoid(in(0, i, e), oke);
+                    ok &= oke;
+                }
+            if (!ok) {  // rare (g NaN or g <= -69): the IEEE division for the thread
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) sig[i][e] = mx_sigmoid(in(0, i, e));
+            }
+            auto gate = [&](int i, float(&f)[8]) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) f[e] = mx_swiglu_dg(in(0, i, e), in(1, i, e), in(2, i, e), sig[i][e]);
+            };
+            auto up = [&](int i, float(&f)[8]) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) f[e] = mx_swiglu_du(in(0, i, e), in(2, i, e), sig[i][e]);
+            };
             unsigned rg[8], ru[8], cg[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, cu[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const unsigned char* p = cur + (i * NTHREADS + tid) * 16;
-                const uint4 gv = *reinterpret_cast<const uint4*>(p);
-                const uint4 uv = *reinterpret_cast<const uint4*>(p + SWD_STREAM_BYTES);
-                const uint4 dv = *reinterpret_cast<const uint4*>(p + 2 * SWD_STREAM_BYTES);
-                const unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w},
-                               dw[4] = {dv.x, dv.y, dv.z, dv.w};
+                float fg[8], fu[8];
+                gate(i, fg);
+                up(i, fu);
                 rg[i] = 0u;
                 ru[i] = 0u;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
-                    const float g = word_elem<IN_BF16>(gw[e >> 1], e & 1);
-                    const float u = word_elem<IN_BF16>(uw[e >> 1], e & 1);
-                    const float d = word_elem<IN_BF16>(dw[e >> 1], e & 1);
-                    const float sig = mx_sigmoid(g);
-                    dg[i][e] = mx_swiglu_dg(g, u, d, sig);
-                    du[i][e] = mx_swiglu_du(g, d, sig);
-                    const unsigned kg = __float_as_uint(dg[i][e]) & 0x7FFFFFFFu;
-                    const unsigned ku = __float_as_uint(du[i][e]) & 0x7FFFFFFFu;
+                    const unsigned kg = __float_as_uint(fg[e]) & 0x7FFFFFFFu;
+                    const unsigned ku = __float_as_uint(fu[e]) & 0x7FFFFFFFu;
                     rg[i] = max(rg[i], kg);
                     ru[i] = max(ru[i], ku);
                     cg[e] = max(cg[e], kg);
@@ -300,9 +383,9 @@ __global__ void __launch_bounds__(NTHREADS, 1)
             }
             swd_reduce_keys(rg, cg);
             swd_reduce_keys(ru, cu);
-            swd_emit<CS>(dg, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
+            swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
                          cq, cs, st);
-            swd_emit<CS>(du, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp,
+            swd_emit<CS>(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp,
                          rq, cq, cs, st + 512);
         }
         __syncthreads();  // the scale tiles are complete; the other parity is refilled only after the next barrier

@@ -68,6 +68,7 @@ _NAMES = (
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
     + tuple(f"mx_quant_dual<1,{c},{st}>" for c in _DUAL_CS for st in _DUAL_STAGES)
     + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in _DUAL_CS)
+    + ("mx_swiglu_div_check",)
 )
 
 

@@ -440,3 +440,28 @@ def test_swiglu_kernel_plan(monkeypatch):
     assert mxfp8_cuda._quant_plan(a, 32768, 4096, grouped, gnt, 32, 288, bwd32)[0].startswith("mx_quant<4,3,4")
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")
     assert mxfp8_cuda._quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)[0].startswith("mx_quant<3,3,4")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_swiglu_branch_free_division_every_bf16():
+    """mx_swiglu_dual's branch-free division (swd_div) == div.rn.f32 for every division the kernel can do: g / d and
+    1 / d with d = 1 + expf(-g), over all 65536 bf16 g; its range flag is exactly the documented range (d <= 2**100;
+    g zero or |g| in [2**-100, 2**100]); outside it the kernel divides with div.rn (mx_div)."""
+    from moe_ep import _cuda
+
+    dev = torch.device("cuda")
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    out = torch.full((65536, 8), -1, dtype=torch.int32, device=dev)
+    fn = mxfp8_cuda._kernel("mx_swiglu_div_check", dev)
+    _cuda.launch(fn, 256, 256, (_cuda.ptr(bits.to(dev)), _cuda.ptr(out), _cuda.i32(65536)), device=dev)
+    out = out.cpu()
+    g = bits.view(torch.bfloat16).double()
+    d = 1.0 + torch.exp(-g)  # no bf16 g puts d within a factor e**0.25 of 2**100: float64 decides the flag
+    in_range = (g == 0) | ((g.abs() >= 2.0**-100) & (g.abs() <= 2.0**100))
+    want_ok1, want_ok2 = (d <= 2.0**100) & in_range, d <= 2.0**100
+    assert torch.equal(out[:, 1].bool(), want_ok1) and torch.equal(out[:, 4].bool(), want_ok2)
+    assert int(want_ok1.sum()) > 30000 and int(want_ok2.sum()) > 40000  # the fast path is the common one
+    for fast, ieee, ok in ((0, 2, want_ok1), (3, 5, want_ok2)):
+        a, b = out[ok, fast], out[ok, ieee]
+        assert torch.equal(a, b), f"{int((a != b).sum())} quotients differ from div.rn, e.g. g = {g[ok][a != b][:4]}"
