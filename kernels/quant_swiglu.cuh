@@ -102,16 +102,13 @@ __device__ __forceinline__ void mxd_pipeline(int total, Cursor& cursor, unsigned
 }
 
 // x / d rounded as div.rn.f32, without its slow-path branch: the fast path the compiler emits for div.rn.f32
-// (MUFU.RCP, one Newton step, the quotient and one fma correction; its FCHK then decides whether the slow path
-// must redo it). ok is false outside the range where this program uses it (d in [1, 2**100]; x zero or |x| in
-// [2**-100, 2**100]); the caller then recomputes with mx_div. Why: every IEEE division is its own branch region
-// (FCHK, a CALL to the slow path, BSSY/BSYNC), so the 64 SwiGLU elements of a thread could not be interleaved
-// and the kernel stalled on one element's chain at a time. That the quotient equals div.rn is checked on the GPU
-// for every input this kernel can divide: x = g and x = 1 over d = 1 + expf(-g), all 65536 bf16 g
-// (tests/test_quant_dual_cuda.py, mx_swiglu_div_check). The host build (CPU emulator) divides exactly.
-__device__ __forceinline__ float swd_div(float x, float d, bool& ok) {
-    const float ax = fabsf(x);
-    ok = d <= 0x1p100f && (x == 0.0f || (ax >= 0x1p-100f && ax <= 0x1p100f));
+// (MUFU.RCP, one Newton step, the quotient and one fma correction; its FCHK then decides whether the slow path must
+// redo it). Used only for x = g and x = 1 over d = 1 + expf(-g) with g in swd_domain's range, where it equals
+// div.rn: checked on the GPU for every bf16 g of the range (tests/test_quant_dual_cuda.py, mx_swiglu_div_check).
+// Why: every IEEE division is its own branch region (FCHK, a CALL to the slow path, BSSY/BSYNC), so the 64 SwiGLU
+// elements of a thread could not be interleaved and the kernel stalled on one element's chain at a time. The host
+// build (the CPU emulator) divides exactly.
+__device__ __forceinline__ float swd_div(float x, float d) {
 #if defined(__CUDA_ARCH__)
     float r, t, q, rem, res;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -120,28 +117,47 @@ __device__ __forceinline__ float swd_div(float x, float d, bool& ok) {
     asm("mul.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(r));
     asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(rem) : "f"(-d), "f"(q), "f"(x));
     asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(res) : "f"(r), "f"(rem), "f"(q));
-    return x == 0.0f ? x : res;  // the correction turns -0 into +0; x / d keeps the sign of a zero x
+    return __float_as_uint(x) << 1 ? res : x;  // the correction turns -0 into +0; x / d keeps a zero's sign
 #else
     return x / d;
 #endif
 }
 
-// silu(g) * u and sigmoid(g), the operations of mx_swiglu / mx_sigmoid with swd_div (ok as there).
-__device__ __forceinline__ float swd_swiglu(float g, float u, bool& ok) {
-    return mx_mul(swd_div(g, mx_add(1.0f, expf(-g)), ok), u);
-}
-__device__ __forceinline__ float swd_sigmoid(float g, bool& ok) { return swd_div(1.0f, mx_add(1.0f, expf(-g)), ok); }
+// silu(g) * u and sigmoid(g): the operations of mx_swiglu / mx_sigmoid, with swd_div.
+__device__ __forceinline__ float swd_swiglu(float g, float u) { return mx_mul(swd_div(g, mx_add(1.0f, expf(-g))), u); }
+__device__ __forceinline__ float swd_sigmoid(float g) { return swd_div(1.0f, mx_add(1.0f, expf(-g))); }
 
-// For the test: out[8 i ..] = fp32 bits of swd_swiglu(g, 1), its ok, mx_swiglu(g, 1), then swd_sigmoid(g), its ok,
-// mx_sigmoid(g), 0, 0, for the n bf16 values g = in[i].
+// Where swd_div may stand for div.rn, on bf16 |g| bits a (16-bit halves of a word, as the kernel sees them): the
+// sigmoid (backward) needs a <= 69.0 (0x428A; d = 1 + expf(-g) <= 2**100, so the reciprocal stays normal); silu
+// (forward) divides g itself and also needs g zero or |g| >= 2**-100 (0x0D80: no subnormal or tiny quotient). NaN
+// and Inf are outside both. State per thread, over 2 bf16 per word: amax = max a, cmin = min of
+// ((a | 0x8000) - 1) ^ 0x8000 per half (0xFFFF for a = 0, a - 1 otherwise: "a in [1, 0x0D7F]" is cmin < 0x0D7F).
+struct SwdDomain {
+    unsigned amax = 0u, cmin = 0xFFFFFFFFu;
+    __device__ __forceinline__ void add(unsigned w) {
+        const unsigned a = w & 0x7FFF7FFFu;
+        amax = __vmaxu2(amax, a);
+        cmin = __vminu2(cmin, ((a | 0x80008000u) - 0x00010001u) ^ 0x80008000u);
+    }
+    __device__ __forceinline__ bool ok(bool fwd) const {
+        const bool big = max(amax & 0xFFFFu, amax >> 16) > 0x428Au;
+        const bool tiny = min(cmin & 0xFFFFu, cmin >> 16) < 0x0D7Fu;
+        return !big && !(fwd && tiny);
+    }
+};
+
+// For the test: out[8 i ..] = fp32 bits of swd_swiglu(g, 1), mx_swiglu(g, 1), swd_sigmoid(g), mx_sigmoid(g), then
+// SwdDomain's verdict for g alone (forward, backward), 0, 0, for the n bf16 values g = in[i].
 __global__ void mx_swiglu_div_check(const unsigned short* __restrict__ in, unsigned* __restrict__ out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float g = __uint_as_float((unsigned)in[i] << 16);
-    bool ok1, ok2;
-    const float h = swd_swiglu(g, 1.0f, ok1), s = swd_sigmoid(g, ok2);
-    const unsigned o[8] = {__float_as_uint(h), ok1, __float_as_uint(mx_swiglu(g, 1.0f)), __float_as_uint(s), ok2,
-                           __float_as_uint(mx_sigmoid(g)), 0u, 0u};
+    SwdDomain dom;
+    dom.add(in[i]);  // the other half of the word is 0, which is in both ranges
+    const unsigned o[8] = {__float_as_uint(swd_swiglu(g, 1.0f)), __float_as_uint(mx_swiglu(g, 1.0f)),
+                           __float_as_uint(swd_sigmoid(g)),       __float_as_uint(mx_sigmoid(g)),
+                           dom.ok(true),                          dom.ok(false),
+                           0u,                                    0u};
     for (int j = 0; j < 8; ++j) out[8LL * i + j] = o[j];
 }
 
@@ -294,25 +310,32 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         const int nr = cok ? tc.nrows - tr0 : 0;
         const bool blk_ok = cok && 32 * mb < tc.nrows;
         unsigned char* st = stile0 + par * (512 * (1 + BWD));
-        // Element (i, e) of stream s in the stage, as fp32.
+        // Element (i, e) of stream s in the stage, as fp32; the thread's range check of its 64 g values.
+        auto chunk = [&](int s, int i) {
+            return *reinterpret_cast<const uint4*>(cur + s * SWD_STREAM_BYTES + (i * NTHREADS + tid) * 16);
+        };
         auto in = [&](int s, int i, int e) {
-            const uint4 v = *reinterpret_cast<const uint4*>(cur + s * SWD_STREAM_BYTES + (i * NTHREADS + tid) * 16);
+            const uint4 v = chunk(s, i);
             const unsigned w = e < 4 ? (e < 2 ? v.x : v.y) : (e < 6 ? v.z : v.w);
             return word_elem<IN_BF16>(w, e & 1);
         };
+        SwdDomain dom;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint4 v = chunk(0, i);
+            dom.add(v.x);
+            dom.add(v.y);
+            dom.add(v.z);
+            dom.add(v.w);
+        }
+        const bool fast = dom.ok(!BWD);
         if (!BWD) {
             float h[8][8];
-            bool ok = true;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+            for (int i = 0; i < 8; ++i)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    bool oke;
-                    h[i][e] = swd_swiglu(in(0, i, e), in(1, i, e), oke);
-                    ok &= oke;
-                }
-            }
-            if (!ok) {  // rare (|g| out of swd_div's range, NaN/Inf, g <= -69): the IEEE division for the thread
+                for (int e = 0; e < 8; ++e) h[i][e] = swd_swiglu(in(0, i, e), in(1, i, e));
+            if (!fast) {  // rare (some |g| > 69 or in (0, 2**-100), NaN/Inf): the IEEE division for the thread
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -340,16 +363,11 @@ __global__ void __launch_bounds__(NTHREADS, 1)
             // sigmoid(g) stays in registers (64), dA is recomputed from it at each use (6 and 2 fp32 operations):
             // keeping both halves of dA (128 registers) spilled.
             float sig[8][8];
-            bool ok = true;
 #pragma unroll
             for (int i = 0; i < 8; ++i)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    bool oke;
-                    sig[i][e] = swd_sigmoid(in(0, i, e), oke);
-                    ok &= oke;
-                }
-            if (!ok) {  // rare (g NaN or g <= -69): the IEEE division for the thread
+                for (int e = 0; e < 8; ++e) sig[i][e] = swd_sigmoid(in(0, i, e));
+            if (!fast) {  // rare (some |g| > 69, NaN/Inf): the IEEE division for the thread
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
 #pragma unroll

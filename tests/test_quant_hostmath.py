@@ -267,6 +267,9 @@ static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4);
 static inline unsigned __vmaxu2(unsigned a, unsigned b) {
     return max(a & 0xFFFFu, b & 0xFFFFu) | (max(a >> 16, b >> 16) << 16);
 }
+static inline unsigned __vminu2(unsigned a, unsigned b) {
+    return min(a & 0xFFFFu, b & 0xFFFFu) | (min(a >> 16, b >> 16) << 16);
+}
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const uint64_t v = ((uint64_t)y << 32) | x;
     unsigned r = 0;
