@@ -200,9 +200,11 @@ def test_grouped_dual_k224(dev, colwise, monkeypatch):
     _check_dual(got, quantize_grouped_dual_torch(x, st, colwise=colwise), sizes)
 
 
-def _dual_into_sentinel(x, sizes, m, colwise):
-    """quantize_grouped_dual_into x[:m] with every output prefilled with a sentinel byte; the outputs as bytes."""
-    dev, k, g = x.device, x.shape[1], len(sizes)
+def _dual_into_sentinel(x, sizes, m, colwise, swiglu=False, dh=None):
+    """quantize_grouped_dual_into x[:m] (swiglu: of SwiGLU(x[:m]); dh: of its backward with dh[:m]) with every
+    output prefilled with a sentinel byte; the outputs as bytes."""
+    dev, g = x.device, len(sizes)
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
     st = torch.tensor(sizes, dtype=torch.int32, device=dev)
     data = torch.full((m, k), 0x55, dtype=torch.uint8, device=dev)
     scale = torch.full(mxfp8_cuda.row_scale_shape(m, k, "grouped", g), 0x33, dtype=torch.uint8, device=dev)
@@ -212,8 +214,9 @@ def _dual_into_sentinel(x, sizes, m, colwise):
         data_c = torch.full((m, k), 0x66, dtype=torch.uint8, device=dev)
         scale_c = torch.full((mxfp8_cuda.grouped_colwise_scale_rows(m, g), k), 0x77, dtype=torch.uint8, device=dev)
     dc = data_c.view(torch.bfloat16) if colwise == "bf16" else data_c.view(torch.float8_e4m3fn)
+    kw = {"swiglu_dh": dh[:m].contiguous()} if dh is not None else {"apply_swiglu": swiglu}
     mxfp8_cuda.quantize_grouped_dual_into(
-        x[:m].contiguous(), st, data.view(torch.float8_e4m3fn), scale, dc, scale_c, colwise=colwise
+        x[:m].contiguous(), st, data.view(torch.float8_e4m3fn), scale, dc, scale_c, colwise=colwise, **kw
     )
     return [t.cpu() for t in (data, scale, data_c, scale_c) if t is not None]
 
@@ -331,27 +334,6 @@ def test_swiglu_bwd_dual_matches_reference(dev, sizes, dh_dtype):
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _swiglu_into_sentinel(a, dh, sizes, m, colwise):
-    """quantize_grouped_dual_into of SwiGLU(a[:m]) (dh None) or of its backward with dh[:m], every output prefilled
-    with a sentinel byte; the outputs as bytes."""
-    dev, g = a.device, len(sizes)
-    k = a.shape[1] if dh is not None else a.shape[1] // 2
-    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
-    data = torch.full((m, k), 0x55, dtype=torch.uint8, device=dev)
-    scale = torch.full(mxfp8_cuda.row_scale_shape(m, k, "grouped", g), 0x33, dtype=torch.uint8, device=dev)
-    if colwise == "bf16":
-        data_c, scale_c = torch.full((colwise_prep_rows(m, g), 2 * k), 0x12, dtype=torch.uint8, device=dev), None
-    else:
-        data_c = torch.full((m, k), 0x66, dtype=torch.uint8, device=dev)
-        scale_c = torch.full((mxfp8_cuda.grouped_colwise_scale_rows(m, g), k), 0x77, dtype=torch.uint8, device=dev)
-    dc = data_c.view(torch.bfloat16) if colwise == "bf16" else data_c.view(torch.float8_e4m3fn)
-    kw = {"swiglu_dh": dh[:m].contiguous()} if dh is not None else {"apply_swiglu": True}
-    mxfp8_cuda.quantize_grouped_dual_into(
-        a[:m].contiguous(), st, data.view(torch.float8_e4m3fn), scale, dc, scale_c, colwise=colwise, **kw
-    )
-    return [t.cpu() for t in (data, scale, data_c, scale_c) if t is not None]
-
-
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
 @pytest.mark.parametrize("mode", ["forward2", "forward3", "backward"])
 def test_swiglu_reg_matches_mx_quant(dev, mode, colwise, monkeypatch):
@@ -374,10 +356,10 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, colwise, monkeypatch):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MOE_EP_QUANT_DUAL", "reg")
             names = _record_launches(mp)
-            got = _swiglu_into_sentinel(a, dh, sizes, m, colwise)
+            got = _dual_into_sentinel(a, sizes, m, colwise, swiglu=not bwd, dh=dh)
             assert names == [want_name]
             mp.setenv("MOE_EP_QUANT_DUAL", "smem")
-            want = _swiglu_into_sentinel(a, dh, sizes, m, colwise)
+            want = _dual_into_sentinel(a, sizes, m, colwise, swiglu=not bwd, dh=dh)
             assert names[-1].startswith(f"mx_quant<{5 if bwd else 3},3,{cs}")
         for i, (x, y) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(x, y), f"M = {m}, output {i}: {int((x != y).sum())} bytes differ"
