@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_ep import mxfp8_cuda  # noqa: E402
+from moe_ep import mxfp8_cuda, quant_plan  # noqa: E402
 from moe_ep.gemm_operands import colwise_prep_rows_used  # noqa: E402
 from moe_ep.mxfp8 import quantize_torch, to_blocked, to_blocked_grouped  # noqa: E402
 
@@ -212,7 +212,7 @@ def check_at_timed_depth(variant: str, x: torch.Tensor, groups: int) -> bool:
     m, k = x.shape
     tiles = (-(-m // 128) + groups) * -(-k // 128)
     old = os.environ.get("MOE_EP_QUANT_DUAL_STAGES")
-    os.environ["MOE_EP_QUANT_DUAL_STAGES"] = str(mxfp8_cuda._dual_stages(tiles, x.device))
+    os.environ["MOE_EP_QUANT_DUAL_STAGES"] = str(quant_plan.dual_stages(tiles, x.device))
     try:
         return check(variant, x)
     finally:
@@ -347,8 +347,8 @@ def main() -> None:
                 compiled[v] = torch.compile(REFS[v], dynamic=args.compile == "dynamic")
 
     rows = []
-    pipes = [-1 if p == "auto" else int(p) for p in args.pipes.split(",") if p] or [mxfp8_cuda._pipe()]
-    duals = [d for d in args.dual_impls.split(",") if d] or [mxfp8_cuda._dual_impl()]
+    pipes = [-1 if p == "auto" else int(p) for p in args.pipes.split(",") if p] or [quant_plan.pipe_switch()]
+    duals = [d for d in args.dual_impls.split(",") if d] or [quant_plan.dual_impl()]
     tcs: dict = {}  # torch.compile time per (variant, M, K), timed once
     hdr = (
         f"{'variant':<12} {'pipe':>4} {'M':>7} {'K':>5}  {'ok':>3} {'us':>8} {'GB/s':>7} {'%copy':>6}  "

@@ -59,7 +59,7 @@
 
 // Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile (512), column-scale tile (512), column
 // multipliers 2**-E (4 x 128 fp32) and NaN-block masks (4 x 128 bytes) of phase 3, then (RS_GROUPED) the group
-// table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/mxfp8_cuda.py). CS_GPREP adds its
+// table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/quant_plan.py). CS_GPREP adds its
 // column dequantization multipliers 2**E (4 x 128 fp32) before the table.
 #define MX_SMEM_FIXED 3584
 #define MX_SMEM_GPREP 2048
@@ -68,14 +68,14 @@
 // prefetch; 2 = persistent grid, the next tile's loads issued into registers before the current tile is processed;
 // 3 = persistent grid, cp.async double buffer in shared memory (quant_sched.cuh). 2 and 3 need 16-bit inputs (the
 // fp32 tile needs two passes), so fp32 and the SwiGLU inputs use 0. Selected at compile time (MOE_EP_QUANT_PIPE);
-// the launcher sizes the grid and shared memory from the same rule (mxfp8_cuda._effective_pipe).
+// the launcher sizes the grid and shared memory from the same rule (moe_ep/quant_plan.py effective_pipe).
 // Modes with a column-wise output stage the tile in shared memory anyway: they pipeline only with 3, whose
 // cp.async copies land straight in the swizzled tile layout (1 and 2 fall back to 0 for them).
 // -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md): 3 for plain, blocked and
 // 3-D weight scales, 2 for grouped row scales (its table scan amortizes better without the stage wait), 3 for the
 // fused and grouped-dual modes (row + column outputs), 0 for column-only outputs and fp32/SwiGLU inputs.
 // The template argument PREQ overrides MX_PIPE for one instantiation: the launcher asks for mx_quant<IN, 0, CS, 3>
-// when a column-only input has many tiles per CTA slot (moe_ep/mxfp8_cuda.py _requested_pipe).
+// when a column-only input has many tiles per CTA slot (moe_ep/quant_plan.py requested_pipe).
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif

@@ -20,17 +20,17 @@ Layouts (``x: [M, K]``, C = K // 32):
 
 Environment: ``MOE_EP_MXFP8_SOFT_CVT=1`` compiles the kernels with the software float->e4m3 conversion instead
 of the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (a debugging switch; both must give identical bytes).
-``MOE_EP_QUANT_PIPE`` (auto, 0-3) selects the tile pipelining of the row-wise kernels (see :func:`_pipe`).
+``MOE_EP_QUANT_PIPE`` (auto, 0-3) selects the tile pipelining of the row-wise kernels
+(:func:`moe_ep.quant_plan.pipe_switch`); :mod:`moe_ep.quant_plan` decides kernel, grid and shared memory.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
 
 from . import _cuda
+from . import quant_plan as qp
 from .gemm_operands import colwise_prep_rows
 from .mxfp8 import (
     BLOCK,
@@ -43,194 +43,10 @@ from .mxfp8 import (
 
 _SRC = "quantize.cu"
 _THREADS = 256
-_TILE = 128
-_IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3, "uniform": 4}
-_CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3, "grouped_nt": 4, "grouped_prep": 5}
-_IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16 = 3, 4, 5
-
-_QUANT_COMBOS = (
-    [(i, r, 0) for i in range(3) for r in (1, 2, 3, 4)]
-    + [(i, 0, c) for i in range(3) for c in (1, 2, 3)]
-    + [(i, r, c) for i in range(3) for r in (1, 2) for c in (1, 2)]
-    # grouped row-wise + per-group column-wise (MXFP8, or 5: the wgrad's prepared bf16 operand); IN 3 = SwiGLU of
-    # bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
-    + [(i, 3, c) for c in (4, 5) for i in (0, 1, 3, 4, 5)]
-)
-# column-only modes of 16-bit inputs, also compiled with pipe 3 (chosen at launch for large inputs: _requested_pipe)
-_COL_PIPE3_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
-# the register-tiled dual quantizer (kernels/quant_dual.cuh): bf16, grouped rows + per-group columns in x's layout
-_DUAL_CS = (4, 5)
-_DUAL_STAGES = (2, 3, 4, 5, 6)  # cp.async stages of 32 KB; CTAs per SM: 3, 2, then 1 (kernels/quant_dual.cuh)
-_NAMES = (
-    tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in _QUANT_COMBOS)
-    + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in _COL_PIPE3_COMBOS)
-    + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
-    + tuple(f"mx_quant_dual<1,{c},{st}>" for c in _DUAL_CS for st in _DUAL_STAGES)
-    + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in _DUAL_CS)
-    + ("mx_swiglu_div_check",)
-)
-
-
-_SMEM_FIXED = 3584  # kernels/quantize.cu MX_SMEM_FIXED
-_SMEM_GPREP = 2048  # kernels/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantization multipliers)
-
-
-def _pipe() -> int:
-    """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
-    prefetch, 3 persistent + cp.async double buffer in shared memory (16-bit inputs; fp32 falls back to 0 for 2
-    and 3, column-wise/fused modes to 0 for 1 and 2); unset or "auto" (-1): the per-mode best measured
-    (kernels/quantize.cu QuantCfg)."""
-    v = os.environ.get("MOE_EP_QUANT_PIPE", "auto")
-    if v not in ("auto", "0", "1", "2", "3"):
-        raise ValueError(f"MOE_EP_QUANT_PIPE must be auto, 0, 1, 2 or 3, got {v!r}")
-    return -1 if v == "auto" else int(v)
-
-
-def _options() -> tuple[str, ...]:
-    soft = ("-DMX_SOFT_CVT=1",) if os.environ.get("MOE_EP_MXFP8_SOFT_CVT", "0") == "1" else ()
-    return soft + (f"-DMX_PIPE={_pipe()}",)
-
-
-# Column-only inputs with at least this many tiles per CTA slot of pipe 3 (3 per SM) take pipe 3 under "auto".
-# Measured on H200 (bench_quant --pipes, benchmarks/NOTES.md "Column-only pipelining by size"): pipe 3 ahead at
-# M = 131072 (>= 41 tiles per slot), pipe 0 ahead at 16384-32768 x 2048 (<= 10.3), equal in between.
-_COL_PIPE3_TILES_PER_SLOT = 32
-_PIPE3_CTAS_PER_SM = 3  # kernels/quantize.cu QuantCfg::MINB of pipes 1 and 3 (pipe 3: two 32 KB stages per CTA)
-
-
-def _requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: torch.device) -> int:
-    """The pipe a launch asks for: MOE_EP_QUANT_PIPE, except that under "auto" (-1) a column-only 16-bit input of
-    many tiles takes 3 (the persistent cp.async pipeline; the one-tile-per-CTA grid wins on smaller inputs).
-
-    Example (132 SMs): bf16 x [131072, 2048], column-only: 16384 tiles >= 32 * 3 * 132 = 12672 -> 3;
-    [32768, 2048]: 4096 tiles -> -1 (the kernel's auto: 0).
-    """
-    pipe = _pipe()
-    if pipe < 0 and rs_mode == 0 and cs_mode != 0 and es == 2:
-        if tiles >= _COL_PIPE3_TILES_PER_SLOT * _PIPE3_CTAS_PER_SM * _sm_count(device):
-            return 3
-    return pipe
-
-
-def _effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None) -> int:
-    """The pipelining the kernel compiles for this mode and requested pipe (default: MOE_EP_QUANT_PIPE; see
-    kernels/quantize.cu QuantCfg)."""
-    pipe = _pipe() if pipe is None else pipe
-    if pipe < 0:  # kernels/quantize.cu QuantCfg::WANT
-        if cs_mode != 0:
-            pipe = 0 if rs_mode == 0 else 3
-        else:
-            pipe = 2 if rs_mode == _RS["grouped"] else 3
-    return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe != 3) else pipe
-
-
-def _quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
-    """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
-    pipe = _effective_pipe(es, rs_mode, cs_mode, pipe)
-    if pipe == 0:
-        return tiles
-    per_sm = 2 if pipe == 2 else _PIPE3_CTAS_PER_SM
-    full = min(tiles, per_sm * _sm_count(device))
-    if os.environ.get("MOE_EP_QUANT_GRID", "full").strip().lower() != "balanced":
-        # Default: every CTA slot of the GPU. Measured on H200 (benchmarks/NOTES.md, pass 4): more bytes in
-        # flight beat an even tile count; the balanced grid lost 0-6 points of copy bandwidth.
-        return full
-    # Balanced: as few CTAs as still give every CTA the same number of tiles (+-1), so no short last round runs
-    # with a fraction of the CTAs (2048 tiles: 342 CTAs x 6 instead of 396 x 5.17).
-    return _cdiv(tiles, _cdiv(tiles, full))
-
-
-def _dual_impl() -> str:
-    """MOE_EP_QUANT_DUAL: ``reg`` (default) runs bf16 grouped-dual inputs through the register-tiled
-    ``mx_quant_dual`` (kernels/quant_dual.cuh) and the SwiGLU forward / backward (bf16 dh) through
-    ``mx_swiglu_dual`` (kernels/quant_swiglu.cuh); ``smem`` keeps all of them on mx_quant's shared-memory
-    transpose (the kernel they replaced, kept for A/B measurements). Both write the same bytes."""
-    v = os.environ.get("MOE_EP_QUANT_DUAL", "reg").strip().lower()
-    if v not in ("reg", "smem"):
-        raise ValueError(f"MOE_EP_QUANT_DUAL must be reg or smem, got {v!r}")
-    return v
-
-
-# mx_quant_dual's depth under "auto": 4 stages (1 CTA per SM, 3 tiles in flight) from this many tiles per SM, else
-# 2 (3 CTAs per SM). Measured on H200 (benchmarks/NOTES.md, "Register-tiled grouped dual"): 4 stages ahead by 1.4-6.3
-# points of copy from 35 tiles per SM, behind by 3.5 at 19 (16384 x 2048, where the last round dominates).
-_DUAL_DEEP_TILES_PER_SM = 32
-
-
-def _dual_stages(tiles: int, device: torch.device) -> int:
-    """cp.async stages of mx_quant_dual: MOE_EP_QUANT_DUAL_STAGES (2-6), or under "auto" (default) 4 for inputs of
-    at least 32 tiles per SM and 2 below.
-
-    Example (132 SMs): bf16 [32768, 7168] with 32 groups: (256 + 32) * 56 = 16128 tiles >= 4224 -> 4;
-    [16384, 2048]: (128 + 32) * 16 = 2560 tiles -> 2.
-    """
-    v = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
-    if v == "auto":
-        return 4 if tiles >= _DUAL_DEEP_TILES_PER_SM * _sm_count(device) else 2
-    if v not in ("2", "3", "4", "5", "6"):
-        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {v!r}")
-    return int(v)
-
-
-_SMEM_PER_SM = 233472  # Hopper: 228 KiB of shared memory per SM ...
-_SMEM_PER_CTA = 232448  # ... at most 227 KiB of it per CTA, and 1 KiB reserved per resident CTA
-
-
-def _dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
-    """(stages, grid, shared memory) of mx_quant_dual; None when even 2 stages do not fit next to the group table.
-
-    Shared memory = group table 16 (G + 1) + stages x 32 KB + two 512-byte row-scale tiles. The depth from
-    :func:`_dual_stages` comes down while it does not fit one CTA; the persistent grid is every CTA slot, the
-    fewer of the register bound (3, 2, then 1 CTA per SM for 2, 3, >= 4 stages) and the shared-memory bound.
-
-    Example (132 SMs): 32 groups, 2 stages: 67088 B, 3 CTAs per SM, grid 396; 700 groups: 77776 B, 2 per SM (264).
-    """
-    st = _dual_stages(tiles, device)
-
-    def smem_of(s: int) -> int:
-        return 16 * (n_groups + 1) + s * _TILE * _TILE * 2 + 2 * 512
-
-    while st > 2 and smem_of(st) > _SMEM_PER_CTA:
-        st -= 1
-    smem = smem_of(st)
-    if smem > _SMEM_PER_CTA:
-        return None
-    per_sm = min({2: 3, 3: 2}.get(st, 1), _SMEM_PER_SM // (smem + 1024))
-    return st, min(tiles, per_sm * _sm_count(device)), smem
-
-
-def _swiglu_plan(bwd: bool, k: int, h_tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
-    """(stages, grid, shared memory) of mx_swiglu_dual (kernels/quant_swiglu.cuh); None: mx_quant runs instead.
-
-    k: the output width (F forward, 2F backward); h_tiles: its 128 x 128 tiles of h. The backward needs
-    F % 128 == 0 (its up tile must start on a tile of the blocked scales). A stage holds 2 (forward: gate, up)
-    or 3 (backward: and dh) streams of 32 KB; depth 3 forward and 2 backward (1 CTA per SM either way; under
-    MOE_EP_QUANT_DUAL_STAGES=2 the forward takes 2 as well), coming down while it does not fit.
-
-    Example (132 SMs): forward, 32 groups: 528 + 3 * 65536 + 1024 = 198160 B, grid min(tiles, 132); backward of
-    F = 2048 with 32 groups: 528 + 2 * 98304 + 2048 = 199184 B; backward of F = 96: None.
-    """
-    if bwd and k % (2 * _TILE):
-        return None
-    streams = 3 if bwd else 2
-    env = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
-    if env not in ("auto", "2", "3", "4", "5", "6"):
-        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {env!r}")
-    st = 2 if bwd or env == "2" else 3
-
-    def smem_of(s: int) -> int:
-        return 16 * (n_groups + 1) + s * streams * _TILE * _TILE * 2 + 2 * (1 + bwd) * 512
-
-    while st > 2 and smem_of(st) > _SMEM_PER_CTA:
-        st -= 1
-    if smem_of(st) > _SMEM_PER_CTA:
-        return None
-    return st, min(h_tiles, _sm_count(device)), smem_of(st)
 
 
 def _kernel(name: str, device: torch.device):
-    return _cuda.get_function(_SRC, name, _NAMES, _options(), device.index)
+    return _cuda.get_function(_SRC, name, qp.NAMES, qp.options(), device.index)
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -242,14 +58,6 @@ def _launch(name: str, grid: int, args: tuple, shared_mem: int, device: torch.de
     _cuda.launch(_kernel(name, device), grid, _THREADS, args, shared_mem=shared_mem, device=device)
 
 
-def _sm_count(device: torch.device) -> int:
-    return _cuda.num_sms(device)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # argument checks
 # ------------------------------------------------------------------------------------------------------------
@@ -258,7 +66,7 @@ def _cdiv(a: int, b: int) -> int:
 def _check_input(x: torch.Tensor, ndim: int, what: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _IN:
+    if x.dtype not in qp.IN:
         raise TypeError(f"{what}: input must be bf16, fp16 or fp32, got {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"{what}: expected a {ndim}-D input, got shape {tuple(x.shape)}")
@@ -320,44 +128,6 @@ def col_scale_shape(m: int, k: int, scale_layout: str) -> tuple[int, ...]:
     raise ValueError(f"column-wise scale_layout must be 'plain' or 'blocked', got {scale_layout!r}")
 
 
-def _quant_plan(
-    x: torch.Tensor, m: int, k: int, rs_mode: int, cs_mode: int, n_groups: int, n_row_tiles: int | None, in_code
-) -> tuple[str, int, int, int, int] | None:
-    """(kernel name, grid, shared memory, row tiles, column tiles) of an mx_quant launch; None: nothing to do.
-    x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
-    ctiles = _cdiv(k, _TILE)
-    if n_row_tiles is None:
-        n_row_tiles = _cdiv(m, _TILE)
-    tiles = n_row_tiles * ctiles
-    if tiles == 0:
-        return None
-    in_code = _IN[x.dtype] if in_code is None else in_code
-    reg = rs_mode == _RS["grouped"] and cs_mode in _DUAL_CS and _dual_impl() == "reg"
-    if reg and in_code == _IN[torch.bfloat16]:
-        plan = _dual_plan(tiles, n_groups, x.device)
-        if plan is not None:
-            st, grid, smem = plan
-            return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
-    if reg and in_code in (_IN_SWIGLU, _IN_SWIGLU_BWD16):
-        bwd = in_code == _IN_SWIGLU_BWD16
-        plan = _swiglu_plan(bwd, k, tiles // 2 if bwd else tiles, n_groups, x.device)
-        if plan is not None:
-            st, grid, smem = plan
-            return f"mx_swiglu_dual<{int(bwd)},{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
-    # bytes of a staged element: the SwiGLU inputs stage their fp32 results
-    es = 4 if in_code in (0, _IN_SWIGLU, _IN_SWIGLU_BWD, _IN_SWIGLU_BWD16) else x.element_size()
-    env_pipe = _pipe()
-    req = _requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
-    grid = _quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
-    table = 16 * (n_groups + 1) if rs_mode == _RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    pipe3 = _effective_pipe(es, rs_mode, cs_mode, req) == 3
-    stages = 2 * _TILE * _TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
-    fixed = _SMEM_FIXED + (_SMEM_GPREP if cs_mode == _CS["grouped_prep"] else 0)
-    smem = (_TILE * _TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
-    name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
-    return name, grid, smem, n_row_tiles, ctiles
-
-
 def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, group_rows, n_row_tiles, ctiles, x2) -> tuple:
     """mx_quant's argument tuple; the pointers as kernel pointer arguments (``_cuda.ptr`` or ``np.uint64``)."""
     i32, i64 = _cuda.i32, _cuda.i64
@@ -396,7 +166,7 @@ def _launch_quant(
     x2=None,
 ) -> None:
     """x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
-    plan = _quant_plan(x, m, k, rs_mode, cs_mode, n_groups, n_row_tiles, in_code)
+    plan = qp.quant_plan(x, m, k, rs_mode, cs_mode, n_groups, n_row_tiles, in_code)
     if plan is None:
         return
     name, grid, smem, n_row_tiles, ctiles = plan
@@ -436,12 +206,12 @@ def quantize_rowwise_into(
         g = group_sizes.numel()
     _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
     _check_out(scale, "scale", row_scale_shape(m, k, scale_layout, g), torch.uint8, x.device)
-    n_row_tiles = _cdiv(m, _TILE) + g if scale_layout == "grouped" else None
+    n_row_tiles = qp.cdiv(m, qp.TILE) + g if scale_layout == "grouped" else None
     _launch_quant(
         x,
         m,
         k,
-        _RS[scale_layout],
+        qp.RS[scale_layout],
         0,
         rq=data,
         rs=scale,
@@ -474,7 +244,7 @@ def quantize_rowwise(
 
 def grouped_colwise_scale_rows(m: int, num_groups: int) -> int:
     """Rows of the per-group column-wise scale array: ``ceil(M/32) + G`` (a static bound, no host sync)."""
-    return _cdiv(m, BLOCK) + num_groups
+    return qp.cdiv(m, BLOCK) + num_groups
 
 
 def quantize_grouped_dual_into(
@@ -551,15 +321,15 @@ def quantize_grouped_dual_into(
         x,
         m,
         k,
-        _RS["grouped"],
-        _CS["grouped_prep" if colwise == "bf16" else "grouped_nt"],
+        qp.RS["grouped"],
+        qp.CS["grouped_prep" if colwise == "bf16" else "grouped_nt"],
         rq=data,
         rs=scale,
         cq=data_c,
         cs=scale_c,
         gsizes=group_sizes,
         n_groups=g,
-        n_row_tiles=_cdiv(m, _TILE) + g,
+        n_row_tiles=qp.cdiv(m, qp.TILE) + g,
         in_code=_swiglu_code(apply_swiglu, swiglu_dh),
         x2=swiglu_dh,
     )
@@ -568,8 +338,8 @@ def quantize_grouped_dual_into(
 def _swiglu_code(apply_swiglu: bool, swiglu_dh: torch.Tensor | None) -> int | None:
     """mx_quant's IN code for the SwiGLU variants (None: the input's own dtype)."""
     if swiglu_dh is not None:
-        return _IN_SWIGLU_BWD if swiglu_dh.dtype == torch.float32 else _IN_SWIGLU_BWD16
-    return _IN_SWIGLU if apply_swiglu else None
+        return qp.IN_SWIGLU_BWD if swiglu_dh.dtype == torch.float32 else qp.IN_SWIGLU_BWD16
+    return qp.IN_SWIGLU if apply_swiglu else None
 
 
 def quantize_grouped_dual(
@@ -620,7 +390,7 @@ def quantize_colwise_into(
     m, k = x.shape
     _check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
     _check_out(scale_t, "scale_t", col_scale_shape(m, k, scale_layout), torch.uint8, x.device)
-    _launch_quant(x, m, k, 0, _CS[scale_layout], cq=data_t, cs=scale_t)
+    _launch_quant(x, m, k, 0, qp.CS[scale_layout], cq=data_t, cs=scale_t)
 
 
 def quantize_colwise(x: torch.Tensor, scale_layout: str = "blocked") -> tuple[torch.Tensor, torch.Tensor]:
@@ -656,7 +426,7 @@ def quantize_fused_into(
     _check_out(scale, "scale", row_scale_shape(m, k, row_layout), torch.uint8, x.device)
     _check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
     _check_out(scale_t, "scale_t", col_scale_shape(m, k, col_layout), torch.uint8, x.device)
-    _launch_quant(x, m, k, _RS[row_layout], _CS[col_layout], rq=data, rs=scale, cq=data_t, cs=scale_t)
+    _launch_quant(x, m, k, qp.RS[row_layout], qp.CS[col_layout], rq=data, rs=scale, cq=data_t, cs=scale_t)
 
 
 def quantize_fused(x: torch.Tensor, row_layout: str = "blocked", col_layout: str = "blocked"):
@@ -696,13 +466,13 @@ def quantize_weights_into(w: torch.Tensor, data: torch.Tensor, scale: torch.Tens
         w,
         e * n,
         k,
-        _RS["uniform"],
+        qp.RS["uniform"],
         0,
         rq=data,
         rs=scale,
         n_groups=e,
         group_rows=n,
-        n_row_tiles=e * _cdiv(n, _TILE),
+        n_row_tiles=e * qp.cdiv(n, qp.TILE),
     )
 
 
@@ -736,7 +506,7 @@ def quantize_weights_fused_into(
     _check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
     _check_out(data_t, "data_t", (e, k, n), torch.float8_e4m3fn, w.device)
     _check_out(scale_t, "scale_t", (e, blocked_size(k, n // BLOCK)), torch.uint8, w.device)
-    plan = _quant_plan(w, n, k, _RS["blocked"], _CS["blocked"], 0, None, None)  # the same for every expert
+    plan = qp.quant_plan(w, n, k, qp.RS["blocked"], qp.CS["blocked"], 0, None, None)  # the same for every expert
     if plan is None or e == 0:
         return
     name, grid, smem, n_row_tiles, ctiles = plan
@@ -777,7 +547,7 @@ def quantize(x: torch.Tensor, axis: int) -> MXFP8Tensor:
     kernel writing data in x's layout, scale [M // 32, *x.shape[1:]]. Other axes, and axis 0 with a row size
     that is not a multiple of 16 bytes, use the reference (correct, slower; no caller needs them on a hot path).
     """
-    if x.dtype not in _IN:
+    if x.dtype not in qp.IN:
         raise TypeError(f"quantize supports bf16/fp16/fp32 inputs, got {x.dtype}")
     x = x.contiguous()
     if x.data_ptr() % 16:
@@ -789,7 +559,7 @@ def quantize(x: torch.Tensor, axis: int) -> MXFP8Tensor:
         x2 = x.view(m, k)
         data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty((*shape[:-1], k // BLOCK), dtype=torch.uint8, device=x.device)
-        _launch_quant(x2, m, k, _RS["plain"], 0, rq=data, rs=scale)
+        _launch_quant(x2, m, k, qp.RS["plain"], 0, rq=data, rs=scale)
         return MXFP8Tensor(data, scale, axis)
     if axis == 0:
         m = shape[0]
@@ -797,7 +567,7 @@ def quantize(x: torch.Tensor, axis: int) -> MXFP8Tensor:
         if k * x.element_size() % 16 == 0:
             data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
             scale = torch.empty((m // BLOCK, *shape[1:]), dtype=torch.uint8, device=x.device)
-            _launch_quant(x.view(m, k), m, k, 0, _CS["nt"], cq=data, cs=scale)
+            _launch_quant(x.view(m, k), m, k, 0, qp.CS["nt"], cq=data, cs=scale)
             return MXFP8Tensor(data, scale, axis)
     # middle axes / odd row sizes: the reference (same bytes)
     return quantize_torch(x, axis)
@@ -831,7 +601,7 @@ def dequantize_into(t: MXFP8Tensor, out: torch.Tensor) -> None:
     if colw and k % 16:
         raise ValueError(f"column-wise dequantize_into needs rows of a multiple of 16 elements, got {k}")
     nchunks = n // 16
-    grid = max(1, min(_cdiv(nchunks, _THREADS), _sm_count(data.device) * 16))
+    grid = max(1, min(qp.cdiv(nchunks, _THREADS), qp.sm_count(data.device) * 16))
     o = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[out.dtype]
     args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(out), _cuda.i64(nchunks), _cuda.i32(k))
     _launch(f"mx_dequant<{o},{int(colw)}>", grid, args, 0, data.device)

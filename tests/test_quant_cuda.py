@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ep import mxfp8_cuda
+from moe_ep import mxfp8_cuda, quant_plan
 from moe_ep.mxfp8 import (
     MXFP8Tensor,
     dequantize_torch,
@@ -254,7 +254,7 @@ def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
     run several tiles per CTA: 15 tiles on the emulator's 6 slots, 1848 on H200's 396); bytes equal to the reference
     for plain, blocked and axis 0. At 1 tile per slot a 1-tile input stays on the plain launch."""
     monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
-    monkeypatch.setattr(mxfp8_cuda, "_COL_PIPE3_TILES_PER_SLOT", 0)
+    monkeypatch.setattr(quant_plan, "COL_PIPE3_TILES_PER_SLOT", 0)
     names = []
     launch = mxfp8_cuda._launch
     monkeypatch.setattr(mxfp8_cuda, "_launch", lambda name, *a: (names.append(name), launch(name, *a))[1])
@@ -270,10 +270,10 @@ def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
         assert_bytes(got.data, ref.data, f"axis 0 data {m}x{k}")
         assert_bytes(got.scale, ref.scale, f"axis 0 scale {m}x{k}")
     assert names and all(n.endswith(",3>") for n in names), names
-    monkeypatch.setattr(mxfp8_cuda, "_COL_PIPE3_TILES_PER_SLOT", 1)
+    monkeypatch.setattr(quant_plan, "COL_PIPE3_TILES_PER_SLOT", 1)
     names.clear()
     mxfp8_cuda.quantize_colwise(make_input(32, 32, dtype).to(dev), "plain")
-    assert names == [f"mx_quant<{mxfp8_cuda._IN[dtype]},0,1>"]
+    assert names == [f"mx_quant<{quant_plan.IN[dtype]},0,1>"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

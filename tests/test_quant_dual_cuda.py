@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep import mxfp8_cuda
+from moe_ep import mxfp8_cuda, quant_plan
 from moe_ep.gemm_operands import colwise_prep_rows, colwise_prep_rows_used
 from tests.test_quant_cuda import HAS_CUDA, _big, backend_dev  # noqa: F401  (backend_dev: the ``dev`` fixture)
 
@@ -387,41 +387,41 @@ def test_swiglu_reg_matches_reference(dev, bwd, colwise, monkeypatch):
 
 def test_swiglu_kernel_plan(monkeypatch):
     """Which SwiGLU kernel runs, its depth, grid and shared memory (hand-worked, 132 SMs; no launch)."""
-    monkeypatch.setattr(mxfp8_cuda, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL", raising=False)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES", raising=False)
-    grouped, gnt, gprep = mxfp8_cuda._RS["grouped"], mxfp8_cuda._CS["grouped_nt"], mxfp8_cuda._CS["grouped_prep"]
-    fwd, bwd16, bwd32 = mxfp8_cuda._IN_SWIGLU, mxfp8_cuda._IN_SWIGLU_BWD16, mxfp8_cuda._IN_SWIGLU_BWD
+    grouped, gnt, gprep = quant_plan.RS["grouped"], quant_plan.CS["grouped_nt"], quant_plan.CS["grouped_prep"]
+    fwd, bwd16, bwd32 = quant_plan.IN_SWIGLU, quant_plan.IN_SWIGLU_BWD16, quant_plan.IN_SWIGLU_BWD
     a = torch.empty(32768, 4096, dtype=torch.bfloat16)  # dsv3: F = 2048, 32 groups, 256 + 32 row tiles
     # forward: 288 x 16 tiles of h; 3 stages of gate + up (64 KB), table 16 * 33, two 512-byte scale tiles
-    plan = mxfp8_cuda._quant_plan(a, 32768, 2048, grouped, gprep, 32, 288, fwd)
+    plan = quant_plan.quant_plan(a, 32768, 2048, grouped, gprep, 32, 288, fwd)
     assert plan == ("mx_swiglu_dual<0,5,3>", 132, 528 + 3 * 65536 + 1024, 288, 16)
     # backward: output width 2F = 4096 (32 column tiles), 288 x 16 tiles of h; 2 stages of gate + up + dh (96 KB)
     # and two pairs (gate, up) of scale tiles
-    plan = mxfp8_cuda._quant_plan(a, 32768, 4096, grouped, gnt, 32, 288, bwd16)
+    plan = quant_plan.quant_plan(a, 32768, 4096, grouped, gnt, 32, 288, bwd16)
     assert plan == ("mx_swiglu_dual<1,4,2>", 132, 528 + 2 * 98304 + 2048, 288, 32)
     # few tiles: one CTA per tile of h
-    assert mxfp8_cuda._swiglu_plan(False, 256, 6, 2, torch.device("cpu")) == (3, 6, 48 + 3 * 65536 + 1024)
+    assert quant_plan.swiglu_plan(False, 256, 6, 2, torch.device("cpu")) == (3, 6, 48 + 3 * 65536 + 1024)
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "2")
-    assert mxfp8_cuda._quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)[:3] == (
+    assert quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)[:3] == (
         "mx_swiglu_dual<0,4,2>",
         132,
         528 + 2 * 65536 + 1024,
     )
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "x")
     with pytest.raises(ValueError, match="MOE_EP_QUANT_DUAL_STAGES"):
-        mxfp8_cuda._quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)
+        quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
     # 2200 groups: 3 forward stages no longer fit next to the table (35216 + 196608 + 1024 > 232448), 2 do
-    assert mxfp8_cuda._swiglu_plan(False, 2048, 5000, 2200, torch.device("cpu"))[0] == 2
+    assert quant_plan.swiglu_plan(False, 2048, 5000, 2200, torch.device("cpu"))[0] == 2
     # 2200 groups leave no room for the backward's 2 stages of 96 KB: mx_quant
-    assert mxfp8_cuda._quant_plan(a, 32768, 4096, grouped, gnt, 2200, 2456, bwd16)[0].startswith("mx_quant<5,3,4")
+    assert quant_plan.quant_plan(a, 32768, 4096, grouped, gnt, 2200, 2456, bwd16)[0].startswith("mx_quant<5,3,4")
     # backward with F % 128 != 0 (F = 96: dA's up half starts inside a tile of the blocked scales), or fp32 dh
     a96 = torch.empty(1000, 192, dtype=torch.bfloat16)
-    assert mxfp8_cuda._quant_plan(a96, 1000, 192, grouped, gnt, 4, 12, bwd16)[0].startswith("mx_quant<5,3,4")
-    assert mxfp8_cuda._quant_plan(a, 32768, 4096, grouped, gnt, 32, 288, bwd32)[0].startswith("mx_quant<4,3,4")
+    assert quant_plan.quant_plan(a96, 1000, 192, grouped, gnt, 4, 12, bwd16)[0].startswith("mx_quant<5,3,4")
+    assert quant_plan.quant_plan(a, 32768, 4096, grouped, gnt, 32, 288, bwd32)[0].startswith("mx_quant<4,3,4")
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")
-    assert mxfp8_cuda._quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)[0].startswith("mx_quant<3,3,4")
+    assert quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)[0].startswith("mx_quant<3,3,4")
 
 
 @pytest.mark.gpu

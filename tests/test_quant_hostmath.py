@@ -347,28 +347,28 @@ def build_emulator(workdir: Path):
     """Compile the kernel emulator as a shared library; returns a ctypes.CDLL (or None without a compiler)."""
     import ctypes  # noqa: PLC0415
 
-    from moe_ep import mxfp8_cuda  # noqa: PLC0415
+    from moe_ep import quant_plan  # noqa: PLC0415
 
     if CXX is None:
         return None
     qt = (
         " ".join(
             f"if (in == {i} && rs == {r} && cs == {c} && pp < 0) fn = &mx_quant<{i},{r},{c}>;"
-            for i, r, c in mxfp8_cuda._QUANT_COMBOS
+            for i, r, c in quant_plan.QUANT_COMBOS
         )
         + " ".join(
             f"if (in == {i} && rs == {r} && cs == {c} && pp == 3) fn = &mx_quant<{i},{r},{c},3>;"
-            for i, r, c in mxfp8_cuda._COL_PIPE3_COMBOS
+            for i, r, c in quant_plan.COL_PIPE3_COMBOS
         )
         + " ".join(
             f"if (in == 1 && rs == 3 && cs == {c} && pp == -{st}) fn = &mx_quant_dual<1,{c},{st}>;"
-            for c in mxfp8_cuda._DUAL_CS
-            for st in mxfp8_cuda._DUAL_STAGES
+            for c in quant_plan.DUAL_CS
+            for st in quant_plan.DUAL_STAGES
         )
         + " ".join(
             f"if (in == {3 + 2 * b} && rs == 3 && cs == {c} && pp == -{10 + st}) fn = &mx_swiglu_dual<{b},{c},{st}>;"
             for b, st in ((0, 2), (0, 3), (1, 2))
-            for c in mxfp8_cuda._DUAL_CS
+            for c in quant_plan.DUAL_CS
         )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
@@ -386,7 +386,7 @@ def build_emulator(workdir: Path):
             "-fno-strict-aliasing",
             "-Wno-unknown-pragmas",
             f"-I{KERNELS}",
-            *mxfp8_cuda._options(),  # the same -D switches as the NVRTC build (MOE_EP_QUANT_PIPE, ...)
+            *quant_plan.options(),  # the same -D switches as the NVRTC build (MOE_EP_QUANT_PIPE, ...)
             str(src),
             "-o",
             str(lib),
@@ -404,7 +404,7 @@ def install_emulator(monkeypatch, so) -> None:
     """Route moe_ep.mxfp8_cuda's launches for CPU tensors to the emulator."""
     import re  # noqa: PLC0415
 
-    from moe_ep import mxfp8_cuda  # noqa: PLC0415
+    from moe_ep import mxfp8_cuda, quant_plan  # noqa: PLC0415
 
     def launch(name, grid, args, shared_mem, device):
         params = [int(v) for v in re.findall(r"\d+", name)]
@@ -423,7 +423,7 @@ def install_emulator(monkeypatch, so) -> None:
 
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
     monkeypatch.setattr(mxfp8_cuda, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(mxfp8_cuda, "_sm_count", lambda d: 2)
+    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 2)
 
 
 def test_emulator_builds(tmp_path):
@@ -432,74 +432,74 @@ def test_emulator_builds(tmp_path):
 
 def test_quant_grid_full_and_balanced(monkeypatch):
     """MOE_EP_QUANT_GRID: the persistent grid of the row-wise kernels on a 132-SM GPU (hand-worked numbers)."""
-    from moe_ep import mxfp8_cuda
+    from moe_ep import quant_plan
 
-    monkeypatch.setattr(mxfp8_cuda, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
     dev = torch.device("cpu")
-    blocked, grouped = mxfp8_cuda._RS["blocked"], mxfp8_cuda._RS["grouped"]
+    blocked, grouped = quant_plan.RS["blocked"], quant_plan.RS["grouped"]
     monkeypatch.delenv("MOE_EP_QUANT_GRID", raising=False)
     # blocked bf16: pipe 3, 3 CTAs per SM = 396 slots; grouped: pipe 2, 2 per SM = 264
-    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 396
-    assert mxfp8_cuda._quant_ctas(100, 2, blocked, 0, dev) == 100
-    assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 264
-    assert mxfp8_cuda._quant_ctas(2048, 2, 0, mxfp8_cuda._CS["blocked"], dev) == 2048  # column-only: pipe 0
-    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, mxfp8_cuda._CS["blocked"], dev) == 396  # fused: pipe 3
-    assert mxfp8_cuda._quant_ctas(2048, 4, blocked, mxfp8_cuda._CS["blocked"], dev) == 2048  # fp32: pipe 0
+    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 396
+    assert quant_plan.quant_ctas(100, 2, blocked, 0, dev) == 100
+    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 264
+    assert quant_plan.quant_ctas(2048, 2, 0, quant_plan.CS["blocked"], dev) == 2048  # column-only: pipe 0
+    assert quant_plan.quant_ctas(2048, 2, blocked, quant_plan.CS["blocked"], dev) == 396  # fused: pipe 3
+    assert quant_plan.quant_ctas(2048, 4, blocked, quant_plan.CS["blocked"], dev) == 2048  # fp32: pipe 0
     # column-only bf16 under auto: pipe 3 from 32 * 396 = 12672 tiles (persistent grid), else one CTA per tile
-    col = mxfp8_cuda._CS["blocked"]
-    assert mxfp8_cuda._requested_pipe(2, 0, col, 16384, dev) == 3  # [131072, 2048]
-    assert mxfp8_cuda._requested_pipe(2, 0, col, 12672, dev) == 3  # the boundary: exactly 32 tiles per slot
-    assert mxfp8_cuda._requested_pipe(2, 0, col, 12671, dev) == -1
-    assert mxfp8_cuda._quant_ctas(16384, 2, 0, col, dev, 3) == 396
-    assert mxfp8_cuda._requested_pipe(2, 0, col, 4096, dev) == -1  # [32768, 2048]: the kernel's auto, pipe 0
-    assert mxfp8_cuda._requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 3
-    assert mxfp8_cuda._requested_pipe(2, blocked, col, 16384, dev) == -1  # fused: already 3 by the kernel's auto
+    col = quant_plan.CS["blocked"]
+    assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 3  # [131072, 2048]
+    assert quant_plan.requested_pipe(2, 0, col, 12672, dev) == 3  # the boundary: exactly 32 tiles per slot
+    assert quant_plan.requested_pipe(2, 0, col, 12671, dev) == -1
+    assert quant_plan.quant_ctas(16384, 2, 0, col, dev, 3) == 396
+    assert quant_plan.requested_pipe(2, 0, col, 4096, dev) == -1  # [32768, 2048]: the kernel's auto, pipe 0
+    assert quant_plan.requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 3
+    assert quant_plan.requested_pipe(2, blocked, col, 16384, dev) == -1  # fused: already 3 by the kernel's auto
     monkeypatch.setenv("MOE_EP_QUANT_PIPE", "0")
-    assert mxfp8_cuda._requested_pipe(2, 0, col, 16384, dev) == 0  # an explicit switch wins
+    assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 0  # an explicit switch wins
     monkeypatch.delenv("MOE_EP_QUANT_PIPE")
     monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
-    assert mxfp8_cuda._quant_ctas(2048, 2, blocked, 0, dev) == 342  # ceil(2048 / 6): 6 tiles per CTA
-    assert mxfp8_cuda._quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
+    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 342  # ceil(2048 / 6): 6 tiles per CTA
+    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
 
 
 def test_dual_kernel_plan(monkeypatch):
     """Which grouped-dual kernel a bf16 input gets, its depth, grid and shared memory (hand-worked, 132 SMs)."""
-    from moe_ep import mxfp8_cuda
+    from moe_ep import quant_plan
 
-    monkeypatch.setattr(mxfp8_cuda, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL", raising=False)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES", raising=False)
     dev = torch.device("cpu")
-    grouped, gnt, gprep = mxfp8_cuda._RS["grouped"], mxfp8_cuda._CS["grouped_nt"], mxfp8_cuda._CS["grouped_prep"]
+    grouped, gnt, gprep = quant_plan.RS["grouped"], quant_plan.CS["grouped_nt"], quant_plan.CS["grouped_prep"]
     # auto depth: 4 stages from 32 tiles per SM (4224 on 132 SMs), else 2
-    assert [mxfp8_cuda._dual_stages(t, dev) for t in (16128, 4224, 4223, 2560)] == [4, 4, 2, 2]
+    assert [quant_plan.dual_stages(t, dev) for t in (16128, 4224, 4223, 2560)] == [4, 4, 2, 2]
     # [32768, 7168] in 32 groups: (256 + 32) row tiles x 56 column tiles; 4 stages, one CTA per SM;
     # shared memory = group table 16 * 33 + 4 stages of 32 KB + two 512-byte row-scale tiles
     x = torch.empty(32768, 7168, dtype=torch.bfloat16)
-    plan = mxfp8_cuda._quant_plan(x, 32768, 7168, grouped, gnt, 32, 288, None)
+    plan = quant_plan.quant_plan(x, 32768, 7168, grouped, gnt, 32, 288, None)
     assert plan == ("mx_quant_dual<1,4,4>", 132, 528 + 4 * 32768 + 1024, 288, 56)
     # [16384, 2048]: 160 x 16 = 2560 tiles -> 2 stages, 3 CTAs per SM
     x = torch.empty(16384, 2048, dtype=torch.bfloat16)
-    assert mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gprep, 32, 160, None)[:3] == (
+    assert quant_plan.quant_plan(x, 16384, 2048, grouped, gprep, 32, 160, None)[:3] == (
         "mx_quant_dual<1,5,2>",
         396,
         528 + 2 * 32768 + 1024,
     )
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "3")
-    assert mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[:2] == ("mx_quant_dual<1,4,3>", 264)
+    assert quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[:2] == ("mx_quant_dual<1,4,3>", 264)
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "7")
     with pytest.raises(ValueError, match="MOE_EP_QUANT_DUAL_STAGES"):
-        mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)
+        quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
     # many groups: the table takes shared memory; 700 groups leave room for 2 CTAs per SM, not 3
-    assert mxfp8_cuda._dual_plan(2560, 700, dev) == (2, 264, 16 * 701 + 2 * 32768 + 1024)
+    assert quant_plan.dual_plan(2560, 700, dev) == (2, 264, 16 * 701 + 2 * 32768 + 1024)
     # 2500 groups at 6 stages would exceed 227 KiB per CTA: the depth comes down to 5
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "6")
-    assert mxfp8_cuda._dual_plan(100000, 2500, dev) == (5, 132, 16 * 2501 + 5 * 32768 + 1024)
+    assert quant_plan.dual_plan(100000, 2500, dev) == (5, 132, 16 * 2501 + 5 * 32768 + 1024)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
-    assert mxfp8_cuda._dual_plan(2560, 20000, dev) is None  # not even 2 stages: the launcher takes mx_quant
+    assert quant_plan.dual_plan(2560, 20000, dev) is None  # not even 2 stages: the launcher takes mx_quant
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")  # the shared-memory transpose of mx_quant
-    assert mxfp8_cuda._quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<1,3,4")
+    assert quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<1,3,4")
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
-    assert mxfp8_cuda._quant_plan(x.float(), 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<0,3,4")
+    assert quant_plan.quant_plan(x.float(), 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<0,3,4")

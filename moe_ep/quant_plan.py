@@ -1,0 +1,247 @@
+"""Launch plans of the quantization kernels in ``kernels/quantize.cu``: which kernel a call takes, its grid and its
+shared memory (host arithmetic only; :mod:`moe_ep.mxfp8_cuda` launches what this module decides).
+
+Kernels: ``mx_quant`` (every mode; tile pipelining by MOE_EP_QUANT_PIPE), ``mx_quant_dual`` (bf16 grouped dual,
+kernels/quant_dual.cuh), ``mx_swiglu_dual`` (SwiGLU forward / backward, kernels/quant_swiglu.cuh), ``mx_dequant``.
+The mode codes (IN, RS, CS) are kernels/quantize.cu's. :func:`sm_count` is the one place that asks the device
+(the CPU emulator of tests/test_quant_hostmath.py replaces it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _cuda
+
+TILE = 128
+IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3, "uniform": 4}
+CS = {"none": 0, "plain": 1, "blocked": 2, "nt": 3, "grouped_nt": 4, "grouped_prep": 5}
+IN_SWIGLU, IN_SWIGLU_BWD, IN_SWIGLU_BWD16 = 3, 4, 5
+
+QUANT_COMBOS = (
+    [(i, r, 0) for i in range(3) for r in (1, 2, 3, 4)]
+    + [(i, 0, c) for i in range(3) for c in (1, 2, 3)]
+    + [(i, r, c) for i in range(3) for r in (1, 2) for c in (1, 2)]
+    # grouped row-wise + per-group column-wise (MXFP8, or 5: the wgrad's prepared bf16 operand); IN 3 = SwiGLU of
+    # bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
+    + [(i, 3, c) for c in (4, 5) for i in (0, 1, 3, 4, 5)]
+)
+# column-only modes of 16-bit inputs, also compiled with pipe 3 (chosen at launch for large inputs: requested_pipe)
+COL_PIPE3_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
+# the register-tiled dual quantizer (kernels/quant_dual.cuh): bf16, grouped rows + per-group columns in x's layout
+DUAL_CS = (4, 5)
+DUAL_STAGES = (2, 3, 4, 5, 6)  # cp.async stages of 32 KB; CTAs per SM: 3, 2, then 1 (kernels/quant_dual.cuh)
+NAMES = (
+    tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in QUANT_COMBOS)
+    + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in COL_PIPE3_COMBOS)
+    + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
+    + tuple(f"mx_quant_dual<1,{c},{st}>" for c in DUAL_CS for st in DUAL_STAGES)
+    + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in DUAL_CS)
+    + ("mx_swiglu_div_check",)
+)
+
+
+SMEM_FIXED = 3584  # kernels/quantize.cu MX_SMEM_FIXED
+SMEM_GPREP = 2048  # kernels/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantization multipliers)
+
+
+def pipe_switch() -> int:
+    """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
+    prefetch, 3 persistent + cp.async double buffer in shared memory (16-bit inputs; fp32 falls back to 0 for 2
+    and 3, column-wise/fused modes to 0 for 1 and 2); unset or "auto" (-1): the per-mode best measured
+    (kernels/quantize.cu QuantCfg)."""
+    v = os.environ.get("MOE_EP_QUANT_PIPE", "auto")
+    if v not in ("auto", "0", "1", "2", "3"):
+        raise ValueError(f"MOE_EP_QUANT_PIPE must be auto, 0, 1, 2 or 3, got {v!r}")
+    return -1 if v == "auto" else int(v)
+
+
+def options() -> tuple[str, ...]:
+    soft = ("-DMX_SOFT_CVT=1",) if os.environ.get("MOE_EP_MXFP8_SOFT_CVT", "0") == "1" else ()
+    return soft + (f"-DMX_PIPE={pipe_switch()}",)
+
+
+# Column-only inputs with at least this many tiles per CTA slot of pipe 3 (3 per SM) take pipe 3 under "auto".
+# Measured on H200 (bench_quant --pipes, benchmarks/NOTES.md "Column-only pipelining by size"): pipe 3 ahead at
+# M = 131072 (>= 41 tiles per slot), pipe 0 ahead at 16384-32768 x 2048 (<= 10.3), equal in between.
+COL_PIPE3_TILES_PER_SLOT = 32
+PIPE3_CTAS_PER_SM = 3  # kernels/quantize.cu QuantCfg::MINB of pipes 1 and 3 (pipe 3: two 32 KB stages per CTA)
+
+
+def requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: torch.device) -> int:
+    """The pipe a launch asks for: MOE_EP_QUANT_PIPE, except that under "auto" (-1) a column-only 16-bit input of
+    many tiles takes 3 (the persistent cp.async pipeline; the one-tile-per-CTA grid wins on smaller inputs).
+
+    Example (132 SMs): bf16 x [131072, 2048], column-only: 16384 tiles >= 32 * 3 * 132 = 12672 -> 3;
+    [32768, 2048]: 4096 tiles -> -1 (the kernel's auto: 0).
+    """
+    pipe = pipe_switch()
+    if pipe < 0 and rs_mode == 0 and cs_mode != 0 and es == 2:
+        if tiles >= COL_PIPE3_TILES_PER_SLOT * PIPE3_CTAS_PER_SM * sm_count(device):
+            return 3
+    return pipe
+
+
+def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None) -> int:
+    """The pipelining the kernel compiles for this mode and requested pipe (default: MOE_EP_QUANT_PIPE; see
+    kernels/quantize.cu QuantCfg)."""
+    pipe = pipe_switch() if pipe is None else pipe
+    if pipe < 0:  # kernels/quantize.cu QuantCfg::WANT
+        if cs_mode != 0:
+            pipe = 0 if rs_mode == 0 else 3
+        else:
+            pipe = 2 if rs_mode == RS["grouped"] else 3
+    return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe != 3) else pipe
+
+
+def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
+    """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
+    pipe = effective_pipe(es, rs_mode, cs_mode, pipe)
+    if pipe == 0:
+        return tiles
+    per_sm = 2 if pipe == 2 else PIPE3_CTAS_PER_SM
+    full = min(tiles, per_sm * sm_count(device))
+    if os.environ.get("MOE_EP_QUANT_GRID", "full").strip().lower() != "balanced":
+        # Default: every CTA slot of the GPU. Measured on H200 (benchmarks/NOTES.md, pass 4): more bytes in
+        # flight beat an even tile count; the balanced grid lost 0-6 points of copy bandwidth.
+        return full
+    # Balanced: as few CTAs as still give every CTA the same number of tiles (+-1), so no short last round runs
+    # with a fraction of the CTAs (2048 tiles: 342 CTAs x 6 instead of 396 x 5.17).
+    return cdiv(tiles, cdiv(tiles, full))
+
+
+def dual_impl() -> str:
+    """MOE_EP_QUANT_DUAL: ``reg`` (default) runs bf16 grouped-dual inputs through the register-tiled
+    ``mx_quant_dual`` (kernels/quant_dual.cuh) and the SwiGLU forward / backward (bf16 dh) through
+    ``mx_swiglu_dual`` (kernels/quant_swiglu.cuh); ``smem`` keeps all of them on mx_quant's shared-memory
+    transpose (the kernel they replaced, kept for A/B measurements). Both write the same bytes."""
+    v = os.environ.get("MOE_EP_QUANT_DUAL", "reg").strip().lower()
+    if v not in ("reg", "smem"):
+        raise ValueError(f"MOE_EP_QUANT_DUAL must be reg or smem, got {v!r}")
+    return v
+
+
+# mx_quant_dual's depth under "auto": 4 stages (1 CTA per SM, 3 tiles in flight) from this many tiles per SM, else
+# 2 (3 CTAs per SM). Measured on H200 (benchmarks/NOTES.md, "Register-tiled grouped dual"): 4 stages ahead by 1.4-6.3
+# points of copy from 35 tiles per SM, behind by 3.5 at 19 (16384 x 2048, where the last round dominates).
+DUAL_DEEP_TILES_PER_SM = 32
+
+
+def dual_stages(tiles: int, device: torch.device) -> int:
+    """cp.async stages of mx_quant_dual: MOE_EP_QUANT_DUAL_STAGES (2-6), or under "auto" (default) 4 for inputs of
+    at least 32 tiles per SM and 2 below.
+
+    Example (132 SMs): bf16 [32768, 7168] with 32 groups: (256 + 32) * 56 = 16128 tiles >= 4224 -> 4;
+    [16384, 2048]: (128 + 32) * 16 = 2560 tiles -> 2.
+    """
+    v = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
+    if v == "auto":
+        return 4 if tiles >= DUAL_DEEP_TILES_PER_SM * sm_count(device) else 2
+    if v not in ("2", "3", "4", "5", "6"):
+        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {v!r}")
+    return int(v)
+
+
+SMEM_PER_SM = 233472  # Hopper: 228 KiB of shared memory per SM ...
+SMEM_PER_CTA = 232448  # ... at most 227 KiB of it per CTA, and 1 KiB reserved per resident CTA
+
+
+def dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
+    """(stages, grid, shared memory) of mx_quant_dual; None when even 2 stages do not fit next to the group table.
+
+    Shared memory = group table 16 (G + 1) + stages x 32 KB + two 512-byte row-scale tiles. The depth from
+    :func:`dual_stages` comes down while it does not fit one CTA; the persistent grid is every CTA slot, the
+    fewer of the register bound (3, 2, then 1 CTA per SM for 2, 3, >= 4 stages) and the shared-memory bound.
+
+    Example (132 SMs): 32 groups, 2 stages: 67088 B, 3 CTAs per SM, grid 396; 700 groups: 77776 B, 2 per SM (264).
+    """
+    st = dual_stages(tiles, device)
+
+    def smem_of(s: int) -> int:
+        return 16 * (n_groups + 1) + s * TILE * TILE * 2 + 2 * 512
+
+    while st > 2 and smem_of(st) > SMEM_PER_CTA:
+        st -= 1
+    smem = smem_of(st)
+    if smem > SMEM_PER_CTA:
+        return None
+    per_sm = min({2: 3, 3: 2}.get(st, 1), SMEM_PER_SM // (smem + 1024))
+    return st, min(tiles, per_sm * sm_count(device)), smem
+
+
+def swiglu_plan(bwd: bool, k: int, h_tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
+    """(stages, grid, shared memory) of mx_swiglu_dual (kernels/quant_swiglu.cuh); None: mx_quant runs instead.
+
+    k: the output width (F forward, 2F backward); h_tiles: its 128 x 128 tiles of h. The backward needs
+    F % 128 == 0 (its up tile must start on a tile of the blocked scales). A stage holds 2 (forward: gate, up)
+    or 3 (backward: and dh) streams of 32 KB; depth 3 forward and 2 backward (1 CTA per SM either way; under
+    MOE_EP_QUANT_DUAL_STAGES=2 the forward takes 2 as well), coming down while it does not fit.
+
+    Example (132 SMs): forward, 32 groups: 528 + 3 * 65536 + 1024 = 198160 B, grid min(tiles, 132); backward of
+    F = 2048 with 32 groups: 528 + 2 * 98304 + 2048 = 199184 B; backward of F = 96: None.
+    """
+    if bwd and k % (2 * TILE):
+        return None
+    streams = 3 if bwd else 2
+    env = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
+    if env not in ("auto", "2", "3", "4", "5", "6"):
+        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {env!r}")
+    st = 2 if bwd or env == "2" else 3
+
+    def smem_of(s: int) -> int:
+        return 16 * (n_groups + 1) + s * streams * TILE * TILE * 2 + 2 * (1 + bwd) * 512
+
+    while st > 2 and smem_of(st) > SMEM_PER_CTA:
+        st -= 1
+    if smem_of(st) > SMEM_PER_CTA:
+        return None
+    return st, min(h_tiles, sm_count(device)), smem_of(st)
+
+
+def sm_count(device: torch.device) -> int:
+    return _cuda.num_sms(device)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quant_plan(
+    x: torch.Tensor, m: int, k: int, rs_mode: int, cs_mode: int, n_groups: int, n_row_tiles: int | None, in_code
+) -> tuple[str, int, int, int, int] | None:
+    """(kernel name, grid, shared memory, row tiles, column tiles) of an mx_quant launch; None: nothing to do.
+    x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
+    ctiles = cdiv(k, TILE)
+    if n_row_tiles is None:
+        n_row_tiles = cdiv(m, TILE)
+    tiles = n_row_tiles * ctiles
+    if tiles == 0:
+        return None
+    in_code = IN[x.dtype] if in_code is None else in_code
+    reg = rs_mode == RS["grouped"] and cs_mode in DUAL_CS and dual_impl() == "reg"
+    if reg and in_code == IN[torch.bfloat16]:
+        plan = dual_plan(tiles, n_groups, x.device)
+        if plan is not None:
+            st, grid, smem = plan
+            return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
+    if reg and in_code in (IN_SWIGLU, IN_SWIGLU_BWD16):
+        bwd = in_code == IN_SWIGLU_BWD16
+        plan = swiglu_plan(bwd, k, tiles // 2 if bwd else tiles, n_groups, x.device)
+        if plan is not None:
+            st, grid, smem = plan
+            return f"mx_swiglu_dual<{int(bwd)},{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
+    # bytes of a staged element: the SwiGLU inputs stage their fp32 results
+    es = 4 if in_code in (0, IN_SWIGLU, IN_SWIGLU_BWD, IN_SWIGLU_BWD16) else x.element_size()
+    env_pipe = pipe_switch()
+    req = requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
+    grid = quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
+    table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
+    pipe3 = effective_pipe(es, rs_mode, cs_mode, req) == 3
+    stages = 2 * TILE * TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
+    fixed = SMEM_FIXED + (SMEM_GPREP if cs_mode == CS["grouped_prep"] else 0)
+    smem = (TILE * TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
+    name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
+    return name, grid, smem, n_row_tiles, ctiles
