@@ -127,11 +127,12 @@ __device__ __forceinline__ float swd_div(float x, float d) {
 __device__ __forceinline__ float swd_swiglu(float g, float u) { return mx_mul(swd_div(g, mx_add(1.0f, expf(-g))), u); }
 __device__ __forceinline__ float swd_sigmoid(float g) { return swd_div(1.0f, mx_add(1.0f, expf(-g))); }
 
-// Where swd_div may stand for div.rn, on bf16 |g| bits a (16-bit halves of a word, as the kernel sees them): the
-// sigmoid (backward) needs a <= 69.0 (0x428A; d = 1 + expf(-g) <= 2**100, so the reciprocal stays normal); silu
-// (forward) divides g itself and also needs g zero or |g| >= 2**-100 (0x0D80: no subnormal or tiny quotient). NaN
-// and Inf are outside both. State per thread, over 2 bf16 per word: amax = max a, cmin = min of
-// ((a | 0x8000) - 1) ^ 0x8000 per half (0xFFFF for a = 0, a - 1 otherwise: "a in [1, 0x0D7F]" is cmin < 0x0D7F).
+// Where swd_div stands for div.rn, on bf16 |g| bits a (16-bit halves of a word, as the kernel sees them): a <= 69.0
+// (0x428A; d = 1 + expf(-g) <= 2**100, so the reciprocal stays normal), and in the forward, which divides g itself,
+// also g zero or |g| >= 2**-100 (0x0D80). The lower bound is a margin, not a measured need: a GPU check during the
+// review found the quotient exact for every |g| <= 80, subnormals included. NaN and Inf are outside both. State per
+// thread, over 2 bf16 per word: amax = max a, cmin = min of ((a | 0x8000) - 1) ^ 0x8000 per half (0xFFFF for a = 0,
+// a - 1 otherwise: "a in [1, 0x0D7F]" is cmin < 0x0D7F).
 struct SwdDomain {
     unsigned amax = 0u, cmin = 0xFFFFFFFFu;
     __device__ __forceinline__ void add(unsigned w) {
@@ -147,30 +148,33 @@ struct SwdDomain {
 };
 
 // For the test: out[8 i ..] = fp32 bits of swd_swiglu(g, 1), mx_swiglu(g, 1), swd_sigmoid(g), mx_sigmoid(g), then
-// SwdDomain's verdict for g alone (forward, backward), 0, 0, for the n bf16 values g = in[i].
+// SwdDomain's verdict (forward, backward) for a word holding g in its low half, then in its high half (the other
+// half 0, which is in both ranges), for the n bf16 values g = in[i].
 __global__ void mx_swiglu_div_check(const unsigned short* __restrict__ in, unsigned* __restrict__ out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float g = __uint_as_float((unsigned)in[i] << 16);
-    SwdDomain dom;
-    dom.add(in[i]);  // the other half of the word is 0, which is in both ranges
+    SwdDomain lo, hi;
+    lo.add(in[i]);
+    hi.add((unsigned)in[i] << 16);
     const unsigned o[8] = {__float_as_uint(swd_swiglu(g, 1.0f)), __float_as_uint(mx_swiglu(g, 1.0f)),
                            __float_as_uint(swd_sigmoid(g)),       __float_as_uint(mx_sigmoid(g)),
-                           dom.ok(true),                          dom.ok(false),
-                           0u,                                    0u};
+                           lo.ok(true),                           lo.ok(false),
+                           hi.ok(true),                           hi.ok(false)};
     for (int j = 0; j < 8; ++j) out[8LL * i + j] = o[j];
 }
 
-// Both quantizations of the thread's 8 x 8 fp32 block (tile rows tr0 + i, output columns oc .. oc + 7 of the
-// [M, K] output), whose row i vals(i, f) writes into f[8]. rkey / ckey: |v| bit keys of the thread's 8 rows / 8 columns, already reduced over the 4 lanes
-// of each 1x32 / 32x1 block. cok: the columns exist (not past F); nr: rows i < nr exist (0 when !cok); blk_ok:
-// the warp's 32-row column block exists.
-// The row scale bytes go to the 512-byte shared cuBLAS tile st (0 for rows past the group or columns past K).
+// Both quantizations of the thread's 8 x 8 fp32 block (tile rows tr0 + i, output columns oc .. oc + 7 of the [M, K]
+// output), whose row i vals(i, f) writes into f[8]. rkey / ckey: |v| bit keys of the thread's 8 rows / 8 columns,
+// already reduced over the 4 lanes of each 1x32 / 32x1 block. cok: the columns exist (not past F); nr: rows i < nr
+// exist (0 when !cok); blk_ok: the warp's 32-row column block exists. The row scale bytes go to the 512-byte shared
+// cuBLAS tile st (0 for rows past the group or columns past K).
 template <int CS, class Vals>
 __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8], const unsigned (&ckey)[8],
-                                         long long row0, int nrows, long long bs, int K, int oc, bool cok, int nr, bool blk_ok,
-                                         int tr0, int mb, int lane, int warp, unsigned char* __restrict__ rq,
-                                         unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
+                                         long long row0, int nrows, long long bs, int K, int oc, bool cok, int nr,
+                                         bool blk_ok, int tr0, int mb, int lane, int warp,
+                                         unsigned char* __restrict__ rq, unsigned char* __restrict__ cq,
+                                         unsigned char* __restrict__ cs,
                                          unsigned char* st) {
     float cmul[8], cdeq[8];
     unsigned cnan[2] = {0u, 0u}, csb[2] = {0u, 0u};
@@ -357,8 +361,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
                 for (int e = 0; e < 8; ++e) f[e] = h[i][e];
             };
-            swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
-                         cq, cs, st);
+            swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                         warp, rq, cq, cs, st);
         } else {
             // sigmoid(g) stays in registers (64), dA is recomputed from it at each use (6 and 2 fp32 operations):
             // keeping both halves of dA (128 registers) spilled.
@@ -401,8 +405,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
             }
             swd_reduce_keys(rg, cg);
             swd_reduce_keys(ru, cu);
-            swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp, rq,
-                         cq, cs, st);
+            swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                         warp, rq, cq, cs, st);
             swd_emit<CS>(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp,
                          rq, cq, cs, st + 512);
         }

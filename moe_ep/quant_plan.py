@@ -146,7 +146,9 @@ def dual_stages(tiles: int, device: torch.device) -> int:
 
 
 SMEM_PER_SM = 233472  # Hopper: 228 KiB of shared memory per SM ...
-SMEM_PER_CTA = 232448  # ... at most 227 KiB of it per CTA, and 1 KiB reserved per resident CTA
+SMEM_PER_CTA = 232448  # ... at most 227 KiB of it per CTA (static + dynamic), and 1 KiB reserved per resident CTA
+SMEM_STATIC = 128  # static shared memory of the grouped kernels: grouped_table's warp partials (quant_sched.cuh)
+SMEM_DYNAMIC_MAX = SMEM_PER_CTA - SMEM_STATIC  # the most dynamic shared memory such a launch may ask for
 
 
 def dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
@@ -163,12 +165,12 @@ def dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int
     def smem_of(s: int) -> int:
         return 16 * (n_groups + 1) + s * TILE * TILE * 2 + 2 * 512
 
-    while st > 2 and smem_of(st) > SMEM_PER_CTA:
+    while st > 2 and smem_of(st) > SMEM_DYNAMIC_MAX:
         st -= 1
     smem = smem_of(st)
-    if smem > SMEM_PER_CTA:
+    if smem > SMEM_DYNAMIC_MAX:
         return None
-    per_sm = min({2: 3, 3: 2}.get(st, 1), SMEM_PER_SM // (smem + 1024))
+    per_sm = min({2: 3, 3: 2}.get(st, 1), SMEM_PER_SM // (smem + SMEM_STATIC + 1024))
     return st, min(tiles, per_sm * sm_count(device)), smem
 
 
@@ -194,9 +196,9 @@ def swiglu_plan(bwd: bool, k: int, h_tiles: int, n_groups: int, device: torch.de
     def smem_of(s: int) -> int:
         return 16 * (n_groups + 1) + s * streams * TILE * TILE * 2 + 2 * (1 + bwd) * 512
 
-    while st > 2 and smem_of(st) > SMEM_PER_CTA:
+    while st > 2 and smem_of(st) > SMEM_DYNAMIC_MAX:
         st -= 1
-    if smem_of(st) > SMEM_PER_CTA:
+    if smem_of(st) > SMEM_DYNAMIC_MAX:
         return None
     return st, min(h_tiles, sm_count(device)), smem_of(st)
 
@@ -212,7 +214,8 @@ def cdiv(a: int, b: int) -> int:
 def quant_plan(
     x: torch.Tensor, m: int, k: int, rs_mode: int, cs_mode: int, n_groups: int, n_row_tiles: int | None, in_code
 ) -> tuple[str, int, int, int, int] | None:
-    """(kernel name, grid, shared memory, row tiles, column tiles) of an mx_quant launch; None: nothing to do.
+    """(kernel name, grid, shared memory, row tiles, column tiles) of a quantization launch (mx_quant, mx_quant_dual
+    or mx_swiglu_dual); None: nothing to do.
     x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
     ctiles = cdiv(k, TILE)
     if n_row_tiles is None:

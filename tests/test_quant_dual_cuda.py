@@ -342,7 +342,7 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, colwise, monkeypatch):
     summing to M, to less (rows past the groups untouched) and to more (clamped at M), several tiles per CTA, and
     (forward) a partial last column tile. Kernel against kernel, so the emulator is exact too (same host expf)."""
     bwd = mode == "backward"
-    if _big(dev):  # 4 (backward) / 5 (forward) column tiles of h x 106 row tiles over 132 CTAs
+    if _big(dev):  # 4 (backward) / 5 (forward) column tiles of h x 106-107 row tiles over 132 CTAs
         sizes, f = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 512 if bwd else 608
     else:
         sizes, f = [0, 200, 1, 127, 33, 0, 64], 256 if bwd else 160
@@ -414,6 +414,12 @@ def test_swiglu_kernel_plan(monkeypatch):
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
     # 2200 groups: 3 forward stages no longer fit next to the table (35216 + 196608 + 1024 > 232448), 2 do
     assert quant_plan.swiglu_plan(False, 2048, 5000, 2200, torch.device("cpu"))[0] == 2
+    # The 128 bytes of static shared memory (the group scan's partials) count against the 227 KiB too: 2170 groups
+    # forward, 16 * 2171 + 3 * 65536 + 1024 = 232368 bytes, would pass a dynamic-only check (232448) but not
+    # 232448 - 128, so 2 stages; 2106 groups backward, 16 * 2107 + 2 * 98304 + 2048 = 232368: mx_quant.
+    assert quant_plan.swiglu_plan(False, 2048, 5000, 2170, torch.device("cpu")) == (2, 132, 16 * 2171 + 131072 + 1024)
+    assert quant_plan.swiglu_plan(True, 4096, 5000, 2106, torch.device("cpu")) is None
+    assert quant_plan.swiglu_plan(True, 4096, 5000, 2100, torch.device("cpu"))[0] == 2  # 232272 bytes fit
     # 2200 groups leave no room for the backward's 2 stages of 96 KB: mx_quant
     assert quant_plan.quant_plan(a, 32768, 4096, grouped, gnt, 2200, 2456, bwd16)[0].startswith("mx_quant<5,3,4")
     # backward with F % 128 != 0 (F = 96: dA's up half starts inside a tile of the blocked scales), or fp32 dh
@@ -430,7 +436,8 @@ def test_swiglu_branch_free_division_every_bf16():
     """mx_swiglu_dual's branch-free division (swd_div) == div.rn.f32 for every division the kernel does with it:
     g / d (forward) and 1 / d (backward), d = 1 + expf(-g), over every bf16 g of the range its per-thread check
     (SwdDomain) admits; that check admits exactly the documented range (|g| <= 69; forward also g zero or
-    |g| >= 2**-100), hand-counted: 2 + 2 * (0x428A - 0x0D80 + 1) forward, 2 * (0x428A + 1) backward values."""
+    |g| >= 2**-100) with g in either half of a word, hand-counted: 2 + 2 * (0x428A - 0x0D80 + 1) forward,
+    2 * (0x428A + 1) backward values."""
     from moe_ep import _cuda
 
     dev = torch.device("cuda")
@@ -443,6 +450,7 @@ def test_swiglu_branch_free_division_every_bf16():
     want_fwd = (a == 0) | ((a >= 0x0D80) & (a <= 0x428A))
     want_bwd = a <= 0x428A
     assert torch.equal(out[:, 4].bool(), want_fwd) and torch.equal(out[:, 5].bool(), want_bwd)
+    assert torch.equal(out[:, 6].bool(), want_fwd) and torch.equal(out[:, 7].bool(), want_bwd)  # g in the high half
     assert int(want_fwd.sum()) == 2 + 2 * (0x428A - 0x0D80 + 1) and int(want_bwd.sum()) == 2 * (0x428A + 1)
     g = bits.view(torch.bfloat16).float()
     for what, fast, ieee, dom in (("silu", 0, 1, want_fwd), ("sigmoid", 2, 3, want_bwd)):

@@ -260,7 +260,7 @@ static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define __align__(n) alignas(n)
 thread_local dim3 threadIdx, blockIdx;
 static dim3 gridDim, blockDim;
-alignas(16) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // the largest: mx_quant_dual's 6 stages + tables
+alignas(16) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // >= every plan's dynamic shared memory (227 KiB)
 #define MX_DYN_SMEM(name) unsigned char* name = g_smem
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
@@ -497,6 +497,10 @@ def test_dual_kernel_plan(monkeypatch):
     # 2500 groups at 6 stages would exceed 227 KiB per CTA: the depth comes down to 5
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "6")
     assert quant_plan.dual_plan(100000, 2500, dev) == (5, 132, 16 * 2501 + 5 * 32768 + 1024)
+    # static shared memory (128 bytes) counts too: 2168 groups at 6 stages need 232336 dynamic bytes, under 227 KiB
+    # (232448) but over 232448 - 128
+    assert quant_plan.dual_plan(100000, 2168, dev)[0] == 5
+    assert quant_plan.dual_plan(100000, 2167, dev)[0] == 6
     monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
     assert quant_plan.dual_plan(2560, 20000, dev) is None  # not even 2 stages: the launcher takes mx_quant
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")  # the shared-memory transpose of mx_quant
