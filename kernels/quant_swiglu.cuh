@@ -205,33 +205,16 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
         rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : (unsigned)(e + 127)) : 0u) << (8 * (i & 3));
         float f[8];
         vals(i, f);
-        uint2 q = make_uint2(mx_cvt4_e4m3(mx_mul(f[0], s), mx_mul(f[1], s), mx_mul(f[2], s), mx_mul(f[3], s)),
-                             mx_cvt4_e4m3(mx_mul(f[4], s), mx_mul(f[5], s), mx_mul(f[6], s), mx_mul(f[7], s)));
-        if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
-        unsigned o[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            o[h] = (mx_cvt4_e4m3(mx_mul(f[4 * h], cmul[4 * h]), mx_mul(f[4 * h + 1], cmul[4 * h + 1]),
-                                 mx_mul(f[4 * h + 2], cmul[4 * h + 2]), mx_mul(f[4 * h + 3], cmul[4 * h + 3])) &
-                    ~cnan[h]) |
-                   (0x7F7F7F7Fu & cnan[h]);
+        MXD_QUANT_ROW(f, s, bad, cmul, cnan, q, o);
         if (ok) *reinterpret_cast<uint2*>(prq) = q;
         prq += K;
         if (CS == CS_GNT) {
             if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
             pcq += K;
-        } else if (cok && r < wrows) {
-            // The exact value of each byte times 2**E, rounded once to bf16 (as mx_quant_dual); NaN blocks 0x7FC0.
+        } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
             unsigned b[4] = {0u, 0u, 0u, 0u};
             if (r < nrows) {
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    float lo, hi;
-                    mx_e4m3x2_to_f32(o[p >> 1] >> (16 * (p & 1)), lo, hi);
-                    const unsigned nm = __byte_perm(cnan[p >> 1], 0u, (p & 1) ? 0x3322u : 0x1100u);
-                    b[p] = (mx_pack16x2<1>(mx_mul(lo, cdeq[2 * p]), mx_mul(hi, cdeq[2 * p + 1])) & ~nm) |
-                           (0x7FC07FC0u & nm);
-                }
+                MXD_PREP_ROW(b, o, cdeq, cnan);
             }
             *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + oc) * 2) = make_uint4(b[0], b[1], b[2], b[3]);
         }

@@ -26,7 +26,7 @@
 #define IN_F16 2
 #define IN_SWIGLU 3   // bf16 a [M, 2K] = (gate | up); the quantized values are h = silu(gate) * up in fp32 ([M, K])
 #define IN_SWIGLU_BWD 4  // bf16 a [M, K] = (gate | up) and fp32 dh [M, K/2] (x2); quantizes dA = swiglu_bwd(a, dh)
-#define IN_SWIGLU_BWD16 5  // IN_SWIGLU_BWD with a bf16 dh (what the dgrad GEMM writes): no fp32 copy of dh
+#define IN_SWIGLU_BWD16 5  // IN_SWIGLU_BWD with a bf16 dh (the dgrad GEMM's default output): no fp32 copy
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
