@@ -243,7 +243,7 @@ def _dual_args(variant: str, x: torch.Tensor) -> tuple[torch.Tensor, dict, int]:
     """(input, quantize_grouped_dual keyword arguments, quantized width) of a DUAL variant on x [M, K].
 
     swiglu_dual: x plays a = (gate | up), h is [M, K/2]; swiglu_bwd_dual: x plays a, with a bf16 dh [M, K/2]
-    (the dgrad GEMM's default output; expert_mlp_cuda asks it for fp32 dh, which mx_quant takes), dA is [M, K].
+    (the dgrad GEMM's default output, and what expert_mlp_cuda passes), dA is [M, K].
     The SwiGLU variants take bf16 GEMM outputs.
     A "_prep" suffix adds colwise="bf16".
     """

@@ -4,7 +4,8 @@ Per local expert e with rows X_e [n_e, H] (expert-sorted, groups contiguous, siz
   forward   A = X_e @ W13_e^T                 [n_e, 2F], kept in the input dtype (the GEMM's output dtype)
             h = silu(A[:, :F]) * A[:, F:]      fp32
             O = h @ W2_e^T                     [n_e, H]
-  backward  dh = dO @ W2_e,  dW2_e = dO^T @ h,  dA = swiglu_bwd(A, dh),  dX = dA @ W13_e,  dW13_e = dA^T @ X_e
+  backward  dh = dO @ W2_e                     [n_e, F], kept in the input dtype like A (the GEMM's output dtype)
+            dW2_e = dO^T @ h,  dA = swiglu_bwd(A, dh),  dX = dA @ W13_e,  dW13_e = dA^T @ X_e
 
 With ``quantize=True`` every GEMM operand is MXFP8 along its reduction axis, as the Hopper/Blackwell kernels
 will consume it (the recipe: E4M3 everywhere, RCEIL scales):
@@ -153,7 +154,10 @@ def expert_mlp_bwd(
     q = quantize
     h = swiglu(a)
     # dgrad reduces over the weights' output axis: quantize W along it (axis -2), dO along H
-    dh = grouped_mm_torch(_fq(dout, -1, q), _fq(w2, -2, q).transpose(1, 2), group_sizes)
+    # dh is rounded to x.dtype like A in the forward: a bf16 model's dgrad GEMM writes bf16 (torch autograd does
+    # too), and the fast path's fused SwiGLU backward then reads 2 bytes per element instead of 4. The rounding
+    # (2**-9 relative) is far below the e4m3 rounding of dA that follows (2**-4).
+    dh = grouped_mm_torch(_fq(dout, -1, q), _fq(w2, -2, q).transpose(1, 2), group_sizes).to(x.dtype)
     dw2 = grouped_wgrad_torch(
         fake_quantize_grouped_cols(dout, group_sizes, q), fake_quantize_grouped_cols(h, group_sizes, q), group_sizes
     )
