@@ -93,13 +93,13 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
 // (grid-stride) when QuantCfg::PIPE > 0; 256 threads.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
-template <int IN, int RS, int CS, int PREQ = MX_PIPE>
-__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant(const unsigned char* __restrict__ x, long long M, int K,
-                                                      unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
-                                                      unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
-                                                      const int* __restrict__ gsizes, int G, long long group_rows,
-                                                      int n_row_tiles, int ctiles,
-                                                      const unsigned char* __restrict__ x2) {
+// The kernels mx_quant and mx_quant_batch (below) are this body with their pointers.
+template <int IN, int RS, int CS, int PREQ>
+__device__ __forceinline__ void mx_quant_body(const unsigned char* __restrict__ x, long long M, int K,
+                                              unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
+                                              unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
+                                              const int* __restrict__ gsizes, int G, long long group_rows,
+                                              int n_row_tiles, int ctiles, const unsigned char* __restrict__ x2) {
     constexpr int ES = QuantCfg<IN, RS, CS, PREQ>::ES;      // element bytes
     constexpr int PIPE = QuantCfg<IN, RS, CS, PREQ>::PIPE;
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
@@ -463,6 +463,33 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx
             coords(T, rt, ct, row0, nrows, bs);
         }
     }
+}
+
+#define MX_QUANT_PARAMS                                                                                              \
+    const unsigned char *__restrict__ x, long long M, int K, unsigned char *__restrict__ rq,                          \
+        unsigned char *__restrict__ rs, unsigned char *__restrict__ cq, unsigned char *__restrict__ cs,              \
+        const int *__restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,                    \
+        const unsigned char *__restrict__ x2
+
+template <int IN, int RS, int CS, int PREQ = MX_PIPE>
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant(MX_QUANT_PARAMS) {
+    mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2);
+}
+
+// The fused blocked mode (rq + rs blocked, cq = x^T + cs blocked) over a batch of gridDim.y equal [M, K] problems
+// stored back to back (quantize_weights_fused: one launch for all experts instead of one each, which was
+// host-bound for small experts). Problem blockIdx.y: x, rq and cq advance by M * K elements, rs by
+// blocked_size(M, K/32) and cs by blocked_size(K, M/32) bytes; the arguments are those of problem 0. M % 32 == 0.
+template <int IN, int PREQ = MX_PIPE>
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS_BLOCKED, CS_BLOCKED, PREQ>::MINB)
+    mx_quant_batch(MX_QUANT_PARAMS) {
+    constexpr int ES = QuantCfg<IN, RS_BLOCKED, CS_BLOCKED, PREQ>::ES;
+    const long long b = blockIdx.y, mk = b * M * K;
+    const long long rs_bytes = (M + TILE - 1) / TILE * ((K / 32 + 3) / 4) * 512;
+    const long long cs_bytes = ((long long)K + TILE - 1) / TILE * ((M / 32 + 3) / 4) * 512;
+    mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, PREQ>(x + mk * ES, M, K, rq + mk, rs + b * rs_bytes, cq + mk,
+                                                    cs + b * cs_bytes, gsizes, G, group_rows, n_row_tiles,
+                                                    ctiles, x2);
 }
 
 // Dequantization. q: [M, K] e4m3 bytes; rowwise (COLW=0) s: [M, K/32]; columnwise (COLW=1) s: [M/32, K].

@@ -41,6 +41,7 @@ NAMES = (
     + tuple(f"mx_quant_dual<1,{c},{st}>" for c in DUAL_CS for st in DUAL_STAGES)
     + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in DUAL_CS)
     + ("mx_swiglu_div_check",)
+    + tuple(f"mx_quant_batch<{i}>" for i in range(3))  # the fused blocked mode over a batch (3-D weights)
 )
 
 

@@ -335,8 +335,11 @@ def test_weights(dev, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_weights_fused(dev, dtype):
     """quantize_weights_fused: per expert, W row-wise (the bytes of quantize_weights) and W^T quantized along N (the
-    bytes of quantize_weights on the transposed copy) from one fused pass; N and K not multiples of 128."""
-    shapes = [(3, 160, 96), (2, 32, 288), (1, 288, 64)] + ([(4, 2048, 7168)] if _big(dev) else [])
+    bytes of quantize_weights on the transposed copy) from one fused pass; N and K not multiples of 128. One launch
+    for all experts: on the emulator (2 SMs) the last two shapes share a persistent grid smaller than one expert's
+    tiles between the experts (3 x 15 tiles, then 8 x 8 tiles with fewer CTAs than experts)."""
+    shapes = [(3, 160, 96), (2, 32, 288), (1, 288, 64), (3, 384, 544), (8, 256, 512)]
+    shapes += [(4, 2048, 7168), (32, 1536, 2048)] if _big(dev) else []
     for i, (e, n, k) in enumerate(shapes):
         w = make_input(e * n, k, dtype, seed=60 + i).reshape(e, n, k)
         ref, ref_t = quantize_torch(w, -1), quantize_torch(w.transpose(1, 2).contiguous(), -1)

@@ -295,8 +295,8 @@ template <class T> static T __shfl_xor_sync(unsigned, T v, int o) { return shfl_
 template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_impl(v, o, false); }
 #include "quantize.cu"
 
-template <class F> static void run_grid(int grid, F f) {
-    gridDim.x = grid; blockDim.x = 256;
+template <class F> static void run_grid(int grid, F f, int grid_y = 1) {
+    gridDim.x = grid; gridDim.y = grid_y; blockDim.x = 256;
     std::barrier<> cta(256);
     std::vector<std::barrier<>*> w;
     for (int i = 0; i < 8; ++i) w.push_back(new std::barrier<>(32));
@@ -305,7 +305,8 @@ template <class F> static void run_grid(int grid, F f) {
     std::vector<std::thread> th;
     for (int t = 0; t < 256; ++t) th.emplace_back([&, t] {
         threadIdx.x = t;
-        for (int b = 0; b < grid; ++b) { blockIdx.x = b; f(); cta.arrive_and_wait(); }
+        for (int y = 0; y < grid_y; ++y)
+            for (int b = 0; b < grid; ++b) { blockIdx.x = b; blockIdx.y = y; f(); cta.arrive_and_wait(); }
     });
     for (auto& x : th) x.join();
     for (auto* b : w) delete b;
@@ -317,7 +318,7 @@ typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*
 
 // Shared memory past the launch's dynamic size is filled with a canary before the grid runs and checked after it:
 // a kernel that writes beyond what the launcher allocated (a wrong size formula) fails with rc 2.
-extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, long long smem, const unsigned char* x,
+extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, long long smem, const unsigned char* x,
                          long long M, int K, unsigned char* rq, unsigned char* rsp, unsigned char* cq,
                          unsigned char* csp, const int* g, int G, long long group_rows, int nrt, int ctiles,
                          const unsigned char* x2) {
@@ -326,7 +327,7 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, long long sme
     if (!fn) return 1;
     if (smem > (long long)sizeof(g_smem)) return 3;
     memset(g_smem, 0xA5, sizeof(g_smem));
-    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2); });
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2); }, grid_y);
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
     return 0;
@@ -370,6 +371,7 @@ def build_emulator(workdir: Path):
             for b, st in ((0, 2), (0, 3), (1, 2))
             for c in quant_plan.DUAL_CS
         )
+        + " ".join(f"if (in == {i} && rs == 2 && cs == 2 && pp == 100) fn = &mx_quant_batch<{i}>;" for i in range(3))
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
     src = workdir / "emu.cpp"
@@ -395,7 +397,7 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
+    so.emu_quant.argtypes = [i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     return so
 
@@ -409,14 +411,18 @@ def install_emulator(monkeypatch, so) -> None:
     def launch(name, grid, args, shared_mem, device):
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
+        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)  # 2-D: the batched weight launch
         if name.startswith("mx_quant_dual"):  # mx_quant_dual<in,cs,stages>: grouped rows; pipe code -stages
-            rc = so.emu_quant(params[0], 3, params[1], -params[2], grid, shared_mem, *a)
+            rc = so.emu_quant(params[0], 3, params[1], -params[2], gx, gy, shared_mem, *a)
         elif name.startswith("mx_swiglu_dual"):  # mx_swiglu_dual<bwd,cs,stages>: IN 3 / 5, pipe code -(10 + stages)
-            rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], grid, shared_mem, *a)
+            rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], gx, gy, shared_mem, *a)
+        elif name.startswith("mx_quant_batch"):  # mx_quant_batch<in>: the fused blocked mode, pipe code 100
+            rc = so.emu_quant(params[0], 2, 2, 100, gx, gy, shared_mem, *a)
         elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
-            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, grid, shared_mem, *a)
+            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, gx, gy, shared_mem, *a)
         else:
-            rc = so.emu_dequant(*params, grid, *a)
+            assert gy == 1
+            rc = so.emu_dequant(*params, gx, *a)
         assert rc != 2, f"{name} wrote shared memory past the {shared_mem} bytes the launcher allocated"
         assert rc != 3, f"{name}: the launch asks for {shared_mem} bytes of shared memory, more than the emulator has"
         assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
