@@ -485,11 +485,11 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS_BLOCKED, CS_BLOCKED,
     mx_quant_batch(MX_QUANT_PARAMS) {
     constexpr int ES = QuantCfg<IN, RS_BLOCKED, CS_BLOCKED, PREQ>::ES;
     const long long b = blockIdx.y, mk = b * M * K;
-    const long long rs_bytes = (M + TILE - 1) / TILE * ((K / 32 + 3) / 4) * 512;
-    const long long cs_bytes = ((long long)K + TILE - 1) / TILE * ((M / 32 + 3) / 4) * 512;
-    mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, PREQ>(x + mk * ES, M, K, rq + mk, rs + b * rs_bytes, cq + mk,
-                                                    cs + b * cs_bytes, gsizes, G, group_rows, n_row_tiles,
-                                                    ctiles, x2);
+    // rs (blocked [M, K/32]) and cs (blocked [K, M/32]) have the same size: ceil(M/128) x ceil(K/128) tiles of
+    // 512 bytes either way, since M and K are multiples of 32
+    const long long sb = b * ((M + TILE - 1) / TILE) * ((K + TILE - 1) / TILE) * 512;
+    mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, PREQ>(x + mk * ES, M, K, rq + mk, rs + sb, cq + mk, cs + sb, gsizes,
+                                                    G, group_rows, n_row_tiles, ctiles, x2);
 }
 
 // Dequantization. q: [M, K] e4m3 bytes; rowwise (COLW=0) s: [M, K/32]; columnwise (COLW=1) s: [M/32, K].

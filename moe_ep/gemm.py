@@ -156,7 +156,7 @@ def expert_mlp_bwd(
     # dgrad reduces over the weights' output axis: quantize W along it (axis -2), dO along H
     # dh is rounded to x.dtype like A in the forward: a bf16 model's dgrad GEMM writes bf16 (torch autograd does
     # too), and the fast path's fused SwiGLU backward then reads 2 bytes per element instead of 4. The rounding
-    # (2**-9 relative) is far below the e4m3 rounding of dA that follows (2**-4).
+    # (2**-8 relative) is far below the e4m3 rounding of dA that follows (2**-4).
     dh = grouped_mm_torch(_fq(dout, -1, q), _fq(w2, -2, q).transpose(1, 2), group_sizes).to(x.dtype)
     dw2 = grouped_wgrad_torch(
         fake_quantize_grouped_cols(dout, group_sizes, q), fake_quantize_grouped_cols(h, group_sizes, q), group_sizes

@@ -52,7 +52,7 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _launch(name: str, grid: int, args: tuple, shared_mem: int, device: torch.device) -> None:
+def _launch(name: str, grid: int | tuple[int, int], args: tuple, shared_mem: int, device: torch.device) -> None:
     """Launch kernel ``name`` (a name expression of quantize.cu); the CPU emulator test replaces this."""
     _cuda.launch(_kernel(name, device), grid, _THREADS, args, shared_mem=shared_mem, device=device)
 
@@ -128,7 +128,7 @@ def col_scale_shape(m: int, k: int, scale_layout: str) -> tuple[int, ...]:
 
 
 def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, group_rows, n_row_tiles, ctiles, x2) -> tuple:
-    """mx_quant's argument tuple; the pointers as kernel pointer arguments (``_cuda.ptr``)."""
+    """mx_quant's argument tuple; the pointers as kernel pointer arguments (``_cuda.ptr`` or ``np.uint64``)."""
     i32, i64 = _cuda.i32, _cuda.i64
     return (
         x,
@@ -512,8 +512,11 @@ def quantize_weights_fused_into(
     # One launch, grid.y = expert: the kernel offsets every pointer by its expert (the tensors are contiguous, so
     # expert i starts i * stride(0) elements in). One launch per expert was host-bound for small weights (16 x
     # [1536, 2048]: a few microseconds of GPU time per expert against ~30 us of Python per launch). A persistent
-    # grid (fewer CTAs than one expert's tiles) is shared out between the experts, so that all of its CTAs are
-    # still resident at once; a grid of one CTA per tile stays per expert.
+    # grid (fewer CTAs than one expert's tiles) is shared out between the experts: at most `grid` CTAs in all, so
+    # none waits for a slot and then strides alone through a whole share (E not dividing the grid leaves up to
+    # E - 1 slots idle; E > grid gives one CTA per expert, in waves). A grid of one CTA per tile stays per expert.
+    if e > 65535:
+        raise ValueError(f"quantize_weights_fused: {e} experts, more than one launch's grid.y (65535)")
     gx = grid if grid >= n_row_tiles * ctiles else max(1, grid // e)
     if not name.startswith("mx_quant<") or name.count(",") != 2:  # a pipe override has no batch instantiation
         raise RuntimeError(f"quantize_weights_fused: no batched kernel for the plan {name}")

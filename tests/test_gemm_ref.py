@@ -104,3 +104,25 @@ def test_wgrad_prepared_reference_worked_example():
     with pytest.raises(ValueError, match="sum to 49, more than M = 48"):
         grouped_wgrad_prepared_torch(ap, bp, [41, 0, 8], 48)
     assert colwise_prep_rows_used(sizes) == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dh_rounded_to_the_input_dtype(dtype, monkeypatch):
+    """The recipe rounds dh to x's dtype before the SwiGLU backward, as it rounds A: bf16 in a bf16 model, which is
+    what the CUDA step's dgrad writes (moe_ep.expert_mlp_cuda) and what mx_swiglu_dual reads."""
+    from moe_ep import gemm  # noqa: PLC0415
+
+    seen = []
+    real = gemm.swiglu_bwd
+    monkeypatch.setattr(gemm, "swiglu_bwd", lambda a, dh: (seen.append(dh), real(a, dh))[1])
+    sizes = [5, 0, 37]
+    x, w13, w2 = (t.detach().to(dtype) for t in _inputs(sizes))
+    dout = torch.randn(sum(sizes), 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    _, a = gemm.expert_mlp_fwd(x, w13, w2, sizes, True)
+    gemm.expert_mlp_bwd(dout, x, a, w13, w2, sizes, True)
+    q = mxfp8.fake_quantize
+    want = grouped_mm_torch(q(dout, -1), q(w2, -2).transpose(1, 2), sizes)
+    assert len(seen) == 1 and seen[0].dtype == dtype
+    assert torch.equal(seen[0], want.to(dtype))
+    if dtype == torch.bfloat16:  # the rounding is real: the fp32 products are not all bf16 values
+        assert not torch.equal(want, want.to(dtype).float())
