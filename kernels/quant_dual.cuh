@@ -53,6 +53,43 @@
                 (0x7FC07FC0u & nm_);                                                                                 \
     }
 
+// A tile of the grouped row order: row tile, column tile, first row and rows (0: a zero tile past the last group;
+// rows clamped at M), and its first BR-row block (grouped_tile).
+struct MxdCoord {
+    int rt, ct, nrows;
+    long long row0, bs;
+};
+
+// The tiles T = first + j * step (j = 0, 1, ...) of an n_row_tiles x ctiles grid (column tile fastest), in
+// increasing order: the row tile, the column tile and the group advance incrementally (no division and no binary
+// search per tile; ~130 of the ~1000 instructions per thread and tile).
+template <int BR>
+struct MxdCursor {
+    const int* tstart;
+    const long long* rstart;
+    const int* bstart;
+    int G;
+    long long M;
+    int ctiles, step_rt, step_ct, rt, ct, g;
+    __device__ __forceinline__ MxdCursor(const int* ts, const long long* rs, const int* bs, int G_, long long M_,
+                                         int ctiles_, int first, int step)
+        : tstart(ts), rstart(rs), bstart(bs), G(G_), M(M_), ctiles(ctiles_), step_rt(step / ctiles_),
+          step_ct(step % ctiles_), rt(first / ctiles_), ct(first % ctiles_), g(0) {}
+    __device__ __forceinline__ void next(MxdCoord& c) {
+        c.rt = rt;
+        c.ct = ct;
+        while (g < G && tstart[g + 1] <= rt) ++g;  // largest g with tstart[g] <= rt
+        grouped_tile<BR>(tstart, rstart, bstart, G, g, rt, c.row0, c.nrows, c.bs);
+        c.nrows = (int)max(0LL, min((long long)c.nrows, M - c.row0));
+        rt += step_rt;
+        ct += step_ct;
+        if (ct >= ctiles) {
+            ct -= ctiles;
+            ++rt;
+        }
+    }
+};
+
 template <int IN, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     mx_quant_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,
@@ -80,32 +117,11 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     const int total = n_row_tiles * ctiles;
     grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
 
-    // The CTA's tiles are T = blockIdx.x + j * step in increasing order, so a cursor advances the row tile, the
-    // column tile and the group incrementally: no division and no binary search per tile (~130 of the ~1000
-    // instructions per thread and tile; removing them measured neutral, but there is no reason to pay them).
-    struct Coord {
-        int rt, ct, nrows;
-        long long row0, bs;
-    };
     const int step = (int)gridDim.x;
-    const int step_rt = step / ctiles, step_ct = step - step_rt * ctiles;
-    int cur_rt = (int)blockIdx.x / ctiles, cur_ct = (int)blockIdx.x - cur_rt * ctiles, cur_g = 0;
-    auto next_tile = [&](Coord& c) {
-        c.rt = cur_rt;
-        c.ct = cur_ct;
-        while (cur_g < G && g_tstart[cur_g + 1] <= cur_rt) ++cur_g;  // largest g with tstart[g] <= rt
-        grouped_tile<BR>(g_tstart, g_rstart, g_bstart, G, cur_g, cur_rt, c.row0, c.nrows, c.bs);
-        c.nrows = (int)max(0LL, min((long long)c.nrows, M - c.row0));
-        cur_rt += step_rt;
-        cur_ct += step_ct;
-        if (cur_ct >= ctiles) {
-            cur_ct -= ctiles;
-            ++cur_rt;
-        }
-    };
+    MxdCursor<BR> cursor(g_tstart, g_rstart, g_bstart, G, M, ctiles, (int)blockIdx.x, step);
     // The thread's 8 chunks of tile c into a stage; rows past the group or chunks past K are zero-filled (no
     // global read; the source address is then x itself, always valid).
-    auto issue = [&](unsigned char* stage, const Coord& c) {
+    auto issue = [&](unsigned char* stage, const MxdCoord& c) {
         const int col0 = c.ct * TILE;
         const int nr = col0 + tc0 < K ? c.nrows - tr0 : 0;  // chunks i < nr exist
         const unsigned char* src = x + ((c.row0 + tr0) * K + col0 + tc0) * 2;
@@ -121,13 +137,13 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     // S - 1 tiles are in flight ahead of the one processed; their coordinates wait in a small ring (registers:
     // every index is a compile-time constant after unrolling). Past the last tile empty commit groups keep
     // cp.async.wait_group<S - 1> meaning "the oldest tile has landed".
-    Coord pend[S - 1] = {};
+    MxdCoord pend[S - 1] = {};
     int T = (int)blockIdx.x;
     if (T >= total) return;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (T + s * step < total) {
-            next_tile(pend[s]);
+            cursor.next(pend[s]);
             issue(stage0 + s * MXD_STAGE_BYTES, pend[s]);
         } else {
             cp_async_commit();
@@ -141,7 +157,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
         for (int s = 0; s + 1 < S - 1; ++s) pend[s] = pend[s + 1];
         const int fbuf = buf == 0 ? S - 1 : buf - 1;  // the stage processed last (its reads are done)
         if (T + (S - 1) * step < total) {
-            next_tile(pend[S - 2]);
+            cursor.next(pend[S - 2]);
             issue(stage0 + fbuf * MXD_STAGE_BYTES, pend[S - 2]);
         } else {
             cp_async_commit();

@@ -23,44 +23,6 @@
 
 #define SWD_STREAM_BYTES (8 * NTHREADS * 16)
 
-// A tile of the grouped row order: row tile, column tile, first row and rows (0: a zero tile past the last group;
-// rows clamped at M), and its first BR-row block (grouped_tile).
-struct MxdCoord {
-    int rt, ct, nrows;
-    long long row0, bs;
-};
-
-// The tiles T = first + j * step (j = 0, 1, ...) of an n_row_tiles x ctiles grid (column tile fastest), in
-// increasing order: the row tile, the column tile and the group advance incrementally (no division and no binary
-// search per tile). mx_quant_dual keeps its own copy of this walk: moving it onto this helper changed its
-// measured SASS (+52 instructions at 4 stages), so it was left as measured.
-template <int BR>
-struct MxdCursor {
-    const int* tstart;
-    const long long* rstart;
-    const int* bstart;
-    int G;
-    long long M;
-    int ctiles, step_rt, step_ct, rt, ct, g;
-    __device__ __forceinline__ MxdCursor(const int* ts, const long long* rs, const int* bs, int G_, long long M_,
-                                         int ctiles_, int first, int step)
-        : tstart(ts), rstart(rs), bstart(bs), G(G_), M(M_), ctiles(ctiles_), step_rt(step / ctiles_),
-          step_ct(step % ctiles_), rt(first / ctiles_), ct(first % ctiles_), g(0) {}
-    __device__ __forceinline__ void next(MxdCoord& c) {
-        c.rt = rt;
-        c.ct = ct;
-        while (g < G && tstart[g + 1] <= rt) ++g;  // largest g with tstart[g] <= rt
-        grouped_tile<BR>(tstart, rstart, bstart, G, g, rt, c.row0, c.nrows, c.bs);
-        c.nrows = (int)max(0LL, min((long long)c.nrows, M - c.row0));
-        rt += step_rt;
-        ct += step_ct;
-        if (ct >= ctiles) {
-            ct -= ctiles;
-            ++rt;
-        }
-    }
-};
-
 // The persistent loop: body(stage, tile, par) on the CTA's tiles T = blockIdx.x + j * gridDim.x < total, each
 // copied by issue(stage, tile) (one cp.async commit group) into one of S stages of SB bytes, S - 1 tiles ahead of
 // the one processed; their coordinates wait in a register ring (constant indices after unrolling). Past the last
