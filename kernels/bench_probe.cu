@@ -154,3 +154,39 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
         }
     }
 }
+
+// probe_fused's traffic (order 0: row bytes + xt; xt_only != 0: order 4's xt stores alone) in a banded tile order:
+// the row tiles are taken in bands of `band`, the row tile fastest inside a band and the column tile next. band = 1
+// is mx_quant's order (column tile fastest); band >= the row tiles is column-major. The CTAs running at one time
+// then cover about band x (CTAs / band) tiles, so each xt row gets a band x 128-byte segment written together
+// (instead of the ~CTAs / ctiles x 128 bytes of mx_quant's order) at the price of shorter runs in x and the rows.
+extern "C" __global__ void __launch_bounds__(256) probe_fused_band(const unsigned char* __restrict__ x,
+                                                                   unsigned char* __restrict__ out,
+                                                                   unsigned char* __restrict__ outt, long long M,
+                                                                   int K, int ctiles, int band, int xt_only) {
+    const int rtiles = (int)((M + 127) / 128);
+    const int b = blockIdx.x / (band * ctiles), in = blockIdx.x % (band * ctiles);
+    const int bh = min(band, rtiles - b * band);  // rows of this band (the last one may be short)
+    const int rt = b * band + in % bh, ct = in / bh;
+    const long long row0 = (long long)rt * 128;
+    const int col0 = ct * 128;
+    uint4 v[8];
+    if (xt_only) {
+        probe_tile_load(x, M, K, row0, col0, v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            v[j] = make_uint4(v[j].x ^ v[j + 4].x, v[j].y ^ v[j + 4].y, v[j].z ^ v[j + 4].z, v[j].w ^ v[j + 4].w);
+    } else {
+        probe_tile_rows(x, out, M, K, row0, col0, v);
+    }
+    const int mb = threadIdx.x & 3, kc = 2 * (threadIdx.x >> 2);
+    if (row0 + 32 * mb < M) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            if (col0 + kc + c >= K) continue;
+            uint4* dst = reinterpret_cast<uint4*>(outt + (long long)(col0 + kc + c) * M + row0 + 32 * mb);
+            dst[0] = v[2 * c];
+            dst[1] = v[2 * c + 1];
+        }
+    }
+}
