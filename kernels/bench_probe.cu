@@ -190,3 +190,45 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused_band(const unsigne
         }
     }
 }
+
+// The grouped-dual quantizer's traffic (read bf16, write two row-major byte outputs out / out2 [M, K]) with no
+// arithmetic, one 128 x 128 tile per CTA (column tile fastest), under two thread mappings per side:
+//   "dual": mx_quant_dual's (kernels/quant_dual.cuh): thread = 8 rows x one 16-byte chunk, so one warp instruction
+//           loads 4 rows x 128 bytes and stores 4 rows x 64 bytes (half lines; warp w ^ 4 writes the other halves);
+//   "tile": probe_tile's: one warp instruction loads 2 rows x 256 bytes and stores 2 full 128-byte lines.
+// mode 0: dual loads, dual stores; 1: dual loads, tile stores; 2: tile loads, dual stores. (tile / tile is
+// probe_fused order 3.) Modes 1-2 store bytes that are not x's (the addresses are what is measured): every loaded
+// chunk is folded into the stored values so that no load is dropped.
+extern "C" __global__ void __launch_bounds__(256) probe_dual(const unsigned char* __restrict__ x,
+                                                             unsigned char* __restrict__ out,
+                                                             unsigned char* __restrict__ out2, long long M, int K,
+                                                             int ctiles, int mode) {
+    const int rt = blockIdx.x / ctiles, ct = blockIdx.x % ctiles;
+    const long long row0 = (long long)rt * 128;
+    const int col0 = ct * 128;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tr0 = 32 * (warp & 3) + 8 * (lane >> 3), tc0 = 64 * (warp >> 2) + 8 * (lane & 7);
+    uint4 v[8];
+    if (mode == 2) {
+        probe_tile_load(x, M, K, row0, col0, v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const bool ok = row0 + tr0 + i < M && col0 + tc0 < K;
+            v[i] = ok ? probe_ld(x + ((row0 + tr0 + i) * K + col0 + tc0) * 2) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    if (mode == 1) {
+        probe_tile_store(out, M, K, row0, col0, v);
+        probe_tile_store(out2, M, K, row0, col0, v);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (row0 + tr0 + i < M && col0 + tc0 < K) {
+            const long long o = (row0 + tr0 + i) * K + col0 + tc0;
+            *reinterpret_cast<uint2*>(out + o) = probe_pack(v[i]);
+            *reinterpret_cast<uint2*>(out2 + o) = probe_pack(v[i]);
+        }
+    }
+}
