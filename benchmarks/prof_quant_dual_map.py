@@ -5,10 +5,12 @@ mx_quant_dual (kernels/quant_dual.cuh) gives each thread 8 rows of one 16-byte c
 64 bytes (half lines, the other halves come from warp w ^ 4), one warp cp.async reads 4 rows x 128 bytes. The probe
 that reaches 88-95 % of copy on this traffic (probe_fused order 3) writes 2 full lines and reads 2 rows x 256 bytes
 per warp instruction. ``probe_dual`` (kernels/bench_probe.cu) separates the two sides (mode 0: both as the kernel,
-1: the kernel's loads with full-line stores, 2: full-line loads with the kernel's stores).
+1: the kernel's loads with full-line stores, 2: full-line loads with the kernel's stores; 3-5: the loads through
+shared memory as 16-byte cp.async in either mapping or one cp.async.bulk per tile row). row_blocked (mx_quant,
+cp.async pipe 3) is timed alongside for reference.
 
 Usage: python benchmarks/prof_quant_dual_map.py [--rounds 3] [--json PATH] [--ncu]
-(--ncu: one shape, each kernel twice, for a profiler run with -k regex:probe_|mx_quant_dual)
+(--ncu: one shape, each kernel twice, for a profiler run with -k regex:'probe_|mx_quant')
 """
 
 from __future__ import annotations
@@ -44,14 +46,22 @@ def closures(x: torch.Tensor) -> dict:
     dual = _cuda.get_function("bench_probe.cu", "probe_dual")
     fused = _cuda.get_function("bench_probe.cu", "probe_fused")
     res = {}
-    for mode, name in ((0, "dual_dual"), (1, "dual_load_tile_store"), (2, "tile_load_dual_store")):
+    modes = (
+        (0, "dual_dual"),
+        (1, "dual_load_tile_store"),
+        (2, "tile_load_dual_store"),
+        (3, "cpasync16_dual"),
+        (4, "bulk_rows_dual"),
+        (5, "cpasync16_tile"),
+    )
+    for mode, name in modes:
         res[name] = (
             lambda mode=mode: _cuda.launch(dual, rtiles * ctiles, 256, (*common, _cuda.i32(mode))),
             4 * m * k,
         )
     res["tile_tile"] = (lambda: _cuda.launch(fused, rtiles * ctiles, 256, (*common, _cuda.i32(3))), 4 * m * k)
     want = x.view(torch.uint8).view(m, k, 2)[..., 0]
-    for name in ("dual_dual", "tile_tile"):
+    for name in ("dual_dual", "tile_tile", "cpasync16_dual", "bulk_rows_dual", "cpasync16_tile"):
         out.zero_()
         out2.zero_()
         res[name][0]()
@@ -62,6 +72,12 @@ def closures(x: torch.Tensor) -> dict:
     outs = mxfp8_cuda.quantize_grouped_dual(x, sizes)
     nbytes = 2 * m * k + m * k + outs[1].numel() + m * k + -(-m // 32) * k
     res["kernel_grouped_dual"] = (lambda: mxfp8_cuda.quantize_grouped_dual_into(x, sizes, *outs), nbytes)
+    data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=x.device)
+    res["kernel_row_blocked"] = (
+        lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, "blocked"),
+        3 * m * k + scale.numel(),
+    )
     return res
 
 

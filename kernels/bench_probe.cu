@@ -199,6 +199,67 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused_band(const unsigne
 // mode 0: dual loads, dual stores; 1: dual loads, tile stores; 2: tile loads, dual stores. (tile / tile is
 // probe_fused order 3.) Modes 1-2 store bytes that are not x's (the addresses are what is measured): every loaded
 // chunk is folded into the stored values so that no load is dropped.
+// The tile through shared memory, as the quantizers' cp.async stages get it: mode 3: 16-byte cp.async per thread
+// (the zero-fill form of kernels/quant_sched.cuh) in mx_quant_dual's mapping, each thread reading back its own
+// copies; 4: one cp.async.bulk per tile row (256 bytes, completing on an mbarrier), read back in mx_quant_dual's
+// mapping; 5: 16-byte cp.async in probe_tile's mapping (v[j] = chunk j * 256 + tid, stored by probe_tile_store).
+__device__ __forceinline__ void probe_dual_async(const unsigned char* __restrict__ x, long long M, int K,
+                                                 long long row0, int col0, int mode, uint4* v) {
+    __shared__ __align__(128) unsigned char st[128 * 256];
+    __shared__ __align__(8) unsigned long long bar;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tr0 = 32 * (warp & 3) + 8 * (lane >> 3), tc0 = 64 * (warp >> 2) + 8 * (lane & 7);
+    if (mode == 4) {
+        const unsigned b = (unsigned)__cvta_generic_to_shared(&bar);
+        const int nvalid = (int)min(128LL, M - row0), rbytes = min(256, 2 * (K - col0));
+        if (tid == 0) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+        if (tid == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(nvalid * rbytes)
+                         : "memory");
+        if (tid < nvalid) {
+            const unsigned d = (unsigned)__cvta_generic_to_shared(st + tid * 256);
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+                             "r"(d), "l"(x + ((row0 + tid) * K + col0) * 2), "r"(rbytes), "r"(b)
+                         : "memory");
+        }
+        unsigned done = 0;
+        while (!done)
+            asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done)
+                         : "r"(b)
+                         : "memory");
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint4*>(st + (tr0 + i) * 256 + tc0 * 2);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        long long r;
+        int c;
+        if (mode == 3) {
+            r = row0 + tr0 + i;
+            c = col0 + tc0;
+        } else {
+            const int ch = i * 256 + tid;
+            r = row0 + ch / 16;
+            c = col0 + (ch % 16) * 8;
+        }
+        const bool ok = r < M && c < K;
+        const unsigned d = (unsigned)__cvta_generic_to_shared(st + (i * 256 + tid) * 16);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(ok ? x + (r * K + c) * 2 : x),
+                     "r"(ok ? 16 : 0)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint4*>(st + (i * 256 + tid) * 16);
+}
+
 extern "C" __global__ void __launch_bounds__(256) probe_dual(const unsigned char* __restrict__ x,
                                                              unsigned char* __restrict__ out,
                                                              unsigned char* __restrict__ out2, long long M, int K,
@@ -209,7 +270,14 @@ extern "C" __global__ void __launch_bounds__(256) probe_dual(const unsigned char
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tr0 = 32 * (warp & 3) + 8 * (lane >> 3), tc0 = 64 * (warp >> 2) + 8 * (lane & 7);
     uint4 v[8];
-    if (mode == 2) {
+    if (mode >= 3) {
+        probe_dual_async(x, M, K, row0, col0, mode, v);
+        if (mode == 5) {
+            probe_tile_store(out, M, K, row0, col0, v);
+            probe_tile_store(out2, M, K, row0, col0, v);
+            return;
+        }
+    } else if (mode == 2) {
         probe_tile_load(x, M, K, row0, col0, v);
     } else {
 #pragma unroll
