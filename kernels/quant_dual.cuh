@@ -103,12 +103,15 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     (void)group_rows;
     (void)x2;
     MX_DYN_SMEM(smem);
-    // Group table (16 (G + 1) bytes, a multiple of 16), then S cp.async stages, then two 512-byte row-scale tiles.
-    long long* g_rstart = reinterpret_cast<long long*>(smem);
+    // S cp.async stages, two 512-byte row-scale tiles, then the group table (16 (G + 1) bytes). The stages come
+    // first so that they start on 128 bytes: after the table (528 bytes at G = 32) each warp's 512-byte cp.async
+    // spanned five 128-byte rows of shared memory, and L2 served every line of x twice (ncu: 1.67x the read
+    // sectors and requests, half of them hits; benchmarks/NOTES.md "The grouped dual's stages on 128 bytes").
+    unsigned char* stage0 = smem;
+    unsigned char* stile0 = stage0 + S * MXD_STAGE_BYTES;  // [2][512] row-scale tiles
+    long long* g_rstart = reinterpret_cast<long long*>(stile0 + 2 * 512);
     int* g_tstart = reinterpret_cast<int*>(g_rstart + G + 1);
     int* g_bstart = g_tstart + G + 1;
-    unsigned char* stage0 = smem + 16 * (G + 1);
-    unsigned char* stile0 = stage0 + S * MXD_STAGE_BYTES;  // [2][512] row-scale tiles
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int mb = warp & 3;                             // the warp's 32-row block in the tile

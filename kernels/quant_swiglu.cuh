@@ -217,11 +217,13 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     constexpr int BR = CS == CS_GPREP ? 64 : 32;
     (void)group_rows;
     MX_DYN_SMEM(smem);
-    long long* g_rstart = reinterpret_cast<long long*>(smem);
+    // Stages first, on 128 bytes (as mx_quant_dual's: kernels/quant_dual.cuh), then the row-scale tiles and the
+    // group table.
+    unsigned char* stage0 = smem;
+    unsigned char* stile0 = stage0 + S * SB;  // [2][1 + BWD][512] row-scale tiles
+    long long* g_rstart = reinterpret_cast<long long*>(stile0 + 2 * (1 + BWD) * 512);
     int* g_tstart = reinterpret_cast<int*>(g_rstart + G + 1);
     int* g_bstart = g_tstart + G + 1;
-    unsigned char* stage0 = smem + 16 * (G + 1);
-    unsigned char* stile0 = stage0 + S * SB;  // [2][1 + BWD][512] row-scale tiles
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int mb = warp & 3;

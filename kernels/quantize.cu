@@ -50,7 +50,7 @@
 #define NTHREADS 256
 
 #ifndef MX_DYN_SMEM  // the CPU emulator (tests/test_quant_hostmath.py) provides its own
-#define MX_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#define MX_DYN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 
 #include "quant_elem.cuh"
@@ -133,10 +133,11 @@ __device__ __forceinline__ void mx_quant_body(const unsigned char* __restrict__ 
     long long* g_rstart = reinterpret_cast<long long*>(stile + FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
-    // PIPE 3: two 32 KB stages after the table, 16-byte aligned (the launcher adds 2 * 32 KB + 16).
+    // PIPE 3: two 32 KB stages after the table, on 128 bytes (the launcher adds 2 * 32 KB + 128): a stage off
+    // 128 bytes makes L2 serve each line twice (kernels/quant_dual.cuh).
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
-        smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 15) & ~15LL);
+        smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 127) & ~127LL);
     static_assert((CS != CS_GNT && CS != CS_GPREP) || RS == RS_GROUPED,
                   "per-group column blocks follow the grouped row tiles");
     constexpr bool GCOL = CS == CS_GNT || CS == CS_GPREP;  // per-group column blocks, in x's row order

@@ -155,7 +155,7 @@ SMEM_DYNAMIC_MAX = SMEM_PER_CTA - SMEM_STATIC  # the most dynamic shared memory 
 def dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
     """(stages, grid, shared memory) of mx_quant_dual; None when even 2 stages do not fit next to the group table.
 
-    Shared memory = group table 16 (G + 1) + stages x 32 KB + two 512-byte row-scale tiles. The depth from
+    Shared memory = stages x 32 KB + two 512-byte row-scale tiles + group table 16 (G + 1). The depth from
     :func:`dual_stages` comes down while it does not fit one CTA; the persistent grid is every CTA slot, the
     fewer of the register bound (3, 2, then 1 CTA per SM for 2, 3, >= 4 stages) and the shared-memory bound.
 
@@ -244,7 +244,7 @@ def quant_plan(
     grid = quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
     table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     pipe3 = effective_pipe(es, rs_mode, cs_mode, req) == 3
-    stages = 2 * TILE * TILE * 2 + 16 if pipe3 else 0  # PIPE 3 buffers (they hold the column modes' tile too)
+    stages = 2 * TILE * TILE * 2 + 128 if pipe3 else 0  # PIPE 3 buffers on 128 bytes (also the column modes' tile)
     fixed = SMEM_FIXED + (SMEM_GPREP if cs_mode == CS["grouped_prep"] else 0)
     smem = (TILE * TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")

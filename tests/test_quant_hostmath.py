@@ -260,7 +260,7 @@ static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define __align__(n) alignas(n)
 thread_local dim3 threadIdx, blockIdx;
 static dim3 gridDim, blockDim;
-alignas(16) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // >= every plan's dynamic shared memory (227 KiB)
+alignas(128) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // >= every plan's dynamic shared memory (227 KiB)
 #define MX_DYN_SMEM(name) unsigned char* name = g_smem
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
