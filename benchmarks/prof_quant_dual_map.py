@@ -9,7 +9,7 @@ per warp instruction. ``probe_dual`` (kernels/bench_probe.cu) separates the two 
 shared memory as 16-byte cp.async in either mapping or one cp.async.bulk per tile row). row_blocked (mx_quant,
 cp.async pipe 3) is timed alongside for reference.
 
-Usage: python benchmarks/prof_quant_dual_map.py [--rounds 3] [--json PATH] [--ncu]
+Usage: python benchmarks/prof_quant_dual_map.py [--rounds 3] [--shapes 16384x2048,...] [--json PATH] [--ncu]
 (--ncu: one shape, each kernel twice, for a profiler run with -k regex:'probe_|mx_quant')
 """
 
@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--shapes", default=",".join(f"{m}x{k}" for m, k in SHAPES), help="MxK,MxK,...")
     args = ap.parse_args()
     if args.ncu:
         x = torch.randn(32768, 7168, device="cuda").mul_(4.0).to(torch.bfloat16)
@@ -100,7 +101,7 @@ def main() -> None:
     copy_bw = copy_bandwidth(timer)
     print(f"device {torch.cuda.get_device_name()}  copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     rows = []
-    for m, k in SHAPES:
+    for m, k in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
         x = torch.randn(m, k, device="cuda", dtype=torch.float32).mul_(4.0).to(torch.bfloat16)
         cl = closures(x)
         ts = {n: [] for n in cl}

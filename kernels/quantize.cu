@@ -79,11 +79,6 @@
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif
-// Tile order of the transposed column outputs (CS_PLAIN / CS_BLOCKED, non-grouped rows): row tiles in bands of
-// MX_BAND, the row tile fastest inside a band (1: column tile fastest, as every other mode).
-#ifndef MX_BAND
-#define MX_BAND 1
-#endif
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
@@ -151,17 +146,9 @@ __device__ __forceinline__ void mx_quant_body(const unsigned char* __restrict__ 
     // Tile T -> (row tile, column tile, first row, rows).
     // bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GNT: per-group block numbering;
     // CS_GPREP: first 64-row block of the tile in the prepared layout).
-    constexpr int BAND = (CS == CS_PLAIN || CS == CS_BLOCKED) && RS != RS_GROUPED && RS != RS_UNIFORM ? MX_BAND : 1;
     auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows, long long& bs) {
-        if (BAND > 1) {
-            const int b = T / (BAND * ctiles), in = T - b * (BAND * ctiles);
-            const int bh = min(BAND, n_row_tiles - b * BAND);  // the last band may be short
-            rt = b * BAND + in % bh;
-            ct = in / bh;
-        } else {
-            rt = (int)((unsigned)T / (unsigned)ctiles);
-            ct = (int)((unsigned)T % (unsigned)ctiles);
-        }
+        rt = (int)((unsigned)T / (unsigned)ctiles);
+        ct = (int)((unsigned)T % (unsigned)ctiles);
         bs = 0;
         if (RS == RS_GROUPED) {
             grouped_lookup<BR>(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
