@@ -260,14 +260,15 @@ class WeightOperands:
 
 
 def _weight_operands(w: torch.Tensor) -> WeightOperands:
-    if mxfp8._use_reference(w):
+    if mxfp8.use_reference(w):
         q = mxfp8.quantize(w, -1)
         qt = mxfp8.quantize(w.transpose(1, 2).contiguous(), -1)
         wd, ws, wtd, wts = q.data, mxfp8.to_blocked(q.scale), qt.data, mxfp8.to_blocked(qt.scale)
     else:
-        # One fused pass per expert writes both quantizations with blocked scales: the column-wise output of W[e]
-        # [N, K] is W[e]^T [K, N] quantized along N, i.e. the dgrad operand. (Two row-wise passes over W and a
-        # transposed copy, as above, took 14.2 ms for dsv3's W13 + W2: benchmarks/NOTES.md, "The expert MLP".)
+        # One fused launch over all experts (mx_quant_batch) writes both quantizations with blocked scales: the
+        # column-wise output of W[e] [N, K] is W[e]^T [K, N] quantized along N, i.e. the dgrad operand. (Two
+        # row-wise passes over W and a transposed copy, as above, took 14.2 ms for dsv3's W13 + W2:
+        # benchmarks/NOTES.md, "The expert MLP".)
         from . import mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
 
         wd, ws, wtd, wts = mxfp8_cuda.quantize_weights_fused(w.contiguous())

@@ -46,7 +46,8 @@ class MXFP8Tensor:
         return dequantize(self, dtype)
 
 
-def _use_reference(t: torch.Tensor) -> bool:
+def use_reference(t: torch.Tensor) -> bool:
+    """True when work on ``t`` goes to the PyTorch reference: t is not on a CUDA device, or MOE_EP_FORCE_REFERENCE=1."""
     return t.device.type != "cuda" or os.environ.get("MOE_EP_FORCE_REFERENCE", "0") == "1"
 
 
@@ -133,7 +134,7 @@ def quantize(x: torch.Tensor, axis: int = -1) -> MXFP8Tensor:
     Raises TypeError for other dtypes, ValueError when ``x.shape[axis] % 32 != 0``.
     """
     ax = _check_quantize_args(x, axis)
-    if _use_reference(x):
+    if use_reference(x):
         return quantize_torch(x, ax)
     from . import mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
 
@@ -162,7 +163,7 @@ def dequantize_torch(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
 
 def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantize to ``dtype``. t: MXFP8Tensor -> t.shape ``dtype`` tensor."""
-    if _use_reference(t.data):
+    if use_reference(t.data):
         return dequantize_torch(t, dtype)
     from . import mxfp8_cuda  # noqa: PLC0415
 
