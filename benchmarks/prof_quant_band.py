@@ -42,6 +42,8 @@ SHAPES = [(16384, 2048), (16384, 7168), (32768, 2048), (32768, 7168), (131072, 2
 def probe(timer: Timer, x: torch.Tensor, band: int, xt_only: bool) -> float:
     """Bytes/s of probe_fused_band; checks the row bytes (fused traffic)."""
     m, k = x.shape
+    if m % 128 or k % 128:
+        raise ValueError(f"the probe needs M and K multiples of 128, got {m} x {k}")
     out = torch.zeros(m, k, dtype=torch.uint8, device=x.device)
     outt = torch.empty(k, m, dtype=torch.uint8, device=x.device)
     ctiles, rtiles = -(-k // 128), -(-m // 128)
@@ -57,7 +59,7 @@ def probe(timer: Timer, x: torch.Tensor, band: int, xt_only: bool) -> float:
         _cuda.i32(b),
         _cuda.i32(int(xt_only)),
     )
-    fn = lambda: _cuda.launch(fn_k, rtiles * ctiles, 256, args)  # noqa: E731
+    fn = lambda: _cuda.launch(fn_k, rtiles * ctiles, 256, args)
     fn()
     torch.cuda.synchronize()
     if not xt_only and not torch.equal(out, x.view(torch.uint8).view(m, k, 2)[..., 0]):

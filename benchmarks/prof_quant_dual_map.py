@@ -5,12 +5,14 @@ mx_quant_dual (kernels/quant_dual.cuh) gives each thread 8 rows of one 16-byte c
 64 bytes (half lines, the other halves come from warp w ^ 4), one warp cp.async reads 4 rows x 128 bytes. The probe
 that reaches 88-95 % of copy on this traffic (probe_fused order 3) writes 2 full lines and reads 2 rows x 256 bytes
 per warp instruction. ``probe_dual`` (kernels/bench_probe.cu) separates the two sides (mode 0: both as the kernel,
-1: the kernel's loads with full-line stores, 2: full-line loads with the kernel's stores; 3-5: the loads through
+1: the kernel's loads with full-line stores, 2: full-line loads with the kernel's stores, 6: both full-line, at
+probe_dual's own occupancy (probe_fused order 3 runs 2 CTAs per SM, probe_dual 4); 3-5: the loads through
 shared memory as 16-byte cp.async in either mapping or one cp.async.bulk per tile row). row_blocked (mx_quant,
 cp.async pipe 3) is timed alongside for reference.
 
 Usage: python benchmarks/prof_quant_dual_map.py [--rounds 3] [--shapes 16384x2048,...] [--json PATH] [--ncu]
-(--ncu: one shape, each kernel twice, for a profiler run with -k regex:'probe_|mx_quant')
+(--ncu: 32768x7168, each kernel twice after one byte-check launch of the probes and the grouped dual, for a
+profiler run with -k regex:'probe_|mx_quant')
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ GROUPS = 32
 def closures(x: torch.Tensor) -> dict:
     """{name: (closure, bytes)}: the probes and the kernel (grouped_dual, bench_quant's group sizes)."""
     m, k = x.shape
+    if m % 128 or k % 128:
+        raise ValueError(f"the probes need M and K multiples of 128, got {m} x {k}")
     out = torch.zeros(m, k, dtype=torch.uint8, device=x.device)
     out2 = torch.zeros(m, k, dtype=torch.uint8, device=x.device)
     ctiles, rtiles = -(-k // 128), -(-m // 128)
@@ -53,6 +57,7 @@ def closures(x: torch.Tensor) -> dict:
         (3, "cpasync16_dual"),
         (4, "bulk_rows_dual"),
         (5, "cpasync16_tile"),
+        (6, "tile_tile_same_kernel"),
     )
     for mode, name in modes:
         res[name] = (
@@ -61,7 +66,8 @@ def closures(x: torch.Tensor) -> dict:
         )
     res["tile_tile"] = (lambda: _cuda.launch(fused, rtiles * ctiles, 256, (*common, _cuda.i32(3))), 4 * m * k)
     want = x.view(torch.uint8).view(m, k, 2)[..., 0]
-    for name in ("dual_dual", "tile_tile", "cpasync16_dual", "bulk_rows_dual", "cpasync16_tile"):
+    exact = ("dual_dual", "tile_tile", "cpasync16_dual", "bulk_rows_dual", "cpasync16_tile", "tile_tile_same_kernel")
+    for name in exact:  # the modes whose bytes are x's low bytes
         out.zero_()
         out2.zero_()
         res[name][0]()

@@ -5,6 +5,9 @@
 //   probe_tile    the 128 x 128-element tiles of mx_quant (column tile fastest), one tile per CTA, 8 chunks in
 //                 flight per thread: the same order and parallelism as mx_quant with pipelining off
 // out[i] = low byte of every bf16 element (so the compiler cannot drop the loads).
+// Further down: probe_fused (the fused quantizer's two outputs, one of them transposed), probe_fused_band (its
+// traffic in banded tile orders) and probe_dual (the grouped-dual quantizer's two row-major outputs under
+// different thread mappings and load paths). Each needs M and K to be multiples of 128 where its comment says so.
 
 #include "bench_common.cuh"
 
@@ -160,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
 // is mx_quant's order (column tile fastest); band >= the row tiles is column-major. The CTAs running at one time
 // then cover about band x (CTAs / band) tiles, so each xt row gets a band x 128-byte segment written together
 // (instead of the ~CTAs / ctiles x 128 bytes of mx_quant's order) at the price of shorter runs in x and the rows.
+// M and K: multiples of 128 (each thread writes 32 bytes per xt row, guarded per 32-row block only).
 extern "C" __global__ void __launch_bounds__(256) probe_fused_band(const unsigned char* __restrict__ x,
                                                                    unsigned char* __restrict__ out,
                                                                    unsigned char* __restrict__ outt, long long M,
@@ -196,9 +200,10 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused_band(const unsigne
 //   "dual": mx_quant_dual's (kernels/quant_dual.cuh): thread = 8 rows x one 16-byte chunk, so one warp instruction
 //           loads 4 rows x 128 bytes and stores 4 rows x 64 bytes (half lines; warp w ^ 4 writes the other halves);
 //   "tile": probe_tile's: one warp instruction loads 2 rows x 256 bytes and stores 2 full 128-byte lines.
-// mode 0: dual loads, dual stores; 1: dual loads, tile stores; 2: tile loads, dual stores. (tile / tile is
-// probe_fused order 3.) Modes 1-2 store bytes that are not x's (the addresses are what is measured): every loaded
-// chunk is folded into the stored values so that no load is dropped.
+// mode 0: dual loads, dual stores; 1: dual loads, tile stores; 2: tile loads, dual stores; 6: tile loads, tile
+// stores (probe_fused order 3's traffic in this kernel, i.e. at this kernel's occupancy). Modes 1-2 store bytes
+// that are not x's (the addresses are what is measured); every loaded chunk is stored, so no load is dropped.
+// M and K: multiples of 128 (the stores are not guarded per 16-byte piece; mode 4's copies need K % 8 == 0).
 // The tile through shared memory, as the quantizers' cp.async stages get it: mode 3: 16-byte cp.async per thread
 // (the zero-fill form of kernels/quant_sched.cuh) in mx_quant_dual's mapping, each thread reading back its own
 // copies; 4: one cp.async.bulk per tile row (256 bytes, completing on an mbarrier), read back in mx_quant_dual's
@@ -277,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_dual(const unsigned char
             probe_tile_store(out2, M, K, row0, col0, v);
             return;
         }
-    } else if (mode == 2) {
+    } else if (mode == 2 || mode == 6) {
         probe_tile_load(x, M, K, row0, col0, v);
     } else {
 #pragma unroll
@@ -286,7 +291,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_dual(const unsigned char
             v[i] = ok ? probe_ld(x + ((row0 + tr0 + i) * K + col0 + tc0) * 2) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    if (mode == 1) {
+    if (mode == 1 || mode == 6) {
         probe_tile_store(out, M, K, row0, col0, v);
         probe_tile_store(out2, M, K, row0, col0, v);
         return;

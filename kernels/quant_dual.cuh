@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     // S cp.async stages, two 512-byte row-scale tiles, then the group table (16 (G + 1) bytes). The stages come
     // first so that they start on 128 bytes: after the table (528 bytes at G = 32) each warp's 512-byte cp.async
     // spanned five 128-byte rows of shared memory, and L2 served every line of x twice (ncu: 1.67x the read
-    // sectors and requests, half of them hits; benchmarks/NOTES.md "The grouped dual's stages on 128 bytes").
+    // sectors and requests, half of them hits; benchmarks/NOTES.md, pass 7, "The dual kernels read x twice").
     unsigned char* stage0 = smem;
     unsigned char* stile0 = stage0 + S * MXD_STAGE_BYTES;  // [2][512] row-scale tiles
     long long* g_rstart = reinterpret_cast<long long*>(stile0 + 2 * 512);

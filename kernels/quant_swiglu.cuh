@@ -202,8 +202,8 @@ __device__ __forceinline__ void swd_reduce_keys(unsigned (&rkey)[8], unsigned (&
 
 // BWD = 0: x = a [M, 2F] bf16 (gate | up), output h [M, F] (K = F, ctiles = ceil(F / 128)).
 // BWD = 1: x = a [M, 2F] bf16, x2 = dh [M, F] bf16, output dA [M, 2F] (K = 2F, ctiles = 2F / 128, F % 128 == 0).
-// Grid: persistent over n_row_tiles x ceil(F / 128) tiles of h; 256 threads, 1 CTA per SM. Shared memory: the
-// group table 16 (G + 1), S stages of NS x 32 KB, then 2 x (1 + BWD) row-scale tiles of 512 bytes.
+// Grid: persistent over n_row_tiles x ceil(F / 128) tiles of h; 256 threads, 1 CTA per SM. Shared memory: S stages
+// of NS x 32 KB, 2 x (1 + BWD) row-scale tiles of 512 bytes, then the group table 16 (G + 1).
 template <int BWD, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, 1)
     mx_swiglu_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,

@@ -481,7 +481,7 @@ def test_dual_kernel_plan(monkeypatch):
     # auto depth: 4 stages from 32 tiles per SM (4224 on 132 SMs), else 2
     assert [quant_plan.dual_stages(t, dev) for t in (16128, 4224, 4223, 2560)] == [4, 4, 2, 2]
     # [32768, 7168] in 32 groups: (256 + 32) row tiles x 56 column tiles; 4 stages, one CTA per SM;
-    # shared memory = group table 16 * 33 + 4 stages of 32 KB + two 512-byte row-scale tiles
+    # shared memory = 4 stages of 32 KB + two 512-byte row-scale tiles + group table 16 * 33
     x = torch.empty(32768, 7168, dtype=torch.bfloat16)
     plan = quant_plan.quant_plan(x, 32768, 7168, grouped, gnt, 32, 288, None)
     assert plan == ("mx_quant_dual<1,4,4>", 132, 528 + 4 * 32768 + 1024, 288, 56)
