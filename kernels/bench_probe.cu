@@ -88,6 +88,45 @@ __device__ __forceinline__ void probe_st_cs(uint4* p, uint4 v) {
                  : "memory");
 }
 
+// Tile (rt, ct) of probe_fused's traffic, orders 0-4 (the order only selects the stores here; the tile order is
+// the caller's).
+__device__ __forceinline__ void probe_fused_body(const unsigned char* __restrict__ x, unsigned char* __restrict__ out,
+                                                 unsigned char* __restrict__ outt, long long M, int K, int rt, int ct,
+                                                 int order) {
+    const long long row0 = (long long)rt * 128;
+    const int col0 = ct * 128;
+    uint4 v[8];
+    if (order == 4) {
+        probe_tile_load(x, M, K, row0, col0, v);
+        // the xt stores below use v[0..3]: fold v[4..7] in, or ptxas drops their (unused) loads
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            v[j] = make_uint4(v[j].x ^ v[j + 4].x, v[j].y ^ v[j + 4].y, v[j].z ^ v[j + 4].z, v[j].w ^ v[j + 4].w);
+    } else {
+        probe_tile_rows(x, out, M, K, row0, col0, v);
+    }
+    if (order == 3) {  // the same packed bytes again, at the row output's offsets in the second buffer
+        probe_tile_store(outt, M, K, row0, col0, v);
+        return;
+    }
+    // xt: thread t owns xt rows col0 + 2 * (t >> 2) + {0, 1}, bytes row0 + 32 * (t & 3) .. + 32.
+    const int mb = threadIdx.x & 3, kc = 2 * (threadIdx.x >> 2);
+    if (row0 + 32 * mb < M) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            if (col0 + kc + c >= K) continue;
+            uint4* dst = reinterpret_cast<uint4*>(outt + (long long)(col0 + kc + c) * M + row0 + 32 * mb);
+            if (order == 2) {
+                probe_st_cs(dst, v[2 * c]);
+                probe_st_cs(dst + 1, v[2 * c + 1]);
+            } else {
+                dst[0] = v[2 * c];
+                dst[1] = v[2 * c + 1];
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned char* __restrict__ x,
                                                               unsigned char* __restrict__ out,
                                                               unsigned char* __restrict__ outt, long long M,
@@ -124,38 +163,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused(const unsigned cha
         }
         return;
     }
-    const long long row0 = (long long)rt * 128;
-    const int col0 = ct * 128;
-    uint4 v[8];
-    if (order == 4) {
-        probe_tile_load(x, M, K, row0, col0, v);
-        // the xt stores below use v[0..3]: fold v[4..7] in, or ptxas drops their (unused) loads
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            v[j] = make_uint4(v[j].x ^ v[j + 4].x, v[j].y ^ v[j + 4].y, v[j].z ^ v[j + 4].z, v[j].w ^ v[j + 4].w);
-    } else {
-        probe_tile_rows(x, out, M, K, row0, col0, v);
-    }
-    if (order == 3) {  // the same packed bytes again, at the row output's offsets in the second buffer
-        probe_tile_store(outt, M, K, row0, col0, v);
-        return;
-    }
-    // xt: thread t owns xt rows col0 + 2 * (t >> 2) + {0, 1}, bytes row0 + 32 * (t & 3) .. + 32.
-    const int mb = threadIdx.x & 3, kc = 2 * (threadIdx.x >> 2);
-    if (row0 + 32 * mb < M) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            if (col0 + kc + c >= K) continue;
-            uint4* dst = reinterpret_cast<uint4*>(outt + (long long)(col0 + kc + c) * M + row0 + 32 * mb);
-            if (order == 2) {
-                probe_st_cs(dst, v[2 * c]);
-                probe_st_cs(dst + 1, v[2 * c + 1]);
-            } else {
-                dst[0] = v[2 * c];
-                dst[1] = v[2 * c + 1];
-            }
-        }
-    }
+    probe_fused_body(x, out, outt, M, K, rt, ct, order);
 }
 
 // probe_fused's traffic (order 0: row bytes + xt; xt_only != 0: order 4's xt stores alone) in a banded tile order:
@@ -172,27 +180,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused_band(const unsigne
     const int b = blockIdx.x / (band * ctiles), in = blockIdx.x % (band * ctiles);
     const int bh = min(band, rtiles - b * band);  // rows of this band (the last one may be short)
     const int rt = b * band + in % bh, ct = in / bh;
-    const long long row0 = (long long)rt * 128;
-    const int col0 = ct * 128;
-    uint4 v[8];
-    if (xt_only) {
-        probe_tile_load(x, M, K, row0, col0, v);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            v[j] = make_uint4(v[j].x ^ v[j + 4].x, v[j].y ^ v[j + 4].y, v[j].z ^ v[j + 4].z, v[j].w ^ v[j + 4].w);
-    } else {
-        probe_tile_rows(x, out, M, K, row0, col0, v);
-    }
-    const int mb = threadIdx.x & 3, kc = 2 * (threadIdx.x >> 2);
-    if (row0 + 32 * mb < M) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            if (col0 + kc + c >= K) continue;
-            uint4* dst = reinterpret_cast<uint4*>(outt + (long long)(col0 + kc + c) * M + row0 + 32 * mb);
-            dst[0] = v[2 * c];
-            dst[1] = v[2 * c + 1];
-        }
-    }
+    probe_fused_body(x, out, outt, M, K, rt, ct, xt_only ? 4 : 0);
 }
 
 // The grouped-dual quantizer's traffic (read bf16, write two row-major byte outputs out / out2 [M, K]) with no
