@@ -90,6 +90,46 @@ struct MxdCursor {
     }
 };
 
+// The persistent loop: body(stage, tile, par) on the CTA's tiles T = blockIdx.x + j * gridDim.x < total, each
+// copied by issue(stage, tile) (one cp.async commit group) into one of S stages of SB bytes, S - 1 tiles ahead of
+// the one processed; their coordinates wait in a register ring (constant indices after unrolling). Past the last
+// tile, empty commit groups keep cp.async.wait_group<S - 1> meaning "the oldest tile has landed". par alternates
+// per tile (the double-buffered row-scale tiles behind one CTA barrier per tile).
+template <int S, int SB, class Cursor, class Issue, class Body>
+__device__ __forceinline__ void mxd_pipeline(int total, Cursor& cursor, unsigned char* stage0, Issue& issue,
+                                             Body& body) {
+    const int step = (int)gridDim.x;
+    int T = (int)blockIdx.x;
+    if (T >= total) return;
+    MxdCoord pend[S - 1] = {};
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (T + s * step < total) {
+            cursor.next(pend[s]);
+            issue(stage0 + s * SB, pend[s]);
+        } else {
+            cp_async_commit();
+        }
+    }
+    int buf = 0, par = 0;
+    for (; T < total; T += step) {
+        const MxdCoord tc = pend[0];
+#pragma unroll
+        for (int s = 0; s + 1 < S - 1; ++s) pend[s] = pend[s + 1];
+        const int fbuf = buf == 0 ? S - 1 : buf - 1;  // the stage processed last (its reads are done)
+        if (T + (S - 1) * step < total) {
+            cursor.next(pend[S - 2]);
+            issue(stage0 + fbuf * SB, pend[S - 2]);
+        } else {
+            cp_async_commit();
+        }
+        cp_async_wait<S - 1>();
+        body(stage0 + buf * SB, tc, par);
+        buf = buf == S - 1 ? 0 : buf + 1;
+        par ^= 1;
+    }
+}
+
 template <int IN, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     mx_quant_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,
@@ -120,8 +160,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     const int total = n_row_tiles * ctiles;
     grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
 
-    const int step = (int)gridDim.x;
-    MxdCursor<BR> cursor(g_tstart, g_rstart, g_bstart, G, M, ctiles, (int)blockIdx.x, step);
+    MxdCursor<BR> cursor(g_tstart, g_rstart, g_bstart, G, M, ctiles, (int)blockIdx.x, (int)gridDim.x);
     // The thread's 8 chunks of tile c into a stage; rows past the group or chunks past K are zero-filled (no
     // global read; the source address is then x itself, always valid).
     auto issue = [&](unsigned char* stage, const MxdCoord& c) {
@@ -137,36 +176,9 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
         cp_async_commit();
     };
 
-    // S - 1 tiles are in flight ahead of the one processed; their coordinates wait in a small ring (registers:
-    // every index is a compile-time constant after unrolling). Past the last tile empty commit groups keep
-    // cp.async.wait_group<S - 1> meaning "the oldest tile has landed".
-    MxdCoord pend[S - 1] = {};
-    int T = (int)blockIdx.x;
-    if (T >= total) return;
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (T + s * step < total) {
-            cursor.next(pend[s]);
-            issue(stage0 + s * MXD_STAGE_BYTES, pend[s]);
-        } else {
-            cp_async_commit();
-        }
-    }
-    int buf = 0, par = 0;
-    for (; T < total; T += step) {
-        const int rt = pend[0].rt, ct = pend[0].ct, nrows = pend[0].nrows;
-        const long long row0 = pend[0].row0, bs = pend[0].bs;
-#pragma unroll
-        for (int s = 0; s + 1 < S - 1; ++s) pend[s] = pend[s + 1];
-        const int fbuf = buf == 0 ? S - 1 : buf - 1;  // the stage processed last (its reads are done)
-        if (T + (S - 1) * step < total) {
-            cursor.next(pend[S - 2]);
-            issue(stage0 + fbuf * MXD_STAGE_BYTES, pend[S - 2]);
-        } else {
-            cp_async_commit();
-        }
-        cp_async_wait<S - 1>();
-        const unsigned char* cur = stage0 + buf * MXD_STAGE_BYTES;
+    auto body = [&](const unsigned char* cur, const MxdCoord& tc, int par) {
+        const int rt = tc.rt, ct = tc.ct, nrows = tc.nrows;
+        const long long row0 = tc.row0, bs = tc.bs;
         const int col0 = ct * TILE;
         const bool cok = col0 + tc0 < K;
 
@@ -264,8 +276,6 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
         if (tid < 32)
             reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid] =
                 reinterpret_cast<const uint4*>(st)[tid];
-
-        buf = buf == S - 1 ? 0 : buf + 1;
-        par ^= 1;
-    }
+    };
+    mxd_pipeline<S, MXD_STAGE_BYTES>(total, cursor, stage0, issue, body);
 }

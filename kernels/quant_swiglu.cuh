@@ -23,46 +23,6 @@
 
 #define SWD_STREAM_BYTES (8 * NTHREADS * 16)
 
-// The persistent loop: body(stage, tile, par) on the CTA's tiles T = blockIdx.x + j * gridDim.x < total, each
-// copied by issue(stage, tile) (one cp.async commit group) into one of S stages of SB bytes, S - 1 tiles ahead of
-// the one processed; their coordinates wait in a register ring (constant indices after unrolling). Past the last
-// tile, empty commit groups keep cp.async.wait_group<S - 1> meaning "the oldest tile has landed". par alternates
-// per tile (the double-buffered row-scale tiles behind one CTA barrier per tile).
-template <int S, int SB, class Cursor, class Issue, class Body>
-__device__ __forceinline__ void mxd_pipeline(int total, Cursor& cursor, unsigned char* stage0, Issue& issue,
-                                             Body& body) {
-    const int step = (int)gridDim.x;
-    int T = (int)blockIdx.x;
-    if (T >= total) return;
-    MxdCoord pend[S - 1] = {};
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (T + s * step < total) {
-            cursor.next(pend[s]);
-            issue(stage0 + s * SB, pend[s]);
-        } else {
-            cp_async_commit();
-        }
-    }
-    int buf = 0, par = 0;
-    for (; T < total; T += step) {
-        const MxdCoord tc = pend[0];
-#pragma unroll
-        for (int s = 0; s + 1 < S - 1; ++s) pend[s] = pend[s + 1];
-        const int fbuf = buf == 0 ? S - 1 : buf - 1;  // the stage processed last (its reads are done)
-        if (T + (S - 1) * step < total) {
-            cursor.next(pend[S - 2]);
-            issue(stage0 + fbuf * SB, pend[S - 2]);
-        } else {
-            cp_async_commit();
-        }
-        cp_async_wait<S - 1>();
-        body(stage0 + buf * SB, tc, par);
-        buf = buf == S - 1 ? 0 : buf + 1;
-        par ^= 1;
-    }
-}
-
 // x / d rounded as div.rn.f32, without its slow-path branch: the fast path the compiler emits for div.rn.f32
 // (MUFU.RCP, one Newton step, the quotient and one fma correction; its FCHK then decides whether the slow path must
 // redo it). Used only for x = g and x = 1 over d = 1 + expf(-g) with g in swd_domain's range, where it equals
