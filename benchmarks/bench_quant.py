@@ -38,6 +38,23 @@ def git_commit() -> str:
     return code_version(ROOT)
 
 
+def write_results(path: Path | None, rows: list, copy_bw: float, **config) -> None:
+    """Write the quantizer benchmarks' JSON (nothing when path is None): device, torch, commit, config (with the
+    copy bandwidth measured in the same run, GB/s) and rows."""
+    if path is None:
+        return
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "config": {**config, "copy_bandwidth_GBps": copy_bw / 1e9},
+        "rows": rows,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+
+
 class Timer:
     """Median GPU time (ms) of fn() with a flushed L2 and the CPU kept ahead of the GPU.
 
@@ -432,31 +449,23 @@ def main() -> None:
             f"pipe {pipe}: targets met {sum(1 for r in rp if r.get('meets_target'))}/"
             f"{sum(1 for r in rp if 'meets_target' in r)}"
         )
-    if args.json:
-        out = {
-            "device": name,
-            "torch": torch.__version__,
-            "commit": git_commit(),
-            "config": {
-                "quick": args.quick,
-                "reps": reps,
-                "dtype": args.dtype,
-                "compile": args.compile,
-                "variants": variants,
-                "groups": args.groups,
-                "pipes": pipes,
-                "dual_impls": duals,
-                "M": ms_list,
-                "K": ks,
-                "copy_bandwidth_GBps": copy_bw / 1e9,
-                "targets_pct_copy": TARGETS,
-                "min_ratio_vs_compile": MIN_RATIO,
-            },
-            "rows": rows,
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+    write_results(
+        args.json,
+        rows,
+        copy_bw,
+        quick=args.quick,
+        reps=reps,
+        dtype=args.dtype,
+        compile=args.compile,
+        variants=variants,
+        groups=args.groups,
+        pipes=pipes,
+        dual_impls=duals,
+        M=ms_list,
+        K=ks,
+        targets_pct_copy=TARGETS,
+        min_ratio_vs_compile=MIN_RATIO,
+    )
     if bad:
         raise SystemExit(f"{len(bad)} configurations produced wrong bytes")
 

@@ -15,7 +15,6 @@ the same process (bytes as bench_quant counts them).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import Timer, check, copy_bandwidth, git_commit, kernel_fn  # noqa: E402
+from bench_quant import Timer, check, copy_bandwidth, kernel_fn, write_results  # noqa: E402
 
 
 def config_env(name: str) -> dict[str, str]:
@@ -78,17 +77,7 @@ def main() -> None:
                 flush=True,
             )
         del x
-    if args.json:
-        out = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "commit": git_commit(),
-            "config": {**vars(args), "json": str(args.json), "copy_bandwidth_GBps": bw / 1e9},
-            "rows": rows,
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+    write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
 
 
 if __name__ == "__main__":

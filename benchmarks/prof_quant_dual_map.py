@@ -18,7 +18,6 @@ profiler run with -k regex:'probe_|mx_quant')
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,10 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_quant import Timer, _random_sizes, copy_bandwidth  # noqa: E402
+from bench_quant import Timer, _random_sizes, copy_bandwidth, write_results  # noqa: E402
 
 from moe_ep import _cuda, mxfp8_cuda  # noqa: E402
-from moe_ep.provenance import code_version  # noqa: E402
 
 SHAPES = [(16384, 2048), (16384, 7168), (32768, 2048), (32768, 7168), (131072, 2048), (131072, 7168)]
 GROUPS = 32
@@ -123,17 +121,7 @@ def main() -> None:
         print(f"{m}x{k} " + "  ".join(line), flush=True)
         del x, cl
         torch.cuda.empty_cache()
-    res = {
-        "device": torch.cuda.get_device_name(),
-        "commit": code_version(ROOT),
-        "copy_bandwidth_GBps": copy_bw / 1e9,
-        "rounds": args.rounds,
-        "reps": args.reps,
-        "rows": rows,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
+    write_results(args.json, rows, copy_bw, rounds=args.rounds, reps=args.reps, shapes=args.shapes)
 
 
 if __name__ == "__main__":
