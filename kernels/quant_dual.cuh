@@ -11,8 +11,8 @@
 // 1x32 row block is spread over the 4 lanes lane ^ {1, 2} and a 32x1 column block over the 4 lanes lane ^ {8, 16} of
 // the same warp. Both amaxes are two shuffles, each element is read once from shared memory and widened once for both
 // outputs, and the stages need no CTA barrier (each thread reads back only the cp.async copies it issued itself, as in
-// pipe 3). Where it stands (84-91 % of the same-traffic probe, 3-13 points of copy ahead of mx_quant):
-// benchmarks/NOTES.md, "Register-tiled grouped dual".
+// pipe 3). Where it stands (79.9-90.3 % of copy at the benchmark shapes, where the same access pattern with no
+// arithmetic reaches 91-97 %): benchmarks/NOTES.md, "Register-tiled grouped dual" and pass 7.
 //
 // Thread layout: warp w covers tile rows 32 (w & 3) .. + 32 (one 32-row column block) and columns
 // 64 (w >> 2) .. + 64; lane = 8 rg + cc covers rows 32 (w & 3) + 8 rg + i (i < 8) and columns 64 (w >> 2) + 8 cc
@@ -27,31 +27,33 @@
 
 // One row of a thread's 8 x 8 block, quantized both ways (shared by mx_quant_dual and mx_swiglu_dual): f[8] the
 // values, s = 2**-E of the row block (bad: NaN/Inf in it, all bytes 0x7F), cmul / cnan the 8 columns' multipliers
-// and NaN byte masks; declares q (uint2: the row-wise e4m3 bytes) and o (unsigned[2]: the column-wise ones).
-// Macros, not functions: the same statements as force-inlined functions changed mx_quant_dual's measured SASS
-// (+48 instructions at 4 stages), as text they leave it byte-identical.
-#define MXD_QUANT_ROW(f, s, bad, cmul, cnan, q, o)                                                                  \
-    uint2 q = make_uint2(mx_cvt4_e4m3(mx_mul(f[0], s), mx_mul(f[1], s), mx_mul(f[2], s), mx_mul(f[3], s)),           \
-                         mx_cvt4_e4m3(mx_mul(f[4], s), mx_mul(f[5], s), mx_mul(f[6], s), mx_mul(f[7], s)));          \
-    if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);                                                              \
-    unsigned o[2];                                                                                                   \
-    _Pragma("unroll") for (int h_ = 0; h_ < 2; ++h_) o[h_] =                                                         \
-        (mx_cvt4_e4m3(mx_mul(f[4 * h_], cmul[4 * h_]), mx_mul(f[4 * h_ + 1], cmul[4 * h_ + 1]),                     \
-                      mx_mul(f[4 * h_ + 2], cmul[4 * h_ + 2]), mx_mul(f[4 * h_ + 3], cmul[4 * h_ + 3])) &            \
-         ~cnan[h_]) |                                                                                                \
-        (0x7F7F7F7Fu & cnan[h_])
+// and NaN byte masks. Returns the row-wise e4m3 bytes; o: the column-wise ones.
+__device__ __forceinline__ uint2 mxd_quant_row(const float (&f)[8], float s, bool bad, const float (&cmul)[8],
+                                               const unsigned (&cnan)[2], unsigned (&o)[2]) {
+    uint2 q = make_uint2(mx_cvt4_e4m3(mx_mul(f[0], s), mx_mul(f[1], s), mx_mul(f[2], s), mx_mul(f[3], s)),
+                         mx_cvt4_e4m3(mx_mul(f[4], s), mx_mul(f[5], s), mx_mul(f[6], s), mx_mul(f[7], s)));
+    if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        o[h] = (mx_cvt4_e4m3(mx_mul(f[4 * h], cmul[4 * h]), mx_mul(f[4 * h + 1], cmul[4 * h + 1]),
+                             mx_mul(f[4 * h + 2], cmul[4 * h + 2]), mx_mul(f[4 * h + 3], cmul[4 * h + 3])) &
+                ~cnan[h]) |
+               (0x7F7F7F7Fu & cnan[h]);
+    return q;
+}
 
-// CS_GPREP: b (unsigned[4], zero-initialized by the caller) = the exact value of each column-wise byte o (e4m3 ->
-// fp32, exact) times 2**E (cdeq, exact), rounded once to bf16 as the reference's .to(bfloat16) of its fp32
-// dequantization; NaN blocks give bf16 NaN 0x7FC0.
-#define MXD_PREP_ROW(b, o, cdeq, cnan)                                                                              \
-    _Pragma("unroll") for (int p_ = 0; p_ < 4; ++p_) {                                                               \
-        float lo_, hi_;                                                                                              \
-        mx_e4m3x2_to_f32(o[p_ >> 1] >> (16 * (p_ & 1)), lo_, hi_);                                                   \
-        const unsigned nm_ = __byte_perm(cnan[p_ >> 1], 0u, (p_ & 1) ? 0x3322u : 0x1100u);                           \
-        b[p_] = (mx_pack16x2<1>(mx_mul(lo_, cdeq[2 * p_]), mx_mul(hi_, cdeq[2 * p_ + 1])) & ~nm_) |                  \
-                (0x7FC07FC0u & nm_);                                                                                 \
+// CS_GPREP: b = the exact value of each column-wise byte o (e4m3 -> fp32, exact) times 2**E (cdeq, exact), rounded
+// once to bf16 as the reference's .to(bfloat16) of its fp32 dequantization; NaN blocks give bf16 NaN 0x7FC0.
+__device__ __forceinline__ void mxd_prep_row(unsigned (&b)[4], const unsigned (&o)[2], const float (&cdeq)[8],
+                                             const unsigned (&cnan)[2]) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        float lo, hi;
+        mx_e4m3x2_to_f32(o[p >> 1] >> (16 * (p & 1)), lo, hi);
+        const unsigned nm = __byte_perm(cnan[p >> 1], 0u, (p & 1) ? 0x3322u : 0x1100u);
+        b[p] = (mx_pack16x2<1>(mx_mul(lo, cdeq[2 * p]), mx_mul(hi, cdeq[2 * p + 1])) & ~nm) | (0x7FC07FC0u & nm);
     }
+}
 
 // A tile of the grouped row order: row tile, column tile, first row and rows (0: a zero tile past the last group;
 // rows clamped at M), and its first BR-row block (grouped_tile).
@@ -132,10 +134,7 @@ __device__ __forceinline__ void mxd_pipeline(int total, Cursor& cursor, unsigned
 
 template <int IN, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
-    mx_quant_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,
-                  unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
-                  const int* __restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,
-                  const unsigned char* __restrict__ x2) {
+    mx_quant_dual(MX_QUANT_PARAMS) {
     static_assert(IN == IN_BF16, "the register-tiled dual quantizer reads bf16");
     static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in x's layout");
     static_assert(S >= 2 && S <= 6, "cp.async stages of 32 KB");
@@ -248,7 +247,8 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
             float f[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) f[e] = word_elem<IN_BF16>(vw[e >> 1], e & 1);
-            MXD_QUANT_ROW(f, s, bad, cmul, cnan, q, o);
+            unsigned o[2];
+            const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
             if (ok) *reinterpret_cast<uint2*>(prq) = q;
             prq += K;
             if (CS == CS_GNT) {
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
             } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
                 unsigned b[4] = {0u, 0u, 0u, 0u};
                 if (r < nrows) {
-                    MXD_PREP_ROW(b, o, cdeq, cnan);
+                    mxd_prep_row(b, o, cdeq, cnan);
                 }
                 *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + col0 + tc0) * 2) =
                     make_uint4(b[0], b[1], b[2], b[3]);

@@ -5,7 +5,8 @@
 
 // Grouped row layouts: per-CTA table of the groups' first output tile, first row and first BR-row block
 // (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/BR); entry G = the totals), built once per CTA by a
-// block-wide scan of the device-resident group sizes; a tile then finds its group by binary search. Negative
+// block-wide scan of the device-resident group sizes; a tile then finds its group by binary search (mx_quant's
+// grouped_lookup) or by walking the table with its tiles (MxdCursor, kernels/quant_dual.cuh). Negative
 // sizes count as 0. BR = 32: the per-group column-scale rows; 64: the wgrad's prepared operand (64-row blocks).
 template <int BR>
 __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, int G, int* tstart,

@@ -25,7 +25,7 @@
 
 // x / d rounded as div.rn.f32, without its slow-path branch: the fast path the compiler emits for div.rn.f32
 // (MUFU.RCP, one Newton step, the quotient and one fma correction; its FCHK then decides whether the slow path must
-// redo it). Used only for x = g and x = 1 over d = 1 + expf(-g) with g in swd_domain's range, where it equals
+// redo it). Used only for x = g and x = 1 over d = 1 + expf(-g) with g in SwdDomain's range, where it equals
 // div.rn: checked on the GPU for every bf16 g of the range (tests/test_quant_dual_cuda.py, mx_swiglu_div_check).
 // Why: every IEEE division is its own branch region (FCHK, a CALL to the slow path, BSSY/BSYNC), so the 64 SwiGLU
 // elements of a thread could not be interleaved and the kernel stalled on one element's chain at a time. The host
@@ -127,7 +127,8 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
         rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : (unsigned)(e + 127)) : 0u) << (8 * (i & 3));
         float f[8];
         vals(i, f);
-        MXD_QUANT_ROW(f, s, bad, cmul, cnan, q, o);
+        unsigned o[2];
+        const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
         if (ok) *reinterpret_cast<uint2*>(prq) = q;
         prq += K;
         if (CS == CS_GNT) {
@@ -136,7 +137,7 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
         } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
             unsigned b[4] = {0u, 0u, 0u, 0u};
             if (r < nrows) {
-                MXD_PREP_ROW(b, o, cdeq, cnan);
+                mxd_prep_row(b, o, cdeq, cnan);
             }
             *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + oc) * 2) = make_uint4(b[0], b[1], b[2], b[3]);
         }
@@ -166,10 +167,7 @@ __device__ __forceinline__ void swd_reduce_keys(unsigned (&rkey)[8], unsigned (&
 // of NS x 32 KB, 2 x (1 + BWD) row-scale tiles of 512 bytes, then the group table 16 (G + 1).
 template <int BWD, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, 1)
-    mx_swiglu_dual(const unsigned char* __restrict__ x, long long M, int K, unsigned char* __restrict__ rq,
-                   unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
-                   const int* __restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,
-                   const unsigned char* __restrict__ x2) {
+    mx_swiglu_dual(MX_QUANT_PARAMS) {
     static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in the output's layout");
     static_assert(S >= 2 && S <= 3, "cp.async stages of 64 KB (forward) / 96 KB (backward)");
     constexpr int NS = BWD ? 3 : 2;             // input streams: gate, up (, dh)

@@ -1,8 +1,8 @@
 // MXFP8 quantization / dequantization kernels (DESIGN.md section 3; moe_ep/mxfp8.py is the specification).
 //
-// A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns), one at a time; row-wise
-// modes run a persistent grid with the next tile's loads in flight (MX_PIPE below), column-wise and fused modes one
-// tile per CTA. Per tile:
+// A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns), one at a time, in most
+// modes on a persistent grid with the next tile's loads in flight (MX_PIPE below; column-only inputs of few tiles
+// take one tile per CTA). Per tile:
 //   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipe 3: by cp.async into a
 //            shared-memory double buffer); the TPB = 32/VEC lanes
 //            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
@@ -19,6 +19,9 @@
 // Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
+// Kernels: mx_quant (every mode), mx_quant_batch (the fused blocked mode over a batch of experts' weights),
+// mx_quant_dual (kernels/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual
+// (kernels/quant_swiglu.cuh: SwiGLU forward / backward + grouped dual), mx_dequant; moe_ep/quant_plan.py chooses.
 #include "common.cuh"
 
 #define IN_F32 0
@@ -94,12 +97,15 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 // The kernels mx_quant and mx_quant_batch (below) are this body with their pointers.
+// The kernels' common parameters (mx_quant, mx_quant_batch, mx_quant_dual, mx_swiglu_dual: one launcher).
+#define MX_QUANT_PARAMS                                                                                              \
+    const unsigned char *__restrict__ x, long long M, int K, unsigned char *__restrict__ rq,                          \
+        unsigned char *__restrict__ rs, unsigned char *__restrict__ cq, unsigned char *__restrict__ cs,              \
+        const int *__restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,                    \
+        const unsigned char *__restrict__ x2
+
 template <int IN, int RS, int CS, int PREQ>
-__device__ __forceinline__ void mx_quant_body(const unsigned char* __restrict__ x, long long M, int K,
-                                              unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
-                                              unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
-                                              const int* __restrict__ gsizes, int G, long long group_rows,
-                                              int n_row_tiles, int ctiles, const unsigned char* __restrict__ x2) {
+__device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr int ES = QuantCfg<IN, RS, CS, PREQ>::ES;      // element bytes
     constexpr int PIPE = QuantCfg<IN, RS, CS, PREQ>::PIPE;
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
@@ -465,12 +471,6 @@ __device__ __forceinline__ void mx_quant_body(const unsigned char* __restrict__ 
         }
     }
 }
-
-#define MX_QUANT_PARAMS                                                                                              \
-    const unsigned char *__restrict__ x, long long M, int K, unsigned char *__restrict__ rq,                          \
-        unsigned char *__restrict__ rs, unsigned char *__restrict__ cq, unsigned char *__restrict__ cs,              \
-        const int *__restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,                    \
-        const unsigned char *__restrict__ x2
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE>
 __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant(MX_QUANT_PARAMS) {
