@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm import interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
+from bench_gemm import env_restored, interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep import gemm  # noqa: E402
 from moe_ep.expert_mlp_cuda import expert_mlp_cuda_bwd, expert_mlp_cuda_fwd  # noqa: E402
@@ -114,15 +114,9 @@ def run_shape(name: str, rounds: int, reps: int, ab_quant: bool = False) -> dict
         expert_mlp_cuda_fwd(x, w13, w2, sz, cache)
 
     def ours_step_smem():  # the environment is read at each launch
-        old = os.environ.get("MOE_EP_QUANT_DUAL")
-        os.environ["MOE_EP_QUANT_DUAL"] = "smem"
-        try:
+        with env_restored("MOE_EP_QUANT_DUAL"):
+            os.environ["MOE_EP_QUANT_DUAL"] = "smem"
             ours_step()
-        finally:
-            if old is None:
-                del os.environ["MOE_EP_QUANT_DUAL"]
-            else:
-                os.environ["MOE_EP_QUANT_DUAL"] = old
 
     fns = {"mxfp8_step": ours_step, "bf16_step": bf16_step, "mxfp8_fwd": ours_fwd, "bf16_fwd": bf16_fwd}
     if ab_quant:

@@ -23,6 +23,7 @@ Usage: python benchmarks/bench_gemm.py [--quick] [--json PATH] [--shapes dsv3_up
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,6 +42,20 @@ SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
     "small": (32768, 2048, 1536, 16),
     "llama4": (16384, 5120, 8192, 4),
 }
+
+
+@contextlib.contextmanager
+def env_restored(*names: str):
+    """The environment switches ``names`` as they were, after the block (set or unset)."""
+    saved = {v: os.environ.get(v) for v in names}
+    try:
+        yield
+    finally:
+        for var, val in saved.items():
+            if val is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = val
 
 
 def uneven_sizes(m: int, g: int, seed: int, align: int = 16) -> list[int]:
@@ -166,15 +181,9 @@ def run_shape(name, m, k, n, g, args, out_rows):
 
     def with_env(var, value, fn):  # run fn with the environment switch var=value (restored after)
         def run():
-            old = os.environ.get(var)
-            os.environ[var] = value
-            try:
+            with env_restored(var):
+                os.environ[var] = value
                 return fn()
-            finally:
-                if old is None:
-                    del os.environ[var]
-                else:
-                    os.environ[var] = old
 
         return run
 

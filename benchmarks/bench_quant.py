@@ -24,6 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_gemm import env_restored  # noqa: E402
+
 from moe_ep import mxfp8_cuda, quant_plan  # noqa: E402
 from moe_ep.gemm_operands import colwise_prep_rows_used  # noqa: E402
 from moe_ep.mxfp8 import quantize_torch, to_blocked, to_blocked_grouped  # noqa: E402
@@ -189,8 +191,22 @@ def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
-def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
-    """Kernel bytes == reference bytes on the first ``rows`` rows (all columns)."""
+def check(variant: str, x: torch.Tensor, groups: int = 32, rows: int = 512) -> bool:
+    """Kernel bytes == reference bytes on the first ``rows`` rows (all columns).
+
+    The grouped-dual kernel is checked at the cp.async depth the timed full-size input (in ``groups`` groups) gets:
+    the ``rows``-row slice alone would get 2 stages under MOE_EP_QUANT_DUAL_STAGES=auto.
+    """
+    if variant in ("grouped_dual", "grouped_dual_prep") and x.dtype == torch.bfloat16:
+        m, k = x.shape
+        tiles = (quant_plan.cdiv(m, quant_plan.TILE) + groups) * quant_plan.cdiv(k, quant_plan.TILE)
+        with env_restored("MOE_EP_QUANT_DUAL_STAGES"):
+            os.environ["MOE_EP_QUANT_DUAL_STAGES"] = str(quant_plan.dual_stages(tiles, x.device))
+            return _check(variant, x, rows)
+    return _check(variant, x, rows)
+
+
+def _check(variant: str, x: torch.Tensor, rows: int) -> bool:
     xs = x[:rows].contiguous()
     xc = xs.cpu()
     if variant == "row_plain":
@@ -219,24 +235,6 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
     if variant == "fused":
         return all(map(_eq, mxfp8_cuda.quantize_fused(xs, "blocked", "blocked"), _ref_fused(xc)))
     raise ValueError(variant)
-
-
-def check_at_timed_depth(variant: str, x: torch.Tensor, groups: int) -> bool:
-    """check() with the grouped-dual kernel at the cp.async depth the timed full-size input gets (the 512-row check
-    input alone would get 2 stages under MOE_EP_QUANT_DUAL_STAGES=auto)."""
-    if variant not in ("grouped_dual", "grouped_dual_prep") or x.dtype != torch.bfloat16:
-        return check(variant, x)
-    m, k = x.shape
-    tiles = (-(-m // 128) + groups) * -(-k // 128)
-    old = os.environ.get("MOE_EP_QUANT_DUAL_STAGES")
-    os.environ["MOE_EP_QUANT_DUAL_STAGES"] = str(quant_plan.dual_stages(tiles, x.device))
-    try:
-        return check(variant, x)
-    finally:
-        if old is None:
-            del os.environ["MOE_EP_QUANT_DUAL_STAGES"]
-        else:
-            os.environ["MOE_EP_QUANT_DUAL_STAGES"] = old
 
 
 def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
@@ -396,7 +394,7 @@ def main() -> None:
                 os.environ["MOE_EP_QUANT_PIPE"] = "auto" if pipe < 0 else str(pipe)
                 if dual:
                     os.environ["MOE_EP_QUANT_DUAL"] = dual
-                ok = check_at_timed_depth(v, x, args.groups)
+                ok = check(v, x, args.groups)
                 fn, nbytes = kernel_fn(v, x, args.groups)
                 t = timer(fn)
                 tc = tcs.get((v, m, k))

@@ -39,7 +39,6 @@ without output stores (``-DWR_NO_EPI``), the whole call and torch bf16.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -52,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import SHAPES, interleaved_ms, paired_ratio, round_order, time_ms, uneven_sizes  # noqa: E402
+from bench_gemm import SHAPES, env_restored, interleaved_ms, paired_ratio, round_order, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep import _cuda, gemm_cuda, mxfp8  # noqa: E402
 
@@ -170,7 +169,7 @@ def experiments_wgrad(args) -> dict:
     # The library's own launch on the prepared operands (the stage count follows MOE_EP_WGRAD_STAGES as in
     # full_call); the no-epilogue timing build through the NVRTC options, which get_function keys its cache on.
     res["ms"]["gemm_only"] = time_ms(lambda: gemm_cuda._launch_wgrad_prepared(ap, bp, sz, out, m), 3, 20)
-    with _env_restored("MOE_EP_NVRTC_OPTIONS"):
+    with env_restored("MOE_EP_NVRTC_OPTIONS"):
         os.environ["MOE_EP_NVRTC_OPTIONS"] = (os.environ.get("MOE_EP_NVRTC_OPTIONS", "") + " -DWR_NO_EPI").strip()
         res["ms"]["gemm_no_epi"] = time_ms(lambda: gemm_cuda._launch_wgrad_prepared(ap, bp, sz, out, m), 3, 20)
     res["ms"]["full_call"] = time_ms(lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, out=out), 3, 20)
@@ -274,20 +273,6 @@ ROUNDS = 6
 RASTER_BUILDS = {f"wgmma4_r{r}": ("wgmma4", f"-DGM_RASTER={r}", "auto") for r in (1, 4, 8, 16)}
 
 
-@contextlib.contextmanager
-def _env_restored(*names: str):
-    """The kernel-selection environment variables ``names`` as they were, after the block (set or unset)."""
-    saved = {v: os.environ.get(v) for v in names}
-    try:
-        yield
-    finally:
-        for var, val in saved.items():
-            if val is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = val
-
-
 BUILD_ENV = ("MOE_EP_GEMM_IMPL", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_GEMM_STAGES")  # what a build sets
 
 
@@ -317,7 +302,7 @@ def parse_builds(spec: str) -> dict[str, tuple[str, str, str]]:
 def experiments_builds(args) -> dict:
     builds = parse_builds(args.builds) if args.builds else RASTER_BUILDS
     res = {"kernel": args.kernel, "shapes": {}}
-    with _env_restored(*BUILD_ENV):
+    with env_restored(*BUILD_ENV):
         for shape in args.shape.split(",") if args.shape_given else list(SHAPES):
             res["shapes"][shape] = _builds_shape(shape, builds, args.rounds, args.pairs)
             print(shape, json.dumps(res["shapes"][shape]))
@@ -326,7 +311,7 @@ def experiments_builds(args) -> dict:
 
 def launches_for_ncu(args) -> dict:
     shapes = [args.shape] if args.shape_given else list(SHAPES)
-    with _env_restored("MOE_EP_GEMM_IMPL"):
+    with env_restored("MOE_EP_GEMM_IMPL"):
         for shape in shapes:
             m, k, n, g, sizes, sz, x, w, xq, wq, xs, ws, out = fprop_operands(shape)
             wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)

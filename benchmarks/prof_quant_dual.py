@@ -58,7 +58,7 @@ def main() -> None:
             fns, nbytes = {}, 0
             for c in configs:
                 os.environ.update(config_env(c))
-                if not check(v, x):
+                if not check(v, x, args.groups):
                     raise SystemExit(f"{v} {shape} {c}: bytes differ from the reference")
                 fns[c], nbytes = kernel_fn(v, x, args.groups)
             times: dict[str, list[float]] = {c: [] for c in configs}

@@ -8,10 +8,11 @@ per warp instruction. ``probe_dual`` (kernels/bench_probe.cu) separates the two 
 1: the kernel's loads with full-line stores, 2: full-line loads with the kernel's stores, 6: both full-line, at
 probe_dual's own occupancy (probe_fused order 3 runs 2 CTAs per SM, probe_dual 4); 3-5: the loads through
 shared memory as 16-byte cp.async in either mapping or one cp.async.bulk per tile row). row_blocked (mx_quant,
-cp.async pipe 3) is timed alongside for reference.
+cp.async pipe 3) is timed alongside for reference; both kernels through bench_quant.kernel_fn, after
+bench_quant.check.
 
 Usage: python benchmarks/prof_quant_dual_map.py [--rounds 3] [--shapes 16384x2048,...] [--json PATH] [--ncu]
-(--ncu: 32768x7168, each kernel twice after one byte-check launch of the probes and the grouped dual, for a
+(--ncu: 32768x7168, each kernel twice after the byte-check launches of the probes and the two kernels, for a
 profiler run with -k regex:'probe_|mx_quant')
 """
 
@@ -28,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_quant import Timer, _random_sizes, copy_bandwidth, write_results  # noqa: E402
+from bench_quant import Timer, check, copy_bandwidth, kernel_fn, write_results  # noqa: E402
 
-from moe_ep import _cuda, mxfp8_cuda  # noqa: E402
+from moe_ep import _cuda  # noqa: E402
 
 SHAPES = [(16384, 2048), (16384, 7168), (32768, 2048), (32768, 7168), (131072, 2048), (131072, 7168)]
 GROUPS = 32
@@ -72,16 +73,10 @@ def closures(x: torch.Tensor) -> dict:
         torch.cuda.synchronize()
         if not (torch.equal(out, want) and torch.equal(out2, want)):
             raise AssertionError(f"probe {name} wrote wrong bytes")
-    sizes = _random_sizes(m, GROUPS, x.device)
-    outs = mxfp8_cuda.quantize_grouped_dual(x, sizes)
-    nbytes = 2 * m * k + m * k + outs[1].numel() + m * k + -(-m // 32) * k
-    res["kernel_grouped_dual"] = (lambda: mxfp8_cuda.quantize_grouped_dual_into(x, sizes, *outs), nbytes)
-    data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=x.device)
-    res["kernel_row_blocked"] = (
-        lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, "blocked"),
-        3 * m * k + scale.numel(),
-    )
+    for v in ("grouped_dual", "row_blocked"):  # the kernels as bench_quant times them, checked first
+        if not check(v, x, GROUPS):
+            raise AssertionError(f"{v} wrote wrong bytes")
+        res[f"kernel_{v}"] = kernel_fn(v, x, GROUPS)
     return res
 
 

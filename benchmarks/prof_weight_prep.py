@@ -1,7 +1,8 @@
 """A/B of the weights' fused quantization: one launch for all experts (``quantize_weights_fused``, mx_quant_batch)
 against one mx_quant launch per expert (the previous launcher, rebuilt here), on the expert-MLP shapes.
 
-Both write the same bytes (checked first). Timed in alternating rounds in one process: the GPU time between CUDA
+Both write the same bytes (checked first). Timed in rounds in one process, in bench_gemm.round_order's rotating
+order (the committed results up to d6c836d ran the same order every round): the GPU time between CUDA
 events around one call (it includes the GPU idling while the host is still launching), and the host time of the
 call (perf_counter, without waiting for the GPU). Also the whole ``weight_operands`` (both quantizations and both
 prepared bf16 copies) as the cache miss of a training step pays it.
@@ -22,6 +23,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import round_order  # noqa: E402
+
 from moe_ep import _cuda, gemm_operands, mxfp8_cuda  # noqa: E402
 from moe_ep import quant_plan as qp  # noqa: E402
 from moe_ep.provenance import code_version  # noqa: E402
@@ -98,9 +102,9 @@ def main() -> None:
             rounds = {k: [] for k in fns}
             for fn in fns.values():
                 timed(fn, 2)  # warm-up (compiles)
-            for _ in range(args.rounds):
-                for k, fn in fns.items():
-                    rounds[k].append(timed(fn, args.reps))
+            for r in range(args.rounds):
+                for k in round_order(list(fns), r):
+                    rounds[k].append(timed(fns[k], args.reps))
             res[wname] = {
                 k: {"gpu_ms": statistics.median(g for g, _ in v), "host_ms": statistics.median(h for _, h in v)}
                 for k, v in rounds.items()

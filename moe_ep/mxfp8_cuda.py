@@ -505,24 +505,13 @@ def quantize_weights_fused_into(
     _check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
     _check_out(data_t, "data_t", (e, k, n), torch.float8_e4m3fn, w.device)
     _check_out(scale_t, "scale_t", (e, blocked_size(k, n // BLOCK)), torch.uint8, w.device)
-    plan = qp.quant_plan(w, n, k, qp.RS["blocked"], qp.CS["blocked"], 0, None, None)  # the same for every expert
-    if plan is None or e == 0:
+    plan = qp.batch_plan(w, e, n, k)
+    if plan is None:
         return
     name, grid, smem, n_row_tiles, ctiles = plan
-    # One launch, grid.y = expert: the kernel offsets every pointer by its expert (the tensors are contiguous, so
-    # expert i starts i * stride(0) elements in). One launch per expert was host-bound for small weights (16 x
-    # [1536, 2048]: a few microseconds of GPU time per expert against ~30 us of Python per launch). A persistent
-    # grid (fewer CTAs than one expert's tiles) is shared out between the experts: at most `grid` CTAs in all, so
-    # none waits for a slot and then strides alone through a whole share (E not dividing the grid leaves up to
-    # E - 1 slots idle; E > grid gives one CTA per expert, in waves). A grid of one CTA per tile stays per expert.
-    if e > 65535:
-        raise ValueError(f"quantize_weights_fused: {e} experts, more than one launch's grid.y (65535)")
-    gx = grid if grid >= n_row_tiles * ctiles else max(1, grid // e)
-    if not name.startswith("mx_quant<") or name.count(",") != 2:  # a pipe override has no batch instantiation
-        raise RuntimeError(f"quantize_weights_fused: no batched kernel for the plan {name}")
     null, p = _cuda.ptr(None), _cuda.ptr
     args = _quant_args(p(w), n, k, p(data), p(scale), p(data_t), p(scale_t), null, 0, 0, n_row_tiles, ctiles, null)
-    _launch(f"mx_quant_batch<{qp.IN[w.dtype]}>", (gx, e), args, smem, w.device)
+    _launch(name, grid, args, smem, w.device)
 
 
 def quantize_weights_fused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

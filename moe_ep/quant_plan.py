@@ -138,12 +138,18 @@ def dual_stages(tiles: int, device: torch.device) -> int:
     Example (132 SMs): bf16 [32768, 7168] with 32 groups: (256 + 32) * 56 = 16128 tiles >= 4224 -> 4;
     [16384, 2048]: (128 + 32) * 16 = 2560 tiles -> 2.
     """
-    v = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
+    v = _dual_stages_switch()
     if v == "auto":
         return 4 if tiles >= DUAL_DEEP_TILES_PER_SM * sm_count(device) else 2
-    if v not in ("2", "3", "4", "5", "6"):
-        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {v!r}")
     return int(v)
+
+
+def _dual_stages_switch() -> str:
+    """MOE_EP_QUANT_DUAL_STAGES, checked: "auto" (the default) or "2" ... "6"."""
+    v = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
+    if v not in ("auto", "2", "3", "4", "5", "6"):
+        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {v!r}")
+    return v
 
 
 SMEM_PER_SM = 233472  # Hopper: 228 KiB of shared memory per SM ...
@@ -161,16 +167,10 @@ def dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int
 
     Example (132 SMs): 32 groups, 2 stages: 67088 B, 3 CTAs per SM, grid 396; 700 groups: 77776 B, 2 per SM (264).
     """
-    st = dual_stages(tiles, device)
-
-    def smem_of(s: int) -> int:
-        return 16 * (n_groups + 1) + s * TILE * TILE * 2 + 2 * 512
-
-    while st > 2 and smem_of(st) > SMEM_DYNAMIC_MAX:
-        st -= 1
-    smem = smem_of(st)
-    if smem > SMEM_DYNAMIC_MAX:
+    fit = _fit_stages(dual_stages(tiles, device), lambda s: 16 * (n_groups + 1) + s * TILE * TILE * 2 + 2 * 512)
+    if fit is None:
         return None
+    st, smem = fit
     per_sm = min({2: 3, 3: 2}.get(st, 1), SMEM_PER_SM // (smem + SMEM_STATIC + 1024))
     return st, min(tiles, per_sm * sm_count(device)), smem
 
@@ -189,19 +189,19 @@ def swiglu_plan(bwd: bool, k: int, h_tiles: int, n_groups: int, device: torch.de
     if bwd and k % (2 * TILE):
         return None
     streams = 3 if bwd else 2
-    env = os.environ.get("MOE_EP_QUANT_DUAL_STAGES", "auto").strip().lower()
-    if env not in ("auto", "2", "3", "4", "5", "6"):
-        raise ValueError(f"MOE_EP_QUANT_DUAL_STAGES must be auto or 2-6, got {env!r}")
-    st = 2 if bwd or env == "2" else 3
+    st = 2 if bwd or _dual_stages_switch() == "2" else 3
+    fit = _fit_stages(st, lambda s: 16 * (n_groups + 1) + s * streams * TILE * TILE * 2 + 2 * (1 + bwd) * 512)
+    if fit is None:
+        return None
+    return fit[0], min(h_tiles, sm_count(device)), fit[1]
 
-    def smem_of(s: int) -> int:
-        return 16 * (n_groups + 1) + s * streams * TILE * TILE * 2 + 2 * (1 + bwd) * 512
 
+def _fit_stages(st: int, smem_of) -> tuple[int, int] | None:
+    """(stages, dynamic shared memory): st, brought down to no fewer than 2 while smem_of(stages) bytes do not fit
+    one CTA; None when even that does not fit."""
     while st > 2 and smem_of(st) > SMEM_DYNAMIC_MAX:
         st -= 1
-    if smem_of(st) > SMEM_DYNAMIC_MAX:
-        return None
-    return st, min(h_tiles, sm_count(device)), smem_of(st)
+    return None if smem_of(st) > SMEM_DYNAMIC_MAX else (st, smem_of(st))
 
 
 def sm_count(device: torch.device) -> int:
@@ -249,3 +249,26 @@ def quant_plan(
     smem = (TILE * TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
     return name, grid, smem, n_row_tiles, ctiles
+
+
+def batch_plan(x: torch.Tensor, e: int, n: int, k: int) -> tuple[str, tuple[int, int], int, int, int] | None:
+    """(name, grid (x, y), shared memory, row tiles, column tiles) of mx_quant_batch: the fused blocked mode
+    (quantize_weights_fused) of e equal [n, k] problems in one launch, grid.y = problem; None for e == 0.
+
+    One launch per expert was host-bound for small weights (16 x [1536, 2048]: a few microseconds of GPU time per
+    expert against ~30 us of Python per launch). A persistent grid (fewer CTAs than one expert's tiles) is shared
+    out between the experts: at most the one-problem grid's CTAs in all, so none waits for a slot and then strides
+    alone through a whole share (e not dividing the grid leaves up to e - 1 slots idle; e > grid gives one CTA per
+    expert, in waves). A grid of one CTA per tile stays per expert.
+
+    Example (132 SMs, pipe 3: 396 CTA slots): 16 x [1536, 2048] bf16 (192 tiles each, one CTA per tile) -> grid
+    (192, 16); 4 x [8192, 5120] (2560 tiles each) -> (99, 4).
+    """
+    if e > 65535:
+        raise ValueError(f"quantize_weights_fused: {e} experts, more than one launch's grid.y (65535)")
+    plan = quant_plan(x, n, k, RS["blocked"], CS["blocked"], 0, None, None)  # the same for every problem
+    if plan is None or e == 0:
+        return None
+    _, grid, smem, n_row_tiles, ctiles = plan
+    gx = grid if grid >= n_row_tiles * ctiles else max(1, grid // e)
+    return f"mx_quant_batch<{IN[x.dtype]}>", (gx, e), smem, n_row_tiles, ctiles

@@ -95,14 +95,13 @@ def test_quantizer_kernels_give_the_same_step(ffn, monkeypatch):
     bits of the step on mx_quant (MOE_EP_QUANT_DUAL=smem): both write the reference quantizer's bytes, and the GEMMs
     between them are deterministic."""
     _skip_without_gpu()
-    from moe_ep import mxfp8_cuda
+    from tests.test_quant_cuda import record_launches
 
     sizes, hdim = [700, 0, 129, 1, 1300], 256
     x, w13, w2, dout = _problem(sizes, hdim, ffn, seed=ffn)
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
-    runs, launched = {}, []
-    real_launch = mxfp8_cuda._launch
-    monkeypatch.setattr(mxfp8_cuda, "_launch", lambda name, *a: (launched.append(name), real_launch(name, *a)))
+    runs = {}
+    launched = record_launches(monkeypatch)
     for impl in ("reg", "smem"):
         monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl)
         launched.clear()

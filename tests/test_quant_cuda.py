@@ -247,6 +247,19 @@ def test_colwise(dev, dtype, layout):
         assert_bytes(scale_t, want, f"scale_t {m}x{k} {layout}")
 
 
+def record_launches(monkeypatch) -> list[str]:
+    """Names of the mxfp8_cuda kernels launched from now on (the GPU launcher or the emulator's, unchanged)."""
+    names: list[str] = []
+    launch = mxfp8_cuda._launch
+
+    def rec(name, *args):
+        names.append(name)
+        return launch(name, *args)
+
+    monkeypatch.setattr(mxfp8_cuda, "_launch", rec)
+    return names
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
     """Column-only modes of 16-bit inputs launch mx_quant<.., 3> (persistent, cp.async) when the input has at least
@@ -255,9 +268,7 @@ def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
     for plain, blocked and axis 0. At 1 tile per slot a 1-tile input stays on the plain launch."""
     monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
     monkeypatch.setattr(quant_plan, "COL_PIPE3_TILES_PER_SLOT", 0)
-    names = []
-    launch = mxfp8_cuda._launch
-    monkeypatch.setattr(mxfp8_cuda, "_launch", lambda name, *a: (names.append(name), launch(name, *a))[1])
+    names = record_launches(monkeypatch)
     for i, (m, k) in enumerate(_shapes(dev, COL_SMALL, COL_BIG)):
         x = make_input(m, k, dtype, seed=30 + i)
         reft = quantize_torch(x.t().contiguous(), -1)

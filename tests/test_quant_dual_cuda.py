@@ -15,7 +15,7 @@ import torch
 
 from moe_ep import mxfp8_cuda, quant_plan
 from moe_ep.gemm_operands import colwise_prep_rows, colwise_prep_rows_used
-from tests.test_quant_cuda import HAS_CUDA, _big, backend_dev  # noqa: F401  (backend_dev: the ``dev`` fixture)
+from tests.test_quant_cuda import HAS_CUDA, _big, backend_dev, record_launches  # noqa: F401  (backend_dev: the ``dev`` fixture)
 
 # ------------------------------------------------------------------------------------------------------------
 # grouped GEMM operands from one read: row-wise (grouped blocked scales) + per-group column-wise, plain and SwiGLU
@@ -102,7 +102,6 @@ def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype, impl, monkey
     prepared bf16 layout (64-row group blocks, zero padding rows) == prepare_colwise_bf16_torch of the reference's
     MXFP8 column operand; nothing written past the last group's block."""
     from moe_ep.gemm import quantize_grouped_dual_torch
-    from moe_ep.gemm_operands import colwise_prep_rows
 
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl)
     m, k = sum(sizes), 160
@@ -150,19 +149,6 @@ def _extreme_dual_input(m: int, k: int, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def _record_launches(monkeypatch) -> list[str]:
-    """Names of the mxfp8_cuda kernels launched from now on (the GPU launcher or the emulator's, unchanged)."""
-    names: list[str] = []
-    launch = mxfp8_cuda._launch
-
-    def rec(name, *args):
-        names.append(name)
-        return launch(name, *args)
-
-    monkeypatch.setattr(mxfp8_cuda, "_launch", rec)
-    return names
-
-
 @pytest.mark.parametrize("stages", ["2", "3", "4", "5", "6"])
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
 def test_grouped_dual_extreme_and_persistent(dev, colwise, stages, monkeypatch):
@@ -181,7 +167,7 @@ def test_grouped_dual_extreme_and_persistent(dev, colwise, stages, monkeypatch):
     m = sum(sizes)
     x = _extreme_dual_input(m, k, seed=5)
     st = torch.tensor(sizes, dtype=torch.int32)
-    names = _record_launches(monkeypatch)
+    names = record_launches(monkeypatch)
     got = mxfp8_cuda.quantize_grouped_dual(x.to(dev), st.to(dev), colwise=colwise)
     assert names == [f"mx_quant_dual<1,{5 if colwise == 'bf16' else 4},{stages}>"]
     _check_dual(got, quantize_grouped_dual_torch(x, st, colwise=colwise), sizes)
@@ -355,7 +341,7 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, colwise, monkeypatch):
     for m in (n, n - 20, n + 23):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MOE_EP_QUANT_DUAL", "reg")
-            names = _record_launches(mp)
+            names = record_launches(mp)
             got = _dual_into_sentinel(a, sizes, m, colwise, swiglu=not bwd, dh=dh)
             assert names == [want_name]
             mp.setenv("MOE_EP_QUANT_DUAL", "smem")
@@ -378,7 +364,7 @@ def test_swiglu_reg_matches_reference(dev, bwd, colwise, monkeypatch):
     a = _extreme_dual_input(m, 2 * f, seed=31).to(dev)
     kw = {"swiglu_dh": _extreme_dual_input(m, f, seed=32).to(dev)} if bwd else {"apply_swiglu": True}
     st = torch.tensor(sizes, dtype=torch.int32)
-    names = _record_launches(monkeypatch)
+    names = record_launches(monkeypatch)
     got = mxfp8_cuda.quantize_grouped_dual(a, st.to(dev), colwise=colwise, **kw)
     assert names[0].startswith(f"mx_swiglu_dual<{int(bwd)},")
     want = quantize_grouped_dual_torch(a, st, colwise=colwise, **kw)
