@@ -3,7 +3,8 @@
     python benchmarks/prof_quant_dual.py [--configs smem,reg2,reg4] [--variants grouped_dual,grouped_dual_prep]
                                          [--rounds 4] [--reps 20] [--json PATH]
 
-Configurations: ``smem`` is mx_quant's shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the
+Configurations (each may end in ``@DIR``: kernels from the sources in DIR, see config_env): ``smem`` is mx_quant's
+shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the
 register-tiled mx_quant_dual with N cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N), or for the
 SwiGLU variants (``--variants swiglu_dual_prep,swiglu_bwd_dual_prep``) mx_swiglu_dual (forward: 2 or 3 stages). For each
 shape and variant every configuration is first checked byte for byte against the reference (bench_quant.check), then
@@ -27,13 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quant import Timer, check, copy_bandwidth, kernel_fn, write_results  # noqa: E402
 
+from moe_ep import _cuda  # noqa: E402
+
+KERNELS_DIR = _cuda.kernels_dir()  # the sources of configurations without @DIR (read before any config sets it)
+
 
 def config_env(name: str) -> dict[str, str]:
+    """Environment of a configuration: ``smem``, ``reg`` or ``regN``, optionally ``@DIR``: the kernels compiled
+    from the sources in DIR (MOE_EP_KERNELS_DIR, e.g. ``git archive <rev> kernels`` unpacked) for an A/B of two
+    revisions in one process; without it, the checkout's own (MOE_EP_KERNELS_DIR set to it)."""
+    name, _, kdir = name.partition("@")
+    env = {"MOE_EP_KERNELS_DIR": str(Path(kdir).resolve() if kdir else KERNELS_DIR)}
     if name == "smem":
-        return {"MOE_EP_QUANT_DUAL": "smem", "MOE_EP_QUANT_DUAL_STAGES": "auto"}
+        return {**env, "MOE_EP_QUANT_DUAL": "smem", "MOE_EP_QUANT_DUAL_STAGES": "auto"}
     if name.startswith("reg"):
-        return {"MOE_EP_QUANT_DUAL": "reg", "MOE_EP_QUANT_DUAL_STAGES": name.removeprefix("reg") or "auto"}
-    raise ValueError(f"unknown configuration {name!r} (smem, reg, reg2 ... reg6)")
+        return {**env, "MOE_EP_QUANT_DUAL": "reg", "MOE_EP_QUANT_DUAL_STAGES": name.removeprefix("reg") or "auto"}
+    raise ValueError(f"unknown configuration {name!r} (smem, reg, reg2 ... reg6, each with an optional @DIR)")
 
 
 def main() -> None:

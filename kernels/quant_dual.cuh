@@ -55,6 +55,32 @@ __device__ __forceinline__ void mxd_prep_row(unsigned (&b)[4], const unsigned (&
     }
 }
 
+// The thread's 8 row-scale bytes rsb into the 512-byte shared cuBLAS tile st: bytes (r % 32) * 16 + 4 mb + cb,
+// cb = 2 (w >> 2) + (lane & 4) / 4 (one lane of each row block's four holds them).
+__device__ __forceinline__ void mxd_row_scales_to_smem(unsigned char* st, const unsigned (&rsb)[2], int tr0, int mb,
+                                                       int warp, int lane) {
+    if ((lane & 3) == 0) {
+        unsigned char* d = st + (tr0 & 31) * 16 + 4 * mb + 2 * (warp >> 2) + ((lane >> 2) & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d[16 * i] = (unsigned char)(rsb[i >> 2] >> (8 * (i & 3)));
+    }
+}
+
+// A warp whose 32-row block lies past the tile's rows (32 mb >= nrows: in a group's last, partial tile, or in a zero
+// tile past the last group) has no element to quantize (the caller skips its arithmetic; warp-uniform, so the
+// shuffles stay whole-warp). What it still owes: zero row-scale bytes (the caller's) and, for CS_GPREP, the zero
+// rows that pad the group to its 64-row block, at output columns oc .. oc + 7. bench_quant's 32 random groups of
+// 16384 rows give 16 zero and 32 partial row tiles of 160, all computed in full before.
+template <int CS>
+__device__ __forceinline__ void mxd_idle_warp(unsigned char* __restrict__ cq, long long bs, int K, int oc, bool cok,
+                                              int nrows, int tr0, int mb) {
+    if (CS == CS_GPREP && cok && 32 * mb < ((nrows + 63) & ~63)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            *reinterpret_cast<uint4*>(cq + ((64 * bs + tr0 + i) * K + oc) * 2) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // A tile of the grouped row order: row tile, column tile, first row and rows (0: a zero tile past the last group;
 // rows clamped at M), and its first BR-row block (grouped_tile).
 struct MxdCoord {
@@ -180,98 +206,95 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
         const long long row0 = tc.row0, bs = tc.bs;
         const int col0 = ct * TILE;
         const bool cok = col0 + tc0 < K;
-
-        // ---- amax keys: rows (packed u16x2: rows 2j / 2j + 1) and word columns (columns 2c / 2c + 1) ----
-        uint4 v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint4*>(cur + (i * NTHREADS + tid) * 16);
-        unsigned rkey[4], ckey[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            unsigned m[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint4 a = v[2 * j + h];
-                const unsigned w0 = a.x & 0x7FFF7FFFu, w1 = a.y & 0x7FFF7FFFu, w2 = a.z & 0x7FFF7FFFu,
-                               w3 = a.w & 0x7FFF7FFFu;
-                ckey[0] = __vmaxu2(ckey[0], w0);
-                ckey[1] = __vmaxu2(ckey[1], w1);
-                ckey[2] = __vmaxu2(ckey[2], w2);
-                ckey[3] = __vmaxu2(ckey[3], w3);
-                m[h] = __vmaxu2(__vmaxu2(w0, w1), __vmaxu2(w2, w3));
-            }
-            rkey[j] = __vmaxu2(__byte_perm(m[0], m[1], 0x5410u), __byte_perm(m[0], m[1], 0x7632u));
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 1));
-            rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 2));
-            ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 8));
-            ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 16));
-        }
-
-        // ---- column blocks: multipliers 2**-E, NaN byte masks, scale bytes (CS_GNT) / 2**E (CS_GPREP) ----
-        float cmul[8], cdeq[8];
-        unsigned cnan[2] = {0u, 0u}, csb[2] = {0u, 0u};
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            const unsigned k = c & 1 ? ckey[c >> 1] >> 16 : ckey[c >> 1] & 0xFFFFu;
-            const bool bad = k >= Key<IN_BF16>::BAD;
-            const unsigned t = mx_bf16_block_t(k);
-            cmul[c] = bad ? 0.0f : __uint_as_float((262u - t) << 23);
-            cdeq[c] = t > 8u ? __uint_as_float((t - 8u) << 23) : __uint_as_float(1u << 22);  // 2**-127: subnormal
-            cnan[c >> 2] |= (bad ? 0xFFu : 0u) << (8 * (c & 3));
-            csb[c >> 2] |= (bad ? MX_SCALE_NAN : t - 8u) << (8 * (c & 3));
-        }
-        const bool blk_ok = cok && 32 * mb < nrows;
-        if (CS == CS_GNT && blk_ok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
-            *reinterpret_cast<uint2*>(cs + (bs + mb) * K + col0 + tc0) = make_uint2(csb[0], csb[1]);
-
-        // ---- per row: row-wise bytes, column-wise bytes (or their prepared bf16 values) ----
-        const long long off0 = (row0 + tr0) * K + col0 + tc0;
-        const int nr = cok ? nrows - tr0 : 0;  // rows i < nr of this thread exist
-        unsigned char* prq = rq + off0;
-        unsigned char* pcq = cq + off0;
-        const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;  // CS_GPREP: zero rows to a 64-row block
         unsigned rsb[2] = {0u, 0u};  // the 8 rows' scale bytes (0 past the group or past K: tile padding)
+
+        if (32 * mb >= nrows) {  // no row of the warp's 32-row block is in the tile (mxd_idle_warp)
+            mxd_idle_warp<CS>(cq, bs, K, col0 + tc0, cok, nrows, tr0, mb);
+        } else {
+            // ---- amax keys: rows (packed u16x2: rows 2j / 2j + 1) and word columns (columns 2c / 2c + 1) ----
+            uint4 v[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int r = tr0 + i;
-            const bool ok = i < nr;
-            const unsigned k = i & 1 ? rkey[i >> 1] >> 16 : rkey[i >> 1] & 0xFFFFu;
-            const bool bad = k >= Key<IN_BF16>::BAD;
-            const unsigned t = mx_bf16_block_t(k);
-            const float s = __uint_as_float((262u - t) << 23);
-            rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : t - 8u) : 0u) << (8 * (i & 3));
-            const unsigned vw[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-            float f[8];
+            for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint4*>(cur + (i * NTHREADS + tid) * 16);
+            unsigned rkey[4], ckey[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-            for (int e = 0; e < 8; ++e) f[e] = word_elem<IN_BF16>(vw[e >> 1], e & 1);
-            unsigned o[2];
-            const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
-            if (ok) *reinterpret_cast<uint2*>(prq) = q;
-            prq += K;
-            if (CS == CS_GNT) {
-                if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
-                pcq += K;
-            } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
-                unsigned b[4] = {0u, 0u, 0u, 0u};
-                if (r < nrows) {
-                    mxd_prep_row(b, o, cdeq, cnan);
+            for (int j = 0; j < 4; ++j) {
+                unsigned m[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const uint4 a = v[2 * j + h];
+                    const unsigned w0 = a.x & 0x7FFF7FFFu, w1 = a.y & 0x7FFF7FFFu, w2 = a.z & 0x7FFF7FFFu,
+                                   w3 = a.w & 0x7FFF7FFFu;
+                    ckey[0] = __vmaxu2(ckey[0], w0);
+                    ckey[1] = __vmaxu2(ckey[1], w1);
+                    ckey[2] = __vmaxu2(ckey[2], w2);
+                    ckey[3] = __vmaxu2(ckey[3], w3);
+                    m[h] = __vmaxu2(__vmaxu2(w0, w1), __vmaxu2(w2, w3));
                 }
-                *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + col0 + tc0) * 2) =
-                    make_uint4(b[0], b[1], b[2], b[3]);
+                rkey[j] = __vmaxu2(__byte_perm(m[0], m[1], 0x5410u), __byte_perm(m[0], m[1], 0x7632u));
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 1));
+                rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 2));
+                ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 8));
+                ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 16));
+            }
+
+            // ---- column blocks: multipliers 2**-E, NaN byte masks, scale bytes (CS_GNT) / 2**E (CS_GPREP) ----
+            float cmul[8], cdeq[8];
+            unsigned cnan[2] = {0u, 0u}, csb[2] = {0u, 0u};
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                const unsigned k = c & 1 ? ckey[c >> 1] >> 16 : ckey[c >> 1] & 0xFFFFu;
+                const bool bad = k >= Key<IN_BF16>::BAD;
+                const unsigned t = mx_bf16_block_t(k);
+                cmul[c] = bad ? 0.0f : __uint_as_float((262u - t) << 23);
+                cdeq[c] = t > 8u ? __uint_as_float((t - 8u) << 23) : __uint_as_float(1u << 22);  // 2**-127: subnormal
+                cnan[c >> 2] |= (bad ? 0xFFu : 0u) << (8 * (c & 3));
+                csb[c >> 2] |= (bad ? MX_SCALE_NAN : t - 8u) << (8 * (c & 3));
+            }
+            if (CS == CS_GNT && cok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
+                *reinterpret_cast<uint2*>(cs + (bs + mb) * K + col0 + tc0) = make_uint2(csb[0], csb[1]);
+
+            // ---- per row: row-wise bytes, column-wise bytes (or their prepared bf16 values) ----
+            const long long off0 = (row0 + tr0) * K + col0 + tc0;
+            const int nr = cok ? nrows - tr0 : 0;  // rows i < nr of this thread exist
+            unsigned char* prq = rq + off0;
+            unsigned char* pcq = cq + off0;
+            const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;  // CS_GPREP: zero rows to a 64-row block
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int r = tr0 + i;
+                const bool ok = i < nr;
+                const unsigned k = i & 1 ? rkey[i >> 1] >> 16 : rkey[i >> 1] & 0xFFFFu;
+                const bool bad = k >= Key<IN_BF16>::BAD;
+                const unsigned t = mx_bf16_block_t(k);
+                const float s = __uint_as_float((262u - t) << 23);
+                rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : t - 8u) : 0u) << (8 * (i & 3));
+                const unsigned vw[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+                float f[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) f[e] = word_elem<IN_BF16>(vw[e >> 1], e & 1);
+                unsigned o[2];
+                const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
+                if (ok) *reinterpret_cast<uint2*>(prq) = q;
+                prq += K;
+                if (CS == CS_GNT) {
+                    if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
+                    pcq += K;
+                } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
+                    unsigned b[4] = {0u, 0u, 0u, 0u};
+                    if (r < nrows) {
+                        mxd_prep_row(b, o, cdeq, cnan);
+                    }
+                    *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + col0 + tc0) * 2) =
+                        make_uint4(b[0], b[1], b[2], b[3]);
+                }
             }
         }
 
-        // ---- row scales: bytes (r % 32) * 16 + 4 mb + cb of the tile's 512-byte cuBLAS block, cb = 2 (w >> 2) +
-        // (lane & 4) / 4.
         unsigned char* st = stile0 + par * 512;
-        if ((lane & 3) == 0) {
-            unsigned char* d = st + (tr0 & 31) * 16 + 4 * mb + 2 * (warp >> 2) + ((lane >> 2) & 1);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) d[16 * i] = (unsigned char)(rsb[i >> 2] >> (8 * (i & 3)));
-        }
+        mxd_row_scales_to_smem(st, rsb, tr0, mb, warp, lane);
         __syncthreads();  // the tile is complete; the other buffer is refilled only after the next barrier
         if (tid < 32)
             reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid] =

@@ -142,12 +142,7 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
             *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + oc) * 2) = make_uint4(b[0], b[1], b[2], b[3]);
         }
     }
-    // Row scale bytes (r % 32) * 16 + 4 mb + cb of the cuBLAS tile, cb = 2 (w >> 2) + (lane & 4) / 4.
-    if ((lane & 3) == 0) {
-        unsigned char* d = st + (tr0 & 31) * 16 + 4 * mb + 2 * (warp >> 2) + ((lane >> 2) & 1);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d[16 * i] = (unsigned char)(rsb[i >> 2] >> (8 * (i & 3)));
-    }
+    mxd_row_scales_to_smem(st, rsb, tr0, mb, warp, lane);
 }
 
 // Row keys over lanes ^1/^2 (the 4 lanes of a 1x32 row block), column keys over lanes ^8/^16 (a 32x1 block).
@@ -228,92 +223,103 @@ __global__ void __launch_bounds__(NTHREADS, 1)
             const unsigned w = e < 4 ? (e < 2 ? v.x : v.y) : (e < 6 ? v.z : v.w);
             return word_elem<IN_BF16>(w, e & 1);
         };
-        SwdDomain dom;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const uint4 v = chunk(0, i);
-            dom.add(v.x);
-            dom.add(v.y);
-            dom.add(v.z);
-            dom.add(v.w);
-        }
-        const bool fast = dom.ok(!BWD);
-        if (!BWD) {
-            float h[8][8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) h[i][e] = swd_swiglu(in(0, i, e), in(1, i, e));
-            if (!fast) {  // rare (some |g| > 69 or in (0, 2**-100), NaN/Inf): the IEEE division for the thread
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) h[i][e] = mx_swiglu(in(0, i, e), in(1, i, e));
+        if (32 * mb >= tc.nrows) {  // no row of the warp's 32-row block is in the tile (mxd_idle_warp)
+            const unsigned zero[2] = {0u, 0u};
+            mxd_idle_warp<CS>(cq, tc.bs, K, col0 + tc0, cok, tc.nrows, tr0, mb);
+            mxd_row_scales_to_smem(st, zero, tr0, mb, warp, lane);
+            if (BWD) {
+                mxd_idle_warp<CS>(cq, tc.bs, K, F + col0 + tc0, cok, tc.nrows, tr0, mb);
+                mxd_row_scales_to_smem(st + 512, zero, tr0, mb, warp, lane);
             }
-            unsigned rkey[8], ckey[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                rkey[i] = 0u;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const unsigned k = __float_as_uint(h[i][e]) & 0x7FFFFFFFu;
-                    rkey[i] = max(rkey[i], k);
-                    ckey[e] = max(ckey[e], k);
-                }
-            }
-            swd_reduce_keys(rkey, ckey);
-            auto vals = [&](int i, float(&f)[8]) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) f[e] = h[i][e];
-            };
-            swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
-                         warp, rq, cq, cs, st);
         } else {
-            // sigmoid(g) stays in registers (64), dA is recomputed from it at each use (6 and 2 fp32 operations):
-            // keeping both halves of dA (128 registers) spilled.
-            float sig[8][8];
+            SwdDomain dom;
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) sig[i][e] = swd_sigmoid(in(0, i, e));
-            if (!fast) {  // rare (some |g| > 69, NaN/Inf): the IEEE division for the thread
+            for (int i = 0; i < 8; ++i) {
+                const uint4 v = chunk(0, i);
+                dom.add(v.x);
+                dom.add(v.y);
+                dom.add(v.z);
+                dom.add(v.w);
+            }
+            const bool fast = dom.ok(!BWD);
+            if (!BWD) {
+                float h[8][8];
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) sig[i][e] = mx_sigmoid(in(0, i, e));
-            }
-            auto gate = [&](int i, float(&f)[8]) {
+                    for (int e = 0; e < 8; ++e) h[i][e] = swd_swiglu(in(0, i, e), in(1, i, e));
+                if (!fast) {  // rare (some |g| > 69 or in (0, 2**-100), NaN/Inf): the IEEE division for the thread
 #pragma unroll
-                for (int e = 0; e < 8; ++e) f[e] = mx_swiglu_dg(in(0, i, e), in(1, i, e), in(2, i, e), sig[i][e]);
-            };
-            auto up = [&](int i, float(&f)[8]) {
+                    for (int i = 0; i < 8; ++i)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) f[e] = mx_swiglu_du(in(0, i, e), in(2, i, e), sig[i][e]);
-            };
-            unsigned rg[8], ru[8], cg[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, cu[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float fg[8], fu[8];
-                gate(i, fg);
-                up(i, fu);
-                rg[i] = 0u;
-                ru[i] = 0u;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const unsigned kg = __float_as_uint(fg[e]) & 0x7FFFFFFFu;
-                    const unsigned ku = __float_as_uint(fu[e]) & 0x7FFFFFFFu;
-                    rg[i] = max(rg[i], kg);
-                    ru[i] = max(ru[i], ku);
-                    cg[e] = max(cg[e], kg);
-                    cu[e] = max(cu[e], ku);
+                        for (int e = 0; e < 8; ++e) h[i][e] = mx_swiglu(in(0, i, e), in(1, i, e));
                 }
+                unsigned rkey[8], ckey[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    rkey[i] = 0u;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const unsigned k = __float_as_uint(h[i][e]) & 0x7FFFFFFFu;
+                        rkey[i] = max(rkey[i], k);
+                        ckey[e] = max(ckey[e], k);
+                    }
+                }
+                swd_reduce_keys(rkey, ckey);
+                auto vals = [&](int i, float(&f)[8]) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) f[e] = h[i][e];
+                };
+                swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                             warp, rq, cq, cs, st);
+            } else {
+                // sigmoid(g) stays in registers (64), dA is recomputed from it at each use (6 and 2 fp32 operations):
+                // keeping both halves of dA (128 registers) spilled.
+                float sig[8][8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) sig[i][e] = swd_sigmoid(in(0, i, e));
+                if (!fast) {  // rare (some |g| > 69, NaN/Inf): the IEEE division for the thread
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) sig[i][e] = mx_sigmoid(in(0, i, e));
+                }
+                auto gate = [&](int i, float(&f)[8]) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) f[e] = mx_swiglu_dg(in(0, i, e), in(1, i, e), in(2, i, e), sig[i][e]);
+                };
+                auto up = [&](int i, float(&f)[8]) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) f[e] = mx_swiglu_du(in(0, i, e), in(2, i, e), sig[i][e]);
+                };
+                unsigned rg[8], ru[8], cg[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+                unsigned cu[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float fg[8], fu[8];
+                    gate(i, fg);
+                    up(i, fu);
+                    rg[i] = 0u;
+                    ru[i] = 0u;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const unsigned kg = __float_as_uint(fg[e]) & 0x7FFFFFFFu;
+                        const unsigned ku = __float_as_uint(fu[e]) & 0x7FFFFFFFu;
+                        rg[i] = max(rg[i], kg);
+                        ru[i] = max(ru[i], ku);
+                        cg[e] = max(cg[e], kg);
+                        cu[e] = max(cu[e], ku);
+                    }
+                }
+                swd_reduce_keys(rg, cg);
+                swd_reduce_keys(ru, cu);
+                swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                             warp, rq, cq, cs, st);
+                swd_emit<CS>(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                             warp, rq, cq, cs, st + 512);
             }
-            swd_reduce_keys(rg, cg);
-            swd_reduce_keys(ru, cu);
-            swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
-                         warp, rq, cq, cs, st);
-            swd_emit<CS>(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, blk_ok, tr0, mb, lane, warp,
-                         rq, cq, cs, st + 512);
         }
         __syncthreads();  // the scale tiles are complete; the other parity is refilled only after the next barrier
         if (tid < 32 * (1 + BWD)) {
