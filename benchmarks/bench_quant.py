@@ -40,16 +40,16 @@ def git_commit() -> str:
     return code_version(ROOT)
 
 
-def write_results(path: Path | None, rows: list, copy_bw: float, **config) -> None:
+def write_results(path: Path | None, rows: list, copy_bw: float | None, **config) -> None:
     """Write the quantizer benchmarks' JSON (nothing when path is None): device, torch, commit, config (with the
-    copy bandwidth measured in the same run, GB/s) and rows."""
+    copy bandwidth measured in the same run, GB/s; None when the script measures none) and rows."""
     if path is None:
         return
     out = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "commit": git_commit(),
-        "config": {**config, "copy_bandwidth_GBps": copy_bw / 1e9},
+        "config": {**config, "copy_bandwidth_GBps": None if copy_bw is None else copy_bw / 1e9},
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,9 +65,10 @@ class Timer:
     Kernel, torch.compile baseline and copy bandwidth are all timed the same way.
     """
 
-    def __init__(self, reps: int, warmup: int):
+    def __init__(self, reps: int, warmup: int, before=None):
         self.reps, self.warmup = reps, warmup
         self.flush = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+        self.before = before  # launched after the flush, before the start event (prof_quant_stamps.py --carveout)
 
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
@@ -78,6 +79,8 @@ class Timer:
         for s, e in zip(starts, ends, strict=True):
             torch.cuda._sleep(200_000)  # ~100 us of spinning: the launches below queue up behind it
             self.flush.max()  # reads 256 MiB: evicts the L2 with clean lines
+            if self.before is not None:
+                self.before()
             s.record()
             fn()
             e.record()

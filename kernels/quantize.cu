@@ -60,6 +60,8 @@
 
 #include "quant_sched.cuh"
 
+#include "stamps.cuh"
+
 // Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile (512), column-scale tile (512), column
 // multipliers 2**-E (4 x 128 fp32) and NaN-block masks (4 x 128 bytes) of phase 3, then (RS_GROUPED) the group
 // table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/quant_plan.py). CS_GPREP adds its
@@ -144,6 +146,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr bool GCOL = CS == CS_GNT || CS == CS_GPREP;  // per-group column blocks, in x's row order
     constexpr int BR = CS == CS_GPREP ? 64 : 32;             // rows per unit of the table's third prefix sum
 
+    mx_stamp(0);  // entry (MX_STAMPS builds only)
     const int tid = threadIdx.x, lane = tid & 31;
     const int C = K / 32;
     const int total = n_row_tiles * ctiles;
@@ -217,6 +220,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     if (PIPE == 2) load(vn, 0, row0, nrows, ct * TILE);
     int buf = 0;
     if (PIPE == 3) issue(stage0, row0, nrows, ct * TILE);
+    bool first = true;  // for mx_stamp(1): the first tile's row output issued
 
     for (;;) {
         const int col0 = ct * TILE;
@@ -294,6 +298,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             }
         }
     }
+    if (first) mx_stamp(1);
+    first = false;
     // ---------------- blocked row-scale tile from registers: 512 B, 16-byte stores ----------------
     if (SREG) {
         // The 4 column blocks of a row group sit on lanes TPB apart (cc / TPB = cb); the cb = 0 lane gathers
@@ -470,6 +476,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             coords(T, rt, ct, row0, nrows, bs);
         }
     }
+    mx_stamp(2);  // exit
 }
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE>

@@ -1,0 +1,25 @@
+// Per-CTA timestamps for profiling (benchmarks/prof_quant_stamps.py), compiled in only with -DMX_STAMPS: thread 0
+// of each CTA (blockIdx.x < MX_STAMP_CTAS, blockIdx.y == 0) writes %globaltimer (ns) at a few points of its life
+// into mx_stamps[4 * blockIdx.x + slot] (slots 0-2; slot 3: the CTA's SM, %smid). Without MX_STAMPS, mx_stamp is
+// empty and the kernels are unchanged.
+#pragma once
+
+#ifdef MX_STAMPS
+#define MX_STAMP_CTAS 16384
+__device__ unsigned long long mx_stamps[4 * MX_STAMP_CTAS];
+
+__device__ __forceinline__ void mx_stamp(int slot) {
+    if (threadIdx.x == 0 && blockIdx.x < MX_STAMP_CTAS && blockIdx.y == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        mx_stamps[4 * blockIdx.x + slot] = t;
+        if (slot == 0) {
+            unsigned s;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+            mx_stamps[4 * blockIdx.x + 3] = s;
+        }
+    }
+}
+#else
+__device__ __forceinline__ void mx_stamp(int) {}
+#endif
