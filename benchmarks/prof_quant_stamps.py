@@ -6,8 +6,8 @@
 For each shape: row_blocked as the library launches it (pipe 3, persistent), row_blocked with MOE_EP_QUANT_PIPE=0
 (one tile per CTA, like the probe) and probe_tile (kernels/bench_probe.cu, the same traffic with no arithmetic),
 each checked against the reference first, warmed up, then launched ``--runs`` times after bench_quant's L2 flush.
-Thread 0 of every CTA stamps %globaltimer (ns) at entry, when its first tile's row output has been issued, and at
-exit. Reported per kernel (medians over the runs): the CUDA-event time; the span from the first CTA's entry to the
+Thread 0 of every CTA stamps %globaltimer (ns) at entry and when its first tile's row output has been issued, the
+CTA's last warp at exit. Reported per kernel (medians over the runs): the CUDA-event time; the span from the first CTA's entry to the
 last CTA's exit; when the last CTA entered (launch ramp); first output after entry (min / median / max over CTAs:
 the first load latency plus the first tile's work); when the median and the last CTA exited. A profiling aid, not a
 benchmark; the stamped builds are slower than the library's by the stamps' few instructions.
@@ -53,8 +53,9 @@ def stamps_view(module):
 def timeline(fn, stamps, flush: torch.Tensor) -> dict:
     """One launch of fn after an L2 flush: CUDA-event time and the per-CTA stamps relative to the first entry."""
     stamps.fill(0)
-    flush.max()  # reads 256 MiB: a clean L2, as bench_quant.Timer leaves it
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(200_000)  # the CPU gets ahead (as in bench_quant.Timer): no host time between the events
+    flush.max()  # reads 256 MiB: a clean L2, as bench_quant.Timer leaves it
     start.record()
     fn()
     end.record()

@@ -75,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_tile(const unsigned char
     uint4 v[8];
     probe_tile_rows(x, out, M, K, row0, col0, v);
     mx_stamp(1);  // the row output issued (as mx_quant's slot 1)
-    mx_stamp(2);
+    mx_stamp_last(2);
 }
 
 // The fused quantizer's traffic (row-wise output [M, K] plus the transposed column-wise output xt [K, M]) with no

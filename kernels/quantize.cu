@@ -476,7 +476,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             coords(T, rt, ct, row0, nrows, bs);
         }
     }
-    mx_stamp(2);  // exit
+    mx_stamp_last(2);  // exit of the CTA's last warp
 }
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE>

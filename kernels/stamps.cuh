@@ -1,7 +1,7 @@
 // Per-CTA timestamps for profiling (benchmarks/prof_quant_stamps.py), compiled in only with -DMX_STAMPS: thread 0
 // of each CTA (blockIdx.x < MX_STAMP_CTAS, blockIdx.y == 0) writes %globaltimer (ns) at a few points of its life
-// into mx_stamps[4 * blockIdx.x + slot] (slots 0-2; slot 3: the CTA's SM, %smid). Without MX_STAMPS, mx_stamp is
-// empty and the kernels are unchanged.
+// into mx_stamps[4 * blockIdx.x + slot] (slots 0-2; slot 3: the CTA's SM, %smid). Without MX_STAMPS, mx_stamp and
+// mx_stamp_last are empty and the kernels are unchanged.
 #pragma once
 
 #ifdef MX_STAMPS
@@ -20,6 +20,17 @@ __device__ __forceinline__ void mx_stamp(int slot) {
         }
     }
 }
+
+// The latest of the CTA's warps (lane 0 of each, atomicMax): for the exit, which thread 0 alone would place at its
+// own warp's end.
+__device__ __forceinline__ void mx_stamp_last(int slot) {
+    if ((threadIdx.x & 31) == 0 && blockIdx.x < MX_STAMP_CTAS && blockIdx.y == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        atomicMax(&mx_stamps[4 * blockIdx.x + slot], t);
+    }
+}
 #else
 __device__ __forceinline__ void mx_stamp(int) {}
+__device__ __forceinline__ void mx_stamp_last(int) {}
 #endif
