@@ -3,10 +3,10 @@
     python benchmarks/prof_quant_dual.py [--configs smem,reg2,reg4] [--variants grouped_dual,grouped_dual_prep]
                                          [--rounds 4] [--reps 20] [--json PATH]
 
-Configurations (each may end in ``@DIR``: kernels from the sources in DIR, see config_env): ``smem`` is mx_quant's
-shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the
-register-tiled mx_quant_dual with N cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N), or for the
-SwiGLU variants (``--variants swiglu_dual_prep,swiglu_bwd_dual_prep``) mx_swiglu_dual (forward: 2 or 3 stages). For each
+Configurations (each may end in ``@DIR``: kernels from the sources in DIR, see config_env): ``smem`` is
+mx_quant's shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the register-tiled mx_quant_dual with N
+cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N), or for the SwiGLU variants
+(``--variants swiglu_dual_prep,swiglu_bwd_dual_prep``) mx_swiglu_dual (forward: 2 or 3 stages). For each
 shape and variant every configuration is first checked byte for byte against the reference (bench_quant.check), then
 timed in ``--rounds`` rounds whose order alternates (forward, reversed), each the median of ``--reps`` launches with
 bench_quant's flushed-L2 timer; reported: the median over rounds, in us and in % of the copy bandwidth measured in
@@ -36,7 +36,8 @@ KERNELS_DIR = _cuda.kernels_dir()  # the sources of configurations without @DIR 
 def config_env(name: str) -> dict[str, str]:
     """Environment of a configuration: ``smem``, ``reg`` or ``regN``, optionally ``@DIR``: the kernels compiled
     from the sources in DIR (MOE_EP_KERNELS_DIR, e.g. ``git archive <rev> kernels`` unpacked) for an A/B of two
-    revisions in one process; without it, the checkout's own (MOE_EP_KERNELS_DIR set to it)."""
+    revisions in one process; without it, the sources this process started with (the checkout's, or
+    MOE_EP_KERNELS_DIR if the shell set it)."""
     name, _, kdir = name.partition("@")
     env = {"MOE_EP_KERNELS_DIR": str(Path(kdir).resolve() if kdir else KERNELS_DIR)}
     if name == "smem":

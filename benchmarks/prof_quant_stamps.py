@@ -1,15 +1,16 @@
 """Per-CTA timelines of row_blocked (mx_quant) against probe_tile, from builds with -DMX_STAMPS (kernels/stamps.cuh).
 
     python benchmarks/prof_quant_stamps.py [--shapes 16384x2048,32768x7168] [--runs 5] [--json PATH]
-    python benchmarks/prof_quant_stamps.py --carveout [--shapes ...] [--json PATH]
+    python benchmarks/prof_quant_stamps.py --carveout [--shapes ...] [--reps 20] [--json PATH]
 
 For each shape: row_blocked as the library launches it (pipe 3, persistent), row_blocked with MOE_EP_QUANT_PIPE=0
 (one tile per CTA, like the probe) and probe_tile (kernels/bench_probe.cu, the same traffic with no arithmetic),
 each checked against the reference first, warmed up, then launched ``--runs`` times after bench_quant's L2 flush.
-Thread 0 of every CTA stamps %globaltimer (ns) at entry and when its first tile's row output has been issued, the
-CTA's last warp at exit. Reported per kernel (medians over the runs): the CUDA-event time; the span from the first CTA's entry to the
-last CTA's exit; when the last CTA entered (launch ramp); first output after entry (min / median / max over CTAs:
-the first load latency plus the first tile's work); when the median and the last CTA exited. A profiling aid, not a
+Thread 0 of every CTA stamps %globaltimer (ns) at entry and when its first tile's row output has been issued,
+the CTA's last warp at exit. Reported per kernel (medians over the runs; the event times of every run are kept):
+the CUDA-event time; the span from the first CTA's entry to the last warp's exit; when the last CTA entered
+(launch ramp); first output after entry (min / median / max over CTAs: the first load latency plus the first
+tile's work); when the median and the last CTA exited. A profiling aid, not a
 benchmark; the stamped builds are slower than the library's by the stamps' few instructions.
 
 --carveout: no stamps; bench_quant's timer (CPU ahead, L2 flushed) on row_blocked, fused, grouped_dual and
@@ -26,7 +27,8 @@ import statistics
 import sys
 from pathlib import Path
 
-# the stamped builds: set before anything compiles (the option is part of every module's cache key)
+# the stamped builds: set before anything compiles (the option is part of every module's cache key); the parser
+# below takes no abbreviations, so this test of argv sees what argparse will
 if "--carveout" not in sys.argv:
     os.environ["MOE_EP_NVRTC_OPTIONS"] = (os.environ.get("MOE_EP_NVRTC_OPTIONS", "") + " -DMX_STAMPS").strip()
 
@@ -52,7 +54,8 @@ def stamps_view(module):
 
 def timeline(fn, stamps, flush: torch.Tensor) -> dict:
     """One launch of fn after an L2 flush: CUDA-event time and the per-CTA stamps relative to the first entry."""
-    stamps.fill(0)
+    with _cuda.torch_stream():  # ordered with the launches on torch's stream
+        stamps.fill(0)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(200_000)  # the CPU gets ahead (as in bench_quant.Timer): no host time between the events
     flush.max()  # reads 256 MiB: a clean L2, as bench_quant.Timer leaves it
@@ -116,7 +119,9 @@ def carveout(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--shapes", default="16384x2048,32768x7168")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20, help="--carveout: launches per timing")
@@ -133,6 +138,8 @@ def main() -> None:
         m, k = (int(v) for v in shape.split("x"))
         if m % 128 or k % 128:
             raise SystemExit(f"probe_tile needs M and K multiples of 128, got {shape}")
+        if m // 128 * (k // 128) > STAMP_CTAS:  # the one-tile-per-CTA grids would be stamped only in part
+            raise SystemExit(f"{shape}: {m // 128 * (k // 128)} tiles, more CTAs than the {STAMP_CTAS} stamped")
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
         out = torch.empty(m, k, dtype=torch.uint8, device="cuda")
         ctiles = k // 128
@@ -157,6 +164,7 @@ def main() -> None:
                     fn()
                 runs = [timeline(fn, stamps, flush) for _ in range(args.runs)]
             row = {"kernel": name, "M": m, "K": k, **{key: statistics.median(r[key] for r in runs) for key in runs[0]}}
+            row["event_us_runs"] = [r["event_us"] for r in runs]
             rows.append(row)
             print(
                 f"{name:<18} {m:>6}x{k:<5} event {row['event_us']:6.1f} us  span {row['span_us']:6.1f}  "

@@ -11,8 +11,8 @@
 // 1x32 row block is spread over the 4 lanes lane ^ {1, 2} and a 32x1 column block over the 4 lanes lane ^ {8, 16} of
 // the same warp. Both amaxes are two shuffles, each element is read once from shared memory and widened once for both
 // outputs, and the stages need no CTA barrier (each thread reads back only the cp.async copies it issued itself, as in
-// pipe 3). Where it stands (79.9-90.3 % of copy at the benchmark shapes, where the same access pattern with no
-// arithmetic reaches 91-97 %): benchmarks/NOTES.md, "Register-tiled grouped dual" and pass 7.
+// pipe 3). Where it stands (82-91 % of copy at the benchmark shapes, where the same access pattern with no
+// arithmetic reaches 91-97 %): benchmarks/NOTES.md, "Register-tiled grouped dual" and passes 7-8.
 //
 // Thread layout: warp w covers tile rows 32 (w & 3) .. + 32 (one 32-row column block) and columns
 // 64 (w >> 2) .. + 64; lane = 8 rg + cc covers rows 32 (w & 3) + 8 rg + i (i < 8) and columns 64 (w >> 2) + 8 cc
@@ -69,8 +69,9 @@ __device__ __forceinline__ void mxd_row_scales_to_smem(unsigned char* st, const 
 // A warp whose 32-row block lies past the tile's rows (32 mb >= nrows: in a group's last, partial tile, or in a zero
 // tile past the last group) has no element to quantize (the caller skips its arithmetic; warp-uniform, so the
 // shuffles stay whole-warp). What it still owes: zero row-scale bytes (the caller's) and, for CS_GPREP, the zero
-// rows that pad the group to its 64-row block, at output columns oc .. oc + 7. bench_quant's 32 random groups of
-// 16384 rows give 16 zero and 32 partial row tiles of 160, all computed in full before.
+// rows that pad the group to its 64-row block, at output columns oc .. oc + 7. Such warps are common where groups
+// are small against 128 rows: bench_quant's 32 random groups of 16384 rows give 16 zero and 32 partial row tiles
+// of 160 (benchmarks/NOTES.md, pass 8).
 template <int CS>
 __device__ __forceinline__ void mxd_idle_warp(unsigned char* __restrict__ cq, long long bs, int K, int oc, bool cok,
                                               int nrows, int tr0, int mb) {

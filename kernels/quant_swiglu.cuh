@@ -89,12 +89,12 @@ __global__ void mx_swiglu_div_check(const unsigned short* __restrict__ in, unsig
 // Both quantizations of the thread's 8 x 8 fp32 block (tile rows tr0 + i, output columns oc .. oc + 7 of the [M, K]
 // output), whose row i vals(i, f) writes into f[8]. rkey / ckey: |v| bit keys of the thread's 8 rows / 8 columns,
 // already reduced over the 4 lanes of each 1x32 / 32x1 block. cok: the columns exist (not past F); nr: rows i < nr
-// exist (0 when !cok); blk_ok: the warp's 32-row column block exists. The row scale bytes go to the 512-byte shared
-// cuBLAS tile st (0 for rows past the group or columns past K).
+// exist (0 when !cok); the warp's 32-row column block exists (idle warps do not get here: mxd_idle_warp). The row
+// scale bytes go to the 512-byte shared cuBLAS tile st (0 for rows past the group or columns past K).
 template <int CS, class Vals>
 __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8], const unsigned (&ckey)[8],
                                          long long row0, int nrows, long long bs, int K, int oc, bool cok, int nr,
-                                         bool blk_ok, int tr0, int mb, int lane, int warp,
+                                         int tr0, int mb, int lane, int warp,
                                          unsigned char* __restrict__ rq, unsigned char* __restrict__ cq,
                                          unsigned char* __restrict__ cs,
                                          unsigned char* st) {
@@ -109,7 +109,7 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
         cnan[c >> 2] |= (bad ? 0xFFu : 0u) << (8 * (c & 3));
         csb[c >> 2] |= (bad ? MX_SCALE_NAN : (unsigned)(e + 127)) << (8 * (c & 3));
     }
-    if (CS == CS_GNT && blk_ok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
+    if (CS == CS_GNT && cok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
         *reinterpret_cast<uint2*>(cs + (bs + mb) * K + oc) = make_uint2(csb[0], csb[1]);
 
     const long long off0 = (row0 + tr0) * K + oc;
@@ -212,7 +212,6 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         const int col0 = tc.ct * TILE;
         const bool cok = col0 + tc0 < F;
         const int nr = cok ? tc.nrows - tr0 : 0;
-        const bool blk_ok = cok && 32 * mb < tc.nrows;
         unsigned char* st = stile0 + par * (512 * (1 + BWD));
         // Element (i, e) of stream s in the stage, as fp32; the thread's range check of its 64 g values.
         auto chunk = [&](int s, int i) {
@@ -270,7 +269,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) f[e] = h[i][e];
                 };
-                swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, tr0, mb, lane,
                              warp, rq, cq, cs, st);
             } else {
                 // sigmoid(g) stays in registers (64), dA is recomputed from it at each use (6 and 2 fp32 operations):
@@ -315,9 +314,9 @@ __global__ void __launch_bounds__(NTHREADS, 1)
                 }
                 swd_reduce_keys(rg, cg);
                 swd_reduce_keys(ru, cu);
-                swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, tr0, mb, lane,
                              warp, rq, cq, cs, st);
-                swd_emit<CS>(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, blk_ok, tr0, mb, lane,
+                swd_emit<CS>(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, tr0, mb, lane,
                              warp, rq, cq, cs, st + 512);
             }
         }
