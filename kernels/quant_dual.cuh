@@ -55,6 +55,28 @@ __device__ __forceinline__ void mxd_prep_row(unsigned (&b)[4], const unsigned (&
     }
 }
 
+// Row r = tr0 + i of the thread's block, stored: the row-wise bytes q at prq (ok: the row exists), then the
+// column-wise bytes o at pcq (CS_GNT) or, for CS_GPREP, their prepared bf16 values at output row 64 bs + r, columns
+// oc .. oc + 7 (rows nrows <= r < wrows: the zero rows up to the group's 64-row block). prq / pcq advance one row.
+template <int CS>
+__device__ __forceinline__ void mxd_store_row(unsigned char*& prq, unsigned char*& pcq, unsigned char* cq, uint2 q,
+                                              const unsigned (&o)[2], bool ok, bool cok, int r, int nrows, int wrows,
+                                              long long bs, int K, int oc, const float (&cdeq)[8],
+                                              const unsigned (&cnan)[2]) {
+    if (ok) *reinterpret_cast<uint2*>(prq) = q;
+    prq += K;
+    if (CS == CS_GNT) {
+        if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
+        pcq += K;
+    } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
+        unsigned b[4] = {0u, 0u, 0u, 0u};
+        if (r < nrows) {
+            mxd_prep_row(b, o, cdeq, cnan);
+        }
+        *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + oc) * 2) = make_uint4(b[0], b[1], b[2], b[3]);
+    }
+}
+
 // The thread's 8 row-scale bytes rsb into the 512-byte shared cuBLAS tile st: bytes (r % 32) * 16 + 4 mb + cb,
 // cb = 2 (w >> 2) + (lane & 4) / 4 (one lane of each row block's four holds them).
 __device__ __forceinline__ void mxd_row_scales_to_smem(unsigned char* st, const unsigned (&rsb)[2], int tr0, int mb,
@@ -278,19 +300,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
                 for (int e = 0; e < 8; ++e) f[e] = word_elem<IN_BF16>(vw[e >> 1], e & 1);
                 unsigned o[2];
                 const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
-                if (ok) *reinterpret_cast<uint2*>(prq) = q;
-                prq += K;
-                if (CS == CS_GNT) {
-                    if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
-                    pcq += K;
-                } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
-                    unsigned b[4] = {0u, 0u, 0u, 0u};
-                    if (r < nrows) {
-                        mxd_prep_row(b, o, cdeq, cnan);
-                    }
-                    *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + col0 + tc0) * 2) =
-                        make_uint4(b[0], b[1], b[2], b[3]);
-                }
+                mxd_store_row<CS>(prq, pcq, cq, q, o, ok, cok, r, nrows, wrows, bs, K, col0 + tc0, cdeq, cnan);
             }
         }
 

@@ -129,18 +129,7 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
         vals(i, f);
         unsigned o[2];
         const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
-        if (ok) *reinterpret_cast<uint2*>(prq) = q;
-        prq += K;
-        if (CS == CS_GNT) {
-            if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
-            pcq += K;
-        } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
-            unsigned b[4] = {0u, 0u, 0u, 0u};
-            if (r < nrows) {
-                mxd_prep_row(b, o, cdeq, cnan);
-            }
-            *reinterpret_cast<uint4*>(cq + ((64 * bs + r) * K + oc) * 2) = make_uint4(b[0], b[1], b[2], b[3]);
-        }
+        mxd_store_row<CS>(prq, pcq, cq, q, o, ok, cok, r, nrows, wrows, bs, K, oc, cdeq, cnan);
     }
     mxd_row_scales_to_smem(st, rsb, tr0, mb, warp, lane);
 }
