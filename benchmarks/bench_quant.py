@@ -278,8 +278,14 @@ def _dual_args(variant: str, x: torch.Tensor) -> tuple[torch.Tensor, dict, int]:
     return a, {"swiglu_dh": dh}, a.shape[1]
 
 
+def _launcher(fn, *outs: torch.Tensor):
+    fn.outs = tuple(t for t in outs if t is not None)  # the preallocated outputs fn writes (check_schedules)
+    return fn
+
+
 def kernel_fn(variant: str, x: torch.Tensor, groups: int):
-    """(closure launching the kernel into preallocated outputs, bytes moved)."""
+    """(closure launching the kernel into preallocated outputs, bytes moved); the closure's ``outs`` are those
+    outputs."""
     m, k = x.shape
     dev = x.device
     read = x.numel() * x.element_size()
@@ -297,7 +303,7 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
             + outs[1].numel()
             + col
         )
-        return (lambda: mxfp8_cuda.quantize_grouped_dual_into(xin, sizes, *outs, **kw)), nbytes
+        return _launcher(lambda: mxfp8_cuda.quantize_grouped_dual_into(xin, sizes, *outs, **kw), *outs), nbytes
     data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
     if variant in ("row_plain", "row_blocked", "row_grouped"):
         layout = variant.removeprefix("row_")
@@ -307,14 +313,36 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
             cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
             sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
         scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, layout, groups), dtype=torch.uint8, device=dev)
-        return (lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, layout, sizes)), read + m * k + scale.numel()
+        fn = _launcher(lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, layout, sizes), data, scale)
+        return fn, read + m * k + scale.numel()
     data_t = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev)
     scale_t = torch.empty(mxfp8_cuda.col_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=dev)
     if variant == "col_blocked":
-        return (lambda: mxfp8_cuda.quantize_colwise_into(x, data_t, scale_t, "blocked")), read + m * k + scale_t.numel()
+        fn = _launcher(lambda: mxfp8_cuda.quantize_colwise_into(x, data_t, scale_t, "blocked"), data_t, scale_t)
+        return fn, read + m * k + scale_t.numel()
     scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=dev)
-    fn = lambda: mxfp8_cuda.quantize_fused_into(x, data, scale, data_t, scale_t, "blocked", "blocked")
-    return fn, read + 2 * m * k + scale.numel() + scale_t.numel()
+    fn = lambda: mxfp8_cuda.quantize_fused_into(x, data, scale, data_t, scale_t, "blocked", "blocked")  # noqa: E731
+    return _launcher(fn, data, scale, data_t, scale_t), read + 2 * m * k + scale.numel() + scale_t.numel()
+
+
+def check_schedules(variant: str, x: torch.Tensor, groups: int) -> bool:
+    """The whole output of the timed shape under the dynamic tile schedule == the static schedule's (``check``
+    covers 512 rows: fewer tiles than the persistent grid has CTAs, so no tickets). Each schedule runs three
+    launches into outputs refilled with 0xAB before the last, so a tile no CTA took, or a counter left non-zero by
+    the launch before, cannot pass on stale bytes. Variants without a persistent grid compare two equal launches.
+    """
+    got = []
+    with env_restored("MOE_EP_QUANT_SCHED"):
+        for sched in ("static", "dynamic"):
+            os.environ["MOE_EP_QUANT_SCHED"] = sched
+            fn, _ = kernel_fn(variant, x, groups)
+            fn()
+            fn()
+            for t in fn.outs:
+                t.view(torch.uint8).fill_(0xAB)
+            fn()
+            got.append(fn.outs)
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*got, strict=True))
 
 
 def main() -> None:
@@ -398,6 +426,8 @@ def main() -> None:
                 if dual:
                     os.environ["MOE_EP_QUANT_DUAL"] = dual
                 ok = check(v, x, args.groups)
+                sched_ok = check_schedules(v, x, args.groups)
+                ok = ok and sched_ok
                 fn, nbytes = kernel_fn(v, x, args.groups)
                 t = timer(fn)
                 tc = tcs.get((v, m, k))
@@ -416,6 +446,7 @@ def main() -> None:
                     "K": k,
                     "dtype": args.dtype,
                     "correct": ok,
+                    "schedules_equal": sched_ok,
                     "ms": t,
                     "bytes": nbytes,
                     "GBps": bw / 1e9,

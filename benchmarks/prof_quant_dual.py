@@ -34,12 +34,17 @@ KERNELS_DIR = _cuda.kernels_dir()  # the sources of configurations without @DIR 
 
 
 def config_env(name: str) -> dict[str, str]:
-    """Environment of a configuration: ``smem``, ``reg`` or ``regN``, optionally ``@DIR``: the kernels compiled
-    from the sources in DIR (MOE_EP_KERNELS_DIR, e.g. ``git archive <rev> kernels`` unpacked) for an A/B of two
-    revisions in one process; without it, the sources this process started with (the checkout's, or
-    MOE_EP_KERNELS_DIR if the shell set it)."""
+    """Environment of a configuration: ``smem``, ``reg`` or ``regN``, optionally ``/static`` or ``/dynamic`` (the
+    tile schedule, MOE_EP_QUANT_SCHED; default auto), optionally ``@DIR``: the kernels compiled from the sources in
+    DIR (MOE_EP_KERNELS_DIR, e.g. ``git archive <rev> kernels`` unpacked) for an A/B of two revisions in one process;
+    without it, the sources this process started with (the checkout's, or MOE_EP_KERNELS_DIR if the shell set it).
+    Sources older than the schedule switch ignore it."""
     name, _, kdir = name.partition("@")
-    env = {"MOE_EP_KERNELS_DIR": str(Path(kdir).resolve() if kdir else KERNELS_DIR)}
+    name, _, sched = name.partition("/")
+    env = {
+        "MOE_EP_KERNELS_DIR": str(Path(kdir).resolve() if kdir else KERNELS_DIR),
+        "MOE_EP_QUANT_SCHED": sched or "auto",
+    }
     if name == "smem":
         return {**env, "MOE_EP_QUANT_DUAL": "smem", "MOE_EP_QUANT_DUAL_STAGES": "auto"}
     if name.startswith("reg"):

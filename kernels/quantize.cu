@@ -95,7 +95,7 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
 
 
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
-// (grid-stride) when QuantCfg::PIPE > 0; 256 threads.
+// (grid-stride, or the dynamic schedule below when sched is given) when QuantCfg::PIPE > 0; 256 threads.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 // The kernels mx_quant and mx_quant_batch (below) are this body with their pointers.
@@ -104,9 +104,27 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     const unsigned char *__restrict__ x, long long M, int K, unsigned char *__restrict__ rq,                          \
         unsigned char *__restrict__ rs, unsigned char *__restrict__ cq, unsigned char *__restrict__ cs,              \
         const int *__restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,                    \
-        const unsigned char *__restrict__ x2
+        const unsigned char *__restrict__ x2, unsigned *__restrict__ sched
 
-template <int IN, int RS, int CS, int PREQ>
+// Dynamic tile schedule of the persistent pipes (sched != nullptr): sched [2] u32 on the launch's stream, zero
+// between launches. A CTA's first two tiles are static (blockIdx.x, + gridDim.x); every later one is 2 * gridDim.x
+// plus a ticket from sched[0], fetched by thread 0 one tile ahead of its use and passed on through shared memory
+// behind the CTA barrier at the end of each tile. Why: with the static grid-stride order some CTAs run up to 15 %
+// behind the others at large shapes (per-CTA exit stamps: at 32768 x 7168 the median CTA ends at 152 us, the last
+// at 175), and the GPU idles behind them; with tickets, faster CTAs take more tiles. Output bytes do not depend on
+// which CTA quantizes a tile. sched[1] counts the CTAs that are done with the counter (each after its last
+// fetch); the last one resets both words, so the next launch on the stream starts from zero.
+__device__ __forceinline__ void mx_sched_done(unsigned* sched) {
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+            sched[0] = 0u;
+            sched[1] = 0u;
+        }
+    }
+}
+
+template <int IN, int RS, int CS, int PREQ, bool DYN = false>
 __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr int ES = QuantCfg<IN, RS, CS, PREQ>::ES;      // element bytes
     constexpr int PIPE = QuantCfg<IN, RS, CS, PREQ>::PIPE;
@@ -211,8 +229,14 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         }
     };
 
+    constexpr bool dyn = DYN && PIPE != 0;  // the dynamic tile schedule (mx_sched_done; mx_quant_dyn)
+    __shared__ int s_next[dyn ? 2 : 1];  // the next ticket's tile, alternating (a slow warp may still read the other)
     int T = (int)blockIdx.x;
-    if (T >= total) return;
+    if (T >= total) {
+        if (dyn) mx_sched_done(sched);
+        return;
+    }
+    (void)s_next;
     int rt, ct, nrows;
     long long row0, bs;
     coords(T, rt, ct, row0, nrows, bs);
@@ -221,10 +245,13 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     int buf = 0;
     if (PIPE == 3) issue(stage0, row0, nrows, ct * TILE);
     bool first = true;  // for mx_stamp(1): the first tile's row output issued
+    int Tn = PIPE ? T + (int)gridDim.x : total;
+    int slot = 0;
 
     for (;;) {
         const int col0 = ct * TILE;
-        const int Tn = PIPE ? T + (int)gridDim.x : total;
+        int Tnn = 0;
+        if (dyn && tid == 0 && Tn < total) Tnn = 2 * (int)gridDim.x + (int)atomicAdd(sched, 1u);
         int rt_n = 0, ct_n = 0, nrows_n = 0;
         long long row0_n = 0, bs_n = 0;
         uint4 vc[PER];
@@ -463,8 +490,16 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             reinterpret_cast<const uint4*>(ctile)[tid - 32];
     }
         if (!PIPE || Tn >= total) break;
-        if (CS != CS_NONE) __syncthreads();  // the next tile rewrites the staged tile and the column-scale tile
+        if (dyn && tid == 0) s_next[slot] = Tnn;
+        // the next tile rewrites the staged tile and the column-scale tile; dyn: s_next[slot] is written
+        if (CS != CS_NONE || dyn) __syncthreads();
         T = Tn;
+        if (dyn) {
+            Tn = s_next[slot];
+            slot ^= 1;
+        } else {
+            Tn = T + (int)gridDim.x;
+        }
         buf ^= 1;
         if (PIPE >= 2) {
             rt = rt_n;
@@ -477,11 +512,21 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         }
     }
     mx_stamp_last(2);  // exit of the CTA's last warp
+    if (dyn) mx_sched_done(sched);
 }
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE>
 __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant(MX_QUANT_PARAMS) {
-    mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2);
+    mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2, nullptr);
+}
+
+// mx_quant on the dynamic tile schedule (sched: the launch stream's counter, mx_sched_done). A kernel of its own
+// rather than a runtime switch: the switch cost the static path 1-3 % at the small shapes (benchmarks/NOTES.md,
+// pass 9), where the static order is kept.
+template <int IN, int RS, int CS, int PREQ = MX_PIPE>
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant_dyn(MX_QUANT_PARAMS) {
+    mx_quant_body<IN, RS, CS, PREQ, true>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2,
+                                          sched);
 }
 
 // The fused blocked mode (rq + rs blocked, cq = x^T + cs blocked) over a batch of gridDim.y equal [M, K] problems
@@ -497,7 +542,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS_BLOCKED, CS_BLOCKED,
     // 512 bytes either way, since M and K are multiples of 32
     const long long sb = b * ((M + TILE - 1) / TILE) * ((K + TILE - 1) / TILE) * 512;
     mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, PREQ>(x + mk * ES, M, K, rq + mk, rs + sb, cq + mk, cs + sb, gsizes,
-                                                    G, group_rows, n_row_tiles, ctiles, x2);
+                                                    G, group_rows, n_row_tiles, ctiles, x2, nullptr);
 }
 
 // Dequantization. q: [M, K] e4m3 bytes; rowwise (COLW=0) s: [M, K/32]; columnwise (COLW=1) s: [M/32, K].

@@ -52,6 +52,12 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+def _sched_counter(device: torch.device) -> torch.Tensor:
+    """The dynamic tile schedule's counter for a launch on torch's current stream (:func:`moe_ep._cuda.sched_counter`);
+    the CPU emulator test replaces this."""
+    return _cuda.sched_counter(device)
+
+
 def _launch(name: str, grid: int | tuple[int, int], args: tuple, shared_mem: int, device: torch.device) -> None:
     """Launch kernel ``name`` (a name expression of quantize.cu); the CPU emulator test replaces this."""
     _cuda.launch(_kernel(name, device), grid, _THREADS, args, shared_mem=shared_mem, device=device)
@@ -127,8 +133,9 @@ def col_scale_shape(m: int, k: int, scale_layout: str) -> tuple[int, ...]:
     raise ValueError(f"column-wise scale_layout must be 'plain' or 'blocked', got {scale_layout!r}")
 
 
-def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, group_rows, n_row_tiles, ctiles, x2) -> tuple:
-    """mx_quant's argument tuple; the pointers as kernel pointer arguments (``_cuda.ptr`` or ``np.uint64``)."""
+def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, group_rows, n_row_tiles, ctiles, x2, sched) -> tuple:
+    """mx_quant's argument tuple; the pointers as kernel pointer arguments (``_cuda.ptr`` or ``np.uint64``).
+    sched: the dynamic tile schedule's counter (:func:`_sched_counter`) or a null pointer (static schedule)."""
     i32, i64 = _cuda.i32, _cuda.i64
     return (
         x,
@@ -144,6 +151,7 @@ def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, group_rows, n_row_til
         i32(n_row_tiles),
         i32(ctiles),
         x2,
+        sched,
     )
 
 
@@ -170,8 +178,9 @@ def _launch_quant(
         return
     name, grid, smem, n_row_tiles, ctiles = plan
     p = _cuda.ptr
+    sched = _sched_counter(x.device) if name.startswith("mx_quant_dyn<") else None
     args = _quant_args(
-        p(x), m, k, p(rq), p(rs), p(cq), p(cs), p(gsizes), n_groups, group_rows, n_row_tiles, ctiles, p(x2)
+        p(x), m, k, p(rq), p(rs), p(cq), p(cs), p(gsizes), n_groups, group_rows, n_row_tiles, ctiles, p(x2), p(sched)
     )
     _launch(name, grid, args, smem, x.device)
 
@@ -510,7 +519,9 @@ def quantize_weights_fused_into(
         return
     name, grid, smem, n_row_tiles, ctiles = plan
     null, p = _cuda.ptr(None), _cuda.ptr
-    args = _quant_args(p(w), n, k, p(data), p(scale), p(data_t), p(scale_t), null, 0, 0, n_row_tiles, ctiles, null)
+    args = _quant_args(
+        p(w), n, k, p(data), p(scale), p(data_t), p(scale_t), null, 0, 0, n_row_tiles, ctiles, null, null
+    )
     _launch(name, grid, args, smem, w.device)
 
 

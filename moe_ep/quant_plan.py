@@ -31,12 +31,19 @@ QUANT_COMBOS = (
 )
 # column-only modes of 16-bit inputs, also compiled with pipe 3 (chosen at launch for large inputs: requested_pipe)
 COL_PIPE3_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
+# mx_quant_dyn (the dynamic tile schedule): the 16-bit modes whose default pipe is persistent (row-only 3 / 2, fused
+# 3) and the column-only pipe-3 instantiations; fp32 and the SwiGLU inputs take pipe 0 (one CTA per tile)
+DYN_COMBOS = [(i, r, 0) for i in (1, 2) for r in (1, 2, 3, 4)] + [
+    (i, r, c) for i in (1, 2) for r in (1, 2) for c in (1, 2)
+]
 # the register-tiled dual quantizer (kernels/quant_dual.cuh): bf16, grouped rows + per-group columns in x's layout
 DUAL_CS = (4, 5)
 DUAL_STAGES = (2, 3, 4, 5, 6)  # cp.async stages of 32 KB; CTAs per SM: 3, 2, then 1 (kernels/quant_dual.cuh)
 NAMES = (
     tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in QUANT_COMBOS)
     + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in COL_PIPE3_COMBOS)
+    + tuple(f"mx_quant_dyn<{i},{r},{c}>" for i, r, c in DYN_COMBOS)
+    + tuple(f"mx_quant_dyn<{i},{r},{c},3>" for i, r, c in COL_PIPE3_COMBOS)
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
     + tuple(f"mx_quant_dual<1,{c},{st}>" for c in DUAL_CS for st in DUAL_STAGES)
     + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in DUAL_CS)
@@ -112,6 +119,45 @@ def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.de
     # Balanced: as few CTAs as still give every CTA the same number of tiles (+-1), so no short last round runs
     # with a fraction of the CTAs (2048 tiles: 342 CTAs x 6 instead of 396 x 5.17).
     return cdiv(tiles, cdiv(tiles, full))
+
+
+# Tiles per CTA from which "auto" takes the dynamic tile schedule: launches with a column-wise and a row-wise output
+# (fused), and the others. Measured on H200 (benchmarks/NOTES.md, pass 9): fused gains from 5.2 tiles per CTA
+# (+2.3 points of copy at 16384 x 2048, +3.7 at 10.3); row_blocked gains 4.5 points at 18.1 (16384 x 7168), is even
+# at 10.3 and loses 2.4 at 5.2; row_grouped loses 2.6 at 9.7 and is even at 17.5.
+DYN_MIN_TILES_FUSED = 4
+DYN_MIN_TILES_OTHER = 12
+
+
+def sched_switch() -> str:
+    """MOE_EP_QUANT_SCHED, checked: ``auto`` (the default), ``static`` or ``dynamic``."""
+    v = os.environ.get("MOE_EP_QUANT_SCHED", "auto").strip().lower()
+    if v not in ("auto", "static", "dynamic"):
+        raise ValueError(f"MOE_EP_QUANT_SCHED must be auto, static or dynamic, got {v!r}")
+    return v
+
+
+def dynamic_schedule(name: str, grid: int, tiles: int) -> bool:
+    """Whether the mx_quant launch ``name`` (``mx_quant<...>``) with ``grid`` CTAs over ``tiles`` 128 x 128 tiles
+    takes the dynamic tile schedule instead (``mx_quant_dyn<...>``; kernels/quantize.cu mx_sched_done: after each
+    CTA's first two tiles, tiles come from an atomic ticket counter, so CTAs that run faster take more of them).
+
+    Only persistent launches (fewer CTAs than tiles) of the modes compiled for it (DYN_COMBOS, COL_PIPE3_COMBOS)
+    have one. ``static`` / ``dynamic`` (MOE_EP_QUANT_SCHED) force it; ``auto`` takes it from DYN_MIN_TILES_FUSED
+    tiles per CTA for the fused modes and DYN_MIN_TILES_OTHER for the others. The bytes written are the same either
+    way. mx_quant_dual and mx_swiglu_dual keep the static order (with tickets they lost 10-15 points of copy
+    bandwidth: benchmarks/NOTES.md, pass 9).
+
+    Example: mx_quant<1,2,0> over 14336 tiles (32768 x 7168) on 396 CTAs: 36 per CTA -> True; 4096 tiles
+    (32768 x 2048): 10.3 -> False; fused mx_quant<1,2,2> over 2048 tiles: 5.2 -> True; one CTA per tile (pipe 0)
+    -> False.
+    """
+    v = sched_switch()
+    if v == "static" or grid >= tiles or name.replace("mx_quant<", "mx_quant_dyn<", 1) not in NAMES:
+        return False
+    _, rs_mode, cs_mode = (int(c) for c in name[name.index("<") + 1 : -1].split(",")[:3])
+    least = DYN_MIN_TILES_FUSED if rs_mode and cs_mode else DYN_MIN_TILES_OTHER
+    return v == "dynamic" or tiles >= least * grid
 
 
 def dual_impl() -> str:
@@ -248,6 +294,8 @@ def quant_plan(
     fixed = SMEM_FIXED + (SMEM_GPREP if cs_mode == CS["grouped_prep"] else 0)
     smem = (TILE * TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
+    if dynamic_schedule(name, grid, tiles):
+        name = name.replace("mx_quant<", "mx_quant_dyn<", 1)
     return name, grid, smem, n_row_tiles, ctiles
 
 
@@ -269,6 +317,6 @@ def batch_plan(x: torch.Tensor, e: int, n: int, k: int) -> tuple[str, tuple[int,
     plan = quant_plan(x, n, k, RS["blocked"], CS["blocked"], 0, None, None)  # the same for every problem
     if plan is None or e == 0:
         return None
-    _, grid, smem, n_row_tiles, ctiles = plan
+    _, grid, smem, n_row_tiles, ctiles = plan  # (mx_quant_batch has no dynamic schedule: it reads only the grid)
     gx = grid if grid >= n_row_tiles * ctiles else max(1, grid // e)
     return f"mx_quant_batch<{IN[x.dtype]}>", (gx, e), smem, n_row_tiles, ctiles

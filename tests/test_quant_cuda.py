@@ -227,6 +227,81 @@ def test_into_writes_every_byte(dev):
     assert_bytes(s2, to_blocked(quantize_torch(x[:192], -1).scale), "fused row scale")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dynamic_schedule(dev, dtype, monkeypatch):
+    """The persistent pipes under MOE_EP_QUANT_SCHED=dynamic (tiles from the ticket counter): row-wise plain /
+    blocked (pipe 3), grouped (pipe 2) and fused, three launches each into outputs refilled with 0xAB, so a tile
+    that no CTA took (or a counter left non-zero by the previous launch) shows as junk; bytes == the reference, and
+    the counter is back to zero after every launch. GPU: 4128 x 7168 is 1848 tiles over 396 CTAs (4.7 per CTA);
+    emulator: 288 x 544, 15 tiles over 6."""
+    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    counters = []
+    get = mxfp8_cuda._sched_counter
+    monkeypatch.setattr(mxfp8_cuda, "_sched_counter", lambda d: counters.append(get(d)) or counters[-1])
+    names = record_launches(monkeypatch)
+    m, k = (4096 + 32, 7168) if _big(dev) else (288, 544)
+    x = make_input(m, k, dtype, seed=71)
+    ref, reft = quantize_torch(x, -1), quantize_torch(x.t().contiguous(), -1)
+    sizes = _sizes(m, "random40", 71)
+    xd = x.to(dev)
+
+    def junk(shape, dt=torch.uint8):
+        return torch.full(shape, 0xAB, dtype=torch.uint8, device=dev).view(dt)
+
+    for rep in range(3):
+        counters.clear()
+        data = junk((m, k), torch.float8_e4m3fn)
+        for layout, want in (("plain", ref.scale), ("blocked", to_blocked(ref.scale))):
+            scale = junk(mxfp8_cuda.row_scale_shape(m, k, layout))
+            mxfp8_cuda.quantize_rowwise_into(xd, data, scale, layout)
+            assert_bytes(data, ref.data, f"data, {layout}, launch {rep}")
+            assert_bytes(scale, want, f"{layout} scale, launch {rep}")
+        scale = junk(mxfp8_cuda.row_scale_shape(m, k, "grouped", sizes.numel()))
+        mxfp8_cuda.quantize_rowwise_into(xd, data, scale, "grouped", sizes.to(dev))
+        assert_bytes(scale, to_blocked_grouped(ref.scale, sizes, "m"), f"grouped scale, launch {rep}")
+        data, scale = junk((m, k), torch.float8_e4m3fn), junk(mxfp8_cuda.row_scale_shape(m, k, "blocked"))
+        dt, st = junk((k, m), torch.float8_e4m3fn), junk(mxfp8_cuda.col_scale_shape(m, k, "blocked"))
+        mxfp8_cuda.quantize_fused_into(xd, data, scale, dt, st, "blocked", "blocked")
+        assert_bytes(data, ref.data, f"fused data, launch {rep}")
+        assert_bytes(scale, to_blocked(ref.scale), f"fused scale, launch {rep}")
+        assert_bytes(dt, reft.data, f"fused data_t, launch {rep}")
+        assert_bytes(st, to_blocked(reft.scale), f"fused scale_t, launch {rep}")
+        assert len(counters) == 4 and all(n.startswith("mx_quant_dyn<") for n in names), names
+        assert all(c.cpu().tolist() == [0, 0] for c in counters)
+        names.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_dynamic_schedule_two_streams(monkeypatch):
+    """Two streams quantizing at the same time under the dynamic schedule: each stream has its own counter (a shared
+    one would hand tiles of one launch to the other's CTAs), and both outputs are the reference's bytes."""
+    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
+    xs = [make_input(4096, 7168, torch.bfloat16, seed=s) for s in (81, 82)]
+    refs = [quantize_torch(x, -1) for x in xs]
+    xds = [x.cuda() for x in xs]
+    streams = [torch.cuda.Stream() for _ in xs]
+    assert mxfp8_cuda._sched_counter(torch.device("cuda")) is mxfp8_cuda._sched_counter(torch.device("cuda"))
+    outs = [[], []]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(4):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(mxfp8_cuda.quantize_rowwise(xds[i], "blocked"))
+    counters = []
+    for s in streams:
+        with torch.cuda.stream(s):
+            counters.append(mxfp8_cuda._sched_counter(torch.device("cuda")))
+    assert counters[0] is not counters[1]
+    torch.cuda.synchronize()
+    for i in range(2):
+        for data, scale in outs[i]:
+            assert_bytes(data, refs[i].data, f"stream {i} data")
+            assert_bytes(scale, to_blocked(refs[i].scale), f"stream {i} scale")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # column-wise, fused, axis=0
 # ------------------------------------------------------------------------------------------------------------

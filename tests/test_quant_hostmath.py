@@ -280,6 +280,8 @@ static std::barrier<>* g_cta;
 static std::barrier<>* g_warp[8];
 static uint64_t g_shfl[8][32];
 static inline void __syncthreads() { g_cta->arrive_and_wait(); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 template <class T> static T shfl_impl(T v, int src_of_lane_delta, bool xr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint64_t u = 0; memcpy(&u, &v, sizeof(T));
@@ -313,7 +315,7 @@ template <class F> static void run_grid(int grid, F f, int grid_y = 1) {
 }
 
 typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, unsigned char*, unsigned char*,
-                        unsigned char*, const int*, int, long long, int, int, const unsigned char*);
+                        unsigned char*, const int*, int, long long, int, int, const unsigned char*, unsigned*);
 typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
 
 // Shared memory past the launch's dynamic size is filled with a canary before the grid runs and checked after it:
@@ -321,13 +323,13 @@ typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*
 extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, long long smem, const unsigned char* x,
                          long long M, int K, unsigned char* rq, unsigned char* rsp, unsigned char* cq,
                          unsigned char* csp, const int* g, int G, long long group_rows, int nrt, int ctiles,
-                         const unsigned char* x2) {
+                         const unsigned char* x2, unsigned* sched) {
     QuantFn fn = nullptr;
     QUANT_TABLE
     if (!fn) return 1;
     if (smem > (long long)sizeof(g_smem)) return 3;
     memset(g_smem, 0xA5, sizeof(g_smem));
-    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2); }, grid_y);
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2, sched); }, grid_y);
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
     return 0;
@@ -372,6 +374,14 @@ def build_emulator(workdir: Path):
             for c in quant_plan.DUAL_CS
         )
         + " ".join(f"if (in == {i} && rs == 2 && cs == 2 && pp == 100) fn = &mx_quant_batch<{i}>;" for i in range(3))
+        + " ".join(
+            f"if (in == {i} && rs == {r} && cs == {c} && pp == 200) fn = &mx_quant_dyn<{i},{r},{c}>;"
+            for i, r, c in quant_plan.DYN_COMBOS
+        )
+        + " ".join(
+            f"if (in == {i} && rs == {r} && cs == {c} && pp == 203) fn = &mx_quant_dyn<{i},{r},{c},3>;"
+            for i, r, c in quant_plan.COL_PIPE3_COMBOS
+        )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
     src = workdir / "emu.cpp"
@@ -397,9 +407,12 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
+    so.emu_quant.argtypes = [i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     return so
+
+
+EMU_SCHED = torch.zeros(2, dtype=torch.int32)  # the emulator's dynamic-schedule counter (mxfp8_cuda._sched_counter)
 
 
 def install_emulator(monkeypatch, so) -> None:
@@ -418,6 +431,8 @@ def install_emulator(monkeypatch, so) -> None:
             rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], gx, gy, shared_mem, *a)
         elif name.startswith("mx_quant_batch"):  # mx_quant_batch<in>: the fused blocked mode, pipe code 100
             rc = so.emu_quant(params[0], 2, 2, 100, gx, gy, shared_mem, *a)
+        elif name.startswith("mx_quant_dyn"):  # the dynamic tile schedule: pipe code 200 (default) / 203 (pipe 3)
+            rc = so.emu_quant(*params[:3], 203 if len(params) > 3 else 200, gx, gy, shared_mem, *a)
         elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
             rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, gx, gy, shared_mem, *a)
         else:
@@ -428,12 +443,54 @@ def install_emulator(monkeypatch, so) -> None:
         assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
 
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
+    # one counter for every launch, as on one stream: a launch that did not set it back to zero fails the next one
+    monkeypatch.setattr(mxfp8_cuda, "_sched_counter", lambda d: EMU_SCHED)
     monkeypatch.setattr(mxfp8_cuda, "_on_gpu", lambda t: True)
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 2)
 
 
 def test_emulator_builds(tmp_path):
     assert build_emulator(tmp_path) is not None
+
+
+def test_dynamic_schedule_choice(monkeypatch):
+    """MOE_EP_QUANT_SCHED: which mx_quant launches take the dynamic tile schedule (hand-worked, 396 CTA slots), and
+    the kernel quant_plan names for them."""
+    from moe_ep import quant_plan
+
+    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
+    monkeypatch.delenv("MOE_EP_QUANT_SCHED", raising=False)
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    ds = quant_plan.dynamic_schedule
+    assert ds("mx_quant<1,2,0>", 396, 14336)  # 32768 x 7168: 36.2 tiles per CTA
+    assert ds("mx_quant<1,2,0>", 396, 7168)  # 16384 x 7168: 18.1
+    assert ds("mx_quant<1,2,0>", 396, 12 * 396)
+    assert not ds("mx_quant<1,2,0>", 396, 12 * 396 - 1)
+    assert not ds("mx_quant<1,2,0>", 396, 4096)  # 32768 x 2048: 10.3
+    assert not ds("mx_quant<1,3,0>", 264, 2560)  # grouped rows, 16384 x 2048 + 32 groups: 9.7
+    assert ds("mx_quant<2,3,0>", 264, 8960)  # grouped rows (pipe 2, 264 CTAs), 16384 x 7168 + 32 groups: 33.9
+    assert ds("mx_quant<1,2,2>", 396, 2048)  # fused: from 4 per CTA
+    assert not ds("mx_quant<1,2,2>", 396, 4 * 396 - 1)
+    assert ds("mx_quant<1,0,2,3>", 396, 16384)  # column-only on pipe 3
+    assert not ds("mx_quant<1,0,2>", 4096, 4096)  # one CTA per tile (pipe 0): nothing to hand out
+    assert not ds("mx_quant<0,2,0>", 396, 100000)  # fp32: no mx_quant_dyn instantiation
+    assert not ds("mx_quant<1,3,4>", 264, 100000)  # grouped dual on mx_quant (MOE_EP_QUANT_DUAL=smem): none either
+    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
+    assert ds("mx_quant<1,2,0>", 396, 2048)
+    assert not ds("mx_quant<1,0,2>", 4096, 4096)
+    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "static")
+    assert not ds("mx_quant<1,2,0>", 396, 14336)
+    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "steal")
+    with pytest.raises(ValueError, match="MOE_EP_QUANT_SCHED"):
+        ds("mx_quant<1,2,0>", 396, 14336)
+    monkeypatch.delenv("MOE_EP_QUANT_SCHED")
+    x = torch.empty(0, dtype=torch.bfloat16)
+    blocked = quant_plan.RS["blocked"]
+    assert quant_plan.quant_plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant_dyn<1,2,0>", 396)
+    assert quant_plan.quant_plan(x, 16384, 2048, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 396)
+    assert quant_plan.quant_plan(x, 16384, 2048, blocked, blocked, 0, None, None)[0] == "mx_quant_dyn<1,2,2>"
+    # the weights' batched launch keeps the static order (its problems share no counter)
+    assert quant_plan.batch_plan(torch.empty(0, dtype=torch.bfloat16), 4, 8192, 5120)[0] == "mx_quant_batch<1>"
 
 
 def test_quant_grid_full_and_balanced(monkeypatch):
