@@ -123,7 +123,7 @@ def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.de
 
 # Tiles per CTA from which "auto" takes the dynamic tile schedule: launches with a column-wise and a row-wise output
 # (fused), and the others. Measured on H200 (benchmarks/NOTES.md, pass 9): fused gains from 5.2 tiles per CTA
-# (+2.3 points of copy at 16384 x 2048, +3.7 at 10.3); row_blocked gains 4.5 points at 18.1 (16384 x 7168), is even
+# (+2.3 points of copy at 16384 x 2048, +3.6 at 10.3); row_blocked gains 4.5 points at 18.1 (16384 x 7168), is even
 # at 10.3 and loses 2.4 at 5.2; row_grouped loses 2.6 at 9.7 and is even at 17.5.
 DYN_MIN_TILES_FUSED = 4
 DYN_MIN_TILES_OTHER = 12
