@@ -46,7 +46,9 @@ def per_expert(w, data, scale, data_t, scale_t) -> None:
     null = _cuda.ptr(None)
     for i in range(e):
         px, prq, prs, pcq, pcs = (np.uint64(b + i * s) for b, s in zip(bases, steps, strict=True))
-        args = mxfp8_cuda._quant_args(px, n, k, prq, prs, pcq, pcs, null, 0, 0, nrt, ctiles, null, null)
+        args = mxfp8_cuda._quant_args(
+            px, n, k, prq, prs, pcq, pcs, null, 0, 0, nrt, ctiles, null, mxfp8_cuda._sched_ptr(name, w.device)
+        )
         mxfp8_cuda._launch(name, grid, args, smem, w.device)
 
 

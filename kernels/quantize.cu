@@ -118,6 +118,7 @@ __device__ __forceinline__ void mx_sched_done(unsigned* sched) {
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+            __threadfence();  // every other CTA's last fetch is ordered before the reset
             sched[0] = 0u;
             sched[1] = 0u;
         }
@@ -229,14 +230,15 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         }
     };
 
-    constexpr bool dyn = DYN && PIPE != 0;  // the dynamic tile schedule (mx_sched_done; mx_quant_dyn)
-    __shared__ int s_next[dyn ? 2 : 1];  // the next ticket's tile, alternating (a slow warp may still read the other)
+    // the dynamic tile schedule (mx_sched_done; mx_quant_dyn); without a counter mx_quant_dyn runs the static order
+    const bool dyn = DYN && PIPE != 0 && sched != nullptr;
+    __shared__ int s_next[DYN ? 2 : 1];  // the next ticket's tile, alternating (a slow warp may still read the other)
     int T = (int)blockIdx.x;
     if (T >= total) {
         if (dyn) mx_sched_done(sched);
         return;
     }
-    (void)s_next;
+    (void)s_next;  // unused in the static kernels
     int rt, ct, nrows;
     long long row0, bs;
     coords(T, rt, ct, row0, nrows, bs);
@@ -521,8 +523,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx
 }
 
 // mx_quant on the dynamic tile schedule (sched: the launch stream's counter, mx_sched_done). A kernel of its own
-// rather than a runtime switch: the switch cost the static path 1-3 % at the small shapes (benchmarks/NOTES.md,
-// pass 9), where the static order is kept.
+// rather than a runtime switch in mx_quant: the switch cost the static path 1-3.4 % (benchmarks/NOTES.md, pass 9),
+// and the small shapes keep the static order.
 template <int IN, int RS, int CS, int PREQ = MX_PIPE>
 __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant_dyn(MX_QUANT_PARAMS) {
     mx_quant_body<IN, RS, CS, PREQ, true>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2,

@@ -58,6 +58,12 @@ def _sched_counter(device: torch.device) -> torch.Tensor:
     return _cuda.sched_counter(device)
 
 
+def _sched_ptr(name: str, device: torch.device):
+    """The counter argument of a launch of kernel ``name``: mx_quant_dyn's per-stream counter, else a null pointer
+    (the static order; mx_quant_dyn given none runs it too)."""
+    return _cuda.ptr(_sched_counter(device) if name.startswith("mx_quant_dyn<") else None)
+
+
 def _launch(name: str, grid: int | tuple[int, int], args: tuple, shared_mem: int, device: torch.device) -> None:
     """Launch kernel ``name`` (a name expression of quantize.cu); the CPU emulator test replaces this."""
     _cuda.launch(_kernel(name, device), grid, _THREADS, args, shared_mem=shared_mem, device=device)
@@ -178,9 +184,21 @@ def _launch_quant(
         return
     name, grid, smem, n_row_tiles, ctiles = plan
     p = _cuda.ptr
-    sched = _sched_counter(x.device) if name.startswith("mx_quant_dyn<") else None
     args = _quant_args(
-        p(x), m, k, p(rq), p(rs), p(cq), p(cs), p(gsizes), n_groups, group_rows, n_row_tiles, ctiles, p(x2), p(sched)
+        p(x),
+        m,
+        k,
+        p(rq),
+        p(rs),
+        p(cq),
+        p(cs),
+        p(gsizes),
+        n_groups,
+        group_rows,
+        n_row_tiles,
+        ctiles,
+        p(x2),
+        _sched_ptr(name, x.device),
     )
     _launch(name, grid, args, smem, x.device)
 

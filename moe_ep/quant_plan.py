@@ -145,7 +145,7 @@ def dynamic_schedule(name: str, grid: int, tiles: int) -> bool:
     Only persistent launches (fewer CTAs than tiles) of the modes compiled for it (DYN_COMBOS, COL_PIPE3_COMBOS)
     have one. ``static`` / ``dynamic`` (MOE_EP_QUANT_SCHED) force it; ``auto`` takes it from DYN_MIN_TILES_FUSED
     tiles per CTA for the fused modes and DYN_MIN_TILES_OTHER for the others. The bytes written are the same either
-    way. mx_quant_dual and mx_swiglu_dual keep the static order (with tickets they lost 10-15 points of copy
+    way. mx_quant_dual and mx_swiglu_dual keep the static order (with tickets they lost up to 16 points of copy
     bandwidth: benchmarks/NOTES.md, pass 9).
 
     Example: mx_quant<1,2,0> over 14336 tiles (32768 x 7168) on 396 CTAs: 36 per CTA -> True; 4096 tiles

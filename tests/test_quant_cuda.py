@@ -276,8 +276,10 @@ def test_dynamic_schedule(dev, dtype, monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_dynamic_schedule_two_streams(monkeypatch):
     """Two streams quantizing at the same time under the dynamic schedule: each stream has its own counter (a shared
-    one would hand tiles of one launch to the other's CTAs), and both outputs are the reference's bytes."""
+    one would hand tiles of one launch to the other's CTAs), and both outputs, prefilled with 0xAB, are the
+    reference's bytes. (The two launches overlap only as far as the GPU runs them side by side.)"""
     monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
+    names = record_launches(monkeypatch)
     xs = [make_input(4096, 7168, torch.bfloat16, seed=s) for s in (81, 82)]
     refs = [quantize_torch(x, -1) for x in xs]
     xds = [x.cuda() for x in xs]
@@ -289,7 +291,13 @@ def test_dynamic_schedule_two_streams(monkeypatch):
     for _ in range(4):
         for i, s in enumerate(streams):
             with torch.cuda.stream(s):
-                outs[i].append(mxfp8_cuda.quantize_rowwise(xds[i], "blocked"))
+                data = torch.full((4096, 7168), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+                scale = torch.full(
+                    mxfp8_cuda.row_scale_shape(4096, 7168, "blocked"), 0xAB, dtype=torch.uint8, device="cuda"
+                )
+                mxfp8_cuda.quantize_rowwise_into(xds[i], data, scale, "blocked")
+                outs[i].append((data, scale))
+    assert names == ["mx_quant_dyn<1,2,0>"] * 8, names
     counters = []
     for s in streams:
         with torch.cuda.stream(s):
