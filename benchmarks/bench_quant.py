@@ -88,6 +88,15 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
+def probe_tiles(x: torch.Tensor, what: str) -> tuple[int, int]:
+    """(column tiles, row tiles) of x [M, K] for the 128 x 128-tile probes of kernels/bench_probe.cu, which need M and
+    K multiples of 128 (they have no edge handling): a ValueError naming ``what`` otherwise."""
+    m, k = x.shape
+    if m % 128 or k % 128:
+        raise ValueError(f"{what} needs M and K multiples of 128, got {m} x {k}")
+    return k // 128, m // 128
+
+
 def copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
     ms = timer(lambda: bufs[1].copy_(bufs[0]))
@@ -325,13 +334,16 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
     return _launcher(fn, data, scale, data_t, scale_t), read + 2 * m * k + scale.numel() + scale_t.numel()
 
 
-def check_schedules(variant: str, x: torch.Tensor, groups: int) -> bool:
-    """The whole output of the timed shape under the dynamic tile schedule == the static schedule's (``check``
-    covers 512 rows: fewer tiles than the persistent grid has CTAs, so no tickets). Each schedule runs three
-    launches into outputs refilled with 0xAB before the last, so a tile no CTA took, or a counter left non-zero by
-    the launch before, cannot pass on stale bytes. Variants without a persistent grid compare two equal launches.
+def check_schedules(variant: str, x: torch.Tensor, groups: int) -> tuple[bool, bool]:
+    """(equal, dynamic ran): the whole output of the timed shape under MOE_EP_QUANT_SCHED=dynamic == the static
+    schedule's (``check`` covers 512 rows: fewer tiles than the persistent grid has CTAs, so no tickets), and
+    whether the dynamic run launched mx_quant_dyn at all (the dual kernels and one-tile-per-CTA launches have only
+    the static order: for them the first compares two static launches). Each schedule runs three launches into
+    outputs refilled with 0xAB before the last, so a tile no CTA took, or a counter left non-zero by the launch
+    before, cannot pass on stale bytes.
     """
-    got = []
+    got, names = [], []
+    launch = mxfp8_cuda._launch
     with env_restored("MOE_EP_QUANT_SCHED"):
         for sched in ("static", "dynamic"):
             os.environ["MOE_EP_QUANT_SCHED"] = sched
@@ -340,9 +352,14 @@ def check_schedules(variant: str, x: torch.Tensor, groups: int) -> bool:
             fn()
             for t in fn.outs:
                 t.view(torch.uint8).fill_(0xAB)
-            fn()
+            mxfp8_cuda._launch = lambda name, *a, s=sched: names.append((s, name)) or launch(name, *a)
+            try:
+                fn()
+            finally:
+                mxfp8_cuda._launch = launch
             got.append(fn.outs)
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*got, strict=True))
+    equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*got, strict=True))
+    return equal, any(s == "dynamic" and n.startswith("mx_quant_dyn<") for s, n in names)
 
 
 def main() -> None:
@@ -426,7 +443,7 @@ def main() -> None:
                 if dual:
                     os.environ["MOE_EP_QUANT_DUAL"] = dual
                 ok = check(v, x, args.groups)
-                sched_ok = check_schedules(v, x, args.groups)
+                sched_ok, dyn_ran = check_schedules(v, x, args.groups)
                 ok = ok and sched_ok
                 fn, nbytes = kernel_fn(v, x, args.groups)
                 t = timer(fn)
@@ -447,6 +464,7 @@ def main() -> None:
                     "dtype": args.dtype,
                     "correct": ok,
                     "schedules_equal": sched_ok,
+                    "dynamic_schedule_checked": dyn_ran,
                     "ms": t,
                     "bytes": nbytes,
                     "GBps": bw / 1e9,

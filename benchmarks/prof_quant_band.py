@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_quant import Timer, copy_bandwidth, write_results  # noqa: E402
+from bench_quant import Timer, copy_bandwidth, probe_tiles, write_results  # noqa: E402
 
 from moe_ep import _cuda  # noqa: E402
 
@@ -40,11 +40,9 @@ SHAPES = [(16384, 2048), (16384, 7168), (32768, 2048), (32768, 7168), (131072, 2
 def probe(timer: Timer, x: torch.Tensor, band: int, xt_only: bool) -> float:
     """Bytes/s of probe_fused_band; checks the row bytes (fused traffic)."""
     m, k = x.shape
-    if m % 128 or k % 128:
-        raise ValueError(f"the probe needs M and K multiples of 128, got {m} x {k}")
+    ctiles, rtiles = probe_tiles(x, "probe_fused_band")
     out = torch.zeros(m, k, dtype=torch.uint8, device=x.device)
     outt = torch.empty(k, m, dtype=torch.uint8, device=x.device)
-    ctiles, rtiles = -(-k // 128), -(-m // 128)
     b = rtiles if band <= 0 else band
     fn_k = _cuda.get_function("bench_probe.cu", "probe_fused_band")
     args = (

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_quant import Timer, check, copy_bandwidth, kernel_fn, write_results  # noqa: E402
+from bench_quant import Timer, check, copy_bandwidth, kernel_fn, probe_tiles, write_results  # noqa: E402
 
 from moe_ep import _cuda  # noqa: E402
 
@@ -40,11 +40,9 @@ GROUPS = 32
 def closures(x: torch.Tensor) -> dict:
     """{name: (closure, bytes)}: the probes and the kernel (grouped_dual, bench_quant's group sizes)."""
     m, k = x.shape
-    if m % 128 or k % 128:
-        raise ValueError(f"the probes need M and K multiples of 128, got {m} x {k}")
+    ctiles, rtiles = probe_tiles(x, "probe_dual / probe_fused")
     out = torch.zeros(m, k, dtype=torch.uint8, device=x.device)
     out2 = torch.zeros(m, k, dtype=torch.uint8, device=x.device)
-    ctiles, rtiles = -(-k // 128), -(-m // 128)
     common = (_cuda.ptr(x), _cuda.ptr(out), _cuda.ptr(out2), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
     dual = _cuda.get_function("bench_probe.cu", "probe_dual")
     fused = _cuda.get_function("bench_probe.cu", "probe_fused")

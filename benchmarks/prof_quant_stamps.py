@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gemm import env_restored  # noqa: E402
-from bench_quant import Timer, check, kernel_fn, write_results  # noqa: E402
+from bench_quant import Timer, check, kernel_fn, probe_tiles, write_results  # noqa: E402
 
 from moe_ep import _cuda, quant_plan  # noqa: E402
 
@@ -136,16 +136,14 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
-        if m % 128 or k % 128:
-            raise SystemExit(f"probe_tile needs M and K multiples of 128, got {shape}")
-        if m // 128 * (k // 128) > STAMP_CTAS:  # the one-tile-per-CTA grids would be stamped only in part
-            raise SystemExit(f"{shape}: {m // 128 * (k // 128)} tiles, more CTAs than the {STAMP_CTAS} stamped")
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+        ctiles, rtiles = probe_tiles(x, "probe_tile")
+        if rtiles * ctiles > STAMP_CTAS:  # the one-tile-per-CTA grids would be stamped only in part
+            raise SystemExit(f"{shape}: {rtiles * ctiles} tiles, more CTAs than the {STAMP_CTAS} stamped")
         out = torch.empty(m, k, dtype=torch.uint8, device="cuda")
-        ctiles = k // 128
         til = _cuda.get_function("bench_probe.cu", "probe_tile")
         pargs = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
-        probe = lambda til=til, pargs=pargs, m=m, ctiles=ctiles: _cuda.launch(til, m // 128 * ctiles, 256, pargs)
+        probe = lambda til=til, pargs=pargs, n=rtiles * ctiles: _cuda.launch(til, n, 256, pargs)
         kernels = {}
         for name, pipe in (("row_blocked", "auto"), ("row_blocked_pipe0", "0")):
             with env_restored("MOE_EP_QUANT_PIPE"):

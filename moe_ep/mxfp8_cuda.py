@@ -183,22 +183,9 @@ def _launch_quant(
     if plan is None:
         return
     name, grid, smem, n_row_tiles, ctiles = plan
-    p = _cuda.ptr
+    p, sched = _cuda.ptr, _sched_ptr(name, x.device)
     args = _quant_args(
-        p(x),
-        m,
-        k,
-        p(rq),
-        p(rs),
-        p(cq),
-        p(cs),
-        p(gsizes),
-        n_groups,
-        group_rows,
-        n_row_tiles,
-        ctiles,
-        p(x2),
-        _sched_ptr(name, x.device),
+        p(x), m, k, p(rq), p(rs), p(cq), p(cs), p(gsizes), n_groups, group_rows, n_row_tiles, ctiles, p(x2), sched
     )
     _launch(name, grid, args, smem, x.device)
 

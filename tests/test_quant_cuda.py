@@ -232,7 +232,8 @@ def test_dynamic_schedule(dev, dtype, monkeypatch):
     """The persistent pipes under MOE_EP_QUANT_SCHED=dynamic (tiles from the ticket counter): row-wise plain /
     blocked (pipe 3), grouped (pipe 2) and fused, three launches each into outputs refilled with 0xAB, so a tile
     that no CTA took (or a counter left non-zero by the previous launch) shows as junk; bytes == the reference, and
-    the counter is back to zero after every launch. GPU: 4128 x 7168 is 1848 tiles over 396 CTAs (4.7 per CTA);
+    the counter is zero after each round of four launches (one left non-zero in between would show as junk in the
+    next launch's output). GPU: 4128 x 7168 is 1848 tiles over 396 CTAs (4.7 per CTA);
     emulator: 288 x 544, 15 tiles over 6."""
     monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
     monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
@@ -251,14 +252,17 @@ def test_dynamic_schedule(dev, dtype, monkeypatch):
 
     for rep in range(3):
         counters.clear()
-        data = junk((m, k), torch.float8_e4m3fn)
         for layout, want in (("plain", ref.scale), ("blocked", to_blocked(ref.scale))):
-            scale = junk(mxfp8_cuda.row_scale_shape(m, k, layout))
+            data, scale = junk((m, k), torch.float8_e4m3fn), junk(mxfp8_cuda.row_scale_shape(m, k, layout))
             mxfp8_cuda.quantize_rowwise_into(xd, data, scale, layout)
             assert_bytes(data, ref.data, f"data, {layout}, launch {rep}")
             assert_bytes(scale, want, f"{layout} scale, launch {rep}")
-        scale = junk(mxfp8_cuda.row_scale_shape(m, k, "grouped", sizes.numel()))
+        data, scale = (
+            junk((m, k), torch.float8_e4m3fn),
+            junk(mxfp8_cuda.row_scale_shape(m, k, "grouped", sizes.numel())),
+        )
         mxfp8_cuda.quantize_rowwise_into(xd, data, scale, "grouped", sizes.to(dev))
+        assert_bytes(data, ref.data, f"grouped data, launch {rep}")
         assert_bytes(scale, to_blocked_grouped(ref.scale, sizes, "m"), f"grouped scale, launch {rep}")
         data, scale = junk((m, k), torch.float8_e4m3fn), junk(mxfp8_cuda.row_scale_shape(m, k, "blocked"))
         dt, st = junk((k, m), torch.float8_e4m3fn), junk(mxfp8_cuda.col_scale_shape(m, k, "blocked"))
