@@ -3,8 +3,9 @@
     python benchmarks/prof_quant_stamps.py [--shapes 16384x2048,32768x7168] [--runs 5] [--json PATH]
     python benchmarks/prof_quant_stamps.py --carveout [--shapes ...] [--reps 20] [--json PATH]
 
-For each shape: row_blocked as the library launches it (pipe 3, persistent), row_blocked with MOE_EP_QUANT_PIPE=0
-(one tile per CTA, like the probe) and probe_tile (kernels/bench_probe.cu, the same traffic with no arithmetic),
+For each shape: row_blocked as the library launches it (auto: pipe 4, one tile per CTA on the cp.async path, since
+NOTES pass 10; pass 8 measured pipe 3, persistent), row_blocked with MOE_EP_QUANT_PIPE=0 (one tile per CTA, register
+loads, like the probe) and probe_tile (kernels/bench_probe.cu, the same traffic with no arithmetic),
 each checked against the reference first, warmed up, then launched ``--runs`` times after bench_quant's L2 flush.
 Thread 0 of every CTA stamps %globaltimer (ns) at entry and when its first tile's row output has been issued,
 the CTA's last warp at exit. Reported per kernel (medians over the runs; the event times of every run are kept):

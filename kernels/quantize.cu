@@ -71,26 +71,37 @@
 
 // Software pipelining (MX_PIPE): 0 = one tile per CTA, grid = all tiles (plain launch); 1 = persistent grid, no
 // prefetch; 2 = persistent grid, the next tile's loads issued into registers before the current tile is processed;
-// 3 = persistent grid, cp.async double buffer in shared memory (quant_sched.cuh). 2 and 3 need 16-bit inputs (the
+// 3 = persistent grid, cp.async double buffer in shared memory (quant_sched.cuh); 4 = 3's cp.async data path with
+// one tile per CTA (grid = all tiles, one 32 KB stage, more CTAs per SM: the hardware's block scheduler overlaps
+// one CTA's loads with another's arithmetic, and hands tiles to SMs as they free up). 2-4 need 16-bit inputs (the
 // fp32 tile needs two passes), so fp32 and the SwiGLU inputs use 0. Selected at compile time (MOE_EP_QUANT_PIPE);
 // the launcher sizes the grid and shared memory from the same rule (moe_ep/quant_plan.py effective_pipe).
-// Modes with a column-wise output stage the tile in shared memory anyway: they pipeline only with 3, whose
+// Modes with a column-wise output stage the tile in shared memory anyway: they pipeline only with 3 or 4, whose
 // cp.async copies land straight in the swizzled tile layout (1 and 2 fall back to 0 for them).
-// -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md): 3 for plain, blocked and
-// 3-D weight scales, 2 for grouped row scales (its table scan amortizes better without the stage wait), 3 for the
-// fused and grouped-dual modes (row + column outputs), 0 for column-only outputs and fp32/SwiGLU inputs.
-// The template argument PREQ overrides MX_PIPE for one instantiation: the launcher asks for mx_quant<IN, 0, CS, 3>
-// when a column-only input has many tiles per CTA slot (moe_ep/quant_plan.py requested_pipe).
+// -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, pass 10): 4 for plain and
+// blocked row scales and the fused modes (row + column outputs), 3 for 3-D weight scales and mx_quant's grouped
+// dual modes (not measured on 4), 2 for grouped row scales (its table scan amortizes better over several tiles),
+// 0 for column-only outputs and fp32/SwiGLU inputs.
+// The template argument PREQ overrides MX_PIPE for one instantiation: the launcher asks for mx_quant<IN, RS, CS, 4>
+// for column-only and grouped-row inputs of many tiles (moe_ep/quant_plan.py requested_pipe).
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
-    static constexpr int WANT =
-        PREQ >= 0 ? PREQ : (CS != CS_NONE ? (RS == RS_NONE ? 0 : 3) : (RS == RS_GROUPED ? 2 : 3));
+    static constexpr int WANT0 =
+        PREQ >= 0 ? PREQ
+                  : (CS != CS_NONE ? (RS == RS_NONE ? 0 : (RS == RS_GROUPED ? 3 : 4))
+                                   : (RS == RS_GROUPED ? 2 : (RS == RS_UNIFORM ? 3 : 4)));
+    static constexpr bool ONE = WANT0 == 4 && ES == 2;  // pipe 4: 3's data path, one tile per CTA
+    static constexpr int WANT = WANT0 == 4 ? 3 : WANT0;
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
-    static constexpr int MINB = PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4);
+    // pipe 4: 48 registers (5 CTAs per SM) row-only, 80 with a column output (3 per SM). Measured on H200: row-only
+    // at 6 per SM (40 registers) lost 1-3 points of copy; with a column output 4 per SM (64 registers) lost up to
+    // 2.7 points column-only and was even fused, 5 per SM spills
+    static constexpr int MINB =
+        ONE ? (CS == CS_NONE ? 5 : 3) : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
 };
 
 
@@ -231,7 +242,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     };
 
     // the dynamic tile schedule (mx_sched_done; mx_quant_dyn); without a counter mx_quant_dyn runs the static order
-    const bool dyn = DYN && PIPE != 0 && sched != nullptr;
+    const bool dyn = DYN && PIPE != 0 && !QuantCfg<IN, RS, CS, PREQ>::ONE && sched != nullptr;
     __shared__ int s_next[DYN ? 2 : 1];  // the next ticket's tile, alternating (a slow warp may still read the other)
     int T = (int)blockIdx.x;
     if (T >= total) {
@@ -247,7 +258,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     int buf = 0;
     if (PIPE == 3) issue(stage0, row0, nrows, ct * TILE);
     bool first = true;  // for mx_stamp(1): the first tile's row output issued
-    int Tn = PIPE ? T + (int)gridDim.x : total;
+    int Tn = PIPE && !QuantCfg<IN, RS, CS, PREQ>::ONE ? T + (int)gridDim.x : total;
     int slot = 0;
 
     for (;;) {

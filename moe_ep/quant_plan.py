@@ -29,10 +29,12 @@ QUANT_COMBOS = (
     # bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
     + [(i, 3, c) for c in (4, 5) for i in (0, 1, 3, 4, 5)]
 )
-# column-only modes of 16-bit inputs, also compiled with pipe 3 (chosen at launch for large inputs: requested_pipe)
-COL_PIPE3_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
-# mx_quant_dyn (the dynamic tile schedule): the 16-bit modes whose default pipe is persistent (row-only 3 / 2, fused
-# 3) and the column-only pipe-3 instantiations; fp32 and the SwiGLU inputs take pipe 0 (one CTA per tile)
+# column-only and grouped-row modes of 16-bit inputs, also compiled with pipe 4 (one tile per CTA on the cp.async
+# path; chosen at launch for inputs of many tiles: requested_pipe)
+ONE_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)] + [(i, 3, 0) for i in (1, 2)]
+# mx_quant_dyn (the dynamic tile schedule): the 16-bit row-only and fused modes. Under auto only the persistent
+# launches use it (3-D weight scales on pipe 3; grouped rows on pipe 2 below the pipe-4 size); the others are there
+# for MOE_EP_QUANT_PIPE=2 / 3. fp32 and the SwiGLU inputs take pipe 0 (one CTA per tile)
 DYN_COMBOS = [(i, r, 0) for i in (1, 2) for r in (1, 2, 3, 4)] + [
     (i, r, c) for i in (1, 2) for r in (1, 2) for c in (1, 2)
 ]
@@ -41,9 +43,8 @@ DUAL_CS = (4, 5)
 DUAL_STAGES = (2, 3, 4, 5, 6)  # cp.async stages of 32 KB; CTAs per SM: 3, 2, then 1 (kernels/quant_dual.cuh)
 NAMES = (
     tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in QUANT_COMBOS)
-    + tuple(f"mx_quant<{i},{r},{c},3>" for i, r, c in COL_PIPE3_COMBOS)
+    + tuple(f"mx_quant<{i},{r},{c},4>" for i, r, c in ONE_COMBOS)
     + tuple(f"mx_quant_dyn<{i},{r},{c}>" for i, r, c in DYN_COMBOS)
-    + tuple(f"mx_quant_dyn<{i},{r},{c},3>" for i, r, c in COL_PIPE3_COMBOS)
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
     + tuple(f"mx_quant_dual<1,{c},{st}>" for c in DUAL_CS for st in DUAL_STAGES)
     + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in DUAL_CS)
@@ -58,12 +59,12 @@ SMEM_GPREP = 2048  # kernels/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantizatio
 
 def pipe_switch() -> int:
     """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
-    prefetch, 3 persistent + cp.async double buffer in shared memory (16-bit inputs; fp32 falls back to 0 for 2
-    and 3, column-wise/fused modes to 0 for 1 and 2); unset or "auto" (-1): the per-mode best measured
-    (kernels/quantize.cu QuantCfg)."""
+    prefetch, 3 persistent + cp.async double buffer in shared memory, 4 one tile per CTA on 3's cp.async path
+    (2-4: 16-bit inputs, fp32 falls back to 0; column-wise/fused modes take 3 or 4, else 0); unset or "auto" (-1):
+    the per-mode best measured (kernels/quantize.cu QuantCfg, and :func:`requested_pipe`)."""
     v = os.environ.get("MOE_EP_QUANT_PIPE", "auto")
-    if v not in ("auto", "0", "1", "2", "3"):
-        raise ValueError(f"MOE_EP_QUANT_PIPE must be auto, 0, 1, 2 or 3, got {v!r}")
+    if v not in ("auto", "0", "1", "2", "3", "4"):
+        raise ValueError(f"MOE_EP_QUANT_PIPE must be auto, 0, 1, 2, 3 or 4, got {v!r}")
     return -1 if v == "auto" else int(v)
 
 
@@ -72,24 +73,25 @@ def options() -> tuple[str, ...]:
     return soft + (f"-DMX_PIPE={pipe_switch()}",)
 
 
-# Column-only inputs with at least this many tiles per CTA slot of pipe 3 (3 per SM) take pipe 3 under "auto".
-# Measured on H200 (bench_quant --pipes, benchmarks/NOTES.md "Column-only pipelining by size"): pipe 3 ahead at
-# M = 131072 (>= 41 tiles per slot), pipe 0 ahead at 16384-32768 x 2048 (<= 10.3), equal in between.
-COL_PIPE3_TILES_PER_SLOT = 32
+# Column-only and grouped-row 16-bit inputs with at least this many tiles per SM take pipe 4 under "auto". Measured
+# on H200 (benchmarks/NOTES.md, pass 10): pipe 4 ahead from 31 tiles per SM (column-only: 32768 x 2048, +2.5 points
+# of copy against pipe 0; grouped rows: +1.3 to +5.2 against pipe 2), behind at 15.5 (column-only 16384 x 2048: -5.3)
+# and 19.4 (grouped rows 16384 x 2048 in 32 groups: -2.9).
+ONE_MIN_TILES_PER_SM = 24
 PIPE3_CTAS_PER_SM = 3  # kernels/quantize.cu QuantCfg::MINB of pipes 1 and 3 (pipe 3: two 32 KB stages per CTA)
 
 
 def requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: torch.device) -> int:
-    """The pipe a launch asks for: MOE_EP_QUANT_PIPE, except that under "auto" (-1) a column-only 16-bit input of
-    many tiles takes 3 (the persistent cp.async pipeline; the one-tile-per-CTA grid wins on smaller inputs).
+    """The pipe a launch asks for: MOE_EP_QUANT_PIPE, except that under "auto" (-1) a column-only or grouped-row
+    16-bit input of many tiles takes 4 (one tile per CTA on the cp.async path; pipe 0 / 2 win on fewer tiles).
 
-    Example (132 SMs): bf16 x [131072, 2048], column-only: 16384 tiles >= 32 * 3 * 132 = 12672 -> 3;
-    [32768, 2048]: 4096 tiles -> -1 (the kernel's auto: 0).
+    Example (132 SMs): bf16 x [32768, 2048], column-only: 4096 tiles >= 24 * 132 = 3168 -> 4;
+    [16384, 2048]: 2048 tiles -> -1 (the kernel's auto: 0).
     """
     pipe = pipe_switch()
-    if pipe < 0 and rs_mode == 0 and cs_mode != 0 and es == 2:
-        if tiles >= COL_PIPE3_TILES_PER_SLOT * PIPE3_CTAS_PER_SM * sm_count(device):
-            return 3
+    one = (rs_mode == 0 and cs_mode != 0) or (rs_mode == RS["grouped"] and cs_mode == 0)
+    if pipe < 0 and one and es == 2 and tiles >= ONE_MIN_TILES_PER_SM * sm_count(device):
+        return 4
     return pipe
 
 
@@ -97,18 +99,18 @@ def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None)
     """The pipelining the kernel compiles for this mode and requested pipe (default: MOE_EP_QUANT_PIPE; see
     kernels/quantize.cu QuantCfg)."""
     pipe = pipe_switch() if pipe is None else pipe
-    if pipe < 0:  # kernels/quantize.cu QuantCfg::WANT
+    if pipe < 0:  # kernels/quantize.cu QuantCfg::WANT0
         if cs_mode != 0:
-            pipe = 0 if rs_mode == 0 else 3
+            pipe = 0 if rs_mode == 0 else (3 if rs_mode == RS["grouped"] else 4)
         else:
-            pipe = 2 if rs_mode == RS["grouped"] else 3
-    return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe != 3) else pipe
+            pipe = 2 if rs_mode == RS["grouped"] else (3 if rs_mode == RS["uniform"] else 4)
+    return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe not in (3, 4)) else pipe
 
 
 def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
-    """Grid of mx_quant: every tile (pipe 0) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
+    """Grid of mx_quant: every tile (pipes 0 and 4) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
     pipe = effective_pipe(es, rs_mode, cs_mode, pipe)
-    if pipe == 0:
+    if pipe in (0, 4):
         return tiles
     per_sm = 2 if pipe == 2 else PIPE3_CTAS_PER_SM
     full = min(tiles, per_sm * sm_count(device))
@@ -142,15 +144,15 @@ def dynamic_schedule(name: str, grid: int, tiles: int) -> bool:
     takes the dynamic tile schedule instead (``mx_quant_dyn<...>``; kernels/quantize.cu mx_sched_done: after each
     CTA's first two tiles, tiles come from an atomic ticket counter, so CTAs that run faster take more of them).
 
-    Only persistent launches (fewer CTAs than tiles) of the modes compiled for it (DYN_COMBOS, COL_PIPE3_COMBOS)
-    have one. ``static`` / ``dynamic`` (MOE_EP_QUANT_SCHED) force it; ``auto`` takes it from DYN_MIN_TILES_FUSED
+    Only persistent launches (fewer CTAs than tiles) of the modes compiled for it (DYN_COMBOS) have
+    one. ``static`` / ``dynamic`` (MOE_EP_QUANT_SCHED) force it; ``auto`` takes it from DYN_MIN_TILES_FUSED
     tiles per CTA for the fused modes and DYN_MIN_TILES_OTHER for the others. The bytes written are the same either
     way. mx_quant_dual and mx_swiglu_dual keep the static order (with tickets they lost up to 16 points of copy
     bandwidth: benchmarks/NOTES.md, pass 9).
 
-    Example: mx_quant<1,2,0> over 14336 tiles (32768 x 7168) on 396 CTAs: 36 per CTA -> True; 4096 tiles
-    (32768 x 2048): 10.3 -> False; fused mx_quant<1,2,2> over 2048 tiles: 5.2 -> True; one CTA per tile (pipe 0)
-    -> False.
+    Example (persistent, MOE_EP_QUANT_PIPE=3): mx_quant<1,2,0> over 14336 tiles (32768 x 7168) on 396 CTAs: 36 per
+    CTA -> True; 4096 tiles (32768 x 2048): 10.3 -> False; fused mx_quant<1,2,2> over 2048 tiles: 5.2 -> True; one
+    CTA per tile (pipes 0 and 4, the auto pipe of these modes) -> False.
     """
     v = sched_switch()
     if v == "static" or grid >= tiles or name.replace("mx_quant<", "mx_quant_dyn<", 1) not in NAMES:
@@ -289,8 +291,10 @@ def quant_plan(
     req = requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
     grid = quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
     table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    pipe3 = effective_pipe(es, rs_mode, cs_mode, req) == 3
-    stages = 2 * TILE * TILE * 2 + 128 if pipe3 else 0  # PIPE 3 buffers on 128 bytes (also the column modes' tile)
+    eff = effective_pipe(es, rs_mode, cs_mode, req)
+    pipe3 = eff in (3, 4)
+    # PIPE 3 buffers on 128 bytes (also the column modes' tile); 4: one tile per CTA, one buffer
+    stages = (1 if eff == 4 else 2) * TILE * TILE * 2 + 128 if pipe3 else 0
     fixed = SMEM_FIXED + (SMEM_GPREP if cs_mode == CS["grouped_prep"] else 0)
     smem = (TILE * TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")

@@ -187,8 +187,17 @@ def _sizes(m: int, spec, seed: int) -> torch.Tensor:
     return sizes.to(torch.int32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rowwise_grouped(dev, dtype):
+@pytest.mark.parametrize(
+    "dtype,pipe4",
+    [(d, False) for d in DTYPES] + [(torch.bfloat16, True), (torch.float16, True)],
+)
+def test_rowwise_grouped(dev, dtype, pipe4, monkeypatch):
+    """Grouped row scales on the kernel's auto pipe (2 for 16-bit inputs, 0 for fp32; the pipe-4 threshold out of
+    reach) and, pipe4, with the threshold at 0 (one CTA per tile, each scanning the group table:
+    mx_quant<IN,3,0,4>)."""
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 0 if pipe4 else 1 << 30)
+    names = record_launches(monkeypatch)
     cases = GROUP_CASES if (_big(dev) or dtype == torch.bfloat16) else GROUP_CASES[:-1]  # the emulator is slow
     cases = cases + ([(32768 + 100, 256, "random64")] if _big(dev) else [])
     for i, (m, k, spec) in enumerate(cases):
@@ -199,6 +208,7 @@ def test_rowwise_grouped(dev, dtype):
         data, scale = mxfp8_cuda.quantize_rowwise(x.to(dev), "grouped", sizes.to(dev))
         assert_bytes(data, ref.data, f"data {m}x{k} groups {spec}")
         assert_bytes(scale, to_blocked_grouped(ref.scale, sizes, "m"), f"grouped scale {m}x{k} groups {spec}")
+    assert names and all(n.endswith(",4>") == pipe4 for n in names), names
 
 
 def test_into_writes_every_byte(dev):
@@ -229,14 +239,15 @@ def test_into_writes_every_byte(dev):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dynamic_schedule(dev, dtype, monkeypatch):
-    """The persistent pipes under MOE_EP_QUANT_SCHED=dynamic (tiles from the ticket counter): row-wise plain /
-    blocked (pipe 3), grouped (pipe 2) and fused, three launches each into outputs refilled with 0xAB, so a tile
+    """The persistent pipe under MOE_EP_QUANT_SCHED=dynamic (tiles from the ticket counter; MOE_EP_QUANT_PIPE=3, as
+    auto gives these modes one CTA per tile): row-wise plain / blocked, grouped and fused, three launches each into
+    outputs refilled with 0xAB, so a tile
     that no CTA took (or a counter left non-zero by the previous launch) shows as junk; bytes == the reference, and
     the counter is zero after each round of four launches (one left non-zero in between would show as junk in the
     next launch's output). GPU: 4128 x 7168 is 1848 tiles over 396 CTAs (4.7 per CTA);
     emulator: 288 x 544, 15 tiles over 6."""
     monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
-    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")
     counters = []
     get = mxfp8_cuda._sched_counter
     monkeypatch.setattr(mxfp8_cuda, "_sched_counter", lambda d: counters.append(get(d)) or counters[-1])
@@ -283,6 +294,7 @@ def test_dynamic_schedule_two_streams(monkeypatch):
     one would hand tiles of one launch to the other's CTAs), and both outputs, prefilled with 0xAB, are the
     reference's bytes. (The two launches overlap only as far as the GPU runs them side by side.)"""
     monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")
     names = record_launches(monkeypatch)
     xs = [make_input(4096, 7168, torch.bfloat16, seed=s) for s in (81, 82)]
     refs = [quantize_torch(x, -1) for x in xs]
@@ -349,12 +361,12 @@ def record_launches(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
-    """Column-only modes of 16-bit inputs launch mx_quant<.., 3> (persistent, cp.async) when the input has at least
-    _COL_PIPE3_TILES_PER_SLOT tiles per CTA slot: with the threshold at 0 every shape here takes it (the largest
-    run several tiles per CTA: 15 tiles on the emulator's 6 slots, 1848 on H200's 396); bytes equal to the reference
-    for plain, blocked and axis 0. At 1 tile per slot a 1-tile input stays on the plain launch."""
+    """Column-only modes of 16-bit inputs launch mx_quant<.., 4> (one CTA per tile on the cp.async path) when the
+    input has at least ONE_MIN_TILES_PER_SM tiles per SM: with the threshold at 0 every shape here takes it; bytes
+    equal to the reference for plain, blocked and axis 0. At 1 tile per SM a 1-tile input stays on the kernel's auto
+    pipe (0)."""
     monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
-    monkeypatch.setattr(quant_plan, "COL_PIPE3_TILES_PER_SLOT", 0)
+    monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 0)
     names = record_launches(monkeypatch)
     for i, (m, k) in enumerate(_shapes(dev, COL_SMALL, COL_BIG)):
         x = make_input(m, k, dtype, seed=30 + i)
@@ -367,8 +379,8 @@ def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
         ref = quantize_torch(x, 0)
         assert_bytes(got.data, ref.data, f"axis 0 data {m}x{k}")
         assert_bytes(got.scale, ref.scale, f"axis 0 scale {m}x{k}")
-    assert names and all(n.endswith(",3>") for n in names), names
-    monkeypatch.setattr(quant_plan, "COL_PIPE3_TILES_PER_SLOT", 1)
+    assert names and all(n.endswith(",4>") for n in names), names
+    monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 1)
     names.clear()
     mxfp8_cuda.quantize_colwise(make_input(32, 32, dtype).to(dev), "plain")
     assert names == [f"mx_quant<{quant_plan.IN[dtype]},0,1>"]

@@ -360,8 +360,8 @@ def build_emulator(workdir: Path):
             for i, r, c in quant_plan.QUANT_COMBOS
         )
         + " ".join(
-            f"if (in == {i} && rs == {r} && cs == {c} && pp == 3) fn = &mx_quant<{i},{r},{c},3>;"
-            for i, r, c in quant_plan.COL_PIPE3_COMBOS
+            f"if (in == {i} && rs == {r} && cs == {c} && pp == 4) fn = &mx_quant<{i},{r},{c},4>;"
+            for i, r, c in quant_plan.ONE_COMBOS
         )
         + " ".join(
             f"if (in == 1 && rs == 3 && cs == {c} && pp == -{st}) fn = &mx_quant_dual<1,{c},{st}>;"
@@ -377,10 +377,6 @@ def build_emulator(workdir: Path):
         + " ".join(
             f"if (in == {i} && rs == {r} && cs == {c} && pp == 200) fn = &mx_quant_dyn<{i},{r},{c}>;"
             for i, r, c in quant_plan.DYN_COMBOS
-        )
-        + " ".join(
-            f"if (in == {i} && rs == {r} && cs == {c} && pp == 203) fn = &mx_quant_dyn<{i},{r},{c},3>;"
-            for i, r, c in quant_plan.COL_PIPE3_COMBOS
         )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
@@ -415,13 +411,25 @@ def build_emulator(workdir: Path):
 EMU_SCHED = torch.zeros(2, dtype=torch.int32)  # the emulator's dynamic-schedule counter (mxfp8_cuda._sched_counter)
 
 
+_EMU_BY_OPTIONS: dict[tuple[str, ...], object] = {}  # emulators by the -D switches they were built with
+
+
 def install_emulator(monkeypatch, so) -> None:
-    """Route moe_ep.mxfp8_cuda's launches for CPU tensors to the emulator."""
+    """Route moe_ep.mxfp8_cuda's launches for CPU tensors to the emulator ``so`` (built under the current
+    quant_plan.options()). A launch under other options (a test that sets MOE_EP_QUANT_PIPE) gets an emulator built
+    with those, as the NVRTC build would be: the kernels' default pipe is a compile-time switch."""
     import re  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
 
     from moe_ep import mxfp8_cuda, quant_plan  # noqa: PLC0415
 
+    _EMU_BY_OPTIONS.setdefault(quant_plan.options(), so)
+
     def launch(name, grid, args, shared_mem, device):
+        opts = quant_plan.options()
+        if opts not in _EMU_BY_OPTIONS:
+            _EMU_BY_OPTIONS[opts] = build_emulator(Path(tempfile.mkdtemp(prefix="mxemu")))
+        so = _EMU_BY_OPTIONS[opts]
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
         gx, gy = grid if isinstance(grid, tuple) else (grid, 1)  # 2-D: the batched weight launch
@@ -431,8 +439,8 @@ def install_emulator(monkeypatch, so) -> None:
             rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], gx, gy, shared_mem, *a)
         elif name.startswith("mx_quant_batch"):  # mx_quant_batch<in>: the fused blocked mode, pipe code 100
             rc = so.emu_quant(params[0], 2, 2, 100, gx, gy, shared_mem, *a)
-        elif name.startswith("mx_quant_dyn"):  # the dynamic tile schedule: pipe code 200 (default) / 203 (pipe 3)
-            rc = so.emu_quant(*params[:3], 203 if len(params) > 3 else 200, gx, gy, shared_mem, *a)
+        elif name.startswith("mx_quant_dyn"):  # mx_quant_dyn<in,rs,cs>, the dynamic tile schedule: pipe code 200
+            rc = so.emu_quant(*params[:3], 200, gx, gy, shared_mem, *a)
         elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
             rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, gx, gy, shared_mem, *a)
         else:
@@ -471,7 +479,7 @@ def test_dynamic_schedule_choice(monkeypatch):
     assert ds("mx_quant<2,3,0>", 264, 8960)  # grouped rows (pipe 2, 264 CTAs), 16384 x 7168 + 32 groups: 33.9
     assert ds("mx_quant<1,2,2>", 396, 2048)  # fused: from 4 per CTA
     assert not ds("mx_quant<1,2,2>", 396, 4 * 396 - 1)
-    assert ds("mx_quant<1,0,2,3>", 396, 16384)  # column-only on pipe 3
+    assert not ds("mx_quant<1,0,2>", 396, 16384)  # column-only (MOE_EP_QUANT_PIPE=3): no mx_quant_dyn instantiation
     assert not ds("mx_quant<1,0,2>", 4096, 4096)  # one CTA per tile (pipe 0): nothing to hand out
     assert not ds("mx_quant<0,2,0>", 396, 100000)  # fp32: no mx_quant_dyn instantiation
     assert not ds("mx_quant<1,3,4>", 264, 100000)  # grouped dual on mx_quant (MOE_EP_QUANT_DUAL=smem): none either
@@ -485,10 +493,18 @@ def test_dynamic_schedule_choice(monkeypatch):
         ds("mx_quant<1,2,0>", 396, 14336)
     monkeypatch.delenv("MOE_EP_QUANT_SCHED")
     x = torch.empty(0, dtype=torch.bfloat16)
-    blocked = quant_plan.RS["blocked"]
-    assert quant_plan.quant_plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant_dyn<1,2,0>", 396)
-    assert quant_plan.quant_plan(x, 16384, 2048, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 396)
-    assert quant_plan.quant_plan(x, 16384, 2048, blocked, blocked, 0, None, None)[0] == "mx_quant_dyn<1,2,2>"
+    blocked, uniform = quant_plan.RS["blocked"], quant_plan.RS["uniform"]
+    plan = quant_plan.quant_plan
+    # auto: row-only and fused take pipe 4 (one CTA per tile), so no schedule to choose
+    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 14336)
+    assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[:2] == ("mx_quant<1,2,2>", 2048)
+    # 3-D weight scales stay persistent (pipe 3): 64 experts x [2048, 7168] = 57344 tiles on 396 CTAs
+    assert plan(x, 64 * 2048, 7168, uniform, 0, 0, 64 * 16, None)[:2] == ("mx_quant_dyn<1,4,0>", 396)
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")
+    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant_dyn<1,2,0>", 396)
+    assert plan(x, 16384, 2048, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 396)
+    assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[0] == "mx_quant_dyn<1,2,2>"
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE")
     # the weights' batched launch keeps the static order (its problems share no counter)
     assert quant_plan.batch_plan(torch.empty(0, dtype=torch.bfloat16), 4, 8192, 5120)[0] == "mx_quant_batch<1>"
 
@@ -502,28 +518,36 @@ def test_quant_grid_full_and_balanced(monkeypatch):
     dev = torch.device("cpu")
     blocked, grouped = quant_plan.RS["blocked"], quant_plan.RS["grouped"]
     monkeypatch.delenv("MOE_EP_QUANT_GRID", raising=False)
-    # blocked bf16: pipe 3, 3 CTAs per SM = 396 slots; grouped: pipe 2, 2 per SM = 264
-    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 396
-    assert quant_plan.quant_ctas(100, 2, blocked, 0, dev) == 100
+    # blocked bf16 and fused: pipe 4, one CTA per tile; on pipe 3, 3 CTAs per SM = 396 slots; grouped: pipe 2, 2 per
+    # SM = 264
+    col, fused = quant_plan.CS["blocked"], (blocked, quant_plan.CS["blocked"])
+    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 2048
+    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev, 3) == 396
+    assert quant_plan.quant_ctas(100, 2, blocked, 0, dev, 3) == 100
     assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 264
-    assert quant_plan.quant_ctas(2048, 2, 0, quant_plan.CS["blocked"], dev) == 2048  # column-only: pipe 0
-    assert quant_plan.quant_ctas(2048, 2, blocked, quant_plan.CS["blocked"], dev) == 396  # fused: pipe 3
-    assert quant_plan.quant_ctas(2048, 4, blocked, quant_plan.CS["blocked"], dev) == 2048  # fp32: pipe 0
-    # column-only bf16 under auto: pipe 3 from 32 * 396 = 12672 tiles (persistent grid), else one CTA per tile
-    col = quant_plan.CS["blocked"]
-    assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 3  # [131072, 2048]
-    assert quant_plan.requested_pipe(2, 0, col, 12672, dev) == 3  # the boundary: exactly 32 tiles per slot
-    assert quant_plan.requested_pipe(2, 0, col, 12671, dev) == -1
-    assert quant_plan.quant_ctas(16384, 2, 0, col, dev, 3) == 396
-    assert quant_plan.requested_pipe(2, 0, col, 4096, dev) == -1  # [32768, 2048]: the kernel's auto, pipe 0
-    assert quant_plan.requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 3
-    assert quant_plan.requested_pipe(2, blocked, col, 16384, dev) == -1  # fused: already 3 by the kernel's auto
+    assert quant_plan.quant_ctas(2048, 2, 0, col, dev) == 2048  # column-only: pipe 0
+    assert quant_plan.quant_ctas(2048, 2, *fused, dev) == 2048  # fused: pipe 4
+    assert quant_plan.quant_ctas(2048, 2, *fused, dev, 3) == 396
+    assert quant_plan.quant_ctas(2048, 4, *fused, dev) == 2048  # fp32: pipe 0
+    assert quant_plan.effective_pipe(4, blocked, 0, 4) == 0  # fp32: no cp.async path
+    # column-only and grouped-row bf16 under auto: pipe 4 from 24 * 132 = 3168 tiles, else the kernel's auto (0, 2)
+    assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 4  # [131072, 2048]
+    assert quant_plan.requested_pipe(2, 0, col, 3168, dev) == 4  # the boundary: exactly 24 tiles per SM
+    assert quant_plan.requested_pipe(2, 0, col, 3167, dev) == -1
+    assert quant_plan.requested_pipe(2, 0, col, 2048, dev) == -1  # [16384, 2048]: the kernel's auto, pipe 0
+    assert quant_plan.quant_ctas(16384, 2, 0, col, dev, 4) == 16384
+    assert quant_plan.requested_pipe(2, grouped, 0, 4608, dev) == 4  # [32768, 2048] in 32 groups: (256 + 32) x 16
+    assert quant_plan.requested_pipe(2, grouped, 0, 2560, dev) == -1  # [16384, 2048] in 32 groups: pipe 2
+    assert quant_plan.requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 4
+    assert quant_plan.requested_pipe(2, *fused, 16384, dev) == -1  # fused: already 4 by the kernel's auto
+    assert quant_plan.requested_pipe(2, quant_plan.RS["uniform"], 0, 16384, dev) == -1  # 3-D weights: pipe 3
     monkeypatch.setenv("MOE_EP_QUANT_PIPE", "0")
     assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 0  # an explicit switch wins
     monkeypatch.delenv("MOE_EP_QUANT_PIPE")
     monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
-    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 342  # ceil(2048 / 6): 6 tiles per CTA
+    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev, 3) == 342  # ceil(2048 / 6): 6 tiles per CTA
     assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
+    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 2048  # pipe 4 has no persistent grid to balance
 
 
 def test_dual_kernel_plan(monkeypatch):
