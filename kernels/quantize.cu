@@ -79,11 +79,12 @@
 // Modes with a column-wise output stage the tile in shared memory anyway: they pipeline only with 3 or 4, whose
 // cp.async copies land straight in the swizzled tile layout (1 and 2 fall back to 0 for them).
 // -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, pass 10): 4 for plain and
-// blocked row scales and the fused modes (row + column outputs), 3 for 3-D weight scales and mx_quant's grouped
-// dual modes (not measured on 4), 2 for grouped row scales (its table scan amortizes better over several tiles),
-// 0 for column-only outputs and fp32/SwiGLU inputs.
-// The template argument PREQ overrides MX_PIPE for one instantiation: the launcher asks for mx_quant<IN, RS, CS, 4>
-// for column-only and grouped-row inputs of many tiles (moe_ep/quant_plan.py requested_pipe).
+// blocked row scales and the fused modes (row + column outputs); 3 for grouped row scales (with the dynamic tile
+// schedule it beat 2 and 4 at every measured size: each CTA scans the group table once for many tiles), 3-D
+// weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only outputs and
+// fp32/SwiGLU inputs.
+// The template argument PREQ overrides MX_PIPE for one instantiation: the launcher asks for mx_quant<IN, 0, CS, 4>
+// for column-only inputs of many tiles (moe_ep/quant_plan.py requested_pipe).
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif
@@ -93,7 +94,7 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int WANT0 =
         PREQ >= 0 ? PREQ
                   : (CS != CS_NONE ? (RS == RS_NONE ? 0 : (RS == RS_GROUPED ? 3 : 4))
-                                   : (RS == RS_GROUPED ? 2 : (RS == RS_UNIFORM ? 3 : 4)));
+                                   : (RS == RS_GROUPED || RS == RS_UNIFORM ? 3 : 4));
     static constexpr bool ONE = WANT0 == 4 && ES == 2;  // pipe 4: 3's data path, one tile per CTA
     static constexpr int WANT = WANT0 == 4 ? 3 : WANT0;
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;

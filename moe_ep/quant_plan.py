@@ -29,12 +29,12 @@ QUANT_COMBOS = (
     # bf16 (gate | up), 4/5 = its backward (a, fp32/bf16 dh)
     + [(i, 3, c) for c in (4, 5) for i in (0, 1, 3, 4, 5)]
 )
-# column-only and grouped-row modes of 16-bit inputs, also compiled with pipe 4 (one tile per CTA on the cp.async
-# path; chosen at launch for inputs of many tiles: requested_pipe)
-ONE_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)] + [(i, 3, 0) for i in (1, 2)]
+# column-only modes of 16-bit inputs, also compiled with pipe 4 (one tile per CTA on the cp.async path; chosen at
+# launch for inputs of many tiles: requested_pipe)
+ONE_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
 # mx_quant_dyn (the dynamic tile schedule): the 16-bit row-only and fused modes. Under auto only the persistent
-# launches use it (3-D weight scales on pipe 3; grouped rows on pipe 2 below the pipe-4 size); the others are there
-# for MOE_EP_QUANT_PIPE=2 / 3. fp32 and the SwiGLU inputs take pipe 0 (one CTA per tile)
+# launches use it (grouped rows and 3-D weight scales, on pipe 3); the others are there for MOE_EP_QUANT_PIPE=2 / 3.
+# fp32 and the SwiGLU inputs take pipe 0 (one CTA per tile)
 DYN_COMBOS = [(i, r, 0) for i in (1, 2) for r in (1, 2, 3, 4)] + [
     (i, r, c) for i in (1, 2) for r in (1, 2) for c in (1, 2)
 ]
@@ -73,24 +73,22 @@ def options() -> tuple[str, ...]:
     return soft + (f"-DMX_PIPE={pipe_switch()}",)
 
 
-# Column-only and grouped-row 16-bit inputs with at least this many tiles per SM take pipe 4 under "auto". Measured
-# on H200 (benchmarks/NOTES.md, pass 10): pipe 4 ahead from 31 tiles per SM (column-only: 32768 x 2048, +2.5 points
-# of copy against pipe 0; grouped rows: +1.3 to +5.2 against pipe 2), behind at 15.5 (column-only 16384 x 2048: -5.3)
-# and 19.4 (grouped rows 16384 x 2048 in 32 groups: -2.9).
+# Column-only 16-bit inputs with at least this many tiles per SM take pipe 4 under "auto". Measured on H200
+# (benchmarks/NOTES.md, pass 10): pipe 4 ahead of pipe 0 from 31 tiles per SM (32768 x 2048: +2.5 points of copy;
+# against the persistent pipe 3 +1.2 to +4.3 at M = 131072), behind at 15.5 (16384 x 2048: -5.3).
 ONE_MIN_TILES_PER_SM = 24
 PIPE3_CTAS_PER_SM = 3  # kernels/quantize.cu QuantCfg::MINB of pipes 1 and 3 (pipe 3: two 32 KB stages per CTA)
 
 
 def requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: torch.device) -> int:
-    """The pipe a launch asks for: MOE_EP_QUANT_PIPE, except that under "auto" (-1) a column-only or grouped-row
-    16-bit input of many tiles takes 4 (one tile per CTA on the cp.async path; pipe 0 / 2 win on fewer tiles).
+    """The pipe a launch asks for: MOE_EP_QUANT_PIPE, except that under "auto" (-1) a column-only 16-bit input of
+    many tiles takes 4 (one tile per CTA on the cp.async path; pipe 0 wins on fewer tiles).
 
     Example (132 SMs): bf16 x [32768, 2048], column-only: 4096 tiles >= 24 * 132 = 3168 -> 4;
     [16384, 2048]: 2048 tiles -> -1 (the kernel's auto: 0).
     """
     pipe = pipe_switch()
-    one = (rs_mode == 0 and cs_mode != 0) or (rs_mode == RS["grouped"] and cs_mode == 0)
-    if pipe < 0 and one and es == 2 and tiles >= ONE_MIN_TILES_PER_SM * sm_count(device):
+    if pipe < 0 and rs_mode == 0 and cs_mode != 0 and es == 2 and tiles >= ONE_MIN_TILES_PER_SM * sm_count(device):
         return 4
     return pipe
 
@@ -103,7 +101,7 @@ def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None)
         if cs_mode != 0:
             pipe = 0 if rs_mode == 0 else (3 if rs_mode == RS["grouped"] else 4)
         else:
-            pipe = 2 if rs_mode == RS["grouped"] else (3 if rs_mode == RS["uniform"] else 4)
+            pipe = 3 if rs_mode in (RS["grouped"], RS["uniform"]) else 4
     return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe not in (3, 4)) else pipe
 
 
@@ -126,7 +124,8 @@ def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.de
 # Tiles per CTA from which "auto" takes the dynamic tile schedule: launches with a column-wise and a row-wise output
 # (fused), and the others. Measured on H200 (benchmarks/NOTES.md, pass 9): fused gains from 5.2 tiles per CTA
 # (+2.3 points of copy at 16384 x 2048, +3.6 at 10.3); row_blocked gains 4.5 points at 18.1 (16384 x 7168), is even
-# at 10.3 and loses 2.4 at 5.2; row_grouped loses 2.6 at 9.7 and is even at 17.5.
+# at 10.3 and loses 2.4 at 5.2; row_grouped on pipe 2 loses 2.6 at 9.7 and is even at 17.5. Pass 10, row_grouped on
+# pipe 3 (its auto pipe since): dynamic -0.9 at 6.5, +1.1 at 11.6, +6.4 to +9.4 from 22.6 tiles per CTA.
 DYN_MIN_TILES_FUSED = 4
 DYN_MIN_TILES_OTHER = 12
 

@@ -475,8 +475,8 @@ def test_dynamic_schedule_choice(monkeypatch):
     assert ds("mx_quant<1,2,0>", 396, 12 * 396)
     assert not ds("mx_quant<1,2,0>", 396, 12 * 396 - 1)
     assert not ds("mx_quant<1,2,0>", 396, 4096)  # 32768 x 2048: 10.3
-    assert not ds("mx_quant<1,3,0>", 264, 2560)  # grouped rows, 16384 x 2048 + 32 groups: 9.7
-    assert ds("mx_quant<2,3,0>", 264, 8960)  # grouped rows (pipe 2, 264 CTAs), 16384 x 7168 + 32 groups: 33.9
+    assert not ds("mx_quant<1,3,0>", 396, 2560)  # grouped rows, 16384 x 2048 + 32 groups: 6.5
+    assert ds("mx_quant<2,3,0>", 396, 8960)  # grouped rows (pipe 3, 396 CTAs), 16384 x 7168 + 32 groups: 22.6
     assert ds("mx_quant<1,2,2>", 396, 2048)  # fused: from 4 per CTA
     assert not ds("mx_quant<1,2,2>", 396, 4 * 396 - 1)
     assert not ds("mx_quant<1,0,2>", 396, 16384)  # column-only (MOE_EP_QUANT_PIPE=3): no mx_quant_dyn instantiation
@@ -498,7 +498,11 @@ def test_dynamic_schedule_choice(monkeypatch):
     # auto: row-only and fused take pipe 4 (one CTA per tile), so no schedule to choose
     assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 14336)
     assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[:2] == ("mx_quant<1,2,2>", 2048)
-    # 3-D weight scales stay persistent (pipe 3): 64 experts x [2048, 7168] = 57344 tiles on 396 CTAs
+    # grouped rows and 3-D weight scales stay persistent (pipe 3): 16384 x 7168 in 32 groups, (128 + 32) x 56 tiles;
+    # 64 experts x [2048, 7168] = 57344 tiles on 396 CTAs
+    grouped = quant_plan.RS["grouped"]
+    assert plan(x, 16384, 7168, grouped, 0, 32, 160, None)[:2] == ("mx_quant_dyn<1,3,0>", 396)
+    assert plan(x, 16384, 2048, grouped, 0, 32, 160, None)[:2] == ("mx_quant<1,3,0>", 396)
     assert plan(x, 64 * 2048, 7168, uniform, 0, 0, 64 * 16, None)[:2] == ("mx_quant_dyn<1,4,0>", 396)
     monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")
     assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant_dyn<1,2,0>", 396)
@@ -518,26 +522,26 @@ def test_quant_grid_full_and_balanced(monkeypatch):
     dev = torch.device("cpu")
     blocked, grouped = quant_plan.RS["blocked"], quant_plan.RS["grouped"]
     monkeypatch.delenv("MOE_EP_QUANT_GRID", raising=False)
-    # blocked bf16 and fused: pipe 4, one CTA per tile; on pipe 3, 3 CTAs per SM = 396 slots; grouped: pipe 2, 2 per
-    # SM = 264
+    # blocked bf16 and fused: pipe 4, one CTA per tile; on pipe 3 (grouped rows' auto), 3 CTAs per SM = 396 slots;
+    # pipe 2: 2 per SM = 264
     col, fused = quant_plan.CS["blocked"], (blocked, quant_plan.CS["blocked"])
     assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 2048
     assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev, 3) == 396
     assert quant_plan.quant_ctas(100, 2, blocked, 0, dev, 3) == 100
-    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 264
+    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 396
+    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev, 2) == 264
     assert quant_plan.quant_ctas(2048, 2, 0, col, dev) == 2048  # column-only: pipe 0
     assert quant_plan.quant_ctas(2048, 2, *fused, dev) == 2048  # fused: pipe 4
     assert quant_plan.quant_ctas(2048, 2, *fused, dev, 3) == 396
     assert quant_plan.quant_ctas(2048, 4, *fused, dev) == 2048  # fp32: pipe 0
     assert quant_plan.effective_pipe(4, blocked, 0, 4) == 0  # fp32: no cp.async path
-    # column-only and grouped-row bf16 under auto: pipe 4 from 24 * 132 = 3168 tiles, else the kernel's auto (0, 2)
+    # column-only bf16 under auto: pipe 4 from 24 * 132 = 3168 tiles, else the kernel's auto (0)
     assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 4  # [131072, 2048]
     assert quant_plan.requested_pipe(2, 0, col, 3168, dev) == 4  # the boundary: exactly 24 tiles per SM
     assert quant_plan.requested_pipe(2, 0, col, 3167, dev) == -1
     assert quant_plan.requested_pipe(2, 0, col, 2048, dev) == -1  # [16384, 2048]: the kernel's auto, pipe 0
     assert quant_plan.quant_ctas(16384, 2, 0, col, dev, 4) == 16384
-    assert quant_plan.requested_pipe(2, grouped, 0, 4608, dev) == 4  # [32768, 2048] in 32 groups: (256 + 32) x 16
-    assert quant_plan.requested_pipe(2, grouped, 0, 2560, dev) == -1  # [16384, 2048] in 32 groups: pipe 2
+    assert quant_plan.requested_pipe(2, grouped, 0, 16128, dev) == -1  # grouped rows: the kernel's auto, pipe 3
     assert quant_plan.requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 4
     assert quant_plan.requested_pipe(2, *fused, 16384, dev) == -1  # fused: already 4 by the kernel's auto
     assert quant_plan.requested_pipe(2, quant_plan.RS["uniform"], 0, 16384, dev) == -1  # 3-D weights: pipe 3
@@ -546,7 +550,8 @@ def test_quant_grid_full_and_balanced(monkeypatch):
     monkeypatch.delenv("MOE_EP_QUANT_PIPE")
     monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
     assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev, 3) == 342  # ceil(2048 / 6): 6 tiles per CTA
-    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 256  # ceil(2048 / 8)
+    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 342  # pipe 3: ceil(2048 / 6)
+    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev, 2) == 256  # pipe 2: ceil(2048 / 8)
     assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 2048  # pipe 4 has no persistent grid to balance
 
 

@@ -1,0 +1,98 @@
+"""A/B of mx_quant builds and pipes in one process (a profiling aid; bench_quant.py is the benchmark).
+
+    python benchmarks/prof_quant_pipes.py [--configs JSON] [--shapes 16384x2048,...] [--variants row_blocked,...]
+                                          [--rounds 6] [--reps 20] [--json PATH]
+
+A configuration is a set of environment variables set for its launches (MOE_EP_QUANT_PIPE, MOE_EP_QUANT_SCHED,
+MOE_EP_NVRTC_OPTIONS), e.g. ``{"auto": {}, "p4": {"MOE_EP_QUANT_PIPE": "4"}}``; the first is the baseline.
+MOE_EP_NVRTC_OPTIONS gives a configuration a build of its own, e.g. with a -D switch added to the sources for the
+experiment (benchmarks/NOTES.md pass 10 compared CTAs per SM that way).
+For each shape and variant every configuration is checked against the reference (bench_quant.check, 512 rows), and
+its whole output, written into buffers prefilled with 0xAB, must equal the first configuration's byte for byte;
+then all are timed in ``--rounds`` rounds of alternating order with bench_quant's flushed-L2 timer (median of
+``--reps``), reported as the median over rounds in us and in % of the copy bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_quant import Timer, check, copy_bandwidth, kernel_fn, write_results  # noqa: E402
+
+DEFAULT_CONFIGS = '{"auto": {}, "pipe4": {"MOE_EP_QUANT_PIPE": "4"}, "pipe3": {"MOE_EP_QUANT_PIPE": "3"}}'
+KEYS = ("MOE_EP_QUANT_PIPE", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_QUANT_SCHED")
+
+
+def use(config: dict[str, str]) -> None:
+    for k in KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(config)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="JSON object: name -> environment")
+    ap.add_argument("--shapes", default="16384x2048,16384x7168,32768x2048,32768x7168,131072x2048,131072x7168")
+    ap.add_argument("--variants", default="row_blocked,row_plain,row_grouped,fused,col_blocked")
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    configs: dict[str, dict[str, str]] = json.loads(args.configs)
+    if not torch.cuda.is_available():
+        raise SystemExit("prof_quant_pipes.py needs a CUDA GPU")
+    timer = Timer(args.reps, warmup=3)
+    bw = copy_bandwidth(timer)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        m, k = (int(v) for v in shape.split("x"))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+        for v in args.variants.split(","):
+            fns, nbytes, first = {}, 0, None
+            for c, env in configs.items():
+                use(env)
+                if not check(v, x, args.groups):
+                    raise SystemExit(f"{v} {shape} {c}: bytes differ from the reference")
+                fns[c], nbytes = kernel_fn(v, x, args.groups)
+                for o in fns[c].outs:
+                    o.view(torch.uint8).fill_(0xAB)
+                fns[c]()
+                outs = [o.view(torch.uint8).clone() for o in fns[c].outs]
+                if first is None:
+                    first = outs
+                elif not all(torch.equal(a, b) for a, b in zip(first, outs, strict=True)):
+                    raise SystemExit(f"{v} {shape} {c}: the whole output differs from {next(iter(configs))}'s")
+            times: dict[str, list[float]] = {c: [] for c in configs}
+            for r in range(args.rounds):
+                for c in list(configs) if r % 2 == 0 else list(configs)[::-1]:
+                    use(configs[c])
+                    times[c].append(timer(fns[c]))
+            row = {"variant": v, "M": m, "K": k, "bytes": nbytes}
+            for c in configs:
+                t = statistics.median(times[c])
+                row[c] = {"us": 1e3 * t, "pct_copy": 100 * nbytes / (t * 1e-3) / bw, "rounds_ms": times[c]}
+            rows.append(row)
+            print(
+                f"{v:<12} {m:>7} {k:>5} "
+                + "  ".join(f"{c} {row[c]['us']:7.1f} us {row[c]['pct_copy']:5.1f}%" for c in configs),
+                flush=True,
+            )
+        del x
+    use({})
+    write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
+
+
+if __name__ == "__main__":
+    main()
