@@ -292,6 +292,47 @@ def _launcher(fn, *outs: torch.Tensor):
     return fn
 
 
+def ab_start(reps: int) -> tuple[Timer, float]:
+    """The prof_quant_* A/B scripts' timer (bench_quant's flushed-L2 timer, median of ``reps``) and the copy
+    bandwidth (bytes/s) measured with it, printed."""
+    timer = Timer(reps, warmup=3)
+    bw = copy_bandwidth(timer)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    return timer, bw
+
+
+def ab_inputs(shapes: str):
+    """(shape, M, K, x) per entry of ``shapes`` ("16384x2048,..."): x [M, K] bf16 on the GPU, N(0, 16)."""
+    for shape in shapes.split(","):
+        m, k = (int(v) for v in shape.split("x"))
+        yield shape, m, k, torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+
+
+def ab_rounds(timer: Timer, fns: dict, apply, rounds: int, nbytes: int, bw: float) -> dict[str, dict]:
+    """In-process A/B of the prof_quant_* scripts: every configuration's launcher ``fns[c]`` timed in ``rounds``
+    rounds of alternating order (forward, reversed), ``apply(c)`` setting c's environment before each timing. Per
+    configuration: the median over rounds in us and in % of the copy bandwidth ``bw`` (``nbytes`` moved), and the
+    rounds' times in ms."""
+    names = list(fns)
+    times: dict[str, list[float]] = {c: [] for c in names}
+    for r in range(rounds):
+        for c in names if r % 2 == 0 else names[::-1]:
+            apply(c)
+            times[c].append(timer(fns[c]))
+    out = {}
+    for c in names:
+        t = statistics.median(times[c])
+        out[c] = {"us": 1e3 * t, "pct_copy": 100 * nbytes / (t * 1e-3) / bw, "rounds_ms": times[c]}
+    return out
+
+
+def ab_line(row: dict, names) -> str:
+    """One printed line of an A/B row: variant, M, K, then each configuration's us and % of copy."""
+    return f"{row['variant']:<18} {row['M']:>7} {row['K']:>5}  " + "  ".join(
+        f"{c} {row[c]['us']:7.1f} us {row[c]['pct_copy']:5.1f}%" for c in names
+    )
+
+
 def kernel_fn(variant: str, x: torch.Tensor, groups: int):
     """(closure launching the kernel into preallocated outputs, bytes moved); the closure's ``outs`` are those
     outputs."""

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import Timer, check, copy_bandwidth, kernel_fn, write_results  # noqa: E402
+from bench_quant import ab_inputs, ab_line, ab_rounds, ab_start, check, kernel_fn, write_results  # noqa: E402
 
 from moe_ep import _cuda  # noqa: E402
 
@@ -64,13 +61,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     configs = args.configs.split(",")
-    timer = Timer(args.reps, warmup=3)
-    bw = copy_bandwidth(timer)
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    timer, bw = ab_start(args.reps)
     rows = []
-    for shape in args.shapes.split(","):
-        m, k = (int(v) for v in shape.split("x"))
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+    for shape, m, k, x in ab_inputs(args.shapes):
         for v in args.variants.split(","):
             fns, nbytes = {}, 0
             for c in configs:
@@ -78,22 +71,10 @@ def main() -> None:
                 if not check(v, x, args.groups):
                     raise SystemExit(f"{v} {shape} {c}: bytes differ from the reference")
                 fns[c], nbytes = kernel_fn(v, x, args.groups)
-            times: dict[str, list[float]] = {c: [] for c in configs}
-            for r in range(args.rounds):
-                for c in configs if r % 2 == 0 else configs[::-1]:
-                    os.environ.update(config_env(c))
-                    times[c].append(timer(fns[c]))
             row = {"variant": v, "M": m, "K": k, "bytes": nbytes}
-            for c in configs:
-                t = statistics.median(times[c])
-                row[c] = {"us": 1e3 * t, "pct_copy": 100 * nbytes / (t * 1e-3) / bw, "rounds_ms": times[c]}
+            row.update(ab_rounds(timer, fns, lambda c: os.environ.update(config_env(c)), args.rounds, nbytes, bw))
             rows.append(row)
-            print(
-                f"{v:<18} {m:>7} {k:>5}  "
-                + "  ".join(f"{c} {row[c]['us']:7.1f} us {row[c]['pct_copy']:5.1f}%" for c in configs),
-                flush=True,
-            )
-        del x
+            print(ab_line(row, configs), flush=True)
     write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
 
 

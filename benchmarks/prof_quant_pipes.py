@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import Timer, check, copy_bandwidth, kernel_fn, write_results  # noqa: E402
+from bench_quant import ab_inputs, ab_line, ab_rounds, ab_start, check, kernel_fn, write_results  # noqa: E402
 
 DEFAULT_CONFIGS = '{"auto": {}, "pipe4": {"MOE_EP_QUANT_PIPE": "4"}, "pipe3": {"MOE_EP_QUANT_PIPE": "3"}}'
 KEYS = ("MOE_EP_QUANT_PIPE", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_QUANT_SCHED")
@@ -52,13 +51,9 @@ def main() -> None:
     configs: dict[str, dict[str, str]] = json.loads(args.configs)
     if not torch.cuda.is_available():
         raise SystemExit("prof_quant_pipes.py needs a CUDA GPU")
-    timer = Timer(args.reps, warmup=3)
-    bw = copy_bandwidth(timer)
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    timer, bw = ab_start(args.reps)
     rows = []
-    for shape in args.shapes.split(","):
-        m, k = (int(v) for v in shape.split("x"))
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+    for shape, m, k, x in ab_inputs(args.shapes):
         for v in args.variants.split(","):
             fns, nbytes, first = {}, 0, None
             for c, env in configs.items():
@@ -74,22 +69,10 @@ def main() -> None:
                     first = outs
                 elif not all(torch.equal(a, b) for a, b in zip(first, outs, strict=True)):
                     raise SystemExit(f"{v} {shape} {c}: the whole output differs from {next(iter(configs))}'s")
-            times: dict[str, list[float]] = {c: [] for c in configs}
-            for r in range(args.rounds):
-                for c in list(configs) if r % 2 == 0 else list(configs)[::-1]:
-                    use(configs[c])
-                    times[c].append(timer(fns[c]))
             row = {"variant": v, "M": m, "K": k, "bytes": nbytes}
-            for c in configs:
-                t = statistics.median(times[c])
-                row[c] = {"us": 1e3 * t, "pct_copy": 100 * nbytes / (t * 1e-3) / bw, "rounds_ms": times[c]}
+            row.update(ab_rounds(timer, fns, lambda c: use(configs[c]), args.rounds, nbytes, bw))
             rows.append(row)
-            print(
-                f"{v:<12} {m:>7} {k:>5} "
-                + "  ".join(f"{c} {row[c]['us']:7.1f} us {row[c]['pct_copy']:5.1f}%" for c in configs),
-                flush=True,
-            )
-        del x
+            print(ab_line(row, configs), flush=True)
     use({})
     write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
 
