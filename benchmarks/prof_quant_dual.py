@@ -35,8 +35,9 @@ def config_env(name: str) -> dict[str, str]:
     tile schedule, MOE_EP_QUANT_SCHED; default auto), optionally ``@DIR``: the kernels compiled from the sources in
     DIR (MOE_EP_KERNELS_DIR, e.g. ``git archive <rev> kernels`` unpacked) for an A/B of two revisions in one process;
     without it, the sources this process started with (the checkout's, or MOE_EP_KERNELS_DIR if the shell set it).
-    The schedule reaches only mx_quant's persistent launches (row_*, fused, col_blocked at its pipe-3 sizes); the
-    dual kernels have the static order alone. Sources older than the schedule switch ignore it."""
+    The schedule reaches only mx_quant's persistent launches (under auto: row_grouped; row_*, fused and col_blocked
+    with MOE_EP_QUANT_PIPE=3); the dual kernels have the static order alone. Sources older than the schedule switch
+    ignore it."""
     name, _, kdir = name.partition("@")
     name, _, sched = name.partition("/")
     env = {

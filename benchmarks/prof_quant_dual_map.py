@@ -8,8 +8,8 @@ per warp instruction. ``probe_dual`` (kernels/bench_probe.cu) separates the two 
 1: the kernel's loads with full-line stores, 2: full-line loads with the kernel's stores, 6: both full-line, at
 probe_dual's own occupancy (probe_fused order 3 runs 2 CTAs per SM, probe_dual 4); 3-5: the loads through
 shared memory as 16-byte cp.async in either mapping or one cp.async.bulk per tile row). row_blocked (mx_quant,
-cp.async pipe 3) is timed alongside for reference; both kernels through bench_quant.kernel_fn, after
-bench_quant.check.
+cp.async; pipe 3 when this was written, pipe 4 since NOTES pass 10) is timed alongside for reference; both kernels
+through bench_quant.kernel_fn, after bench_quant.check.
 
 Usage: python benchmarks/prof_quant_dual_map.py [--rounds 3] [--shapes 16384x2048,...] [--json PATH] [--ncu]
 (--ncu: 32768x7168, each kernel twice after the byte-check launches of the probes and the two kernels, for a

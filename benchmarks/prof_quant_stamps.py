@@ -83,7 +83,9 @@ def timeline(fn, stamps, flush: torch.Tensor) -> dict:
     }
 
 
-TOUCH_SMEM = 68 * 1024  # probe_smem_touch's dynamic shared memory: 3 CTAs per SM, as mx_quant's pipe 3 (69 KB)
+# probe_smem_touch's dynamic shared memory: 3 CTAs per SM, as mx_quant's pipe 3 (69 KB; row_blocked's auto pipe
+# until NOTES pass 10)
+TOUCH_SMEM = 68 * 1024
 
 
 def carveout(args) -> None:

@@ -1,10 +1,9 @@
 // MXFP8 quantization / dequantization kernels (DESIGN.md section 3; moe_ep/mxfp8.py is the specification).
 //
-// A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns), one at a time, in most
-// modes on a persistent grid with the next tile's loads in flight (MX_PIPE below; column-only inputs of few tiles
-// take one tile per CTA). Per tile:
-//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipe 3: by cp.async into a
-//            shared-memory double buffer); the TPB = 32/VEC lanes
+// A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns): one per CTA, or one at a
+// time on a persistent grid with the next tile's loads in flight (MX_PIPE below). Per tile:
+//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipes 3 / 4: by cp.async
+//            into shared memory); the TPB = 32/VEC lanes
 //            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
 //            scales go straight to global memory (plain) or form one 128x4 cuBLAS tile (blocked layouts: the
 //            128 rows x 4 scale columns of this tile, padding included): gathered in registers by lane shuffles
@@ -69,22 +68,18 @@
 #define MX_SMEM_FIXED 3584
 #define MX_SMEM_GPREP 2048
 
-// Software pipelining (MX_PIPE): 0 = one tile per CTA, grid = all tiles (plain launch); 1 = persistent grid, no
-// prefetch; 2 = persistent grid, the next tile's loads issued into registers before the current tile is processed;
-// 3 = persistent grid, cp.async double buffer in shared memory (quant_sched.cuh); 4 = 3's cp.async data path with
-// one tile per CTA (grid = all tiles, one 32 KB stage, more CTAs per SM: the hardware's block scheduler overlaps
-// one CTA's loads with another's arithmetic, and hands tiles to SMs as they free up). 2-4 need 16-bit inputs (the
-// fp32 tile needs two passes), so fp32 and the SwiGLU inputs use 0. Selected at compile time (MOE_EP_QUANT_PIPE);
-// the launcher sizes the grid and shared memory from the same rule (moe_ep/quant_plan.py effective_pipe).
-// Modes with a column-wise output stage the tile in shared memory anyway: they pipeline only with 3 or 4, whose
-// cp.async copies land straight in the swizzled tile layout (1 and 2 fall back to 0 for them).
-// -1 (the default, "auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, pass 10): 4 for plain and
-// blocked row scales and the fused modes (row + column outputs); 3 for grouped row scales (with the dynamic tile
-// schedule it beat 2 and 4 at every measured size: each CTA scans the group table once for many tiles), 3-D
-// weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only outputs and
-// fp32/SwiGLU inputs.
-// The template argument PREQ overrides MX_PIPE for one instantiation: the launcher asks for mx_quant<IN, 0, CS, 4>
-// for column-only inputs of many tiles (moe_ep/quant_plan.py requested_pipe).
+// Software pipelining (MX_PIPE, compile time: MOE_EP_QUANT_PIPE; the launcher sizes grid and shared memory by the
+// same rule, moe_ep/quant_plan.py effective_pipe): 0 = one tile per CTA (grid = all tiles); 1 = persistent grid;
+// 2 = persistent, the next tile's loads in registers during the current one; 3 = persistent, cp.async double
+// buffer (quant_sched.cuh); 4 = 3's cp.async path with one tile per CTA (one 32 KB stage, more CTAs per SM: the
+// block scheduler overlaps CTAs and hands tiles to SMs as they free up). 2-4 need 16-bit inputs (fp32 tiles take
+// two passes), so fp32 and the SwiGLU inputs use 0. Column-wise modes stage the tile in shared memory anyway:
+// they pipeline only with 3 or 4, whose copies land in the swizzled tile (1 and 2 fall back to 0).
+// -1 ("auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, pass 10): 4 for plain / blocked row
+// scales and the fused modes; 3 for grouped row scales (one group-table scan per CTA for many tiles; it beat 2
+// and 4), 3-D weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only
+// outputs. PREQ overrides MX_PIPE per instantiation: column-only inputs of many tiles launch mx_quant<IN, 0, CS, 4>
+// (moe_ep/quant_plan.py requested_pipe).
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif
@@ -98,16 +93,14 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr bool ONE = WANT0 == 4 && ES == 2;  // pipe 4: 3's data path, one tile per CTA
     static constexpr int WANT = WANT0 == 4 ? 3 : WANT0;
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
-    // pipe 4: 48 registers (5 CTAs per SM) row-only, 80 with a column output (3 per SM). Measured on H200: row-only
-    // at 6 per SM (40 registers) lost 1-3 points of copy; with a column output 4 per SM (64 registers) lost up to
-    // 2.7 points column-only and was even fused, 5 per SM spills
+    // pipe 4: 5 CTAs per SM row-only (48 registers), 3 with a column output (80): the best measured (NOTES pass 10)
     static constexpr int MINB =
         ONE ? (CS == CS_NONE ? 5 : 3) : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
+    static_assert(!ONE || PIPE == 3, "pipe 4 is pipe 3's data path");
 };
 
-
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
-// (grid-stride, or the dynamic schedule below when sched is given) when QuantCfg::PIPE > 0; 256 threads.
+// (grid-stride, or the dynamic schedule below when sched is given) when QuantCfg::PIPE > 0 and not ONE; 256 threads.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 // The kernels mx_quant and mx_quant_batch (below) are this body with their pointers.
@@ -167,8 +160,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     long long* g_rstart = reinterpret_cast<long long*>(stile + FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
-    // PIPE 3: two 32 KB stages after the table, on 128 bytes (the launcher adds 2 * 32 KB + 128): a stage off
-    // 128 bytes makes L2 serve each line twice (kernels/quant_dual.cuh).
+    // PIPE 3: two 32 KB stages after the table, on 128 bytes (the launcher adds 2 * 32 KB + 128; ONE: one stage,
+    // 32 KB + 128): a stage off 128 bytes makes L2 serve each line twice (kernels/quant_dual.cuh).
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
         smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 127) & ~127LL);

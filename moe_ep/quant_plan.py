@@ -125,7 +125,7 @@ def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.de
 # (fused), and the others. Measured on H200 (benchmarks/NOTES.md, pass 9): fused gains from 5.2 tiles per CTA
 # (+2.3 points of copy at 16384 x 2048, +3.6 at 10.3); row_blocked gains 4.5 points at 18.1 (16384 x 7168), is even
 # at 10.3 and loses 2.4 at 5.2; row_grouped on pipe 2 loses 2.6 at 9.7 and is even at 17.5. Pass 10, row_grouped on
-# pipe 3 (its auto pipe since): dynamic -0.9 at 6.5, +1.1 at 11.6, +6.4 to +9.4 from 22.6 tiles per CTA.
+# pipe 3 (its auto pipe since): dynamic -0.9 at 6.5, +1.0 at 11.6, +6.4 to +9.4 from 22.6 tiles per CTA.
 DYN_MIN_TILES_FUSED = 4
 DYN_MIN_TILES_OTHER = 12
 
@@ -291,11 +291,11 @@ def quant_plan(
     grid = quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
     table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     eff = effective_pipe(es, rs_mode, cs_mode, req)
-    pipe3 = eff in (3, 4)
+    cp_async = eff in (3, 4)  # the tile lands in shared-memory stages (pipe 4: one)
     # PIPE 3 buffers on 128 bytes (also the column modes' tile); 4: one tile per CTA, one buffer
-    stages = (1 if eff == 4 else 2) * TILE * TILE * 2 + 128 if pipe3 else 0
+    stages = (1 if eff == 4 else 2) * TILE * TILE * 2 + 128 if cp_async else 0
     fixed = SMEM_FIXED + (SMEM_GPREP if cs_mode == CS["grouped_prep"] else 0)
-    smem = (TILE * TILE * es if cs_mode and not pipe3 else 0) + fixed + table + stages
+    smem = (TILE * TILE * es if cs_mode and not cp_async else 0) + fixed + table + stages
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
     if dynamic_schedule(name, grid, tiles):
         name = name.replace("mx_quant<", "mx_quant_dyn<", 1)
@@ -312,8 +312,9 @@ def batch_plan(x: torch.Tensor, e: int, n: int, k: int) -> tuple[str, tuple[int,
     alone through a whole share (e not dividing the grid leaves up to e - 1 slots idle; e > grid gives one CTA per
     expert, in waves). A grid of one CTA per tile stays per expert.
 
-    Example (132 SMs, pipe 3: 396 CTA slots): 16 x [1536, 2048] bf16 (192 tiles each, one CTA per tile) -> grid
-    (192, 16); 4 x [8192, 5120] (2560 tiles each) -> (99, 4).
+    Example (132 SMs): under auto (pipe 4, one CTA per tile) 4 x [8192, 5120] bf16 (2560 tiles each) -> grid
+    (2560, 4); with MOE_EP_QUANT_PIPE=3 (396 CTA slots) -> (99, 4), and 16 x [1536, 2048] (192 tiles each, fewer
+    than the slots: one CTA per tile) -> (192, 16).
     """
     if e > 65535:
         raise ValueError(f"quantize_weights_fused: {e} experts, more than one launch's grid.y (65535)")

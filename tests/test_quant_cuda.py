@@ -356,13 +356,13 @@ def record_launches(monkeypatch) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,pipe", [(torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.bfloat16, "3")])
+def test_colwise_large_input_pipe(dev, dtype, pipe, monkeypatch):
     """Column-only modes of 16-bit inputs launch mx_quant<.., 4> (one CTA per tile on the cp.async path) when the
     input has at least ONE_MIN_TILES_PER_SM tiles per SM: with the threshold at 0 every shape here takes it; bytes
     equal to the reference for plain, blocked and axis 0. At 1 tile per SM a 1-tile input stays on the kernel's auto
-    pipe (0)."""
-    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    pipe (0). pipe "3": the same under MOE_EP_QUANT_PIPE=3 (persistent, which auto no longer takes for these)."""
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
     monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 0)
     names = record_launches(monkeypatch)
     for i, (m, k) in enumerate(_shapes(dev, COL_SMALL, COL_BIG)):
@@ -376,6 +376,9 @@ def test_colwise_large_input_pipe(dev, dtype, monkeypatch):
         ref = quantize_torch(x, 0)
         assert_bytes(got.data, ref.data, f"axis 0 data {m}x{k}")
         assert_bytes(got.scale, ref.scale, f"axis 0 scale {m}x{k}")
+    if pipe == "3":
+        assert names and all(not n.endswith(",4>") for n in names), names
+        return
     assert names and all(n.endswith(",4>") for n in names), names
     monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 1)
     names.clear()
@@ -439,12 +442,14 @@ def test_weights(dev, dtype):
         assert_bytes(scale, to_blocked(ref.scale), f"scale {e}x{n}x{k}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_weights_fused(dev, dtype):
+@pytest.mark.parametrize("dtype,pipe", [(d, "auto") for d in DTYPES] + [(torch.bfloat16, "3")])
+def test_weights_fused(dev, dtype, pipe, monkeypatch):
     """quantize_weights_fused: per expert, W row-wise (the bytes of quantize_weights) and W^T quantized along N (the
     bytes of quantize_weights on the transposed copy) from one fused pass; N and K not multiples of 128. One launch
-    for all experts: on the emulator (2 SMs) the last two shapes share a persistent grid smaller than one expert's
-    tiles between the experts (3 x 15 tiles, then 8 x 8 tiles with fewer CTAs than experts)."""
+    for all experts: one CTA per tile under auto (pipe 4); with MOE_EP_QUANT_PIPE=3, on the emulator (2 SMs) the
+    last two shapes share a persistent grid smaller than one expert's tiles between the experts (3 x 15 tiles, then
+    8 x 8 tiles with fewer CTAs than experts)."""
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
     shapes = [(3, 160, 96), (2, 32, 288), (1, 288, 64), (3, 384, 544), (8, 256, 512)]
     shapes += [(4, 2048, 7168), (32, 1536, 2048)] if _big(dev) else []
     for i, (e, n, k) in enumerate(shapes):

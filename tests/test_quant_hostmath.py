@@ -495,8 +495,9 @@ def test_dynamic_schedule_choice(monkeypatch):
     x = torch.empty(0, dtype=torch.bfloat16)
     blocked, uniform = quant_plan.RS["blocked"], quant_plan.RS["uniform"]
     plan = quant_plan.quant_plan
-    # auto: row-only and fused take pipe 4 (one CTA per tile), so no schedule to choose
-    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 14336)
+    # auto: row-only and fused take pipe 4 (one CTA per tile, one 32 KB stage: 3584 + 32768 + 128 bytes of shared
+    # memory), so no schedule to choose
+    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:3] == ("mx_quant<1,2,0>", 14336, 36480)
     assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[:2] == ("mx_quant<1,2,2>", 2048)
     # grouped rows and 3-D weight scales stay persistent (pipe 3): 16384 x 7168 in 32 groups, (128 + 32) x 56 tiles;
     # 64 experts x [2048, 7168] = 57344 tiles on 396 CTAs
@@ -504,8 +505,8 @@ def test_dynamic_schedule_choice(monkeypatch):
     assert plan(x, 16384, 7168, grouped, 0, 32, 160, None)[:2] == ("mx_quant_dyn<1,3,0>", 396)
     assert plan(x, 16384, 2048, grouped, 0, 32, 160, None)[:2] == ("mx_quant<1,3,0>", 396)
     assert plan(x, 64 * 2048, 7168, uniform, 0, 0, 64 * 16, None)[:2] == ("mx_quant_dyn<1,4,0>", 396)
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")
-    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:2] == ("mx_quant_dyn<1,2,0>", 396)
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")  # two stages: 3584 + 2 * 32768 + 128
+    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:3] == ("mx_quant_dyn<1,2,0>", 396, 69248)
     assert plan(x, 16384, 2048, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 396)
     assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[0] == "mx_quant_dyn<1,2,2>"
     monkeypatch.delenv("MOE_EP_QUANT_PIPE")
