@@ -88,14 +88,16 @@ def time_ms(fn, warmup: int, reps: int) -> float:
 
 
 def round_order(names: list[str], rnd: int) -> list[str]:
-    """Order of round ``rnd`` of an interleaved timing: rotated by rnd, and reversed on odd rounds, so that no
-    implementation always runs right after the same one (a plain rotation keeps every predecessor fixed, and a
-    position effect such as "the first kernel after torch's" would then pass for the implementation's own).
+    """Order of round ``rnd`` of an interleaved timing: rotated by one every second round, and reversed on odd
+    rounds, so that no implementation always runs first or right after the same one (a plain rotation keeps every
+    predecessor fixed, and a position effect such as "the first kernel after torch's" would then pass for the
+    implementation's own).
 
-    Example: names [a, b, c]: rounds 0-3 are [a, b, c], [a, c, b], [c, a, b], [c, b, a] (round 1 is the rotation
-    [b, c, a] reversed); b follows a, c, a, c.
+    Example: names [a, b]: rounds 0-3 are [a, b], [b, a], [b, a], [a, b]. names [a, b, c]: rounds 0-5 are
+    [a, b, c], [c, b, a], [b, c, a], [a, c, b], [c, a, b], [b, a, c] (all six orders). (Until this change the
+    rotation advanced every round, which for two names gave [a, b] in every round.)
     """
-    k = rnd % len(names)
+    k = (rnd // 2) % len(names)
     order = names[k:] + names[:k]
     return order[::-1] if rnd % 2 else order
 

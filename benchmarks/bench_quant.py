@@ -24,7 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_gemm import env_restored  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_gemm import env_restored, round_order  # noqa: E402
 
 from moe_ep import mxfp8_cuda, quant_plan  # noqa: E402
 from moe_ep.gemm_operands import colwise_prep_rows_used  # noqa: E402
@@ -302,21 +304,21 @@ def ab_start(reps: int) -> tuple[Timer, float]:
 
 
 def ab_inputs(shapes: str):
-    """(shape, M, K, x) per entry of ``shapes`` ("16384x2048,..."): x [M, K] bf16 on the GPU, N(0, 16)."""
+    """x [M, K] bf16 on the GPU, N(0, 16), per entry "MxK" of ``shapes`` ("16384x2048,...")."""
     for shape in shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
-        yield shape, m, k, torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+        yield torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
 
 
 def ab_rounds(timer: Timer, fns: dict, apply, rounds: int, nbytes: int, bw: float) -> dict[str, dict]:
     """In-process A/B of the prof_quant_* scripts: every configuration's launcher ``fns[c]`` timed in ``rounds``
-    rounds of alternating order (forward, reversed), ``apply(c)`` setting c's environment before each timing. Per
+    rounds in bench_gemm.round_order, ``apply(c)`` setting c's environment before each timing. Per
     configuration: the median over rounds in us and in % of the copy bandwidth ``bw`` (``nbytes`` moved), and the
     rounds' times in ms."""
     names = list(fns)
     times: dict[str, list[float]] = {c: [] for c in names}
     for r in range(rounds):
-        for c in names if r % 2 == 0 else names[::-1]:
+        for c in round_order(names, r):
             apply(c)
             times[c].append(timer(fns[c]))
     out = {}
@@ -324,6 +326,39 @@ def ab_rounds(timer: Timer, fns: dict, apply, rounds: int, nbytes: int, bw: floa
         t = statistics.median(times[c])
         out[c] = {"us": 1e3 * t, "pct_copy": 100 * nbytes / (t * 1e-3) / bw, "rounds_ms": times[c]}
     return out
+
+
+def run_filled(fn) -> tuple[torch.Tensor, ...]:
+    """fn's outputs (``fn.outs``, as bytes) after one launch into buffers prefilled with 0xAB, so that bytes no
+    launch wrote show as junk."""
+    for t in fn.outs:
+        t.view(torch.uint8).fill_(0xAB)
+    fn()
+    return tuple(t.view(torch.uint8) for t in fn.outs)
+
+
+def same_bytes(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+def ab_row(timer: Timer, bw: float, x: torch.Tensor, variant: str, groups: int, apply, names, rounds: int) -> dict:
+    """One row of the prof_quant_* A/B scripts: every configuration in ``names`` (``apply(c)`` sets its
+    environment) checked against the reference (``check``, 512 rows) and, whole output into 0xAB-filled buffers,
+    byte for byte against the first configuration's; then timed by :func:`ab_rounds`. Raises SystemExit on a
+    mismatch."""
+    m, k = x.shape
+    fns, nbytes, first = {}, 0, None
+    for c in names:
+        apply(c)
+        if not check(variant, x, groups):
+            raise SystemExit(f"{variant} {m}x{k} {c}: bytes differ from the reference")
+        fns[c], nbytes = kernel_fn(variant, x, groups)
+        got = run_filled(fns[c])
+        if first is None:
+            first = got
+        elif not same_bytes(first, got):
+            raise SystemExit(f"{variant} {m}x{k} {c}: the whole output differs from {names[0]}'s")
+    return {"variant": variant, "M": m, "K": k, "bytes": nbytes, **ab_rounds(timer, fns, apply, rounds, nbytes, bw)}
 
 
 def ab_line(row: dict, names) -> str:
@@ -359,9 +394,7 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
         layout = variant.removeprefix("row_")
         sizes = None
         if layout == "grouped":
-            g = torch.Generator().manual_seed(0)
-            cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
-            sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])])).to(torch.int32).to(dev)
+            sizes = _random_sizes(m, groups, dev)
         scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, layout, groups), dtype=torch.uint8, device=dev)
         fn = _launcher(lambda: mxfp8_cuda.quantize_rowwise_into(x, data, scale, layout, sizes), data, scale)
         return fn, read + m * k + scale.numel()
@@ -371,15 +404,15 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
         fn = _launcher(lambda: mxfp8_cuda.quantize_colwise_into(x, data_t, scale_t, "blocked"), data_t, scale_t)
         return fn, read + m * k + scale_t.numel()
     scale = torch.empty(mxfp8_cuda.row_scale_shape(m, k, "blocked"), dtype=torch.uint8, device=dev)
-    fn = lambda: mxfp8_cuda.quantize_fused_into(x, data, scale, data_t, scale_t, "blocked", "blocked")  # noqa: E731
+    fn = lambda: mxfp8_cuda.quantize_fused_into(x, data, scale, data_t, scale_t, "blocked", "blocked")
     return _launcher(fn, data, scale, data_t, scale_t), read + 2 * m * k + scale.numel() + scale_t.numel()
 
 
-def check_schedules(variant: str, x: torch.Tensor, groups: int) -> tuple[bool, bool]:
+def check_schedules(variant: str, x: torch.Tensor, groups: int) -> tuple[bool | None, bool]:
     """(equal, dynamic ran): the whole output of the timed shape under MOE_EP_QUANT_SCHED=dynamic == the static
     schedule's (``check`` covers 512 rows: fewer tiles than the persistent grid has CTAs, so no tickets), and
     whether the dynamic run launched mx_quant_dyn at all (the dual kernels and one-tile-per-CTA launches have only
-    the static order: for them the first compares two static launches). Each schedule runs three launches into
+    the static order: for them equal is None, nothing was compared). Each schedule runs three launches into
     outputs refilled with 0xAB before the last, so a tile no CTA took, or a counter left non-zero by the launch
     before, cannot pass on stale bytes.
     """
@@ -391,16 +424,13 @@ def check_schedules(variant: str, x: torch.Tensor, groups: int) -> tuple[bool, b
             fn, _ = kernel_fn(variant, x, groups)
             fn()
             fn()
-            for t in fn.outs:
-                t.view(torch.uint8).fill_(0xAB)
             mxfp8_cuda._launch = lambda name, *a, s=sched: names.append((s, name)) or launch(name, *a)
             try:
-                fn()
+                got.append(run_filled(fn))
             finally:
                 mxfp8_cuda._launch = launch
-            got.append(fn.outs)
-    equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*got, strict=True))
-    return equal, any(s == "dynamic" and n.startswith("mx_quant_dyn<") for s, n in names)
+    dyn_ran = any(s == "dynamic" and n.startswith("mx_quant_dyn<") for s, n in names)
+    return (same_bytes(*got) if dyn_ran else None), dyn_ran
 
 
 def main() -> None:
@@ -485,7 +515,7 @@ def main() -> None:
                     os.environ["MOE_EP_QUANT_DUAL"] = dual
                 ok = check(v, x, args.groups)
                 sched_ok, dyn_ran = check_schedules(v, x, args.groups)
-                ok = ok and sched_ok
+                ok = ok and sched_ok is not False
                 fn, nbytes = kernel_fn(v, x, args.groups)
                 t = timer(fn)
                 tc = tcs.get((v, m, k))

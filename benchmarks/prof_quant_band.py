@@ -88,7 +88,6 @@ def main() -> None:
             bw = statistics.median(v)
             rows.append(
                 {
-                    "kind": "probe",
                     "traffic": "xt_only" if xt_only else "fused",
                     "band": b,
                     "M": m,

@@ -7,8 +7,9 @@ Configurations (each may end in ``@DIR``: kernels from the sources in DIR, see c
 mx_quant's shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the register-tiled mx_quant_dual with N
 cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N), or for the SwiGLU variants
 (``--variants swiglu_dual_prep,swiglu_bwd_dual_prep``) mx_swiglu_dual (forward: 2 or 3 stages). For each
-shape and variant every configuration is first checked byte for byte against the reference (bench_quant.check), then
-timed in ``--rounds`` rounds whose order alternates (forward, reversed), each the median of ``--reps`` launches with
+shape and variant every configuration is first checked byte for byte against the reference (bench_quant.check) and,
+whole output, against the first configuration's (bench_quant.ab_row), then timed in ``--rounds`` rounds in
+bench_gemm.round_order, each the median of ``--reps`` launches with
 bench_quant's flushed-L2 timer; reported: the median over rounds, in us and in % of the copy bandwidth measured in
 the same process (bytes as bench_quant counts them).
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import ab_inputs, ab_line, ab_rounds, ab_start, check, kernel_fn, write_results  # noqa: E402
+from bench_quant import ab_inputs, ab_line, ab_row, ab_start, write_results  # noqa: E402
 
 from moe_ep import _cuda  # noqa: E402
 
@@ -35,6 +36,8 @@ def config_env(name: str) -> dict[str, str]:
     tile schedule, MOE_EP_QUANT_SCHED; default auto), optionally ``@DIR``: the kernels compiled from the sources in
     DIR (MOE_EP_KERNELS_DIR, e.g. ``git archive <rev> kernels`` unpacked) for an A/B of two revisions in one process;
     without it, the sources this process started with (the checkout's, or MOE_EP_KERNELS_DIR if the shell set it).
+    DIR's quantize.cu must define every name in quant_plan.NAMES and take mx_quant's 14 arguments (the counter
+    last): older sources need both added (benchmarks/results/README.md, prof_quant_sched_h200.json).
     The schedule reaches only mx_quant's persistent launches (under auto: row_grouped; row_*, fused and col_blocked
     with MOE_EP_QUANT_PIPE=3); the dual kernels have the static order alone. Sources older than the schedule switch
     ignore it."""
@@ -64,16 +67,9 @@ def main() -> None:
     configs = args.configs.split(",")
     timer, bw = ab_start(args.reps)
     rows = []
-    for shape, m, k, x in ab_inputs(args.shapes):
+    for x in ab_inputs(args.shapes):
         for v in args.variants.split(","):
-            fns, nbytes = {}, 0
-            for c in configs:
-                os.environ.update(config_env(c))
-                if not check(v, x, args.groups):
-                    raise SystemExit(f"{v} {shape} {c}: bytes differ from the reference")
-                fns[c], nbytes = kernel_fn(v, x, args.groups)
-            row = {"variant": v, "M": m, "K": k, "bytes": nbytes}
-            row.update(ab_rounds(timer, fns, lambda c: os.environ.update(config_env(c)), args.rounds, nbytes, bw))
+            row = ab_row(timer, bw, x, v, args.groups, lambda c: os.environ.update(config_env(c)), configs, args.rounds)
             rows.append(row)
             print(ab_line(row, configs), flush=True)
     write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})

@@ -38,7 +38,9 @@ GROUPS = 32
 
 
 def closures(x: torch.Tensor) -> dict:
-    """{name: (closure, bytes)}: the probes and the kernel (grouped_dual, bench_quant's group sizes)."""
+    """{name: (closure, bytes)}: the probe_dual modes and probe_fused order 3 (``tile_tile``), each checked to write
+    x's low bytes where it stores them, and the kernels grouped_dual and row_blocked as bench_quant times them
+    (bench_quant's group sizes), checked against the reference first."""
     m, k = x.shape
     ctiles, rtiles = probe_tiles(x, "probe_dual / probe_fused")
     out = torch.zeros(m, k, dtype=torch.uint8, device=x.device)

@@ -9,7 +9,7 @@ MOE_EP_NVRTC_OPTIONS gives a configuration a build of its own, e.g. with a -D sw
 experiment (benchmarks/NOTES.md pass 10 compared CTAs per SM that way).
 For each shape and variant every configuration is checked against the reference (bench_quant.check, 512 rows), and
 its whole output, written into buffers prefilled with 0xAB, must equal the first configuration's byte for byte;
-then all are timed in ``--rounds`` rounds of alternating order with bench_quant's flushed-L2 timer (median of
+then all are timed in ``--rounds`` rounds in bench_gemm.round_order with bench_quant's flushed-L2 timer (median of
 ``--reps``), reported as the median over rounds in us and in % of the copy bandwidth measured in the same process.
 """
 
@@ -26,16 +26,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import ab_inputs, ab_line, ab_rounds, ab_start, check, kernel_fn, write_results  # noqa: E402
+from bench_quant import ab_inputs, ab_line, ab_row, ab_start, write_results  # noqa: E402
 
 DEFAULT_CONFIGS = '{"auto": {}, "pipe4": {"MOE_EP_QUANT_PIPE": "4"}, "pipe3": {"MOE_EP_QUANT_PIPE": "3"}}'
 KEYS = ("MOE_EP_QUANT_PIPE", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_QUANT_SCHED")
 
 
-def use(config: dict[str, str]) -> None:
-    for k in KEYS:
+def use(configs: dict[str, dict[str, str]], name: str | None) -> None:
+    """Set configuration ``name``'s environment (None: none), first clearing every variable any configuration
+    sets, so that no setting leaks from one configuration into the next."""
+    for k in set(KEYS).union(*configs.values()):
         os.environ.pop(k, None)
-    os.environ.update(config)
+    if name is not None:
+        os.environ.update(configs[name])
 
 
 def main() -> None:
@@ -53,27 +56,12 @@ def main() -> None:
         raise SystemExit("prof_quant_pipes.py needs a CUDA GPU")
     timer, bw = ab_start(args.reps)
     rows = []
-    for shape, m, k, x in ab_inputs(args.shapes):
+    for x in ab_inputs(args.shapes):
         for v in args.variants.split(","):
-            fns, nbytes, first = {}, 0, None
-            for c, env in configs.items():
-                use(env)
-                if not check(v, x, args.groups):
-                    raise SystemExit(f"{v} {shape} {c}: bytes differ from the reference")
-                fns[c], nbytes = kernel_fn(v, x, args.groups)
-                for o in fns[c].outs:
-                    o.view(torch.uint8).fill_(0xAB)
-                fns[c]()
-                outs = [o.view(torch.uint8).clone() for o in fns[c].outs]
-                if first is None:
-                    first = outs
-                elif not all(torch.equal(a, b) for a, b in zip(first, outs, strict=True)):
-                    raise SystemExit(f"{v} {shape} {c}: the whole output differs from {next(iter(configs))}'s")
-            row = {"variant": v, "M": m, "K": k, "bytes": nbytes}
-            row.update(ab_rounds(timer, fns, lambda c: use(configs[c]), args.rounds, nbytes, bw))
+            row = ab_row(timer, bw, x, v, args.groups, lambda c: use(configs, c), list(configs), args.rounds)
             rows.append(row)
             print(ab_line(row, configs), flush=True)
-    use({})
+    use(configs, None)
     write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
 
 

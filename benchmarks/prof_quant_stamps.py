@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_gemm import env_restored  # noqa: E402
+from bench_gemm import env_restored, round_order  # noqa: E402
 from bench_quant import Timer, check, kernel_fn, probe_tiles, write_results  # noqa: E402
 
 from moe_ep import _cuda, quant_plan  # noqa: E402
@@ -109,7 +109,7 @@ def carveout(args) -> None:
         for name, fn in fns.items():
             t = {"plain": [], "touch": []}
             for r in range(args.runs):  # alternating, so that drift does not favour one
-                for mode in ("plain", "touch") if r % 2 == 0 else ("touch", "plain"):
+                for mode in round_order(["plain", "touch"], r):
                     t[mode].append(1e3 * (plain if mode == "plain" else touched)(fn))
             row = {"kernel": name, "M": m, "K": k, **{f"{mode}_us": statistics.median(v) for mode, v in t.items()}}
             rows.append(row)

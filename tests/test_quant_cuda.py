@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_quant_hostmath as hostmath  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-_EMU = {}
 
 BACKENDS = [
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
@@ -45,9 +44,7 @@ def backend_dev(request, monkeypatch, tmp_path_factory) -> torch.device:
     ``dev``; tests/test_quant_dual_cuda.py imports it)."""
     if request.param == "cuda":
         return torch.device("cuda")
-    if "so" not in _EMU:
-        _EMU["so"] = hostmath.build_emulator(tmp_path_factory.mktemp("emu"))
-    hostmath.install_emulator(monkeypatch, _EMU["so"])
+    hostmath.install_emulator(monkeypatch, tmp_path_factory.getbasetemp() / "mxemu")
     return torch.device("cpu")
 
 

@@ -414,22 +414,28 @@ EMU_SCHED = torch.zeros(2, dtype=torch.int32)  # the emulator's dynamic-schedule
 _EMU_BY_OPTIONS: dict[tuple[str, ...], object] = {}  # emulators by the -D switches they were built with
 
 
-def install_emulator(monkeypatch, so) -> None:
-    """Route moe_ep.mxfp8_cuda's launches for CPU tensors to the emulator ``so`` (built under the current
-    quant_plan.options()). A launch under other options (a test that sets MOE_EP_QUANT_PIPE) gets an emulator built
-    with those, as the NVRTC build would be: the kernels' default pipe is a compile-time switch."""
+def emulator(workdir: Path):
+    """The emulator of the kernels as NVRTC would compile them now (quant_plan.options(): the kernels' default pipe
+    is a compile-time switch, so a test that sets MOE_EP_QUANT_PIPE gets its own build), built once per option set
+    into a directory under ``workdir``."""
+    from moe_ep import quant_plan  # noqa: PLC0415
+
+    opts = quant_plan.options()
+    if opts not in _EMU_BY_OPTIONS:
+        d = workdir / f"emu{len(_EMU_BY_OPTIONS)}"
+        d.mkdir(parents=True, exist_ok=True)
+        _EMU_BY_OPTIONS[opts] = build_emulator(d)
+    return _EMU_BY_OPTIONS[opts]
+
+
+def install_emulator(monkeypatch, workdir: Path) -> None:
+    """Route moe_ep.mxfp8_cuda's launches for CPU tensors to :func:`emulator` (builds under ``workdir``)."""
     import re  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
 
     from moe_ep import mxfp8_cuda, quant_plan  # noqa: PLC0415
 
-    _EMU_BY_OPTIONS.setdefault(quant_plan.options(), so)
-
     def launch(name, grid, args, shared_mem, device):
-        opts = quant_plan.options()
-        if opts not in _EMU_BY_OPTIONS:
-            _EMU_BY_OPTIONS[opts] = build_emulator(Path(tempfile.mkdtemp(prefix="mxemu")))
-        so = _EMU_BY_OPTIONS[opts]
+        so = emulator(workdir)
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
         gx, gy = grid if isinstance(grid, tuple) else (grid, 1)  # 2-D: the batched weight launch
