@@ -195,7 +195,8 @@ extern "C" __global__ void __launch_bounds__(256) probe_fused_band(const unsigne
 // mode 0: dual loads, dual stores; 1: dual loads, tile stores; 2: tile loads, dual stores; 6: tile loads, tile
 // stores (probe_fused order 3's traffic in this kernel, i.e. at this kernel's occupancy). Modes 1-2 store bytes
 // that are not x's (the addresses are what is measured); every loaded chunk is stored, so no load is dropped.
-// M and K: multiples of 128 (the stores are not guarded per 16-byte piece; mode 4's copies need K % 8 == 0).
+// M and K: multiples of 128, as the host's probe_tiles requires (the stores are guarded per chunk; mode 4's bulk
+// copies need K % 8 == 0 and read back unwritten shared memory on a partial tile).
 // The tile through shared memory, as the quantizers' cp.async stages get it: mode 3: 16-byte cp.async per thread
 // (the zero-fill form of kernels/quant_sched.cuh) in mx_quant_dual's mapping, each thread reading back its own
 // copies; 4: one cp.async.bulk per tile row (256 bytes, completing on an mbarrier), read back in mx_quant_dual's

@@ -57,7 +57,8 @@ __device__ __forceinline__ void mxd_prep_row(unsigned (&b)[4], const unsigned (&
 
 // Row r = tr0 + i of the thread's block, stored: the row-wise bytes q at prq (ok: the row exists), then the
 // column-wise bytes o at pcq (CS_GNT) or, for CS_GPREP, their prepared bf16 values at output row 64 bs + r, columns
-// oc .. oc + 7 (rows nrows <= r < wrows: the zero rows up to the group's 64-row block). prq / pcq advance one row.
+// oc .. oc + 7 (rows nrows <= r < wrows: the zero rows up to the group's 64-row block). prq advances one row, and
+// pcq too for CS_GNT (CS_GPREP addresses through cq).
 template <int CS>
 __device__ __forceinline__ void mxd_store_row(unsigned char*& prq, unsigned char*& pcq, unsigned char* cq, uint2 q,
                                               const unsigned (&o)[2], bool ok, bool cok, int r, int nrows, int wrows,

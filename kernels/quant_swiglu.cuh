@@ -154,6 +154,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     mx_swiglu_dual(MX_QUANT_PARAMS) {
     static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in the output's layout");
     static_assert(S >= 2 && S <= 3, "cp.async stages of 64 KB (forward) / 96 KB (backward)");
+    static_assert(!BWD || S == 2, "3 backward stages (288 KB) do not fit one SM");
     constexpr int NS = BWD ? 3 : 2;             // input streams: gate, up (, dh)
     constexpr int SB = NS * SWD_STREAM_BYTES;   // bytes of a stage
     constexpr int BR = CS == CS_GPREP ? 64 : 32;

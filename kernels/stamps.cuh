@@ -1,6 +1,7 @@
 // Per-CTA timestamps for profiling (benchmarks/prof_quant_stamps.py), compiled in only with -DMX_STAMPS: thread 0
 // of each CTA (blockIdx.x < MX_STAMP_CTAS, blockIdx.y == 0) writes %globaltimer (ns) at a few points of its life
-// into mx_stamps[4 * blockIdx.x + slot] (slots 0-2; slot 3: the CTA's SM, %smid). Without MX_STAMPS, mx_stamp and
+// into mx_stamps[4 * blockIdx.x + slot] (slots 0-1; slot 3: the CTA's SM, %smid); slot 2 (mx_stamp_last) is the
+// atomicMax of every warp's lane 0, so the host zeroes mx_stamps before each launch. Without MX_STAMPS, mx_stamp and
 // mx_stamp_last are empty and the kernels are unchanged.
 #pragma once
 
