@@ -40,7 +40,7 @@ SHAPES = {  # name: the expert MLP's weights W13 [E, 2F, H] and W2 [E, H, F]
 def per_expert(w, data, scale, data_t, scale_t) -> None:
     """The previous launcher: mx_quant<IN,2,2> once per expert, pointers advanced by each tensor's stride(0)."""
     e, n, k = w.shape
-    name, grid, smem, nrt, ctiles = qp.quant_plan(w, n, k, qp.RS["blocked"], qp.CS["blocked"], 0, None, None)
+    name, grid, smem, nrt, ctiles, _ = qp.quant_plan(w, n, k, qp.RS["blocked"], qp.CS["blocked"], 0, None, None)
     ts = (w, data, scale, data_t, scale_t)
     bases, steps = [t.data_ptr() for t in ts], [t.stride(0) * t.element_size() for t in ts]
     null = _cuda.ptr(None)

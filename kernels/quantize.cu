@@ -54,6 +54,9 @@
 #ifndef MX_DYN_SMEM  // the CPU emulator (tests/test_quant_hostmath.py) provides its own
 #define MX_DYN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
+#ifndef MX_CHECK_THREADS  // the CPU emulator checks that a launch has the CTA size the kernel was built for
+#define MX_CHECK_THREADS(n)
+#endif
 
 #include "quant_elem.cuh"
 
@@ -83,6 +86,9 @@
 #ifndef MX_PIPE
 #define MX_PIPE -1
 #endif
+#ifndef MX_HALF_MINB
+#define MX_HALF_MINB 10
+#endif
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
@@ -90,12 +96,18 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
         PREQ >= 0 ? PREQ
                   : (CS != CS_NONE ? (RS == RS_NONE ? 0 : (RS == RS_GROUPED ? 3 : 4))
                                    : (RS == RS_GROUPED || RS == RS_UNIFORM ? 3 : 4));
-    static constexpr bool ONE = WANT0 == 4 && ES == 2;  // pipe 4: 3's data path, one tile per CTA
-    static constexpr int WANT = WANT0 == 4 ? 3 : WANT0;
+    // pipe 5: pipe 4 on 64-row tiles of 128 threads (16-bit row plain / blocked; the other modes run 4)
+    static constexpr bool HALF = WANT0 == 5 && ES == 2 && CS == CS_NONE && (RS == RS_PLAIN || RS == RS_BLOCKED);
+    static constexpr bool ONE = (WANT0 == 4 || WANT0 == 5) && ES == 2;  // pipes 4 / 5: 3's data path, one tile per CTA
+    static constexpr int WANT = WANT0 >= 4 ? 3 : WANT0;
     static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
-    // pipe 4: 5 CTAs per SM row-only (48 registers), 3 with a column output (80): the best measured (NOTES pass 10)
-    static constexpr int MINB =
-        ONE ? (CS == CS_NONE ? 5 : 3) : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
+    static constexpr int NT = HALF ? NTHREADS / 2 : NTHREADS;  // threads per CTA
+    static constexpr int ROWS = HALF ? TILE / 2 : TILE;         // rows of a CTA's tile
+    // pipe 4: 5 CTAs per SM row-only (48 registers), 3 with a column output (80): the best measured (NOTES pass 10);
+    // pipe 5: MX_HALF_MINB CTAs per SM of 128 threads
+    static constexpr int MINB = HALF ? MX_HALF_MINB
+                                     : ONE ? (CS == CS_NONE ? 5 : 3)
+                                           : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
     static_assert(!ONE || PIPE == 3, "pipe 4 is pipe 3's data path");
 };
 
@@ -139,7 +151,10 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block
     constexpr int WPR = TILE * ES / 4;        // 32-bit words per tile row
     constexpr int PER = 8;                    // chunks in flight per thread
-    constexpr int PASSES = TILE * CPR / (NTHREADS * PER);
+    constexpr int NT = QuantCfg<IN, RS, CS, PREQ>::NT;      // threads
+    constexpr int ROWS = QuantCfg<IN, RS, CS, PREQ>::ROWS;  // tile rows (pipe 5: 64, half of a blocked scale tile)
+    constexpr bool HALF = QuantCfg<IN, RS, CS, PREQ>::HALF;
+    constexpr int PASSES = ROWS * CPR / (NT * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
     // Row-only blocked modes keep their scale tile in registers (no barrier); modes with a column-wise output
     // need the CTA barrier for phase 2 anyway and keep the smem tile (fewer live registers through phase 1).
@@ -171,6 +186,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr int BR = CS == CS_GPREP ? 64 : 32;             // rows per unit of the table's third prefix sum
 
     mx_stamp(0);  // entry (MX_STAMPS builds only)
+    MX_CHECK_THREADS(NT);
     const int tid = threadIdx.x, lane = tid & 31;
     const int C = K / 32;
     const int total = n_row_tiles * ctiles;
@@ -192,15 +208,15 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             row0 = e * group_rows + (long long)lt * TILE;
             nrows = (int)min((long long)TILE, group_rows - (long long)lt * TILE);
         } else {
-            row0 = (long long)rt * TILE;
-            nrows = (int)min((long long)TILE, M - row0);
+            row0 = (long long)rt * ROWS;
+            nrows = (int)min((long long)ROWS, M - row0);
         }
         if (!GCOL) bs = row0 >> 5;
     };
     // Chunk m (= p * PER + j) of this thread is tile row m * RPM + r0, 16-byte column cc0: the element offset of
     // its first value is base + m * RPM * K, so the per-chunk address is one add (the 64-bit row arithmetic per
     // chunk was a tenth of the row quantizer's instructions).
-    constexpr int RPM = NTHREADS / CPR;  // tile rows per chunk step
+    constexpr int RPM = NT / CPR;  // tile rows per chunk step
     const int r0 = tid / CPR, cc0 = tid % CPR;
     const long long step = (long long)RPM * K;
     // Byte offset of chunk (tile row r, 16-byte column cc) in the swizzled tile: bits 3-4 of the word index are
@@ -350,7 +366,12 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
                 o.y = (u0 >> 8 & 0xFFu) | (u1 >> 8 & 0xFFu) << 8 | (u2 >> 8 & 0xFFu) << 16 | (u3 >> 8) << 24;
                 o.z = (u0 >> 16 & 0xFFu) | (u1 >> 16 & 0xFFu) << 8 | (u2 >> 16 & 0xFFu) << 16 | (u3 >> 16) << 24;
                 o.w = (u0 >> 24) | (u1 >> 24) << 8 | (u2 >> 24) << 16 | (u3 >> 24) << 24;
-                reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid / CPR + RPM * w] = o;
+                if (HALF) {  // 64 rows = row blocks 2 (rt & 1) and 2 (rt & 1) + 1: one half of each 16-byte word
+                    reinterpret_cast<uint2*>(rs + ((long long)(rt >> 1) * ctiles + ct) *
+                                                      512)[2 * (tid / CPR + RPM * w) + (rt & 1)] = make_uint2(o.x, o.y);
+                } else {
+                    reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid / CPR + RPM * w] = o;
+                }
             }
         }
     }
@@ -422,8 +443,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             else *reinterpret_cast<uint2*>(dst) = make_uint2(b0, b1);
         };
 #pragma unroll 4
-        for (int q = 0; q < TILE * CPR / NTHREADS; ++q) {
-            const int c = q * NTHREADS + tid;
+        for (int q = 0; q < TILE * CPR / NT; ++q) {
+            const int c = q * NT + tid;
             const int r = c / CPR, cc = c % CPR;
             if (!(r < wrows && col0 + cc * VEC < K)) continue;
             if (CS == CS_GPREP && r >= nrows) {
@@ -523,7 +544,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
 }
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE>
-__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant(MX_QUANT_PARAMS) {
+__global__ void __launch_bounds__(QuantCfg<IN, RS, CS, PREQ>::NT, QuantCfg<IN, RS, CS, PREQ>::MINB)
+    mx_quant(MX_QUANT_PARAMS) {
     mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2, nullptr);
 }
 
@@ -531,7 +553,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx
 // rather than a runtime switch in mx_quant: the switch cost the static path 1-3.4 % (benchmarks/NOTES.md, pass 9),
 // and the small shapes keep the static order.
 template <int IN, int RS, int CS, int PREQ = MX_PIPE>
-__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS, CS, PREQ>::MINB) mx_quant_dyn(MX_QUANT_PARAMS) {
+__global__ void __launch_bounds__(QuantCfg<IN, RS, CS, PREQ>::NT, QuantCfg<IN, RS, CS, PREQ>::MINB)
+    mx_quant_dyn(MX_QUANT_PARAMS) {
     mx_quant_body<IN, RS, CS, PREQ, true>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2,
                                           sched);
 }

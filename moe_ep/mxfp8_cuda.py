@@ -64,9 +64,11 @@ def _sched_ptr(name: str, device: torch.device):
     return _cuda.ptr(_sched_counter(device) if name.startswith("mx_quant_dyn<") else None)
 
 
-def _launch(name: str, grid: int | tuple[int, int], args: tuple, shared_mem: int, device: torch.device) -> None:
+def _launch(
+    name: str, grid: int | tuple[int, int], args: tuple, shared_mem: int, device: torch.device, threads: int = _THREADS
+) -> None:
     """Launch kernel ``name`` (a name expression of quantize.cu); the CPU emulator test replaces this."""
-    _cuda.launch(_kernel(name, device), grid, _THREADS, args, shared_mem=shared_mem, device=device)
+    _cuda.launch(_kernel(name, device), grid, threads, args, shared_mem=shared_mem, device=device)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -182,12 +184,12 @@ def _launch_quant(
     plan = qp.quant_plan(x, m, k, rs_mode, cs_mode, n_groups, n_row_tiles, in_code)
     if plan is None:
         return
-    name, grid, smem, n_row_tiles, ctiles = plan
+    name, grid, smem, n_row_tiles, ctiles, threads = plan
     p, sched = _cuda.ptr, _sched_ptr(name, x.device)
     args = _quant_args(
         p(x), m, k, p(rq), p(rs), p(cq), p(cs), p(gsizes), n_groups, group_rows, n_row_tiles, ctiles, p(x2), sched
     )
-    _launch(name, grid, args, smem, x.device)
+    _launch(name, grid, args, smem, x.device, threads)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ NAMES = (
 )
 
 
+THREADS = 256  # kernels/quantize.cu NTHREADS (pipe 5: half)
 SMEM_FIXED = 3584  # kernels/quantize.cu MX_SMEM_FIXED
 SMEM_GPREP = 2048  # kernels/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantization multipliers)
 
@@ -60,11 +61,12 @@ SMEM_GPREP = 2048  # kernels/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantizatio
 def pipe_switch() -> int:
     """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
     prefetch, 3 persistent + cp.async double buffer in shared memory, 4 one tile per CTA on 3's cp.async path
-    (2-4: 16-bit inputs, fp32 falls back to 0; column-wise/fused modes take 3 or 4, else 0); unset or "auto" (-1):
+    (2-5: 16-bit inputs, fp32 falls back to 0; column-wise/fused modes take 3 or 4, else 0), 5 pipe 4 on 64-row
+    tiles of 128 threads (row-only plain / blocked; the other modes take 4); unset or "auto" (-1):
     the per-mode best measured (kernels/quantize.cu QuantCfg, and :func:`requested_pipe`)."""
     v = os.environ.get("MOE_EP_QUANT_PIPE", "auto")
-    if v not in ("auto", "0", "1", "2", "3", "4"):
-        raise ValueError(f"MOE_EP_QUANT_PIPE must be auto, 0, 1, 2, 3 or 4, got {v!r}")
+    if v not in ("auto", "0", "1", "2", "3", "4", "5"):
+        raise ValueError(f"MOE_EP_QUANT_PIPE must be auto or 0-5, got {v!r}")
     return -1 if v == "auto" else int(v)
 
 
@@ -102,14 +104,17 @@ def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None)
             pipe = 0 if rs_mode == 0 else (3 if rs_mode == RS["grouped"] else 4)
         else:
             pipe = 3 if rs_mode in (RS["grouped"], RS["uniform"]) else 4
+    if pipe == 5 and not (es == 2 and cs_mode == 0 and rs_mode in (RS["plain"], RS["blocked"])):
+        pipe = 4  # kernels/quantize.cu QuantCfg::HALF
     return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe not in (3, 4)) else pipe
 
 
 def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
-    """Grid of mx_quant: every tile (pipes 0 and 4) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
+    """Grid of mx_quant: every tile (pipes 0 and 4; pipe 5: both 64-row halves of every tile) or a persistent grid
+    of CTAs-per-SM x SMs (kernels' QuantCfg)."""
     pipe = effective_pipe(es, rs_mode, cs_mode, pipe)
-    if pipe in (0, 4):
-        return tiles
+    if pipe in (0, 4, 5):
+        return tiles * (2 if pipe == 5 else 1)
     per_sm = 2 if pipe == 2 else PIPE3_CTAS_PER_SM
     full = min(tiles, per_sm * sm_count(device))
     if os.environ.get("MOE_EP_QUANT_GRID", "full").strip().lower() != "balanced":
@@ -261,9 +266,9 @@ def cdiv(a: int, b: int) -> int:
 
 def quant_plan(
     x: torch.Tensor, m: int, k: int, rs_mode: int, cs_mode: int, n_groups: int, n_row_tiles: int | None, in_code
-) -> tuple[str, int, int, int, int] | None:
-    """(kernel name, grid, shared memory, row tiles, column tiles) of a quantization launch (mx_quant, mx_quant_dual
-    or mx_swiglu_dual); None: nothing to do.
+) -> tuple[str, int, int, int, int, int] | None:
+    """(kernel name, grid, shared memory, row tiles, column tiles, threads per CTA) of a quantization launch
+    (mx_quant, mx_quant_dual or mx_swiglu_dual); None: nothing to do. Pipe 5's row tiles are 64 rows.
     x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width."""
     ctiles = cdiv(k, TILE)
     if n_row_tiles is None:
@@ -277,13 +282,13 @@ def quant_plan(
         plan = dual_plan(tiles, n_groups, x.device)
         if plan is not None:
             st, grid, smem = plan
-            return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
+            return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles, THREADS
     if reg and in_code in (IN_SWIGLU, IN_SWIGLU_BWD16):
         bwd = in_code == IN_SWIGLU_BWD16
         plan = swiglu_plan(bwd, k, tiles // 2 if bwd else tiles, n_groups, x.device)
         if plan is not None:
             st, grid, smem = plan
-            return f"mx_swiglu_dual<{int(bwd)},{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles
+            return f"mx_swiglu_dual<{int(bwd)},{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles, THREADS
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
     es = 4 if in_code in (0, IN_SWIGLU, IN_SWIGLU_BWD, IN_SWIGLU_BWD16) else x.element_size()
     env_pipe = pipe_switch()
@@ -291,15 +296,18 @@ def quant_plan(
     grid = quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
     table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     eff = effective_pipe(es, rs_mode, cs_mode, req)
-    cp_async = eff in (3, 4)  # the tile lands in shared-memory stages (pipe 4: one)
-    # PIPE 3 buffers on 128 bytes (also the column modes' tile); 4: one tile per CTA, one buffer
-    stages = (1 if eff == 4 else 2) * TILE * TILE * 2 + 128 if cp_async else 0
+    cp_async = eff in (3, 4, 5)  # the tile lands in shared-memory stages (pipes 4 and 5: one)
+    # PIPE 3 buffers on 128 bytes (also the column modes' tile); 4: one tile per CTA, one buffer; 5: a 64-row one
+    stage = TILE * TILE * (1 if eff == 5 else 2)
+    stages = (1 if eff in (4, 5) else 2) * stage + 128 if cp_async else 0
     fixed = SMEM_FIXED + (SMEM_GPREP if cs_mode == CS["grouped_prep"] else 0)
     smem = (TILE * TILE * es if cs_mode and not cp_async else 0) + fixed + table + stages
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
     if dynamic_schedule(name, grid, tiles):
         name = name.replace("mx_quant<", "mx_quant_dyn<", 1)
-    return name, grid, smem, n_row_tiles, ctiles
+    if eff == 5:  # the kernel's row tiles are the 64-row halves (kernels/quantize.cu QuantCfg::ROWS)
+        return name, grid, smem, 2 * n_row_tiles, ctiles, THREADS // 2
+    return name, grid, smem, n_row_tiles, ctiles, THREADS
 
 
 def batch_plan(x: torch.Tensor, e: int, n: int, k: int) -> tuple[str, tuple[int, int], int, int, int] | None:
@@ -321,6 +329,6 @@ def batch_plan(x: torch.Tensor, e: int, n: int, k: int) -> tuple[str, tuple[int,
     plan = quant_plan(x, n, k, RS["blocked"], CS["blocked"], 0, None, None)  # the same for every problem
     if plan is None or e == 0:
         return None
-    _, grid, smem, n_row_tiles, ctiles = plan  # (mx_quant_batch has no dynamic schedule: it reads only the grid)
+    _, grid, smem, n_row_tiles, ctiles, _ = plan  # (mx_quant_batch has no dynamic schedule: it reads only the grid)
     gx = grid if grid >= n_row_tiles * ctiles else max(1, grid // e)
     return f"mx_quant_batch<{IN[x.dtype]}>", (gx, e), smem, n_row_tiles, ctiles

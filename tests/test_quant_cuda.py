@@ -154,13 +154,31 @@ ROW_BIG = [(300, 2080), (1000, 2048), (2304, 7168), (16384 + 7, 256)]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["plain", "blocked"])
-def test_rowwise(dev, dtype, layout):
+@pytest.mark.parametrize("pipe", ["auto", "5"])
+def test_rowwise(dev, dtype, layout, pipe, monkeypatch):
+    """Row-wise bytes under the auto pipe and under MOE_EP_QUANT_PIPE=5 (64-row tiles of 128 threads for 16-bit
+    inputs: each CTA writes half of every 16-byte word of a blocked scale tile, the padding rows' zeros included;
+    fp32 falls back to pipe 0). The outputs start as 0xAB bytes, so a byte the kernel leaves unwritten fails."""
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
+    names = record_launches(monkeypatch)
     for i, (m, k) in enumerate(_shapes(dev, ROW_SMALL, ROW_BIG)):
         x = make_input(m, k, dtype, seed=i)
         ref = quantize_torch(x, -1)
-        data, scale = mxfp8_cuda.quantize_rowwise(x.to(dev), layout)
+        data = torch.full((m, k), 0xAB, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+        scale = torch.full(mxfp8_cuda.row_scale_shape(m, k, layout), 0xAB, dtype=torch.uint8, device=dev)
+        mxfp8_cuda.quantize_rowwise_into(x.to(dev), data, scale, layout)
         assert_bytes(data, ref.data, f"data {m}x{k}")
         assert_bytes(scale, ref.scale if layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k} {layout}")
+    code = quant_plan.IN[dtype]
+    assert set(names) == {f"mx_quant<{code},{quant_plan.RS[layout]},0>"}
+    half = pipe == "5" and dtype != torch.float32
+    m, k = ROW_SMALL[-1]
+    plan = quant_plan.quant_plan(
+        torch.empty(m, k, dtype=dtype, device=dev), m, k, quant_plan.RS[layout], 0, 0, None, None
+    )
+    # 300 x 544: 3 x 5 tiles of 128 x 128; pipe 5: 6 x 5 tiles of 64 rows (the last 64-row tile of the padding
+    # only writes its zero scales), one 16 KB stage
+    assert plan[1:] == ((30, 16384 + 128 + quant_plan.SMEM_FIXED, 6, 5, 128) if half else (15, plan[2], 3, 5, 256))
 
 
 GROUP_CASES = [

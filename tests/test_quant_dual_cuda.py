@@ -381,11 +381,11 @@ def test_swiglu_kernel_plan(monkeypatch):
     a = torch.empty(32768, 4096, dtype=torch.bfloat16)  # dsv3: F = 2048, 32 groups, 256 + 32 row tiles
     # forward: 288 x 16 tiles of h; 3 stages of gate + up (64 KB), table 16 * 33, two 512-byte scale tiles
     plan = quant_plan.quant_plan(a, 32768, 2048, grouped, gprep, 32, 288, fwd)
-    assert plan == ("mx_swiglu_dual<0,5,3>", 132, 528 + 3 * 65536 + 1024, 288, 16)
+    assert plan == ("mx_swiglu_dual<0,5,3>", 132, 528 + 3 * 65536 + 1024, 288, 16, 256)
     # backward: output width 2F = 4096 (32 column tiles), 288 x 16 tiles of h; 2 stages of gate + up + dh (96 KB)
     # and two pairs (gate, up) of scale tiles
     plan = quant_plan.quant_plan(a, 32768, 4096, grouped, gnt, 32, 288, bwd16)
-    assert plan == ("mx_swiglu_dual<1,4,2>", 132, 528 + 2 * 98304 + 2048, 288, 32)
+    assert plan == ("mx_swiglu_dual<1,4,2>", 132, 528 + 2 * 98304 + 2048, 288, 32, 256)
     # few tiles: one CTA per tile of h
     assert quant_plan.swiglu_plan(False, 256, 6, 2, torch.device("cpu")) == (3, 6, 48 + 3 * 65536 + 1024)
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "2")

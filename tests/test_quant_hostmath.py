@@ -262,6 +262,8 @@ thread_local dim3 threadIdx, blockIdx;
 static dim3 gridDim, blockDim;
 alignas(128) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // >= every plan's dynamic shared memory (227 KiB)
 #define MX_DYN_SMEM(name) unsigned char* name = g_smem
+static bool g_bad_threads;
+#define MX_CHECK_THREADS(n) if (blockDim.x != (unsigned)(n)) g_bad_threads = true
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 static inline unsigned __vmaxu2(unsigned a, unsigned b) {
@@ -297,15 +299,15 @@ template <class T> static T __shfl_xor_sync(unsigned, T v, int o) { return shfl_
 template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_impl(v, o, false); }
 #include "quantize.cu"
 
-template <class F> static void run_grid(int grid, F f, int grid_y = 1) {
-    gridDim.x = grid; gridDim.y = grid_y; blockDim.x = 256;
-    std::barrier<> cta(256);
+template <class F> static void run_grid(int grid, F f, int grid_y = 1, int threads = 256) {
+    gridDim.x = grid; gridDim.y = grid_y; blockDim.x = threads;
+    std::barrier<> cta(threads);
     std::vector<std::barrier<>*> w;
-    for (int i = 0; i < 8; ++i) w.push_back(new std::barrier<>(32));
+    for (int i = 0; i < threads / 32; ++i) w.push_back(new std::barrier<>(32));
     g_cta = &cta;
-    for (int i = 0; i < 8; ++i) g_warp[i] = w[i];
+    for (int i = 0; i < threads / 32; ++i) g_warp[i] = w[i];
     std::vector<std::thread> th;
-    for (int t = 0; t < 256; ++t) th.emplace_back([&, t] {
+    for (int t = 0; t < threads; ++t) th.emplace_back([&, t] {
         threadIdx.x = t;
         for (int y = 0; y < grid_y; ++y)
             for (int b = 0; b < grid; ++b) { blockIdx.x = b; blockIdx.y = y; f(); cta.arrive_and_wait(); }
@@ -320,7 +322,8 @@ typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*
 
 // Shared memory past the launch's dynamic size is filled with a canary before the grid runs and checked after it:
 // a kernel that writes beyond what the launcher allocated (a wrong size formula) fails with rc 2.
-extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, long long smem, const unsigned char* x,
+extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, int threads, long long smem,
+                         const unsigned char* x,
                          long long M, int K, unsigned char* rq, unsigned char* rsp, unsigned char* cq,
                          unsigned char* csp, const int* g, int G, long long group_rows, int nrt, int ctiles,
                          const unsigned char* x2, unsigned* sched) {
@@ -328,8 +331,11 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, l
     QUANT_TABLE
     if (!fn) return 1;
     if (smem > (long long)sizeof(g_smem)) return 3;
+    if (threads < 32 || threads > 256 || threads % 32) return 4;
     memset(g_smem, 0xA5, sizeof(g_smem));
-    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2, sched); }, grid_y);
+    g_bad_threads = false;
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2, sched); }, grid_y, threads);
+    if (g_bad_threads) return 5;
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
     return 0;
@@ -403,7 +409,7 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p, p]
+    so.emu_quant.argtypes = [i, i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     return so
 
@@ -434,26 +440,29 @@ def install_emulator(monkeypatch, workdir: Path) -> None:
 
     from moe_ep import mxfp8_cuda, quant_plan  # noqa: PLC0415
 
-    def launch(name, grid, args, shared_mem, device):
+    def launch(name, grid, args, shared_mem, device, threads=256):
         so = emulator(workdir)
         params = [int(v) for v in re.findall(r"\d+", name)]
         a = [int(v) for v in args]
         gx, gy = grid if isinstance(grid, tuple) else (grid, 1)  # 2-D: the batched weight launch
+        t = (gx, gy, threads, shared_mem)
         if name.startswith("mx_quant_dual"):  # mx_quant_dual<in,cs,stages>: grouped rows; pipe code -stages
-            rc = so.emu_quant(params[0], 3, params[1], -params[2], gx, gy, shared_mem, *a)
+            rc = so.emu_quant(params[0], 3, params[1], -params[2], *t, *a)
         elif name.startswith("mx_swiglu_dual"):  # mx_swiglu_dual<bwd,cs,stages>: IN 3 / 5, pipe code -(10 + stages)
-            rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], gx, gy, shared_mem, *a)
+            rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], *t, *a)
         elif name.startswith("mx_quant_batch"):  # mx_quant_batch<in>: the fused blocked mode, pipe code 100
-            rc = so.emu_quant(params[0], 2, 2, 100, gx, gy, shared_mem, *a)
+            rc = so.emu_quant(params[0], 2, 2, 100, *t, *a)
         elif name.startswith("mx_quant_dyn"):  # mx_quant_dyn<in,rs,cs>, the dynamic tile schedule: pipe code 200
-            rc = so.emu_quant(*params[:3], 200, gx, gy, shared_mem, *a)
+            rc = so.emu_quant(*params[:3], 200, *t, *a)
         elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
-            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, gx, gy, shared_mem, *a)
+            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, *t, *a)
         else:
-            assert gy == 1
+            assert gy == 1 and threads == 256
             rc = so.emu_dequant(*params, gx, *a)
         assert rc != 2, f"{name} wrote shared memory past the {shared_mem} bytes the launcher allocated"
         assert rc != 3, f"{name}: the launch asks for {shared_mem} bytes of shared memory, more than the emulator has"
+        assert rc != 4, f"{name}: {threads} threads per CTA, not a multiple of 32 up to 256"
+        assert rc != 5, f"{name}: launched with {threads} threads per CTA, not the kernel's"
         assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
 
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
@@ -577,7 +586,7 @@ def test_dual_kernel_plan(monkeypatch):
     # shared memory = 4 stages of 32 KB + two 512-byte row-scale tiles + group table 16 * 33
     x = torch.empty(32768, 7168, dtype=torch.bfloat16)
     plan = quant_plan.quant_plan(x, 32768, 7168, grouped, gnt, 32, 288, None)
-    assert plan == ("mx_quant_dual<1,4,4>", 132, 528 + 4 * 32768 + 1024, 288, 56)
+    assert plan == ("mx_quant_dual<1,4,4>", 132, 528 + 4 * 32768 + 1024, 288, 56, 256)
     # [16384, 2048]: 160 x 16 = 2560 tiles -> 2 stages, 3 CTAs per SM
     x = torch.empty(16384, 2048, dtype=torch.bfloat16)
     assert quant_plan.quant_plan(x, 16384, 2048, grouped, gprep, 32, 160, None)[:3] == (
