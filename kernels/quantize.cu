@@ -1,7 +1,8 @@
 // MXFP8 quantization / dequantization kernels (DESIGN.md section 3; moe_ep/mxfp8.py is the specification).
 //
 // A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns): one per CTA, or one at a
-// time on a persistent grid with the next tile's loads in flight (MX_PIPE below). Per tile:
+// time on a persistent grid with the next tile's loads in flight (MX_PIPE below; pipe 5: 64 x 128 tiles of 128
+// threads). Per tile:
 //   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipes 3 / 4: by cp.async
 //            into shared memory); the TPB = 32/VEC lanes
 //            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
@@ -75,11 +76,14 @@
 // same rule, moe_ep/quant_plan.py effective_pipe): 0 = one tile per CTA (grid = all tiles); 1 = persistent grid;
 // 2 = persistent, the next tile's loads in registers during the current one; 3 = persistent, cp.async double
 // buffer (quant_sched.cuh); 4 = 3's cp.async path with one tile per CTA (one 32 KB stage, more CTAs per SM: the
-// block scheduler overlaps CTAs and hands tiles to SMs as they free up). 2-4 need 16-bit inputs (fp32 tiles take
+// block scheduler overlaps CTAs and hands tiles to SMs as they free up). 2-5 need 16-bit inputs (fp32 tiles take
 // two passes), so fp32 and the SwiGLU inputs use 0. Column-wise modes stage the tile in shared memory anyway:
 // they pipeline only with 3 or 4, whose copies land in the swizzled tile (1 and 2 fall back to 0).
-// -1 ("auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, pass 10): 4 for plain / blocked row
-// scales and the fused modes; 3 for grouped row scales (one group-table scan per CTA for many tiles; it beat 2
+// 5 = 4 on 64-row tiles of 128 threads (16-bit row plain / blocked only, the other modes take 4): a CTA writes
+// half of every 16-byte word of its blocked scale tile.
+// -1 ("auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, passes 10-11): 5 for plain row scales
+// (+0.7 to +2.6 points of copy over 4), 4 for blocked row scales (5 is 0.3-0.4 behind) and the fused modes; 3 for
+// grouped row scales (one group-table scan per CTA for many tiles; it beat 2
 // and 4), 3-D weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only
 // outputs. PREQ overrides MX_PIPE per instantiation: column-only inputs of many tiles launch mx_quant<IN, 0, CS, 4>
 // (moe_ep/quant_plan.py requested_pipe).
@@ -87,7 +91,7 @@
 #define MX_PIPE -1
 #endif
 #ifndef MX_HALF_MINB
-#define MX_HALF_MINB 10
+#define MX_HALF_MINB 8
 #endif
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
@@ -95,7 +99,7 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int WANT0 =
         PREQ >= 0 ? PREQ
                   : (CS != CS_NONE ? (RS == RS_NONE ? 0 : (RS == RS_GROUPED ? 3 : 4))
-                                   : (RS == RS_GROUPED || RS == RS_UNIFORM ? 3 : 4));
+                                   : (RS == RS_GROUPED || RS == RS_UNIFORM ? 3 : (RS == RS_PLAIN ? 5 : 4)));
     // pipe 5: pipe 4 on 64-row tiles of 128 threads (16-bit row plain / blocked; the other modes run 4)
     static constexpr bool HALF = WANT0 == 5 && ES == 2 && CS == CS_NONE && (RS == RS_PLAIN || RS == RS_BLOCKED);
     static constexpr bool ONE = (WANT0 == 4 || WANT0 == 5) && ES == 2;  // pipes 4 / 5: 3's data path, one tile per CTA
@@ -104,7 +108,7 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int NT = HALF ? NTHREADS / 2 : NTHREADS;  // threads per CTA
     static constexpr int ROWS = HALF ? TILE / 2 : TILE;         // rows of a CTA's tile
     // pipe 4: 5 CTAs per SM row-only (48 registers), 3 with a column output (80): the best measured (NOTES pass 10);
-    // pipe 5: MX_HALF_MINB CTAs per SM of 128 threads
+    // pipe 5: MX_HALF_MINB CTAs per SM of 128 threads (8: 128 KB in flight per SM, ahead of 10 for row_plain, pass 11)
     static constexpr int MINB = HALF ? MX_HALF_MINB
                                      : ONE ? (CS == CS_NONE ? 5 : 3)
                                            : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));

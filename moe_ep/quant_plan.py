@@ -62,7 +62,7 @@ def pipe_switch() -> int:
     """Tile pipelining of mx_quant (MOE_EP_QUANT_PIPE): 0 one tile per CTA, 1 persistent, 2 persistent + register
     prefetch, 3 persistent + cp.async double buffer in shared memory, 4 one tile per CTA on 3's cp.async path
     (2-5: 16-bit inputs, fp32 falls back to 0; column-wise/fused modes take 3 or 4, else 0), 5 pipe 4 on 64-row
-    tiles of 128 threads (row-only plain / blocked; the other modes take 4); unset or "auto" (-1):
+    tiles of 128 threads (16-bit row-only plain / blocked; the other modes take 4); unset or "auto" (-1):
     the per-mode best measured (kernels/quantize.cu QuantCfg, and :func:`requested_pipe`)."""
     v = os.environ.get("MOE_EP_QUANT_PIPE", "auto")
     if v not in ("auto", "0", "1", "2", "3", "4", "5"):
@@ -103,7 +103,7 @@ def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None)
         if cs_mode != 0:
             pipe = 0 if rs_mode == 0 else (3 if rs_mode == RS["grouped"] else 4)
         else:
-            pipe = 3 if rs_mode in (RS["grouped"], RS["uniform"]) else 4
+            pipe = 3 if rs_mode in (RS["grouped"], RS["uniform"]) else (5 if rs_mode == RS["plain"] else 4)
     if pipe == 5 and not (es == 2 and cs_mode == 0 and rs_mode in (RS["plain"], RS["blocked"])):
         pipe = 4  # kernels/quantize.cu QuantCfg::HALF
     return 0 if (es == 4 and pipe >= 2) or (cs_mode != 0 and pipe not in (3, 4)) else pipe

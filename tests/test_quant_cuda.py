@@ -156,9 +156,10 @@ ROW_BIG = [(300, 2080), (1000, 2048), (2304, 7168), (16384 + 7, 256)]
 @pytest.mark.parametrize("layout", ["plain", "blocked"])
 @pytest.mark.parametrize("pipe", ["auto", "5"])
 def test_rowwise(dev, dtype, layout, pipe, monkeypatch):
-    """Row-wise bytes under the auto pipe and under MOE_EP_QUANT_PIPE=5 (64-row tiles of 128 threads for 16-bit
-    inputs: each CTA writes half of every 16-byte word of a blocked scale tile, the padding rows' zeros included;
-    fp32 falls back to pipe 0). The outputs start as 0xAB bytes, so a byte the kernel leaves unwritten fails."""
+    """Row-wise bytes under the auto pipe (5 for plain scales, 4 for blocked) and under MOE_EP_QUANT_PIPE=5
+    (64-row tiles of 128 threads for 16-bit inputs: each CTA writes half of every 16-byte word of a blocked scale
+    tile, the padding rows' zeros included; fp32 falls back to pipe 0). The outputs start as 0xAB bytes, so a byte
+    the kernel leaves unwritten fails."""
     monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
     names = record_launches(monkeypatch)
     for i, (m, k) in enumerate(_shapes(dev, ROW_SMALL, ROW_BIG)):
@@ -171,7 +172,7 @@ def test_rowwise(dev, dtype, layout, pipe, monkeypatch):
         assert_bytes(scale, ref.scale if layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k} {layout}")
     code = quant_plan.IN[dtype]
     assert set(names) == {f"mx_quant<{code},{quant_plan.RS[layout]},0>"}
-    half = pipe == "5" and dtype != torch.float32
+    half = (pipe == "5" or layout == "plain") and dtype != torch.float32
     m, k = ROW_SMALL[-1]
     plan = quant_plan.quant_plan(
         torch.empty(m, k, dtype=dtype, device=dev), m, k, quant_plan.RS[layout], 0, 0, None, None

@@ -1,0 +1,134 @@
+"""What the quantizer's small shapes pay for starting cold (a profiling aid; bench_quant.py is the benchmark).
+
+    python benchmarks/prof_quant_cold.py [--shapes 16384x2048,...] [--variants row_blocked,row_plain,fused]
+                                         [--rounds 6] [--reps 20] [--json PATH]
+
+bench_quant's timer flushes the L2 (a 256 MiB read) before every timed launch. This script times the same launch
+with one more kernel run between the flush and the start event (Timer's ``before`` hook), and reports each
+configuration's median over ``--rounds`` alternating rounds (bench_gemm.round_order) in us and % of copy:
+  plain        nothing in between (bench_quant's measurement)
+  same         the same quantizer on x's first 2048 rows (its own outputs): every SM runs it once
+  other        another mx_quant kernel (row_plain, or row_blocked for row_plain) on those rows
+  one_cta      the same quantizer on one 128 x 128 tile: its code in the L2, one SM warmed
+  probe        probe_tile (kernels/bench_probe.cu: the same traffic, register loads, no arithmetic) on those rows
+  hold_smem    probe_hold: 3 us of spinning on 5 CTAs per SM with the quantizer's dynamic shared memory (the SMs'
+               shared-memory configuration, no memory traffic)
+  <kind>_<v>MB probe_touch: v MB of x (or of a scratch buffer for stores) in 256 CTAs by one access kind: cp_async
+               (16-byte cp.async.cg into shared memory), ld_cg (ld.global.cg), ld_nc (ld.global.nc.L1::no_allocate, as
+               probe_tile), st (16-byte stores of zeros)
+probe_tile and probe_dual (order 6: two row-major outputs) are timed plain and after themselves on the 2048 rows.
+Every quantizer output is checked against the reference first (bench_quant.check, 512 rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemm import round_order  # noqa: E402
+from bench_quant import Timer, ab_inputs, ab_start, check, kernel_fn, write_results  # noqa: E402
+
+from moe_ep import _cuda, quant_plan  # noqa: E402
+
+WARM_ROWS = 2048
+# probe_touch's access kinds (kernels/bench_probe.cu): the mode codes
+TOUCH_KINDS = {"cp_async": 0, "ld_cg": 1, "ld_nc": 2, "st": 3}
+
+
+def launcher(name: str, grid: int, args: tuple, shared_mem: int = 0, block: int = 256):
+    fn = _cuda.get_function("bench_probe.cu", name)
+    return lambda: _cuda.launch(fn, grid, block, args, shared_mem=shared_mem)
+
+
+def probe(name: str, x: torch.Tensor, out: torch.Tensor, out2: torch.Tensor):
+    """probe_tile / probe_dual (order 6) over x [M, K] bf16, M and K multiples of 128."""
+    m, k = x.shape
+    p = _cuda.ptr
+    if name == "probe_tile":
+        args = (p(x), p(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(k // 128))
+    else:
+        args = (p(x), p(out), p(out2), _cuda.i64(m), _cuda.i32(k), _cuda.i32(k // 128), _cuda.i32(6))
+    return launcher(name, m // 128 * (k // 128), args)
+
+
+def timed(configs: dict, fn, rounds: int, reps: int) -> dict[str, float]:
+    """Median over rounds (us) of fn under each configuration's before-hook (None: plain)."""
+    timers = {c: Timer(reps, warmup=3, before=b) for c, b in configs.items()}
+    t: dict[str, list[float]] = {c: [] for c in configs}
+    for r in range(rounds):
+        for c in round_order(list(configs), r):
+            t[c].append(1e3 * timers[c](fn))
+    return {c: statistics.median(v) for c, v in t.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="16384x2048,32768x2048")
+    ap.add_argument("--variants", default="row_blocked,row_plain,fused")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument(
+        "--touch-mb",
+        type=lambda v: [float(t) for t in v.split(",")],
+        default=[0.5, 2.0, 8.0],
+        help="probe_touch volumes (MB, each over 256 CTAs; cp_async needs <= 48 KB per CTA)",
+    )
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    _, bw = ab_start(args.reps)
+    sms = quant_plan.sm_count(torch.device("cuda"))
+    rows = []
+    for x in ab_inputs(args.shapes):
+        m, k = x.shape
+        xs = x[:WARM_ROWS].contiguous()
+        out, out2 = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(2))
+        for variant in args.variants.split(","):
+            if not check(variant, x):
+                raise SystemExit(f"{variant} {m}x{k}: bytes differ from the reference")
+            fn, nbytes = kernel_fn(variant, x, 32)
+            smem = quant_plan.quant_plan(x, m, k, *_modes(variant), 0, None, None)[2]
+            configs = {
+                "plain": None,
+                "same": kernel_fn(variant, xs, 32)[0],
+                "other": kernel_fn("row_blocked" if variant == "row_plain" else "row_plain", xs, 32)[0],
+                "one_cta": kernel_fn(variant, x[:128, :128].contiguous(), 32)[0],
+                "probe": probe("probe_tile", xs, out, out2),
+                "hold_smem": launcher("probe_hold", 5 * sms, (_cuda.i64(3000),), shared_mem=smem),
+            }
+            for kind, mode in TOUCH_KINDS.items():
+                for mb in args.touch_mb:
+                    # 256 CTAs of mb / 256 MB each (x, or the probes' output buffer for stores)
+                    n = (int(mb * 2**20) // 256) & ~4095
+                    targs = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i32(n), _cuda.i32(256), _cuda.i32(mode))
+                    configs[f"{kind}_{mb:g}MB"] = launcher("probe_touch", 256, targs, n if mode == 0 else 0)
+            us = timed(configs, fn, args.rounds, args.reps)
+            row = {"variant": variant, "M": m, "K": k, "bytes": nbytes}
+            row.update({f"{c}_us": v for c, v in us.items()})
+            row.update({f"{c}_pct_copy": 100 * nbytes / (v * 1e-6) / bw for c, v in us.items()})
+            rows.append(row)
+            print(f"{variant:<12} {m:>6}x{k:<5} " + "  ".join(f"{c} {v:6.2f}" for c, v in us.items()), flush=True)
+        for name in ("probe_tile", "probe_dual"):
+            us = timed({"plain": None, "same": probe(name, xs, out, out2)}, probe(name, x, out, out2), args.rounds, 20)
+            rows.append({"variant": name, "M": m, "K": k, **{f"{c}_us": v for c, v in us.items()}})
+            print(f"{name:<12} {m:>6}x{k:<5} " + "  ".join(f"{c} {v:6.2f}" for c, v in us.items()), flush=True)
+    write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
+
+
+def _modes(variant: str) -> tuple[int, int]:
+    """(row, column) scale modes of a bench_quant variant (for its shared-memory size)."""
+    return {
+        "row_blocked": (quant_plan.RS["blocked"], 0),
+        "row_plain": (quant_plan.RS["plain"], 0),
+        "fused": (quant_plan.RS["blocked"], quant_plan.CS["blocked"]),
+    }[variant]
+
+
+if __name__ == "__main__":
+    main()
