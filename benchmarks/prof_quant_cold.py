@@ -1,23 +1,26 @@
-"""What the quantizer's small shapes pay for starting cold (a profiling aid; bench_quant.py is the benchmark).
+"""Does the quantizer pay for starting cold? (a profiling aid; bench_quant.py is the benchmark)
 
     python benchmarks/prof_quant_cold.py [--shapes 16384x2048,...] [--variants row_blocked,row_plain,fused]
-                                         [--rounds 6] [--reps 20] [--json PATH]
+                                         [--rounds 6] [--reps 20] [--touch-mb 0.5,2,8] [--json PATH]
 
 bench_quant's timer flushes the L2 (a 256 MiB read) before every timed launch. This script times the same launch
 with one more kernel run between the flush and the start event (Timer's ``before`` hook), and reports each
 configuration's median over ``--rounds`` alternating rounds (bench_gemm.round_order) in us and % of copy:
   plain        nothing in between (bench_quant's measurement)
-  same         the same quantizer on x's first 2048 rows (its own outputs): every SM runs it once
-  other        another mx_quant kernel (row_plain, or row_blocked for row_plain) on those rows
-  one_cta      the same quantizer on one 128 x 128 tile: its code in the L2, one SM warmed
-  probe        probe_tile (kernels/bench_probe.cu: the same traffic, register loads, no arithmetic) on those rows
+  same         the same quantizer on a copy of x's first 2048 rows (its own outputs): every SM runs its code once
+  other        another mx_quant kernel (row_plain, or row_blocked for row_plain) on that copy
+  one_cta      the same quantizer on one 128 x 128 tile
+  probe        probe_tile (kernels/bench_probe.cu: the same traffic, register loads, no arithmetic) on the copy
   hold_smem    probe_hold: 3 us of spinning on 5 CTAs per SM with the quantizer's dynamic shared memory (the SMs'
                shared-memory configuration, no memory traffic)
-  <kind>_<v>MB probe_touch: v MB of x (or of a scratch buffer for stores) in 256 CTAs by one access kind: cp_async
-               (16-byte cp.async.cg into shared memory), ld_cg (ld.global.cg), ld_nc (ld.global.nc.L1::no_allocate, as
-               probe_tile), st (16-byte stores of zeros)
-probe_tile and probe_dual (order 6: two row-major outputs) are timed plain and after themselves on the 2048 rows.
+  x_<kind>_<v>MB  probe_touch on x ITSELF: its first v MB read in 256 CTAs by one access kind, i.e. that much of the
+               timed kernel's input left in the L2: cp_async (16-byte cp.async.cg into shared memory), ld_cg
+               (ld.global.cg), ld_nc (ld.global.nc.L1::no_allocate, probe_tile's loads)
+  st_<v>MB     probe_touch's 16-byte stores of zeros to a scratch buffer (that many dirty lines in the L2)
+probe_tile and probe_dual (order 6: two row-major outputs) are timed plain and after themselves on the copy.
 Every quantizer output is checked against the reference first (bench_quant.check, 512 rows).
+(NOTES pass 11: a first version warmed with x[:2048].contiguous(), which is a view of x, so its "warm" kernels
+prefetched the timed input; the x_* rows measure that effect on purpose.)
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ def main() -> None:
     rows = []
     for x in ab_inputs(args.shapes):
         m, k = x.shape
-        xs = x[:WARM_ROWS].contiguous()
-        out, out2 = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(2))
+        xs = x[:WARM_ROWS].clone()  # other memory: a view of x would leave the timed input in the L2
+        out, out2, scratch = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
         for variant in args.variants.split(","):
             if not check(variant, x):
                 raise SystemExit(f"{variant} {m}x{k}: bytes differ from the reference")
@@ -104,10 +107,10 @@ def main() -> None:
             }
             for kind, mode in TOUCH_KINDS.items():
                 for mb in args.touch_mb:
-                    # 256 CTAs of mb / 256 MB each (x, or the probes' output buffer for stores)
-                    n = (int(mb * 2**20) // 256) & ~4095
-                    targs = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i32(n), _cuda.i32(256), _cuda.i32(mode))
-                    configs[f"{kind}_{mb:g}MB"] = launcher("probe_touch", 256, targs, n if mode == 0 else 0)
+                    n = (int(mb * 2**20) // 256) & ~4095  # 256 CTAs of mb / 256 MB each
+                    targs = (_cuda.ptr(x), _cuda.ptr(scratch), _cuda.i32(n), _cuda.i32(256), _cuda.i32(mode))
+                    label = f"st_{mb:g}MB" if kind == "st" else f"x_{kind}_{mb:g}MB"
+                    configs[label] = launcher("probe_touch", 256, targs, n if mode == 0 else 0)
             us = timed(configs, fn, args.rounds, args.reps)
             row = {"variant": variant, "M": m, "K": k, "bytes": nbytes}
             row.update({f"{c}_us": v for c, v in us.items()})
