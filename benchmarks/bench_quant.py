@@ -67,10 +67,15 @@ class Timer:
     Kernel, torch.compile baseline and copy bandwidth are all timed the same way.
     """
 
-    def __init__(self, reps: int, warmup: int, before=None):
+    def __init__(self, reps: int, warmup: int, before=None, sleep_cycles: int = 200_000):
         self.reps, self.warmup = reps, warmup
         self.flush = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
-        self.before = before  # launched after the flush, before the start event (prof_quant_stamps.py --carveout)
+        # launched after the flush, before the start event (prof_quant_stamps.py --carveout, prof_quant_cold.py)
+        self.before = before
+        # GPU spin per launch (torch.cuda._sleep cycles, ~100 us by default) that the CPU's launches queue behind;
+        # a before-hook with Python launch overhead needs more, or the GPU waits for the timed launch inside the
+        # timed region (prof_quant_cold.py)
+        self.sleep_cycles = sleep_cycles
 
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
@@ -79,7 +84,7 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         for s, e in zip(starts, ends, strict=True):
-            torch.cuda._sleep(200_000)  # ~100 us of spinning: the launches below queue up behind it
+            torch.cuda._sleep(self.sleep_cycles)  # the launches below queue up behind it
             self.flush.max()  # reads 256 MiB: evicts the L2 with clean lines
             if self.before is not None:
                 self.before()

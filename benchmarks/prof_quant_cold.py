@@ -63,7 +63,9 @@ def probe(name: str, x: torch.Tensor, out: torch.Tensor, out2: torch.Tensor):
 
 def timed(configs: dict, fn, rounds: int, reps: int) -> dict[str, float]:
     """Median over rounds (us) of fn under each configuration's before-hook (None: plain)."""
-    timers = {c: Timer(reps, warmup=3, before=b) for c, b in configs.items()}
+    # ~1 ms of GPU spin per launch: a before-hook that goes through mxfp8_cuda's Python launcher must not leave the
+    # GPU waiting for the timed launch (with bench_quant's ~100 us, 'same' measured 66 us instead of ~27 in one run)
+    timers = {c: Timer(reps, warmup=3, before=b, sleep_cycles=2_000_000) for c, b in configs.items()}
     t: dict[str, list[float]] = {c: [] for c in configs}
     for r in range(rounds):
         for c in round_order(list(configs), r):
