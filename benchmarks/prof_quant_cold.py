@@ -9,7 +9,7 @@ configuration's median over ``--rounds`` alternating rounds (bench_gemm.round_or
   plain        nothing in between (bench_quant's measurement)
   same         the same quantizer on a copy of x's first 2048 rows (its own outputs): every SM runs its code once
   other        another mx_quant kernel (row_plain, or row_blocked for row_plain) on that copy
-  one_cta      the same quantizer on one 128 x 128 tile
+  one_cta      the same quantizer on one 128 x 128 tile (two CTAs on pipe 5)
   probe        probe_tile (kernels/bench_probe.cu: the same traffic, register loads, no arithmetic) on the copy
   hold_smem    probe_hold: 3 us of spinning on 5 CTAs per SM with the quantizer's dynamic shared memory (the SMs'
                shared-memory configuration, no memory traffic)
@@ -61,15 +61,14 @@ def probe(name: str, x: torch.Tensor, out: torch.Tensor, out2: torch.Tensor):
     return launcher(name, m // 128 * (k // 128), args)
 
 
-def timed(configs: dict, fn, rounds: int, reps: int) -> dict[str, float]:
-    """Median over rounds (us) of fn under each configuration's before-hook (None: plain)."""
-    # ~1 ms of GPU spin per launch: a before-hook that goes through mxfp8_cuda's Python launcher must not leave the
-    # GPU waiting for the timed launch (with bench_quant's ~100 us, 'same' measured 66 us instead of ~27 in one run)
-    timers = {c: Timer(reps, warmup=3, before=b, sleep_cycles=2_000_000) for c, b in configs.items()}
+def timed(timer: Timer, configs: dict, fn, rounds: int) -> dict[str, float]:
+    """Median over rounds (us) of fn with each configuration's before-hook (None: plain) on ``timer``."""
     t: dict[str, list[float]] = {c: [] for c in configs}
     for r in range(rounds):
         for c in round_order(list(configs), r):
-            t[c].append(1e3 * timers[c](fn))
+            timer.before = configs[c]
+            t[c].append(1e3 * timer(fn))
+    timer.before = None
     return {c: statistics.median(v) for c, v in t.items()}
 
 
@@ -83,12 +82,15 @@ def main() -> None:
         "--touch-mb",
         type=lambda v: [float(t) for t in v.split(",")],
         default=[0.5, 2.0, 8.0],
-        help="probe_touch volumes (MB, each over 256 CTAs; cp_async needs <= 48 KB per CTA)",
+        help="probe_touch volumes (MB, each over 256 CTAs; cp_async holds a CTA's share in shared memory)",
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     _, bw = ab_start(args.reps)
     sms = quant_plan.sm_count(torch.device("cuda"))
+    # ~1 ms of GPU spin per launch: a before-hook that goes through mxfp8_cuda's Python launcher must not leave the
+    # GPU waiting for the timed launch (with bench_quant's ~100 us, 'same' measured 66 us instead of ~27 in one run)
+    timer = Timer(args.reps, warmup=3, sleep_cycles=2_000_000)
     rows = []
     for x in ab_inputs(args.shapes):
         m, k = x.shape
@@ -109,18 +111,22 @@ def main() -> None:
             }
             for kind, mode in TOUCH_KINDS.items():
                 for mb in args.touch_mb:
-                    n = (int(mb * 2**20) // 256) & ~4095  # 256 CTAs of mb / 256 MB each
+                    n = int(mb * 2**20) // 256 // 16 * 16  # 256 CTAs of mb / 256 MB each, whole 16-byte chunks
+                    if 256 * n > min(x.nbytes, scratch.nbytes):
+                        raise SystemExit(f"--touch-mb {mb:g} does not fit a {m}x{k} input")
                     targs = (_cuda.ptr(x), _cuda.ptr(scratch), _cuda.i32(n), _cuda.i32(256), _cuda.i32(mode))
                     label = f"st_{mb:g}MB" if kind == "st" else f"x_{kind}_{mb:g}MB"
                     configs[label] = launcher("probe_touch", 256, targs, n if mode == 0 else 0)
-            us = timed(configs, fn, args.rounds, args.reps)
+            us = timed(timer, configs, fn, args.rounds)
             row = {"variant": variant, "M": m, "K": k, "bytes": nbytes}
             row.update({f"{c}_us": v for c, v in us.items()})
             row.update({f"{c}_pct_copy": 100 * nbytes / (v * 1e-6) / bw for c, v in us.items()})
             rows.append(row)
             print(f"{variant:<12} {m:>6}x{k:<5} " + "  ".join(f"{c} {v:6.2f}" for c, v in us.items()), flush=True)
         for name in ("probe_tile", "probe_dual"):
-            us = timed({"plain": None, "same": probe(name, xs, out, out2)}, probe(name, x, out, out2), args.rounds, 20)
+            us = timed(
+                timer, {"plain": None, "same": probe(name, xs, out, out2)}, probe(name, x, out, out2), args.rounds
+            )
             rows.append({"variant": name, "M": m, "K": k, **{f"{c}_us": v for c, v in us.items()}})
             print(f"{name:<12} {m:>6}x{k:<5} " + "  ".join(f"{c} {v:6.2f}" for c, v in us.items()), flush=True)
     write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})

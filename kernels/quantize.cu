@@ -3,7 +3,7 @@
 // A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns): one per CTA, or one at a
 // time on a persistent grid with the next tile's loads in flight (MX_PIPE below; pipe 5: 64 x 128 tiles of 128
 // threads). Per tile:
-//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipes 3 / 4: by cp.async
+//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipes 3-5: by cp.async
 //            into shared memory); the TPB = 32/VEC lanes
 //            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
 //            scales go straight to global memory (plain) or form one 128x4 cuBLAS tile (blocked layouts: the
@@ -21,7 +21,8 @@
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
 // Kernels: mx_quant (every mode), mx_quant_batch (the fused blocked mode over a batch of experts' weights),
 // mx_quant_dual (kernels/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual
-// (kernels/quant_swiglu.cuh: SwiGLU forward / backward + grouped dual), mx_dequant; moe_ep/quant_plan.py chooses.
+// (kernels/quant_swiglu.cuh: SwiGLU forward / backward + grouped dual), mx_dequant (kernels/quant_dequant.cuh);
+// moe_ep/quant_plan.py chooses.
 #include "common.cuh"
 
 #define IN_F32 0
@@ -82,7 +83,7 @@
 // 5 = 4 on 64-row tiles of 128 threads (16-bit row plain / blocked only, the other modes take 4): a CTA writes
 // half of every 16-byte word of its blocked scale tile.
 // -1 ("auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, passes 10-11): 5 for plain row scales
-// (+0.7 to +2.6 points of copy over 4), 4 for blocked row scales (5 is 0.3-0.4 behind) and the fused modes; 3 for
+// (+0.7 to +2.6 points of copy over 4), 4 for blocked row scales (5 is 0.3-0.5 behind) and the fused modes; 3 for
 // grouped row scales (one group-table scan per CTA for many tiles; it beat 2
 // and 4), 3-D weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only
 // outputs. PREQ overrides MX_PIPE per instantiation: column-only inputs of many tiles launch mx_quant<IN, 0, CS, 4>
@@ -116,7 +117,8 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
 };
 
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
-// (grid-stride, or the dynamic schedule below when sched is given) when QuantCfg::PIPE > 0 and not ONE; 256 threads.
+// (grid-stride, or the dynamic schedule below when sched is given) when QuantCfg::PIPE > 0 and not ONE; 256 threads
+// (pipe 5: 128 threads on 64-row tiles, QuantCfg::NT / ROWS).
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
 // RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
 // The kernels mx_quant and mx_quant_batch (below) are this body with their pointers.
@@ -180,7 +182,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
     // PIPE 3: two 32 KB stages after the table, on 128 bytes (the launcher adds 2 * 32 KB + 128; ONE: one stage,
-    // 32 KB + 128): a stage off 128 bytes makes L2 serve each line twice (kernels/quant_dual.cuh).
+    // 32 KB + 128, or 16 KB + 128 on pipe 5's 64-row tiles): a stage off 128 bytes makes L2 serve each line twice
+    // (kernels/quant_dual.cuh).
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
         smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 127) & ~127LL);
@@ -579,53 +582,7 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS_BLOCKED, CS_BLOCKED,
                                                     G, group_rows, n_row_tiles, ctiles, x2, nullptr);
 }
 
-// Dequantization. q: [M, K] e4m3 bytes; rowwise (COLW=0) s: [M, K/32]; columnwise (COLW=1) s: [M/32, K].
-// out: [M, K] fp32 (OUT=0) / bf16 (1) / fp16 (2). Each thread handles 16-byte chunks (grid-stride).
-template <int OUT, int COLW>
-__global__ void __launch_bounds__(NTHREADS) mx_dequant(const unsigned char* __restrict__ q,
-                                                        const unsigned char* __restrict__ s,
-                                                        unsigned char* __restrict__ out, long long nchunks, int K) {
-    for (long long c = blockIdx.x * (long long)NTHREADS + threadIdx.x; c < nchunks;
-         c += (long long)gridDim.x * NTHREADS) {
-        const long long e0 = c * 16;
-        const uint4 d = ld_nc16(q + e0);
-        unsigned char sb[16];
-        if (COLW) {
-            const long long m = e0 / K, k = e0 - m * K;
-            const uint4 sv = ld_nc16(s + (m >> 5) * K + k);
-            const unsigned sw[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-            for (int i = 0; i < 16; ++i) sb[i] = (unsigned char)(sw[i >> 2] >> (8 * (i & 3)));
-        } else {
-            const unsigned char b = s[e0 >> 5];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) sb[i] = b;
-        }
-        const unsigned dw[4] = {d.x, d.y, d.z, d.w};
-        float f[16];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) mx_e4m3x2_to_f32(dw[i >> 1] >> (16 * (i & 1)), f[2 * i], f[2 * i + 1]);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const float m = sb[i] == MX_SCALE_NAN ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)sb[i] - 127);
-            f[i] = mx_mul(f[i], m);
-        }
-        if (OUT == 0) {
-            uint4* dst = reinterpret_cast<uint4*>(out + e0 * 4);
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                dst[i] = make_uint4(__float_as_uint(f[4 * i]), __float_as_uint(f[4 * i + 1]),
-                                    __float_as_uint(f[4 * i + 2]), __float_as_uint(f[4 * i + 3]));
-        } else {
-            unsigned o[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] = mx_pack16x2<OUT>(f[2 * i], f[2 * i + 1]);
-            uint4* dst = reinterpret_cast<uint4*>(out + e0 * 2);
-            dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
-            dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
-        }
-    }
-}
+#include "quant_dequant.cuh"
 
 #include "quant_dual.cuh"
 

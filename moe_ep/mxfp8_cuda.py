@@ -20,7 +20,7 @@ Layouts (``x: [M, K]``, C = K // 32):
 
 Environment: ``MOE_EP_MXFP8_SOFT_CVT=1`` compiles the kernels with the software float->e4m3 conversion instead
 of the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (a debugging switch; both must give identical bytes).
-``MOE_EP_QUANT_PIPE`` (auto, 0-4) selects the tile pipelining of the quantization kernels
+``MOE_EP_QUANT_PIPE`` (auto, 0-5) selects the tile pipelining of the quantization kernels
 (:func:`moe_ep.quant_plan.pipe_switch`); :mod:`moe_ep.quant_plan` decides kernel, grid and shared memory.
 """
 
@@ -41,7 +41,7 @@ from .mxfp8 import (
 )
 
 _SRC = "quantize.cu"
-_THREADS = 256
+_THREADS = qp.THREADS  # CTA size of every kernel here but mx_quant's pipe 5 (quant_plan decides)
 
 
 def _kernel(name: str, device: torch.device):

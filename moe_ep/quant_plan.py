@@ -110,8 +110,9 @@ def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None)
 
 
 def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
-    """Grid of mx_quant: every tile (pipes 0 and 4; pipe 5: both 64-row halves of every tile) or a persistent grid
-    of CTAs-per-SM x SMs (kernels' QuantCfg)."""
+    """Grid of mx_quant: every tile (pipes 0 and 4; pipe 5: both 64-row halves of every tile, which :func:`quant_plan`
+    trims to ceil(M / 64) row tiles for plain scales) or a persistent grid of CTAs-per-SM x SMs (kernels'
+    QuantCfg)."""
     pipe = effective_pipe(es, rs_mode, cs_mode, pipe)
     if pipe in (0, 4, 5):
         return tiles * (2 if pipe == 5 else 1)
@@ -156,7 +157,7 @@ def dynamic_schedule(name: str, grid: int, tiles: int) -> bool:
 
     Example (persistent, MOE_EP_QUANT_PIPE=3): mx_quant<1,2,0> over 14336 tiles (32768 x 7168) on 396 CTAs: 36 per
     CTA -> True; 4096 tiles (32768 x 2048): 10.3 -> False; fused mx_quant<1,2,2> over 2048 tiles: 5.2 -> True; one
-    CTA per tile (pipes 0 and 4, the auto pipe of these modes) -> False.
+    CTA per tile (pipes 0, 4 and 5, the auto pipes of these modes) -> False.
     """
     v = sched_switch()
     if v == "static" or grid >= tiles or name.replace("mx_quant<", "mx_quant_dyn<", 1) not in NAMES:
@@ -298,15 +299,17 @@ def quant_plan(
     eff = effective_pipe(es, rs_mode, cs_mode, req)
     cp_async = eff in (3, 4, 5)  # the tile lands in shared-memory stages (pipes 4 and 5: one)
     # PIPE 3 buffers on 128 bytes (also the column modes' tile); 4: one tile per CTA, one buffer; 5: a 64-row one
-    stage = TILE * TILE * (1 if eff == 5 else 2)
+    stage = (TILE // 2 if eff == 5 else TILE) * TILE * 2
     stages = (1 if eff in (4, 5) else 2) * stage + 128 if cp_async else 0
     fixed = SMEM_FIXED + (SMEM_GPREP if cs_mode == CS["grouped_prep"] else 0)
     smem = (TILE * TILE * es if cs_mode and not cp_async else 0) + fixed + table + stages
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
     if dynamic_schedule(name, grid, tiles):
         name = name.replace("mx_quant<", "mx_quant_dyn<", 1)
-    if eff == 5:  # the kernel's row tiles are the 64-row halves (kernels/quantize.cu QuantCfg::ROWS)
-        return name, grid, smem, 2 * n_row_tiles, ctiles, THREADS // 2
+    if eff == 5:  # the kernel's row tiles are 64 rows (kernels/quantize.cu QuantCfg::ROWS); blocked scales: both
+        # halves of every 128-row scale tile, so that its padding rows are written too
+        halves = 2 * n_row_tiles if rs_mode == RS["blocked"] else cdiv(m, TILE // 2)
+        return name, halves * ctiles, smem, halves, ctiles, THREADS // 2
     return name, grid, smem, n_row_tiles, ctiles, THREADS
 
 

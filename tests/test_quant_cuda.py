@@ -170,16 +170,9 @@ def test_rowwise(dev, dtype, layout, pipe, monkeypatch):
         mxfp8_cuda.quantize_rowwise_into(x.to(dev), data, scale, layout)
         assert_bytes(data, ref.data, f"data {m}x{k}")
         assert_bytes(scale, ref.scale if layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k} {layout}")
-    code = quant_plan.IN[dtype]
-    assert set(names) == {f"mx_quant<{code},{quant_plan.RS[layout]},0>"}
-    half = (pipe == "5" or layout == "plain") and dtype != torch.float32
-    m, k = ROW_SMALL[-1]
-    plan = quant_plan.quant_plan(
-        torch.empty(m, k, dtype=dtype, device=dev), m, k, quant_plan.RS[layout], 0, 0, None, None
-    )
-    # 300 x 544: 3 x 5 tiles of 128 x 128; pipe 5: 6 x 5 tiles of 64 rows (the last 64-row tile of the padding
-    # only writes its zero scales), one 16 KB stage
-    assert plan[1:] == ((30, 16384 + 128 + quant_plan.SMEM_FIXED, 6, 5, 128) if half else (15, plan[2], 3, 5, 256))
+    # the launcher's CTA size must be the kernel's (the emulator checks it; the GPU rejects a larger one), and the
+    # plans themselves are pinned in test_quant_hostmath.test_pipe5_plan
+    assert set(names) == {f"mx_quant<{quant_plan.IN[dtype]},{quant_plan.RS[layout]},0>"}
 
 
 GROUP_CASES = [

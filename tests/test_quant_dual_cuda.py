@@ -74,12 +74,21 @@ def _check_dual(got, want, sizes, exact: bool = True):
 
 
 # bf16 runs through both grouped-dual kernels (MOE_EP_QUANT_DUAL): the register-tiled mx_quant_dual (default)
-# and mx_quant's shared-memory transpose; fp32 has only the latter (the switch does not apply to it).
+# and mx_quant's shared-memory transpose, on its auto pipe (3) and on pipe 4 (one CTA per tile, each scanning the
+# group table; "smem4"); fp32 has only the shared-memory kernel (the switch does not apply to it).
 DUAL_IMPLS = [
     pytest.param(torch.bfloat16, "reg", id="bf16-reg"),
     pytest.param(torch.bfloat16, "smem", id="bf16-smem"),
+    pytest.param(torch.bfloat16, "smem4", id="bf16-smem-pipe4"),
     pytest.param(torch.float32, "reg", id="fp32"),
 ]
+
+
+def _set_impl(monkeypatch, impl: str) -> None:
+    """MOE_EP_QUANT_DUAL (and, for "smem4", MOE_EP_QUANT_PIPE=4) of a DUAL_IMPLS entry."""
+    monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl.removesuffix("4"))
+    if impl == "smem4":
+        monkeypatch.setenv("MOE_EP_QUANT_PIPE", "4")
 
 
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
@@ -87,7 +96,7 @@ DUAL_IMPLS = [
 def test_grouped_dual_matches_reference(dev, sizes, dtype, impl, monkeypatch):
     from moe_ep.gemm import quantize_grouped_dual_torch
 
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl)
+    _set_impl(monkeypatch, impl)
     m, k = sum(sizes), 160
     x = _dual_input(m, k, dtype, seed=len(sizes) + m)
     st = torch.tensor(sizes, dtype=torch.int32)
@@ -103,7 +112,7 @@ def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype, impl, monkey
     MXFP8 column operand; nothing written past the last group's block."""
     from moe_ep.gemm import quantize_grouped_dual_torch
 
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl)
+    _set_impl(monkeypatch, impl)
     m, k = sum(sizes), 160
     x = _dual_input(m, k, dtype, seed=len(sizes) + m)
     if m >= 64:  # whole 32-row column blocks whose dequantized values fall below bf16's smallest normal: rounded once

@@ -233,7 +233,7 @@ def test_e4m3_decode(harness, tmp_path):
 
 # ------------------------------------------------------------------------------------------------------------
 # CPU emulator of kernels/quantize.cu: the real kernel source compiled as C++, one OS thread per CUDA thread
-# (256 per CTA, CTAs in sequence), __syncthreads and warp shuffles emulated with barriers. test_quant_cuda.py
+# (the launch's CTA size, CTAs in sequence), __syncthreads and warp shuffles emulated with barriers. test_quant_cuda.py
 # runs its whole suite through it (device "emu") by replacing mxfp8_cuda._launch.
 # ------------------------------------------------------------------------------------------------------------
 
@@ -341,6 +341,12 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, i
     return 0;
 }
 
+// kernels/quantize.cu's QuantCfg for (IN, RS, CS, PREQ): 5 pipe 5 (HALF), 4 pipe 4 (ONE), else QuantCfg::PIPE
+extern "C" int emu_pipe(int in, int rs, int cs, int pp) {
+    PIPE_TABLE
+    return -100;
+}
+
 extern "C" int emu_dequant(int out, int colw, int grid, const unsigned char* q, const unsigned char* s,
                            unsigned char* o, long long nchunks, int K) {
     DeqFn fn = nullptr;
@@ -386,8 +392,13 @@ def build_emulator(workdir: Path):
         )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
+    pt = " ".join(
+        f"if (in == {i} && rs == {r} && cs == {c} && pp == {q}) {{ using Q = QuantCfg<{i},{r},{c},{q}>;"
+        " return Q::HALF ? 5 : Q::ONE ? 4 : Q::PIPE; }"
+        for i, r, c, q in PIPE_CASES
+    )
     src = workdir / "emu.cpp"
-    src.write_text(EMU_SHIM.replace("QUANT_TABLE", qt).replace("DEQ_TABLE", dt))
+    src.write_text(EMU_SHIM.replace("QUANT_TABLE", qt).replace("DEQ_TABLE", dt).replace("PIPE_TABLE", pt))
     lib = workdir / "libmxemu.so"
     subprocess.run(
         [
@@ -411,8 +422,13 @@ def build_emulator(workdir: Path):
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     so.emu_quant.argtypes = [i, i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
+    so.emu_pipe.argtypes = [i, i, i, i]
     return so
 
+
+# every (IN, RS, CS, requested pipe) that QuantCfg can be asked about: IN 0-5 (fp32, bf16, fp16, the SwiGLU codes),
+# every row / column mode but (none, none), pipes auto (-1) and 0-5
+PIPE_CASES = [(i, r, c, q) for i in range(6) for r in range(5) for c in range(6) for q in range(-1, 6) if r or c]
 
 EMU_SCHED = torch.zeros(2, dtype=torch.int32)  # the emulator's dynamic-schedule counter (mxfp8_cuda._sched_counter)
 
@@ -510,8 +526,8 @@ def test_dynamic_schedule_choice(monkeypatch):
     x = torch.empty(0, dtype=torch.bfloat16)
     blocked, uniform = quant_plan.RS["blocked"], quant_plan.RS["uniform"]
     plan = quant_plan.quant_plan
-    # auto: row-only and fused take pipe 4 (one CTA per tile, one 32 KB stage: 3584 + 32768 + 128 bytes of shared
-    # memory), so no schedule to choose
+    # auto: row-only blocked and fused take pipe 4 (one CTA per tile, one 32 KB stage: 3584 + 32768 + 128 bytes of
+    # shared memory; row plain: pipe 5, 64-row tiles), so no schedule to choose
     assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:3] == ("mx_quant<1,2,0>", 14336, 36480)
     assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[:2] == ("mx_quant<1,2,2>", 2048)
     # grouped rows and 3-D weight scales stay persistent (pipe 3): 16384 x 7168 in 32 groups, (128 + 32) x 56 tiles;
@@ -527,6 +543,79 @@ def test_dynamic_schedule_choice(monkeypatch):
     monkeypatch.delenv("MOE_EP_QUANT_PIPE")
     # the weights' batched launch keeps the static order (its problems share no counter)
     assert quant_plan.batch_plan(torch.empty(0, dtype=torch.bfloat16), 4, 8192, 5120)[0] == "mx_quant_batch<1>"
+
+
+def test_kernel_pipe_matches_host(tmp_path):
+    """quant_plan.effective_pipe (grid, shared memory and CTA size are sized from it) == the pipe kernels/quantize.cu's
+    QuantCfg compiles, for every input code, row / column mode and requested pipe."""
+    from moe_ep import quant_plan
+
+    so = emulator(tmp_path)
+    if so is None:
+        pytest.skip("no C++ compiler")
+    bad = []
+    for i, r, c, q in PIPE_CASES:
+        es = 4 if i in (0, 3, 4, 5) else 2  # fp32 and the SwiGLU codes stage fp32 (quant_plan.quant_plan)
+        want, got = quant_plan.effective_pipe(es, r, c, q), so.emu_pipe(i, r, c, q)
+        if want != got:
+            bad.append(((i, r, c, q), want, got))
+    assert not bad, f"{len(bad)} of {len(PIPE_CASES)} differ, e.g. (IN, RS, CS, pipe), host, kernel: {bad[:5]}"
+
+
+def test_pipe5_plan(monkeypatch):
+    """Pipe 5 (64-row tiles of 128 threads): 16-bit row plain under auto, row plain / blocked under
+    MOE_EP_QUANT_PIPE=5, every other mode as pipe 4 (hand-worked plans)."""
+    from moe_ep import quant_plan
+
+    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
+    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
+    plain, blocked, col = quant_plan.RS["plain"], quant_plan.RS["blocked"], quant_plan.CS["blocked"]
+    x = torch.empty(0, dtype=torch.bfloat16)
+    stage5, stage4 = 64 * 256 + 128, 128 * 256 + 128  # one 64- or 128-row bf16 stage on 128 bytes
+    # [300, 544] plain under auto: ceil(300 / 64) = 5 row tiles x 5 column tiles, 128 threads
+    assert quant_plan.quant_plan(x, 300, 544, plain, 0, 0, None, None) == (
+        "mx_quant<1,1,0>",
+        25,
+        quant_plan.SMEM_FIXED + stage5,
+        5,
+        5,
+        128,
+    )
+    # blocked stays on pipe 4 under auto; under 5 it takes both halves of its 3 scale tiles (6 row tiles)
+    assert quant_plan.quant_plan(x, 300, 544, blocked, 0, 0, None, None)[1:] == (
+        15,
+        quant_plan.SMEM_FIXED + stage4,
+        3,
+        5,
+        256,
+    )
+    assert quant_plan.quant_plan(x.float(), 300, 544, plain, 0, 0, None, None)[1:] == (
+        15,
+        quant_plan.SMEM_FIXED,
+        3,
+        5,
+        256,
+    )  # fp32: pipe 0, no stage
+    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "5")
+    assert quant_plan.quant_plan(x, 300, 544, blocked, 0, 0, None, None)[1:] == (
+        30,
+        quant_plan.SMEM_FIXED + stage5,
+        6,
+        5,
+        128,
+    )
+    # fused and column-only run pipe 4's kernels (one 128-row tile per CTA of 256 threads)
+    assert quant_plan.quant_plan(x, 16384, 2048, blocked, col, 0, None, None)[1:] == (
+        2048,
+        quant_plan.SMEM_FIXED + stage4,
+        128,
+        16,
+        256,
+    )
+    assert quant_plan.effective_pipe(2, 0, col, 5) == 4
+    assert quant_plan.effective_pipe(2, quant_plan.RS["grouped"], 0, 5) == 4
+    assert quant_plan.effective_pipe(4, plain, 0, 5) == 0  # fp32: no cp.async path
+    assert quant_plan.quant_ctas(2048, 2, blocked, 0, torch.device("cpu"), 5) == 4096
 
 
 def test_quant_grid_full_and_balanced(monkeypatch):
