@@ -1,9 +1,9 @@
 // Element-level helpers of kernels/quantize.cu: loads, format conversions, SwiGLU forward/backward arithmetic
 // (bit for bit as torch on CUDA), block keys and chunk quantization. Included by quantize.cu only (it defines
-// the IN_* codes and TILE/NTHREADS first); the host fallbacks let tests/test_quant_hostmath.py emulate it on a CPU.
+// the IN_* codes and TILE/NTHREADS first); the host fallbacks let tests/quant_emu.py emulate it on a CPU.
 #pragma once
 
-// The asm helpers have host fallbacks only so that tests/test_quant_hostmath.py can run this file on the CPU.
+// The asm helpers have host fallbacks only so that tests/quant_emu.py can run this file on the CPU.
 __device__ __forceinline__ uint4 ld_nc16(const unsigned char* p) {
     uint4 r;
 #if defined(__CUDA_ARCH__)

@@ -53,7 +53,7 @@
 #define TILE 128
 #define NTHREADS 256
 
-#ifndef MX_DYN_SMEM  // the CPU emulator (tests/test_quant_hostmath.py) provides its own
+#ifndef MX_DYN_SMEM  // the CPU emulator (tests/quant_emu.py) provides its own
 #define MX_DYN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 #ifndef MX_CHECK_THREADS  // the CPU emulator checks that a launch has the CTA size the kernel was built for

@@ -4,7 +4,7 @@ shared memory (host arithmetic only; :mod:`moe_ep.mxfp8_cuda` launches what this
 Kernels: ``mx_quant`` (every mode; tile pipelining by MOE_EP_QUANT_PIPE), ``mx_quant_dual`` (bf16 grouped dual,
 kernels/quant_dual.cuh), ``mx_swiglu_dual`` (SwiGLU forward / backward, kernels/quant_swiglu.cuh), ``mx_dequant``.
 The mode codes (IN, RS, CS) are kernels/quantize.cu's. :func:`sm_count` is the one place that asks the device
-(the CPU emulator of tests/test_quant_hostmath.py replaces it).
+(the CPU emulator of tests/quant_emu.py replaces it).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every test runs on two backends:
   * ``cuda``: the real kernels (CuPy/NVRTC) on the GPU; skipped without CUDA (mark ``gpu``).
   * ``emu``: the same kernel source compiled as C++ and run on the CPU by the emulator of
-    tests/test_quant_hostmath.py (one OS thread per CUDA thread); skipped without a C++ compiler. It checks the
+    tests/quant_emu.py (one OS thread per CUDA thread); skipped without a C++ compiler. It checks the
     indexing, layouts, tiling and synchronization, but uses the host paths of the PTX helpers (software e4m3
     conversion); the ``cuda`` runs check the hardware conversions.
 The reference (moe_ep.mxfp8 *_torch functions) always runs on the CPU.
@@ -27,13 +27,13 @@ from moe_ep.mxfp8 import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import test_quant_hostmath as hostmath  # noqa: E402
+import quant_emu  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
 BACKENDS = [
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
-    pytest.param("emu", marks=pytest.mark.skipif(hostmath.CXX is None, reason="no C++ compiler")),
+    pytest.param("emu", marks=pytest.mark.skipif(quant_emu.CXX is None, reason="no C++ compiler")),
 ]
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 
@@ -44,7 +44,7 @@ def backend_dev(request, monkeypatch, tmp_path_factory) -> torch.device:
     ``dev``; tests/test_quant_dual_cuda.py imports it)."""
     if request.param == "cuda":
         return torch.device("cuda")
-    hostmath.install_emulator(monkeypatch, tmp_path_factory.getbasetemp() / "mxemu")
+    quant_emu.install_emulator(monkeypatch, tmp_path_factory.getbasetemp() / "mxemu")
     return torch.device("cpu")
 
 

@@ -3,7 +3,7 @@ blocked scales plus the per-group column-wise operand, of x itself (mx_quant_dua
 transpose) and of the SwiGLU forward / backward (mx_swiglu_dual, or mx_quant): bytes == the reference's bytes.
 
 Runs on the two backends of tests/test_quant_cuda.py (``cuda``, and ``emu``: the kernel source run on the CPU by
-the emulator of tests/test_quant_hostmath.py). The emulator's SwiGLU uses the host ``expf``, which may differ from
+the emulator of tests/quant_emu.py). The emulator's SwiGLU uses the host ``expf``, which may differ from
 torch's by an ulp, so against the reference it checks layouts with a 1 % allowance; kernel against kernel (the
 register-tiled one against mx_quant, both emulated with the same ``expf``) it is exact.
 """

@@ -1,0 +1,270 @@
+"""CPU emulator of kernels/quantize.cu (a test helper, not a test module): the real kernel source compiled as C++
+and run with one OS thread per CUDA thread. tests/test_quant_cuda.py and tests/test_quant_dual_cuda.py run their
+whole suites through it (device "emu"); tests/test_quant_hostmath.py checks it and the launch plans."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU emulator of kernels/quantize.cu: the real kernel source compiled as C++, one OS thread per CUDA thread
+# (the launch's CTA size, CTAs in sequence), __syncthreads and warp shuffles emulated with barriers. test_quant_cuda.py
+# runs its whole suite through it (device "emu") by replacing mxfp8_cuda._launch.
+# ------------------------------------------------------------------------------------------------------------
+
+EMU_SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+struct dim3 { unsigned x = 0, y = 1, z = 1; };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) alignas(n)
+thread_local dim3 threadIdx, blockIdx;
+static dim3 gridDim, blockDim;
+alignas(128) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // >= every plan's dynamic shared memory (227 KiB)
+#define MX_DYN_SMEM(name) unsigned char* name = g_smem
+static bool g_bad_threads;
+#define MX_CHECK_THREADS(n) if (blockDim.x != (unsigned)(n)) g_bad_threads = true
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline unsigned __vmaxu2(unsigned a, unsigned b) {
+    return max(a & 0xFFFFu, b & 0xFFFFu) | (max(a >> 16, b >> 16) << 16);
+}
+static inline unsigned __vminu2(unsigned a, unsigned b) {
+    return min(a & 0xFFFFu, b & 0xFFFFu) | (min(a >> 16, b >> 16) << 16);
+}
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+    return r;
+}
+static std::barrier<>* g_cta;
+static std::barrier<>* g_warp[8];
+static uint64_t g_shfl[8][32];
+static inline void __syncthreads() { g_cta->arrive_and_wait(); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+template <class T> static T shfl_impl(T v, int src_of_lane_delta, bool xr) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint64_t u = 0; memcpy(&u, &v, sizeof(T));
+    g_shfl[warp][lane] = u;
+    g_warp[warp]->arrive_and_wait();
+    int src = xr ? (lane ^ src_of_lane_delta) : (lane - src_of_lane_delta);
+    T r = v;
+    if (src >= 0 && src < 32) memcpy(&r, &g_shfl[warp][src], sizeof(T));
+    g_warp[warp]->arrive_and_wait();
+    return r;
+}
+template <class T> static T __shfl_xor_sync(unsigned, T v, int o) { return shfl_impl(v, o, true); }
+template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_impl(v, o, false); }
+#include "quantize.cu"
+
+template <class F> static void run_grid(int grid, F f, int grid_y = 1, int threads = 256) {
+    gridDim.x = grid; gridDim.y = grid_y; blockDim.x = threads;
+    std::barrier<> cta(threads);
+    std::vector<std::barrier<>*> w;
+    for (int i = 0; i < threads / 32; ++i) w.push_back(new std::barrier<>(32));
+    g_cta = &cta;
+    for (int i = 0; i < threads / 32; ++i) g_warp[i] = w[i];
+    std::vector<std::thread> th;
+    for (int t = 0; t < threads; ++t) th.emplace_back([&, t] {
+        threadIdx.x = t;
+        for (int y = 0; y < grid_y; ++y)
+            for (int b = 0; b < grid; ++b) { blockIdx.x = b; blockIdx.y = y; f(); cta.arrive_and_wait(); }
+    });
+    for (auto& x : th) x.join();
+    for (auto* b : w) delete b;
+}
+
+typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, unsigned char*, unsigned char*,
+                        unsigned char*, const int*, int, long long, int, int, const unsigned char*, unsigned*);
+typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
+
+// Shared memory past the launch's dynamic size is filled with a canary before the grid runs and checked after it:
+// a kernel that writes beyond what the launcher allocated (a wrong size formula) fails with rc 2.
+extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, int threads, long long smem,
+                         const unsigned char* x,
+                         long long M, int K, unsigned char* rq, unsigned char* rsp, unsigned char* cq,
+                         unsigned char* csp, const int* g, int G, long long group_rows, int nrt, int ctiles,
+                         const unsigned char* x2, unsigned* sched) {
+    QuantFn fn = nullptr;
+    QUANT_TABLE
+    if (!fn) return 1;
+    if (smem > (long long)sizeof(g_smem)) return 3;
+    if (threads < 32 || threads > 256 || threads % 32) return 4;
+    memset(g_smem, 0xA5, sizeof(g_smem));
+    g_bad_threads = false;
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2, sched); }, grid_y, threads);
+    if (g_bad_threads) return 5;
+    for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
+        if (g_smem[i] != 0xA5) return 2;
+    return 0;
+}
+
+// kernels/quantize.cu's QuantCfg for (IN, RS, CS, PREQ): 5 pipe 5 (HALF), 4 pipe 4 (ONE), else QuantCfg::PIPE
+extern "C" int emu_pipe(int in, int rs, int cs, int pp) {
+    PIPE_TABLE
+    return -100;
+}
+
+extern "C" int emu_dequant(int out, int colw, int grid, const unsigned char* q, const unsigned char* s,
+                           unsigned char* o, long long nchunks, int K) {
+    DeqFn fn = nullptr;
+    DEQ_TABLE
+    if (!fn) return 1;
+    run_grid(grid, [&] { fn(q, s, o, nchunks, K); });
+    return 0;
+}
+"""
+
+
+def build_emulator(workdir: Path):
+    """Compile the kernel emulator as a shared library; returns a ctypes.CDLL (or None without a compiler)."""
+    import ctypes  # noqa: PLC0415
+
+    from moe_ep import quant_plan  # noqa: PLC0415
+
+    if CXX is None:
+        return None
+    qt = (
+        " ".join(
+            f"if (in == {i} && rs == {r} && cs == {c} && pp < 0) fn = &mx_quant<{i},{r},{c}>;"
+            for i, r, c in quant_plan.QUANT_COMBOS
+        )
+        + " ".join(
+            f"if (in == {i} && rs == {r} && cs == {c} && pp == 4) fn = &mx_quant<{i},{r},{c},4>;"
+            for i, r, c in quant_plan.ONE_COMBOS
+        )
+        + " ".join(
+            f"if (in == 1 && rs == 3 && cs == {c} && pp == -{st}) fn = &mx_quant_dual<1,{c},{st}>;"
+            for c in quant_plan.DUAL_CS
+            for st in quant_plan.DUAL_STAGES
+        )
+        + " ".join(
+            f"if (in == {3 + 2 * b} && rs == 3 && cs == {c} && pp == -{10 + st}) fn = &mx_swiglu_dual<{b},{c},{st}>;"
+            for b, st in ((0, 2), (0, 3), (1, 2))
+            for c in quant_plan.DUAL_CS
+        )
+        + " ".join(f"if (in == {i} && rs == 2 && cs == 2 && pp == 100) fn = &mx_quant_batch<{i}>;" for i in range(3))
+        + " ".join(
+            f"if (in == {i} && rs == {r} && cs == {c} && pp == 200) fn = &mx_quant_dyn<{i},{r},{c}>;"
+            for i, r, c in quant_plan.DYN_COMBOS
+        )
+    )
+    dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
+    pt = " ".join(
+        f"if (in == {i} && rs == {r} && cs == {c} && pp == {q}) {{ using Q = QuantCfg<{i},{r},{c},{q}>;"
+        " return Q::HALF ? 5 : Q::ONE ? 4 : Q::PIPE; }"
+        for i, r, c, q in PIPE_CASES
+    )
+    src = workdir / "emu.cpp"
+    src.write_text(EMU_SHIM.replace("QUANT_TABLE", qt).replace("DEQ_TABLE", dt).replace("PIPE_TABLE", pt))
+    lib = workdir / "libmxemu.so"
+    subprocess.run(
+        [
+            CXX,
+            "-O1",
+            "-std=c++20",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-fno-strict-aliasing",
+            "-Wno-unknown-pragmas",
+            f"-I{KERNELS}",
+            *quant_plan.options(),  # the same -D switches as the NVRTC build (MOE_EP_QUANT_PIPE, ...)
+            str(src),
+            "-o",
+            str(lib),
+        ],
+        check=True,
+    )
+    so = ctypes.CDLL(str(lib))
+    i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    so.emu_quant.argtypes = [i, i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p, p]
+    so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
+    so.emu_pipe.argtypes = [i, i, i, i]
+    return so
+
+
+# every (IN, RS, CS, requested pipe) that QuantCfg can be asked about: IN 0-5 (fp32, bf16, fp16, the SwiGLU codes),
+# every row / column mode but (none, none), pipes auto (-1) and 0-5
+PIPE_CASES = [(i, r, c, q) for i in range(6) for r in range(5) for c in range(6) for q in range(-1, 6) if r or c]
+
+EMU_SCHED = torch.zeros(2, dtype=torch.int32)  # the emulator's dynamic-schedule counter (mxfp8_cuda._sched_counter)
+
+
+_EMU_BY_OPTIONS: dict[tuple[str, ...], object] = {}  # emulators by the -D switches they were built with
+
+
+def emulator(workdir: Path):
+    """The emulator of the kernels as NVRTC would compile them now (quant_plan.options(): the kernels' default pipe
+    is a compile-time switch, so a test that sets MOE_EP_QUANT_PIPE gets its own build), built once per option set
+    into a directory under ``workdir``."""
+    from moe_ep import quant_plan  # noqa: PLC0415
+
+    opts = quant_plan.options()
+    if opts not in _EMU_BY_OPTIONS:
+        d = workdir / f"emu{len(_EMU_BY_OPTIONS)}"
+        d.mkdir(parents=True, exist_ok=True)
+        _EMU_BY_OPTIONS[opts] = build_emulator(d)
+    return _EMU_BY_OPTIONS[opts]
+
+
+def install_emulator(monkeypatch, workdir: Path) -> None:
+    """Route moe_ep.mxfp8_cuda's launches for CPU tensors to :func:`emulator` (builds under ``workdir``)."""
+    import re  # noqa: PLC0415
+
+    from moe_ep import mxfp8_cuda, quant_plan  # noqa: PLC0415
+
+    def launch(name, grid, args, shared_mem, device, threads=256):
+        so = emulator(workdir)
+        params = [int(v) for v in re.findall(r"\d+", name)]
+        a = [int(v) for v in args]
+        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)  # 2-D: the batched weight launch
+        t = (gx, gy, threads, shared_mem)
+        if name.startswith("mx_quant_dual"):  # mx_quant_dual<in,cs,stages>: grouped rows; pipe code -stages
+            rc = so.emu_quant(params[0], 3, params[1], -params[2], *t, *a)
+        elif name.startswith("mx_swiglu_dual"):  # mx_swiglu_dual<bwd,cs,stages>: IN 3 / 5, pipe code -(10 + stages)
+            rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], *t, *a)
+        elif name.startswith("mx_quant_batch"):  # mx_quant_batch<in>: the fused blocked mode, pipe code 100
+            rc = so.emu_quant(params[0], 2, 2, 100, *t, *a)
+        elif name.startswith("mx_quant_dyn"):  # mx_quant_dyn<in,rs,cs>, the dynamic tile schedule: pipe code 200
+            rc = so.emu_quant(*params[:3], 200, *t, *a)
+        elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
+            rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, *t, *a)
+        else:
+            assert gy == 1 and threads == 256
+            rc = so.emu_dequant(*params, gx, *a)
+        assert rc != 2, f"{name} wrote shared memory past the {shared_mem} bytes the launcher allocated"
+        assert rc != 3, f"{name}: the launch asks for {shared_mem} bytes of shared memory, more than the emulator has"
+        assert rc != 4, f"{name}: {threads} threads per CTA, not a multiple of 32 up to 256"
+        assert rc != 5, f"{name}: launched with {threads} threads per CTA, not the kernel's"
+        assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
+
+    monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
+    # one counter for every launch, as on one stream: a launch that did not set it back to zero fails the next one
+    monkeypatch.setattr(mxfp8_cuda, "_sched_counter", lambda d: EMU_SCHED)
+    monkeypatch.setattr(mxfp8_cuda, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 2)
