@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_gemm import env_restored, round_order  # noqa: E402
+from bench_gemm import env_restored  # noqa: E402
 
 from moe_ep import mxfp8_cuda, quant_plan  # noqa: E402
 from moe_ep.gemm_operands import colwise_prep_rows_used  # noqa: E402
@@ -111,6 +111,17 @@ def copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def probe_tile_fn(x: torch.Tensor, out: torch.Tensor):
+    """Closure launching kernels/bench_probe.cu's probe_tile: x [M, K] bf16 -> out [M, K] uint8 (the low byte of
+    every element), one 128 x 128 tile per CTA; M and K multiples of 128 (:func:`probe_tiles`)."""
+    from moe_ep import _cuda  # noqa: PLC0415
+
+    ctiles, rtiles = probe_tiles(x, "probe_tile")
+    fn = _cuda.get_function("bench_probe.cu", "probe_tile")
+    args = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(x.shape[0]), _cuda.i32(x.shape[1]), _cuda.i32(ctiles))
+    return lambda: _cuda.launch(fn, rtiles * ctiles, 256, args)
+
+
 def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
     """Bytes/s of kernels/bench_probe.cu on x's traffic (read 2 B + write 1 B per element, no arithmetic; the
     ``fused_*`` probes write a second byte per element at the transposed output's addresses).
@@ -126,19 +137,13 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
     nchunks = m * k // 8
     sms = _cuda.num_sms(x.device)
     lin = _cuda.get_function("bench_probe.cu", "probe_linear")
-    til = _cuda.get_function("bench_probe.cu", "probe_tile")
-    ctiles = -(-k // 128)
-    grid_tile = -(-m // 128) * ctiles
+    ctiles, rtiles = probe_tiles(x, "probe_bandwidths")
+    grid_tile = rtiles * ctiles
     grid_lin = max(1, min(-(-nchunks // (256 * 8)), 3 * sms))
     res = {}
     for name, fn in (
         ("linear", lambda: _cuda.launch(lin, grid_lin, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(nchunks)))),
-        (
-            "tile",
-            lambda: _cuda.launch(
-                til, grid_tile, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
-            ),
-        ),
+        ("tile", probe_tile_fn(x, out)),
     ):
         fn()
         torch.cuda.synchronize()
@@ -299,40 +304,6 @@ def _launcher(fn, *outs: torch.Tensor):
     return fn
 
 
-def ab_start(reps: int) -> tuple[Timer, float]:
-    """The prof_quant_* A/B scripts' timer (bench_quant's flushed-L2 timer, median of ``reps``) and the copy
-    bandwidth (bytes/s) measured with it, printed."""
-    timer = Timer(reps, warmup=3)
-    bw = copy_bandwidth(timer)
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    return timer, bw
-
-
-def ab_inputs(shapes: str):
-    """x [M, K] bf16 on the GPU, N(0, 16), per entry "MxK" of ``shapes`` ("16384x2048,...")."""
-    for shape in shapes.split(","):
-        m, k = (int(v) for v in shape.split("x"))
-        yield torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
-
-
-def ab_rounds(timer: Timer, fns: dict, apply, rounds: int, nbytes: int, bw: float) -> dict[str, dict]:
-    """In-process A/B of the prof_quant_* scripts: every configuration's launcher ``fns[c]`` timed in ``rounds``
-    rounds in bench_gemm.round_order, ``apply(c)`` setting c's environment before each timing. Per
-    configuration: the median over rounds in us and in % of the copy bandwidth ``bw`` (``nbytes`` moved), and the
-    rounds' times in ms."""
-    names = list(fns)
-    times: dict[str, list[float]] = {c: [] for c in names}
-    for r in range(rounds):
-        for c in round_order(names, r):
-            apply(c)
-            times[c].append(timer(fns[c]))
-    out = {}
-    for c in names:
-        t = statistics.median(times[c])
-        out[c] = {"us": 1e3 * t, "pct_copy": 100 * nbytes / (t * 1e-3) / bw, "rounds_ms": times[c]}
-    return out
-
-
 def run_filled(fn) -> tuple[torch.Tensor, ...]:
     """fn's outputs (``fn.outs``, as bytes) after one launch into buffers prefilled with 0xAB, so that bytes no
     launch wrote show as junk."""
@@ -344,33 +315,6 @@ def run_filled(fn) -> tuple[torch.Tensor, ...]:
 
 def same_bytes(a: tuple, b: tuple) -> bool:
     return all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
-
-
-def ab_row(timer: Timer, bw: float, x: torch.Tensor, variant: str, groups: int, apply, names, rounds: int) -> dict:
-    """One row of the prof_quant_* A/B scripts: every configuration in ``names`` (``apply(c)`` sets its
-    environment) checked against the reference (``check``, 512 rows) and, whole output into 0xAB-filled buffers,
-    byte for byte against the first configuration's; then timed by :func:`ab_rounds`. Raises SystemExit on a
-    mismatch."""
-    m, k = x.shape
-    fns, nbytes, first = {}, 0, None
-    for c in names:
-        apply(c)
-        if not check(variant, x, groups):
-            raise SystemExit(f"{variant} {m}x{k} {c}: bytes differ from the reference")
-        fns[c], nbytes = kernel_fn(variant, x, groups)
-        got = run_filled(fns[c])
-        if first is None:
-            first = got
-        elif not same_bytes(first, got):
-            raise SystemExit(f"{variant} {m}x{k} {c}: the whole output differs from {names[0]}'s")
-    return {"variant": variant, "M": m, "K": k, "bytes": nbytes, **ab_rounds(timer, fns, apply, rounds, nbytes, bw)}
-
-
-def ab_line(row: dict, names) -> str:
-    """One printed line of an A/B row: variant, M, K, then each configuration's us and % of copy."""
-    return f"{row['variant']:<18} {row['M']:>7} {row['K']:>5}  " + "  ".join(
-        f"{c} {row[c]['us']:7.1f} us {row[c]['pct_copy']:5.1f}%" for c in names
-    )
 
 
 def kernel_fn(variant: str, x: torch.Tensor, groups: int):

@@ -20,9 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_quant import kernel_fn  # noqa: E402
-
-from moe_ep import _cuda  # noqa: E402
+from bench_quant import kernel_fn, probe_tile_fn  # noqa: E402
 
 
 def main() -> None:
@@ -44,12 +42,9 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"{v} {m}x{k} launched", flush=True)
         if args.probe:
-            out = torch.empty(m, k, dtype=torch.uint8, device="cuda")
-            til = _cuda.get_function("bench_probe.cu", "probe_tile")
-            ctiles = -(-k // 128)
-            pargs = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
+            probe = probe_tile_fn(x, torch.empty(m, k, dtype=torch.uint8, device="cuda"))
             for _ in range(2):
-                _cuda.launch(til, -(-m // 128) * ctiles, 256, pargs)
+                probe()
                 torch.cuda.synchronize()
 
 

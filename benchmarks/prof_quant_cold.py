@@ -1,7 +1,8 @@
 """Does the quantizer pay for starting cold? (a profiling aid; bench_quant.py is the benchmark)
 
     python benchmarks/prof_quant_cold.py [--shapes 16384x2048,...] [--variants row_blocked,row_plain,fused]
-                                         [--rounds 6] [--reps 20] [--touch-mb 0.5,2,8] [--json PATH]
+                                         [--groups 32] [--rounds 6] [--reps 20] [--touch-mb 0.5,2,8]
+                                         [--json PATH]
 
 bench_quant's timer flushes the L2 (a 256 MiB read) before every timed launch. This script times the same launch
 with one more kernel run between the flush and the start event (Timer's ``before`` hook), and reports each
@@ -25,8 +26,6 @@ prefetched the timed input; the x_* rows measure that effect on purpose.)
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import round_order  # noqa: E402
-from bench_quant import Timer, ab_inputs, ab_start, check, kernel_fn, write_results  # noqa: E402
+from bench_quant import Timer, check, kernel_fn, probe_tile_fn, probe_tiles, write_results  # noqa: E402
+from quant_ab import ab_inputs, ab_parser, ab_rounds, ab_start  # noqa: E402
 
 from moe_ep import _cuda, quant_plan  # noqa: E402
 
@@ -51,40 +50,31 @@ def launcher(name: str, grid: int, args: tuple, shared_mem: int = 0, block: int 
 
 
 def probe(name: str, x: torch.Tensor, out: torch.Tensor, out2: torch.Tensor):
-    """probe_tile / probe_dual (order 6) over x [M, K] bf16, M and K multiples of 128."""
-    m, k = x.shape
-    p = _cuda.ptr
+    """probe_tile / probe_dual (order 6: both row-major outputs) over x [M, K] bf16, M and K multiples of 128."""
     if name == "probe_tile":
-        args = (p(x), p(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(k // 128))
-    else:
-        args = (p(x), p(out), p(out2), _cuda.i64(m), _cuda.i32(k), _cuda.i32(k // 128), _cuda.i32(6))
-    return launcher(name, m // 128 * (k // 128), args)
+        return probe_tile_fn(x, out)
+    ctiles, rtiles = probe_tiles(x, name)
+    p = _cuda.ptr
+    args = (p(x), p(out), p(out2), _cuda.i64(x.shape[0]), _cuda.i32(x.shape[1]), _cuda.i32(ctiles), _cuda.i32(6))
+    return launcher(name, rtiles * ctiles, args)
 
 
-def timed(timer: Timer, configs: dict, fn, rounds: int) -> dict[str, float]:
-    """Median over rounds (us) of fn with each configuration's before-hook (None: plain) on ``timer``."""
-    t: dict[str, list[float]] = {c: [] for c in configs}
-    for r in range(rounds):
-        for c in round_order(list(configs), r):
-            timer.before = configs[c]
-            t[c].append(1e3 * timer(fn))
+def timed(timer: Timer, bw: float, configs: dict, fn, rounds: int, nbytes: int) -> dict[str, float]:
+    """``{c}_us`` / ``{c}_pct_copy`` of fn with each configuration's before-hook (None: plain) on ``timer``
+    (quant_ab.ab_rounds: the median over alternating rounds)."""
+    res = ab_rounds(timer, {c: fn for c in configs}, lambda c: setattr(timer, "before", configs[c]), rounds, nbytes, bw)
     timer.before = None
-    return {c: statistics.median(v) for c, v in t.items()}
+    return {f"{c}_{k}": r[k] for c, r in res.items() for k in ("us", "pct_copy")}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="16384x2048,32768x2048")
-    ap.add_argument("--variants", default="row_blocked,row_plain,fused")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=20)
+    ap = ab_parser(__doc__, "row_blocked,row_plain,fused", rounds=6, shapes="16384x2048,32768x2048")
     ap.add_argument(
         "--touch-mb",
         type=lambda v: [float(t) for t in v.split(",")],
         default=[0.5, 2.0, 8.0],
         help="probe_touch volumes (MB, each over 256 CTAs; cp_async holds a CTA's share in shared memory)",
     )
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     _, bw = ab_start(args.reps)
     sms = quant_plan.sm_count(torch.device("cuda"))
@@ -99,13 +89,13 @@ def main() -> None:
         for variant in args.variants.split(","):
             if not check(variant, x):
                 raise SystemExit(f"{variant} {m}x{k}: bytes differ from the reference")
-            fn, nbytes = kernel_fn(variant, x, 32)
+            fn, nbytes = kernel_fn(variant, x, args.groups)
             smem = quant_plan.quant_plan(x, m, k, *_modes(variant), 0, None, None)[2]
             configs = {
                 "plain": None,
-                "same": kernel_fn(variant, xs, 32)[0],
-                "other": kernel_fn("row_blocked" if variant == "row_plain" else "row_plain", xs, 32)[0],
-                "one_cta": kernel_fn(variant, x[:128, :128].contiguous(), 32)[0],
+                "same": kernel_fn(variant, xs, args.groups)[0],
+                "other": kernel_fn("row_blocked" if variant == "row_plain" else "row_plain", xs, args.groups)[0],
+                "one_cta": kernel_fn(variant, x[:128, :128].contiguous(), args.groups)[0],
                 "probe": probe("probe_tile", xs, out, out2),
                 "hold_smem": launcher("probe_hold", 5 * sms, (_cuda.i64(3000),), shared_mem=smem),
             }
@@ -117,19 +107,21 @@ def main() -> None:
                     targs = (_cuda.ptr(x), _cuda.ptr(scratch), _cuda.i32(n), _cuda.i32(256), _cuda.i32(mode))
                     label = f"st_{mb:g}MB" if kind == "st" else f"x_{kind}_{mb:g}MB"
                     configs[label] = launcher("probe_touch", 256, targs, n if mode == 0 else 0)
-            us = timed(timer, configs, fn, args.rounds)
-            row = {"variant": variant, "M": m, "K": k, "bytes": nbytes}
-            row.update({f"{c}_us": v for c, v in us.items()})
-            row.update({f"{c}_pct_copy": 100 * nbytes / (v * 1e-6) / bw for c, v in us.items()})
-            rows.append(row)
-            print(f"{variant:<12} {m:>6}x{k:<5} " + "  ".join(f"{c} {v:6.2f}" for c, v in us.items()), flush=True)
-        for name in ("probe_tile", "probe_dual"):
-            us = timed(
-                timer, {"plain": None, "same": probe(name, xs, out, out2)}, probe(name, x, out, out2), args.rounds
-            )
-            rows.append({"variant": name, "M": m, "K": k, **{f"{c}_us": v for c, v in us.items()}})
-            print(f"{name:<12} {m:>6}x{k:<5} " + "  ".join(f"{c} {v:6.2f}" for c, v in us.items()), flush=True)
+            rows.append({"variant": variant, "M": m, "K": k, "bytes": nbytes})
+            rows[-1].update(timed(timer, bw, configs, fn, args.rounds, nbytes))
+            print(_line(rows[-1], configs), flush=True)
+        for name, nbytes in (("probe_tile", 3 * m * k), ("probe_dual", 4 * m * k)):
+            configs = {"plain": None, "same": probe(name, xs, out, out2)}
+            rows.append({"variant": name, "M": m, "K": k, "bytes": nbytes})
+            rows[-1].update(timed(timer, bw, configs, probe(name, x, out, out2), args.rounds, nbytes))
+            print(_line(rows[-1], configs), flush=True)
     write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
+
+
+def _line(row: dict, configs) -> str:
+    return f"{row['variant']:<12} {row['M']:>6}x{row['K']:<5} " + "  ".join(
+        f"{c} {row[c + '_us']:6.2f}" for c in configs
+    )
 
 
 def _modes(variant: str) -> tuple[int, int]:

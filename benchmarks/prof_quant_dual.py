@@ -8,7 +8,7 @@ mx_quant's shared-memory transpose (MOE_EP_QUANT_DUAL=smem); ``regN`` is the reg
 cp.async stages (MOE_EP_QUANT_DUAL=reg, MOE_EP_QUANT_DUAL_STAGES=N), or for the SwiGLU variants
 (``--variants swiglu_dual_prep,swiglu_bwd_dual_prep``) mx_swiglu_dual (forward: 2 or 3 stages). For each
 shape and variant every configuration is first checked byte for byte against the reference (bench_quant.check) and,
-whole output, against the first configuration's (bench_quant.ab_row), then timed in ``--rounds`` rounds in
+whole output, against the first configuration's (quant_ab.ab_row), then timed in ``--rounds`` rounds in
 bench_gemm.round_order, each the median of ``--reps`` launches with
 bench_quant's flushed-L2 timer; reported: the median over rounds, in us and in % of the copy bandwidth measured in
 the same process (bytes as bench_quant counts them).
@@ -16,7 +16,6 @@ the same process (bytes as bench_quant counts them).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import ab_inputs, ab_line, ab_row, ab_start, write_results  # noqa: E402
+from quant_ab import ab_parser, ab_run  # noqa: E402
 
 from moe_ep import _cuda  # noqa: E402
 
@@ -55,24 +54,10 @@ def config_env(name: str) -> dict[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ab_parser(__doc__, "grouped_dual,grouped_dual_prep", rounds=4)
     ap.add_argument("--configs", default="smem,reg2,reg4")
-    ap.add_argument("--variants", default="grouped_dual,grouped_dual_prep")
-    ap.add_argument("--shapes", default="16384x2048,16384x7168,32768x2048,32768x7168,131072x2048,131072x7168")
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    configs = args.configs.split(",")
-    timer, bw = ab_start(args.reps)
-    rows = []
-    for x in ab_inputs(args.shapes):
-        for v in args.variants.split(","):
-            row = ab_row(timer, bw, x, v, args.groups, lambda c: os.environ.update(config_env(c)), configs, args.rounds)
-            rows.append(row)
-            print(ab_line(row, configs), flush=True)
-    write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
+    ab_run(args, lambda c: os.environ.update(config_env(c)), args.configs.split(","))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ then all are timed in ``--rounds`` rounds in bench_gemm.round_order with bench_q
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import ab_inputs, ab_line, ab_row, ab_start, write_results  # noqa: E402
+from quant_ab import ab_parser, ab_run  # noqa: E402
 
 DEFAULT_CONFIGS = '{"auto": {}, "pipe4": {"MOE_EP_QUANT_PIPE": "4"}, "pipe3": {"MOE_EP_QUANT_PIPE": "3"}}'
 KEYS = ("MOE_EP_QUANT_PIPE", "MOE_EP_NVRTC_OPTIONS", "MOE_EP_QUANT_SCHED")
@@ -42,27 +41,14 @@ def use(configs: dict[str, dict[str, str]], name: str | None) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ab_parser(__doc__, "row_blocked,row_plain,row_grouped,fused,col_blocked", rounds=6)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="JSON object: name -> environment")
-    ap.add_argument("--shapes", default="16384x2048,16384x7168,32768x2048,32768x7168,131072x2048,131072x7168")
-    ap.add_argument("--variants", default="row_blocked,row_plain,row_grouped,fused,col_blocked")
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     configs: dict[str, dict[str, str]] = json.loads(args.configs)
     if not torch.cuda.is_available():
         raise SystemExit("prof_quant_pipes.py needs a CUDA GPU")
-    timer, bw = ab_start(args.reps)
-    rows = []
-    for x in ab_inputs(args.shapes):
-        for v in args.variants.split(","):
-            row = ab_row(timer, bw, x, v, args.groups, lambda c: use(configs, c), list(configs), args.rounds)
-            rows.append(row)
-            print(ab_line(row, configs), flush=True)
+    ab_run(args, lambda c: use(configs, c), list(configs))
     use(configs, None)
-    write_results(args.json, rows, bw, **{**vars(args), "json": str(args.json)})
 
 
 if __name__ == "__main__":

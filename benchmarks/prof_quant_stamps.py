@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gemm import env_restored, round_order  # noqa: E402
-from bench_quant import Timer, check, kernel_fn, probe_tiles, write_results  # noqa: E402
+from bench_quant import Timer, check, kernel_fn, probe_tile_fn, probe_tiles, write_results  # noqa: E402
 
 from moe_ep import _cuda, quant_plan  # noqa: E402
 
@@ -98,10 +98,7 @@ def carveout(args) -> None:
     for shape in args.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
-        out = torch.empty(m, k, dtype=torch.uint8, device="cuda")
-        til = _cuda.get_function("bench_probe.cu", "probe_tile")
-        pargs = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(k // 128))
-        fns = {"probe_tile": lambda til=til, pargs=pargs, n=m // 128 * (k // 128): _cuda.launch(til, n, 256, pargs)}
+        fns = {"probe_tile": probe_tile_fn(x, torch.empty(m, k, dtype=torch.uint8, device="cuda"))}
         for v in ("row_blocked", "fused", "grouped_dual"):
             if not check(v, x):
                 raise SystemExit(f"{v} {shape}: bytes differ from the reference")
@@ -143,10 +140,7 @@ def main() -> None:
         ctiles, rtiles = probe_tiles(x, "probe_tile")
         if rtiles * ctiles > STAMP_CTAS:  # the one-tile-per-CTA grids would be stamped only in part
             raise SystemExit(f"{shape}: {rtiles * ctiles} tiles, more CTAs than the {STAMP_CTAS} stamped")
-        out = torch.empty(m, k, dtype=torch.uint8, device="cuda")
-        til = _cuda.get_function("bench_probe.cu", "probe_tile")
-        pargs = (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
-        probe = lambda til=til, pargs=pargs, n=rtiles * ctiles: _cuda.launch(til, n, 256, pargs)
+        probe = probe_tile_fn(x, torch.empty(m, k, dtype=torch.uint8, device="cuda"))
         kernels = {}
         for name, pipe in (("row_blocked", "auto"), ("row_blocked_pipe0", "0")):
             with env_restored("MOE_EP_QUANT_PIPE"):
