@@ -110,12 +110,11 @@ def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None)
 
 
 def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
-    """Grid of mx_quant: every tile (pipes 0 and 4; pipe 5: both 64-row halves of every tile, which :func:`quant_plan`
-    trims to ceil(M / 64) row tiles for plain scales) or a persistent grid of CTAs-per-SM x SMs (kernels'
-    QuantCfg)."""
+    """Grid of mx_quant over ``tiles`` tiles: one CTA per tile (pipes 0, 4 and 5; pipe 5's tiles are 64 rows,
+    :func:`quant_plan` counts them) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
     pipe = effective_pipe(es, rs_mode, cs_mode, pipe)
     if pipe in (0, 4, 5):
-        return tiles * (2 if pipe == 5 else 1)
+        return tiles
     per_sm = 2 if pipe == 2 else PIPE3_CTAS_PER_SM
     full = min(tiles, per_sm * sm_count(device))
     if os.environ.get("MOE_EP_QUANT_GRID", "full").strip().lower() != "balanced":
@@ -294,9 +293,14 @@ def quant_plan(
     es = 4 if in_code in (0, IN_SWIGLU, IN_SWIGLU_BWD, IN_SWIGLU_BWD16) else x.element_size()
     env_pipe = pipe_switch()
     req = requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
+    eff = effective_pipe(es, rs_mode, cs_mode, req)
+    threads = THREADS
+    if eff == 5:  # the kernel's row tiles are 64 rows (kernels/quantize.cu QuantCfg::ROWS); blocked scales: both
+        # halves of every 128-row scale tile, so that its padding rows are written too
+        n_row_tiles = 2 * n_row_tiles if rs_mode == RS["blocked"] else cdiv(m, TILE // 2)
+        tiles, threads = n_row_tiles * ctiles, THREADS // 2
     grid = quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
     table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
-    eff = effective_pipe(es, rs_mode, cs_mode, req)
     cp_async = eff in (3, 4, 5)  # the tile lands in shared-memory stages (pipes 4 and 5: one)
     # PIPE 3 buffers on 128 bytes (also the column modes' tile); 4: one tile per CTA, one buffer; 5: a 64-row one
     stage = (TILE // 2 if eff == 5 else TILE) * TILE * 2
@@ -306,11 +310,7 @@ def quant_plan(
     name = f"mx_quant<{in_code},{rs_mode},{cs_mode}" + (f",{req}>" if req != env_pipe else ">")
     if dynamic_schedule(name, grid, tiles):
         name = name.replace("mx_quant<", "mx_quant_dyn<", 1)
-    if eff == 5:  # the kernel's row tiles are 64 rows (kernels/quantize.cu QuantCfg::ROWS); blocked scales: both
-        # halves of every 128-row scale tile, so that its padding rows are written too
-        halves = 2 * n_row_tiles if rs_mode == RS["blocked"] else cdiv(m, TILE // 2)
-        return name, halves * ctiles, smem, halves, ctiles, THREADS // 2
-    return name, grid, smem, n_row_tiles, ctiles, THREADS
+    return name, grid, smem, n_row_tiles, ctiles, threads
 
 
 def batch_plan(x: torch.Tensor, e: int, n: int, k: int) -> tuple[str, tuple[int, int], int, int, int] | None:

@@ -358,7 +358,7 @@ def test_pipe5_plan(monkeypatch):
     assert quant_plan.effective_pipe(2, 0, col, 5) == 4
     assert quant_plan.effective_pipe(2, quant_plan.RS["grouped"], 0, 5) == 4
     assert quant_plan.effective_pipe(4, plain, 0, 5) == 0  # fp32: no cp.async path
-    assert quant_plan.quant_ctas(2048, 2, blocked, 0, torch.device("cpu"), 5) == 4096
+    assert quant_plan.quant_ctas(4096, 2, blocked, 0, torch.device("cpu"), 5) == 4096  # one CTA per 64-row tile
 
 
 def test_quant_grid_full_and_balanced(monkeypatch):
