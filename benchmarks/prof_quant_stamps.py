@@ -6,7 +6,8 @@
 For each shape: row_blocked as the library launches it (auto: pipe 4, one tile per CTA on the cp.async path, since
 NOTES pass 10; pass 8 measured pipe 3, persistent), row_blocked with MOE_EP_QUANT_PIPE=0 (one tile per CTA, register
 loads, like the probe) and probe_tile (kernels/bench_probe.cu, the same traffic with no arithmetic),
-each checked against the reference first, warmed up, then launched ``--runs`` times after bench_quant's L2 flush.
+each checked against the reference first, warmed up (3 timelines, dropped), then launched ``--runs`` times after
+bench_quant's L2 flush.
 Thread 0 of every CTA stamps %globaltimer (ns) at entry and when its first tile's row output has been issued,
 the CTA's last warp at exit. Reported per kernel (medians over the runs; the event times of every run are kept):
 the CUDA-event time; the span from the first CTA's entry to the last warp's exit; when the last CTA entered
@@ -155,8 +156,10 @@ def main() -> None:
             with env_restored("MOE_EP_QUANT_PIPE"):
                 if pipe is not None:
                     os.environ["MOE_EP_QUANT_PIPE"] = pipe
+                # warm-up timelines, dropped: the first ones of a process ran 38-194 us (its Python outran the
+                # GPU spin, so the GPU waited inside the timed region), and a median of 7 then took one of them
                 for _ in range(3):
-                    fn()
+                    timeline(fn, stamps, flush)
                 runs = [timeline(fn, stamps, flush) for _ in range(args.runs)]
             row = {"kernel": name, "M": m, "K": k, **{key: statistics.median(r[key] for r in runs) for key in runs[0]}}
             row["event_us_runs"] = [r["event_us"] for r in runs]

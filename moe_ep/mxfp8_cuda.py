@@ -39,6 +39,7 @@ from .mxfp8 import (
     grouped_blocked_size,
     quantize_torch,
 )
+from .quant_checks import check_colwise, check_groups, check_input, check_out
 
 _SRC = "quantize.cu"
 _THREADS = qp.THREADS  # CTA size of every kernel here but mx_quant's pipe 5 (quant_plan decides)
@@ -46,10 +47,6 @@ _THREADS = qp.THREADS  # CTA size of every kernel here but mx_quant's pipe 5 (qu
 
 def _kernel(name: str, device: torch.device):
     return _cuda.get_function(_SRC, name, qp.NAMES, qp.options(), device.index)
-
-
-def _on_gpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
 
 
 def _sched_counter(device: torch.device) -> torch.Tensor:
@@ -69,55 +66,6 @@ def _launch(
 ) -> None:
     """Launch kernel ``name`` (a name expression of quantize.cu); the CPU emulator test replaces this."""
     _cuda.launch(_kernel(name, device), grid, threads, args, shared_mem=shared_mem, device=device)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# argument checks
-# ------------------------------------------------------------------------------------------------------------
-
-
-def _check_input(x: torch.Tensor, ndim: int, what: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in qp.IN:
-        raise TypeError(f"{what}: input must be bf16, fp16 or fp32, got {x.dtype}")
-    if x.dim() != ndim:
-        raise ValueError(f"{what}: expected a {ndim}-D input, got shape {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{what}: input must be contiguous")
-    if x.shape[-1] % BLOCK:
-        raise ValueError(f"{what}: K = {x.shape[-1]} is not a multiple of {BLOCK} (blocks are never padded)")
-    if not _on_gpu(x):
-        raise ValueError(f"{what}: input must be a CUDA tensor, got device {x.device}")
-    if x.data_ptr() % 16:
-        raise ValueError(f"{what}: input must be 16-byte aligned (got a view with a misaligned offset)")
-
-
-def _check_out(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name}: must be 16-byte aligned")
-
-
-def _check_groups(group_sizes: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    if group_sizes is None:
-        raise ValueError("scale_layout='grouped' needs group_sizes ([G] int32 on the GPU)")
-    if not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int32:
-        raise TypeError(f"group_sizes must be an int32 tensor, got {getattr(group_sizes, 'dtype', type(group_sizes))}")
-    if group_sizes.dim() != 1:
-        raise ValueError(f"group_sizes must be 1-D, got shape {tuple(group_sizes.shape)}")
-    if group_sizes.device != device:
-        raise ValueError(f"group_sizes must be on the device of x, {device} (no host sync), got {group_sizes.device}")
-    return group_sizes.contiguous()
 
 
 def row_scale_shape(m: int, k: int, scale_layout: str, num_groups: int = 0) -> tuple[int, ...]:
@@ -213,14 +161,14 @@ def quantize_rowwise_into(
     group_sizes (grouped only): [G] int32 on x's device, non-negative, summing to M (not checked: that would
         need a host sync; rows past M are never read or written).
     """
-    _check_input(x, 2, "quantize_rowwise")
+    check_input(x, 2, "quantize_rowwise")
     m, k = x.shape
     g = 0
     if scale_layout == "grouped":
-        group_sizes = _check_groups(group_sizes, x.device)
+        group_sizes = check_groups(group_sizes, x.device)
         g = group_sizes.numel()
-    _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
-    _check_out(scale, "scale", row_scale_shape(m, k, scale_layout, g), torch.uint8, x.device)
+    check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
+    check_out(scale, "scale", row_scale_shape(m, k, scale_layout, g), torch.uint8, x.device)
     n_row_tiles = qp.cdiv(m, qp.TILE) + g if scale_layout == "grouped" else None
     _launch_quant(
         x,
@@ -243,7 +191,7 @@ def quantize_rowwise(
 
     See :func:`quantize_rowwise_into` for the layouts; ``scale_layout`` in {"plain", "blocked", "grouped"}.
     """
-    _check_input(x, 2, "quantize_rowwise")
+    check_input(x, 2, "quantize_rowwise")
     m, k = x.shape
     g = group_sizes.numel() if (scale_layout == "grouped" and isinstance(group_sizes, torch.Tensor)) else 0
     data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
@@ -302,36 +250,36 @@ def quantize_grouped_dual_into(
             raise ValueError("apply_swiglu and swiglu_dh are exclusive (forward vs backward)")
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
             raise TypeError(f"swiglu backward: a must be bf16, got {getattr(x, 'dtype', type(x).__name__)}")
-        _check_input(x, 2, "swiglu backward")
+        check_input(x, 2, "swiglu backward")
         m, k = x.shape
         if k % (2 * BLOCK):
             raise ValueError(f"swiglu backward: a must be [M, 2F] with F % {BLOCK} == 0, got {tuple(x.shape)}")
         if not isinstance(swiglu_dh, torch.Tensor) or swiglu_dh.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"swiglu backward: dh must be fp32 or bf16, got {getattr(swiglu_dh, 'dtype', None)}")
-        _check_out(swiglu_dh, "dh", (m, k // 2), swiglu_dh.dtype, x.device)
+        check_out(swiglu_dh, "dh", (m, k // 2), swiglu_dh.dtype, x.device)
     elif apply_swiglu:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
             raise TypeError(f"swiglu: input must be a bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         if x.dim() != 2 or x.shape[1] % (2 * BLOCK):
             raise ValueError(f"swiglu: input must be [M, 2F] with F % {BLOCK} == 0, got {tuple(x.shape)}")
-        _check_input(x, 2, "swiglu")
+        check_input(x, 2, "swiglu")
         m, k = x.shape[0], x.shape[1] // 2
     else:
-        _check_input(x, 2, "quantize_grouped_dual")
+        check_input(x, 2, "quantize_grouped_dual")
         if x.dtype == torch.float16:  # not instantiated (no fp16 producer in the MoE path)
             raise TypeError("quantize_grouped_dual: input must be bf16 or fp32, got torch.float16")
         m, k = x.shape
-    group_sizes = _check_groups(group_sizes, x.device)
+    group_sizes = check_groups(group_sizes, x.device)
     g = group_sizes.numel()
-    _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
-    _check_out(scale, "scale", row_scale_shape(m, k, "grouped", g), torch.uint8, x.device)
+    check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
+    check_out(scale, "scale", row_scale_shape(m, k, "grouped", g), torch.uint8, x.device)
     if colwise == "bf16":
         if scale_c is not None:
             raise ValueError("colwise='bf16' has no column scales: pass scale_c=None")
-        _check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
+        check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
     else:
-        _check_out(data_c, "data_c", (m, k), torch.float8_e4m3fn, x.device)
-        _check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
+        check_out(data_c, "data_c", (m, k), torch.float8_e4m3fn, x.device)
+        check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
     _launch_quant(
         x,
         m,
@@ -386,12 +334,6 @@ def quantize_grouped_dual(
     return data, scale, data_c, scale_c
 
 
-def _check_colwise(x: torch.Tensor, what: str) -> None:
-    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] % BLOCK:
-        raise ValueError(f"{what}: M = {x.shape[0]} is not a multiple of {BLOCK} (column-wise blocks run along M)")
-    _check_input(x, 2, what)
-
-
 def quantize_colwise_into(
     x: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor, scale_layout: str = "blocked"
 ) -> None:
@@ -401,16 +343,16 @@ def quantize_colwise_into(
     data_t: [K, M] float8_e4m3fn (x transposed, blocks of 32 consecutive bytes along each row).
     scale_t: uint8, plain [K, M//32] or blocked [blocked_size(K, M//32)].
     """
-    _check_colwise(x, "quantize_colwise")
+    check_colwise(x, "quantize_colwise")
     m, k = x.shape
-    _check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
-    _check_out(scale_t, "scale_t", col_scale_shape(m, k, scale_layout), torch.uint8, x.device)
+    check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
+    check_out(scale_t, "scale_t", col_scale_shape(m, k, scale_layout), torch.uint8, x.device)
     _launch_quant(x, m, k, 0, qp.CS[scale_layout], cq=data_t, cs=scale_t)
 
 
 def quantize_colwise(x: torch.Tensor, scale_layout: str = "blocked") -> tuple[torch.Tensor, torch.Tensor]:
     """Column-wise MXFP8 of ``x: [M, K]`` -> ``(data_t [K, M] e4m3, scale_t u8 plain [K, M//32] or blocked)``."""
-    _check_colwise(x, "quantize_colwise")
+    check_colwise(x, "quantize_colwise")
     m, k = x.shape
     data_t = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=x.device)
     scale_t = torch.empty(col_scale_shape(m, k, scale_layout), dtype=torch.uint8, device=x.device)
@@ -433,14 +375,14 @@ def quantize_fused_into(
     data: [M, K] e4m3; scale: u8 plain [M, K//32] or blocked [blocked_size(M, K//32)] (row_layout).
     data_t: [K, M] e4m3; scale_t: u8 plain [K, M//32] or blocked [blocked_size(K, M//32)] (col_layout).
     """
-    _check_colwise(x, "quantize_fused")
+    check_colwise(x, "quantize_fused")
     if row_layout not in ("plain", "blocked"):
         raise ValueError(f"quantize_fused: row_layout must be 'plain' or 'blocked', got {row_layout!r}")
     m, k = x.shape
-    _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
-    _check_out(scale, "scale", row_scale_shape(m, k, row_layout), torch.uint8, x.device)
-    _check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
-    _check_out(scale_t, "scale_t", col_scale_shape(m, k, col_layout), torch.uint8, x.device)
+    check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
+    check_out(scale, "scale", row_scale_shape(m, k, row_layout), torch.uint8, x.device)
+    check_out(data_t, "data_t", (k, m), torch.float8_e4m3fn, x.device)
+    check_out(scale_t, "scale_t", col_scale_shape(m, k, col_layout), torch.uint8, x.device)
     _launch_quant(x, m, k, qp.RS[row_layout], qp.CS[col_layout], rq=data, rs=scale, cq=data_t, cs=scale_t)
 
 
@@ -449,7 +391,7 @@ def quantize_fused(x: torch.Tensor, row_layout: str = "blocked", col_layout: str
 
     Returns ``(data [M, K] e4m3, scale u8, data_t [K, M] e4m3, scale_t u8)``; see :func:`quantize_fused_into`.
     """
-    _check_colwise(x, "quantize_fused")
+    check_colwise(x, "quantize_fused")
     m, k = x.shape
     dev = x.device
     data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
@@ -471,10 +413,10 @@ def quantize_weights_into(w: torch.Tensor, data: torch.Tensor, scale: torch.Tens
     w: [E, N, K] bf16/fp16/fp32, contiguous, K % 32 == 0.
     data: [E, N, K] e4m3; scale: [E, blocked_size(N, K//32)] u8 (== to_blocked(plain [E, N, K//32])).
     """
-    _check_input(w, 3, "quantize_weights")
+    check_input(w, 3, "quantize_weights")
     e, n, k = w.shape
-    _check_out(data, "data", (e, n, k), torch.float8_e4m3fn, w.device)
-    _check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
+    check_out(data, "data", (e, n, k), torch.float8_e4m3fn, w.device)
+    check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
     if n == 0:
         return
     _launch_quant(
@@ -493,7 +435,7 @@ def quantize_weights_into(w: torch.Tensor, data: torch.Tensor, scale: torch.Tens
 
 def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w: [E, N, K]`` -> ``(data [E, N, K] e4m3, scale [E, blocked_size(N, K//32)] u8)``."""
-    _check_input(w, 3, "quantize_weights")
+    check_input(w, 3, "quantize_weights")
     e, n, k = w.shape
     data = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty((e, blocked_size(n, k // BLOCK)), dtype=torch.uint8, device=w.device)
@@ -513,14 +455,14 @@ def quantize_weights_fused_into(
     Why: the dgrad copy otherwise needs a transposed copy of W and a second quantization pass. One launch for all
     experts (grid.y = expert).
     """
-    _check_input(w, 3, "quantize_weights_fused")
+    check_input(w, 3, "quantize_weights_fused")
     e, n, k = w.shape
     if n % BLOCK:
         raise ValueError(f"quantize_weights_fused: N = {n} is not a multiple of {BLOCK} (the W^T blocks run along N)")
-    _check_out(data, "data", (e, n, k), torch.float8_e4m3fn, w.device)
-    _check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
-    _check_out(data_t, "data_t", (e, k, n), torch.float8_e4m3fn, w.device)
-    _check_out(scale_t, "scale_t", (e, blocked_size(k, n // BLOCK)), torch.uint8, w.device)
+    check_out(data, "data", (e, n, k), torch.float8_e4m3fn, w.device)
+    check_out(scale, "scale", (e, blocked_size(n, k // BLOCK)), torch.uint8, w.device)
+    check_out(data_t, "data_t", (e, k, n), torch.float8_e4m3fn, w.device)
+    check_out(scale_t, "scale_t", (e, blocked_size(k, n // BLOCK)), torch.uint8, w.device)
     plan = qp.batch_plan(w, e, n, k)
     if plan is None:
         return
@@ -534,7 +476,7 @@ def quantize_weights_fused_into(
 
 def quantize_weights_fused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w: [E, N, K]`` -> ``(data, scale, data_t, scale_t)`` of :func:`quantize_weights_fused_into`."""
-    _check_input(w, 3, "quantize_weights_fused")
+    check_input(w, 3, "quantize_weights_fused")
     e, n, k = w.shape
     dev = w.device
     data = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=dev)
@@ -585,7 +527,7 @@ def quantize(x: torch.Tensor, axis: int) -> MXFP8Tensor:
 
 def dequantize_into(t: MXFP8Tensor, out: torch.Tensor) -> None:
     """Dequantize ``t`` (plain scales, axis = last or 0) into ``out`` (t.shape, bf16/fp16/fp32, contiguous)."""
-    _check_out(out, "out", tuple(t.data.shape), out.dtype, t.data.device)
+    check_out(out, "out", tuple(t.data.shape), out.dtype, t.data.device)
     if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dequantize supports bf16/fp16/fp32 outputs, got {out.dtype}")
     data, scale = t.data, t.scale

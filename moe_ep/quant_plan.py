@@ -144,9 +144,10 @@ def sched_switch() -> str:
 
 
 def dynamic_schedule(name: str, grid: int, tiles: int) -> bool:
-    """Whether the mx_quant launch ``name`` (``mx_quant<...>``) with ``grid`` CTAs over ``tiles`` 128 x 128 tiles
-    takes the dynamic tile schedule instead (``mx_quant_dyn<...>``; kernels/quantize.cu mx_sched_done: after each
-    CTA's first two tiles, tiles come from an atomic ticket counter, so CTAs that run faster take more of them).
+    """Whether the mx_quant launch ``name`` (``mx_quant<...>``) with ``grid`` CTAs over ``tiles`` tiles (128 x 128;
+    pipe 5's are 64 x 128) takes the dynamic tile schedule instead (``mx_quant_dyn<...>``; kernels/quantize.cu
+    mx_sched_done: after each CTA's first two tiles, tiles come from an atomic ticket counter, so CTAs that run
+    faster take more of them).
 
     Only persistent launches (fewer CTAs than tiles) of the modes compiled for it (DYN_COMBOS) have
     one. ``static`` / ``dynamic`` (MOE_EP_QUANT_SCHED) force it; ``auto`` takes it from DYN_MIN_TILES_FUSED

@@ -236,7 +236,7 @@ def install_emulator(monkeypatch, workdir: Path) -> None:
     """Route moe_ep.mxfp8_cuda's launches for CPU tensors to :func:`emulator` (builds under ``workdir``)."""
     import re  # noqa: PLC0415
 
-    from moe_ep import mxfp8_cuda, quant_plan  # noqa: PLC0415
+    from moe_ep import mxfp8_cuda, quant_checks, quant_plan  # noqa: PLC0415
 
     def launch(name, grid, args, shared_mem, device, threads=256):
         so = emulator(workdir)
@@ -266,5 +266,5 @@ def install_emulator(monkeypatch, workdir: Path) -> None:
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
     # one counter for every launch, as on one stream: a launch that did not set it back to zero fails the next one
     monkeypatch.setattr(mxfp8_cuda, "_sched_counter", lambda d: EMU_SCHED)
-    monkeypatch.setattr(mxfp8_cuda, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(quant_checks, "on_gpu", lambda t: True)
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 2)
