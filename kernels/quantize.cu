@@ -94,6 +94,9 @@
 #ifndef MX_HALF_MINB
 #define MX_HALF_MINB 8
 #endif
+#ifndef MX_HALF_GROUPS
+#define MX_HALF_GROUPS 8
+#endif
 
 template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
@@ -114,6 +117,11 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
                                      : ONE ? (CS == CS_NONE ? 5 : 3)
                                            : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
     static_assert(!ONE || PIPE == 3, "pipe 4 is pipe 3's data path");
+    // cp.async groups per thread's 8 chunks, each waited for just before its first chunk is read. Pipe 5: one per
+    // chunk (MX_HALF_GROUPS), +0.4 to +1.1 points of copy for row plain (NOTES pass 12); pipe 4 keeps one group
+    // (per-chunk waits lost 0.8-1.7 points there).
+    static constexpr int GROUPS = HALF ? MX_HALF_GROUPS : 1;
+    static_assert(GROUPS == 1 || GROUPS == 2 || GROUPS == 4 || GROUPS == 8, "groups must divide the 8 chunks");
 };
 
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
@@ -160,6 +168,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr int NT = QuantCfg<IN, RS, CS, PREQ>::NT;      // threads
     constexpr int ROWS = QuantCfg<IN, RS, CS, PREQ>::ROWS;  // tile rows (pipe 5: 64, half of a blocked scale tile)
     constexpr bool HALF = QuantCfg<IN, RS, CS, PREQ>::HALF;
+    constexpr int CPG = PER / QuantCfg<IN, RS, CS, PREQ>::GROUPS;  // chunks per cp.async group
     constexpr int PASSES = ROWS * CPR / (NT * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
     // Row-only blocked modes keep their scale tile in registers (no barrier); modes with a column-wise output
@@ -236,6 +245,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         for (int j = 0; j < PER; ++j) {
             const bool ok = cok && j * RPM + r0 < nrows;
             cp_async16(stage + soff(j * RPM + r0, cc0), ok ? src + j * step * ES : x, ok);
+            if ((j + 1) % CPG == 0 && j + 1 < PER) cp_async_commit();
         }
         cp_async_commit();
     };
@@ -300,9 +310,9 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
                 coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
                 issue(stage0 + (buf ^ 1) * MX_STAGE_BYTES, row0_n, nrows_n, ct_n * TILE);
                 cp_async_wait<1>();  // all but the copies just issued: the current tile has landed
-            } else {
+            } else if (CPG == PER) {
                 cp_async_wait<0>();
-            }
+            }  // else: each group is waited for at its first chunk (phase 1)
         }
 
     // ---------------- phase 1: load, row-wise quantization, staging ----------------
@@ -329,6 +339,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             const int m = p * PER + j;
             const int r = m * RPM + r0, cc = cc0;
             const bool ok = cok && r < nrows;
+            if (PIPE == 3 && CPG < PER && j % CPG == 0) cp_async_wait_n(PER / CPG - 1 - j / CPG);
             if (PIPE == 3) v[j] = *reinterpret_cast<const uint4*>(cur + soff(r, cc));  // at use: few registers
             if (STAGED) *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(tile) + soff(r, cc)) = v[j];
             if (RS != RS_NONE) {
