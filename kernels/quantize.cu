@@ -81,7 +81,8 @@
 // two passes), so fp32 and the SwiGLU inputs use 0. Column-wise modes stage the tile in shared memory anyway:
 // they pipeline only with 3 or 4, whose copies land in the swizzled tile (1 and 2 fall back to 0).
 // 5 = 4 on 64-row tiles of 128 threads (16-bit row plain / blocked only, the other modes take 4): a CTA writes
-// half of every 16-byte word of its blocked scale tile.
+// half of every 16-byte word of its blocked scale tile, and a thread waits for each of its chunks on its own
+// (QuantCfg::GROUPS).
 // -1 ("auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, passes 10-11): 5 for plain row scales
 // (+0.7 to +2.6 points of copy over 4), 4 for blocked row scales (5 is 0.3-0.5 behind) and the fused modes; 3 for
 // grouped row scales (one group-table scan per CTA for many tiles; it beat 2
