@@ -157,7 +157,7 @@ def main() -> None:
                 if pipe is not None:
                     os.environ["MOE_EP_QUANT_PIPE"] = pipe
                 # warm-up timelines, dropped: the first ones of a process ran 38-194 us (its Python outran the
-                # GPU spin, so the GPU waited inside the timed region), and a median of 7 then took one of them
+                # GPU spin, so the GPU waited inside the timed region); outliers the median must not depend on
                 for _ in range(3):
                     timeline(fn, stamps, flush)
                 runs = [timeline(fn, stamps, flush) for _ in range(args.runs)]

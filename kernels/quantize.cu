@@ -119,10 +119,12 @@ template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
                                            : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
     static_assert(!ONE || PIPE == 3, "pipe 4 is pipe 3's data path");
     // cp.async groups per thread's 8 chunks, each waited for just before its first chunk is read. Pipe 5: one per
-    // chunk (MX_HALF_GROUPS), +0.1 to +0.4 points of copy for row plain on the six benchmark shapes (NOTES pass 12);
+    // chunk (MX_HALF_GROUPS), -0.03 to +0.44 points of copy for row plain on the six benchmark shapes (level at
+    // 131072 x 2048; NOTES pass 12);
     // pipe 4 keeps one group (per-chunk waits lost 0.8-1.7 points for row blocked there).
     static constexpr int GROUPS = HALF ? MX_HALF_GROUPS : 1;
     static_assert(GROUPS == 1 || GROUPS == 2 || GROUPS == 4 || GROUPS == 8, "groups must divide the 8 chunks");
+    static_assert(GROUPS == 1 || (ONE && CS == CS_NONE), "per-chunk waits: one tile per CTA, no CTA-wide reads");
 };
 
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
