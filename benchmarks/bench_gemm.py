@@ -94,8 +94,7 @@ def round_order(names: list[str], rnd: int) -> list[str]:
     implementation's own).
 
     Example: names [a, b]: rounds 0-3 are [a, b], [b, a], [b, a], [a, b]. names [a, b, c]: rounds 0-5 are
-    [a, b, c], [c, b, a], [b, c, a], [a, c, b], [c, a, b], [b, a, c] (all six orders). (Until this change the
-    rotation advanced every round, which for two names gave [a, b] in every round.)
+    [a, b, c], [c, b, a], [b, c, a], [a, c, b], [c, a, b], [b, a, c] (all six orders).
     """
     k = (rnd // 2) % len(names)
     order = names[k:] + names[:k]

@@ -23,7 +23,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gemm import env_restored  # noqa: E402
@@ -122,6 +121,33 @@ def probe_tile_fn(x: torch.Tensor, out: torch.Tensor):
     return lambda: _cuda.launch(fn, rtiles * ctiles, 256, args)
 
 
+def check_low_bytes(fn, x: torch.Tensor, out: torch.Tensor, what: str) -> None:
+    """One launch of the probe fn into out (zeroed first): out [M, K] uint8 must hold the low byte of every bf16
+    element of x [M, K] (kernels/bench_probe.cu's row output); an AssertionError naming ``what`` otherwise."""
+    m, k = x.shape
+    out.zero_()
+    fn()
+    if not torch.equal(out, x.view(torch.uint8).view(m, k, 2)[..., 0]):
+        raise AssertionError(f"{what} wrote wrong bytes")
+
+
+def recorded_launches(fn) -> list[tuple]:
+    """(kernel name, grid, shared memory) of every mxfp8_cuda launch one call of fn makes (fn runs)."""
+    seen = []
+    launch = mxfp8_cuda._launch
+
+    def rec(name, grid, args, shared_mem, *rest):
+        seen.append((name, grid, shared_mem))
+        return launch(name, grid, args, shared_mem, *rest)
+
+    mxfp8_cuda._launch = rec
+    try:
+        fn()
+    finally:
+        mxfp8_cuda._launch = launch
+    return seen
+
+
 def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
     """Bytes/s of kernels/bench_probe.cu on x's traffic (read 2 B + write 1 B per element, no arithmetic; the
     ``fused_*`` probes write a second byte per element at the transposed output's addresses).
@@ -145,11 +171,7 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
         ("linear", lambda: _cuda.launch(lin, grid_lin, 256, (_cuda.ptr(x), _cuda.ptr(out), _cuda.i64(nchunks)))),
         ("tile", probe_tile_fn(x, out)),
     ):
-        fn()
-        torch.cuda.synchronize()
-        want = x.view(torch.uint8).view(m, k, 2)[..., 0]
-        if not torch.equal(out, want):
-            raise AssertionError(f"probe_{name} wrote wrong bytes")
+        check_low_bytes(fn, x, out, f"probe_{name}")
         res[name] = 3 * m * k / (timer(fn) * 1e-3)
     # The fused quantizer's traffic: read 2 B, write 1 B row-wise + 1 B at the transposed output's addresses.
     fus = _cuda.get_function("bench_probe.cu", "probe_fused")
@@ -165,7 +187,7 @@ def probe_bandwidths(timer: Timer, x: torch.Tensor) -> dict[str, float]:
     ):
         args = (_cuda.ptr(x), _cuda.ptr(out), _cuda.ptr(outt), _cuda.i64(m), _cuda.i32(k), _cuda.i32(ctiles))
         grid = grid_tile // 2 if order == 5 else grid_tile  # pairs need an even number of row tiles (all shapes)
-        fn = lambda args=args, order=order, grid=grid: _cuda.launch(fus, grid, 256, (*args, _cuda.i32(order)))  # noqa: E731
+        fn = lambda args=args, order=order, grid=grid: _cuda.launch(fus, grid, 256, (*args, _cuda.i32(order)))
         out.zero_()
         fn()
         torch.cuda.synchronize()
@@ -365,20 +387,17 @@ def check_schedules(variant: str, x: torch.Tensor, groups: int) -> tuple[bool | 
     outputs refilled with 0xAB before the last, so a tile no CTA took, or a counter left non-zero by the launch
     before, cannot pass on stale bytes.
     """
-    got, names = [], []
-    launch = mxfp8_cuda._launch
+    got, dyn_names = [], []
     with env_restored("MOE_EP_QUANT_SCHED"):
         for sched in ("static", "dynamic"):
             os.environ["MOE_EP_QUANT_SCHED"] = sched
             fn, _ = kernel_fn(variant, x, groups)
             fn()
             fn()
-            mxfp8_cuda._launch = lambda name, *a, s=sched: names.append((s, name)) or launch(name, *a)
-            try:
-                got.append(run_filled(fn))
-            finally:
-                mxfp8_cuda._launch = launch
-    dyn_ran = any(s == "dynamic" and n.startswith("mx_quant_dyn<") for s, n in names)
+            launched = recorded_launches(lambda fn=fn: got.append(run_filled(fn)))
+            if sched == "dynamic":
+                dyn_names = [name for name, _, _ in launched]
+    dyn_ran = any(n.startswith("mx_quant_dyn<") for n in dyn_names)
     return (same_bytes(*got) if dyn_ran else None), dyn_ran
 
 

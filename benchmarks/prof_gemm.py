@@ -243,10 +243,10 @@ def _builds_shape(shape: str, builds: dict[str, tuple[str, str, str]], rounds: i
 
 
 def alternating_ms(fns: dict, iters: int, warmup: int = 3) -> dict[str, list[float]]:
-    """One launch of every fn per iteration, in bench_gemm.round_order (rotated, reversed on odd iterations, so
-    that no fn always follows the same one), each timed by its own pair of CUDA events; one synchronization at the
-    end. The ratio of two builds within an iteration is taken a few ms apart, so clock and power drift (which moved
-    whole 20-launch blocks by 5-10 % on this session's H200) cancels in it."""
+    """One launch of every fn per iteration, in bench_gemm.round_order (rotated every second iteration, reversed on
+    odd ones, so that no fn always follows the same one), each timed by its own pair of CUDA events; one
+    synchronization at the end. The ratio of two builds within an iteration is taken a few ms apart, so clock and
+    power drift (which moved whole 20-launch blocks by 5-10 % on this session's H200) cancels in it."""
     if iters < 1:
         raise ValueError(f"--pairs must be >= 1, got {iters}")
     names = list(fns)

@@ -32,12 +32,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemm import round_order  # noqa: E402
-from bench_quant import Timer, check, kernel_fn, probe_tile_fn, run_filled, same_bytes, write_results  # noqa: E402
+from bench_quant import (  # noqa: E402
+    Timer,
+    check,
+    check_low_bytes,
+    kernel_fn,
+    probe_tile_fn,
+    run_filled,
+    same_bytes,
+    write_results,
+)
 from prof_quant_pipes import use  # noqa: E402
 from quant_ab import ab_parser, ab_start  # noqa: E402
 
-# GPU spin before each b2b measurement (torch.cuda._sleep cycles, ~2 ms): covers the Python of --launches launches
-B2B_SLEEP = 4_000_000
+# GPU spin before each b2b measurement, per launch (torch.cuda._sleep cycles, ~0.25 ms): covers the launches' Python
+B2B_SLEEP_PER_LAUNCH = 500_000
 
 
 def b2b_row(timers, bw, xs, variant, groups, configs, timing_only, rounds) -> dict:
@@ -60,9 +69,11 @@ def b2b_row(timers, bw, xs, variant, groups, configs, timing_only, rounds) -> di
             elif not same_bytes(first, got):
                 raise SystemExit(f"{variant} {m}x{k} {c}: the whole output differs from the first configuration's")
     use(configs, None)
-    if variant.startswith("row_") and xs[0].dtype == torch.bfloat16 and m % 128 == 0 and k % 128 == 0:
+    if variant.startswith("row_") and m % 128 == 0 and k % 128 == 0:  # xs: bf16 (main)
         outs = [torch.empty(m, k, dtype=torch.uint8, device=x.device) for x in xs]
         fns["probe_tile"] = [probe_tile_fn(x, o) for x, o in zip(xs, outs, strict=True)]
+        for x, o, f in zip(xs, outs, fns["probe_tile"], strict=True):
+            check_low_bytes(f, x, o, "probe_tile")
         nbytes["probe_tile"] = 3 * m * k
     half = nbytes[next(iter(configs))] // 2
     bufs = [tuple(torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(2)) for _ in xs]
@@ -104,7 +115,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("prof_quant_b2b.py needs a CUDA GPU")
     one_t, bw = ab_start(args.reps)
-    b2b_t = Timer(max(3, args.reps // 2), warmup=2, sleep_cycles=B2B_SLEEP)
+    b2b_t = Timer(max(3, args.reps // 2), warmup=2, sleep_cycles=B2B_SLEEP_PER_LAUNCH * args.launches)
     empty = torch.zeros(1, device="cuda")
     empty_us = 1e3 * one_t(lambda: empty.add_(1))
     print(f"empty launch, timed as one: {empty_us:.2f} us", flush=True)

@@ -34,7 +34,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant import Timer, check, kernel_fn, probe_tile_fn, probe_tiles, write_results  # noqa: E402
+from bench_quant import (  # noqa: E402
+    Timer,
+    check,
+    check_low_bytes,
+    kernel_fn,
+    probe_tile_fn,
+    probe_tiles,
+    recorded_launches,
+    write_results,
+)
 from quant_ab import ab_inputs, ab_parser, ab_rounds, ab_start  # noqa: E402
 
 from moe_ep import _cuda, quant_plan  # noqa: E402
@@ -87,10 +96,10 @@ def main() -> None:
         xs = x[:WARM_ROWS].clone()  # other memory: a view of x would leave the timed input in the L2
         out, out2, scratch = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
         for variant in args.variants.split(","):
-            if not check(variant, x):
+            if not check(variant, x, args.groups):
                 raise SystemExit(f"{variant} {m}x{k}: bytes differ from the reference")
             fn, nbytes = kernel_fn(variant, x, args.groups)
-            smem = quant_plan.quant_plan(x, m, k, *_modes(variant), 0, None, None)[2]
+            smem = recorded_launches(fn)[-1][2]  # the timed kernel's dynamic shared memory
             configs = {
                 "plain": None,
                 "same": kernel_fn(variant, xs, args.groups)[0],
@@ -112,6 +121,8 @@ def main() -> None:
             print(_line(rows[-1], configs), flush=True)
         for name, nbytes in (("probe_tile", 3 * m * k), ("probe_dual", 4 * m * k)):
             configs = {"plain": None, "same": probe(name, xs, out, out2)}
+            for o in (out, out2) if name == "probe_dual" else (out,):  # order 6: both outputs are x's low bytes
+                check_low_bytes(probe(name, x, out, out2), x, o, name)
             rows.append({"variant": name, "M": m, "K": k, "bytes": nbytes})
             rows[-1].update(timed(timer, bw, configs, probe(name, x, out, out2), args.rounds, nbytes))
             print(_line(rows[-1], configs), flush=True)
@@ -122,15 +133,6 @@ def _line(row: dict, configs) -> str:
     return f"{row['variant']:<12} {row['M']:>6}x{row['K']:<5} " + "  ".join(
         f"{c} {row[c + '_us']:6.2f}" for c in configs
     )
-
-
-def _modes(variant: str) -> tuple[int, int]:
-    """(row, column) scale modes of a bench_quant variant (for its shared-memory size)."""
-    return {
-        "row_blocked": (quant_plan.RS["blocked"], 0),
-        "row_plain": (quant_plan.RS["plain"], 0),
-        "fused": (quant_plan.RS["blocked"], quant_plan.CS["blocked"]),
-    }[variant]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@
 //            or one blocked tile (K rows x M/32 columns: 128 x 4 per CTA again).
 //   phase 3  (CS_NT, CS_GNT, CS_GPREP) re-read the staged tile and write column-wise data in x's own [M, K] layout
 //            (CS_GPREP: as the exact bf16 value of each quantized element, in the wgrad kernel's prepared layout).
-// Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
+// Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed (pipe 5:
+// the two 64-row CTAs of a tile write the 8-byte halves of each 16-byte word; the launcher runs both halves).
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
 // Kernels: mx_quant (every mode), mx_quant_batch (the fused blocked mode over a batch of experts' weights),
@@ -85,8 +86,7 @@
 // (QuantCfg::GROUPS).
 // -1 ("auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, passes 10-11): 5 for plain row scales
 // (+0.7 to +2.6 points of copy over 4), 4 for blocked row scales (5 is 0.3-0.5 behind) and the fused modes; 3 for
-// grouped row scales (one group-table scan per CTA for many tiles; it beat 2
-// and 4), 3-D weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only
+// grouped row scales (one group-table scan per CTA for many tiles; it beat 2 and 4), 3-D weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only
 // outputs. PREQ overrides MX_PIPE per instantiation: column-only inputs of many tiles launch mx_quant<IN, 0, CS, 4>
 // (moe_ep/quant_plan.py requested_pipe).
 #ifndef MX_PIPE
@@ -161,17 +161,19 @@ __device__ __forceinline__ void mx_sched_done(unsigned* sched) {
 
 template <int IN, int RS, int CS, int PREQ, bool DYN = false>
 __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
-    constexpr int ES = QuantCfg<IN, RS, CS, PREQ>::ES;      // element bytes
-    constexpr int PIPE = QuantCfg<IN, RS, CS, PREQ>::PIPE;
+    using Cfg = QuantCfg<IN, RS, CS, PREQ>;
+    constexpr int ES = Cfg::ES;      // element bytes
+    constexpr int PIPE = Cfg::PIPE;
+    constexpr bool PERSIST = PIPE != 0 && !Cfg::ONE;  // a persistent grid: more tiles than CTAs
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
     constexpr int CPR = TILE / VEC;           // chunks per tile row
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block
     constexpr int WPR = TILE * ES / 4;        // 32-bit words per tile row
     constexpr int PER = 8;                    // chunks in flight per thread
-    constexpr int NT = QuantCfg<IN, RS, CS, PREQ>::NT;      // threads
-    constexpr int ROWS = QuantCfg<IN, RS, CS, PREQ>::ROWS;  // tile rows (pipe 5: 64, half of a blocked scale tile)
-    constexpr bool HALF = QuantCfg<IN, RS, CS, PREQ>::HALF;
-    constexpr int CPG = PER / QuantCfg<IN, RS, CS, PREQ>::GROUPS;  // chunks per cp.async group
+    constexpr int NT = Cfg::NT;      // threads
+    constexpr int ROWS = Cfg::ROWS;  // tile rows (pipe 5: 64, half of a blocked scale tile)
+    constexpr bool HALF = Cfg::HALF;
+    constexpr int CPG = PER / Cfg::GROUPS;  // chunks per cp.async group
     constexpr int PASSES = ROWS * CPR / (NT * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
     // Row-only blocked modes keep their scale tile in registers (no barrier); modes with a column-wise output
@@ -248,9 +250,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         for (int j = 0; j < PER; ++j) {
             const bool ok = cok && j * RPM + r0 < nrows;
             cp_async16(stage + soff(j * RPM + r0, cc0), ok ? src + j * step * ES : x, ok);
-            if ((j + 1) % CPG == 0 && j + 1 < PER) cp_async_commit();
+            if ((j + 1) % CPG == 0) cp_async_commit();  // CPG divides PER: the last chunk closes the last group
         }
-        cp_async_commit();
     };
     auto load = [&](uint4* v, int p, long long row0, int nrows, int col0) {
 #pragma unroll
@@ -272,7 +273,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     };
 
     // the dynamic tile schedule (mx_sched_done; mx_quant_dyn); without a counter mx_quant_dyn runs the static order
-    const bool dyn = DYN && PIPE != 0 && !QuantCfg<IN, RS, CS, PREQ>::ONE && sched != nullptr;
+    const bool dyn = DYN && PERSIST && sched != nullptr;
     __shared__ int s_next[DYN ? 2 : 1];  // the next ticket's tile, alternating (a slow warp may still read the other)
     int T = (int)blockIdx.x;
     if (T >= total) {
@@ -288,7 +289,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     int buf = 0;
     if (PIPE == 3) issue(stage0, row0, nrows, ct * TILE);
     bool first = true;  // for mx_stamp(1): the first tile's row output issued
-    int Tn = PIPE && !QuantCfg<IN, RS, CS, PREQ>::ONE ? T + (int)gridDim.x : total;
+    int Tn = PERSIST ? T + (int)gridDim.x : total;
     int slot = 0;
 
     for (;;) {
@@ -342,7 +343,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             const int m = p * PER + j;
             const int r = m * RPM + r0, cc = cc0;
             const bool ok = cok && r < nrows;
-            if (PIPE == 3 && CPG < PER && j % CPG == 0) cp_async_wait_n(PER / CPG - 1 - j / CPG);
+            if (CPG < PER && j % CPG == 0) cp_async_wait_n(Cfg::GROUPS - 1 - j / CPG);
             if (PIPE == 3) v[j] = *reinterpret_cast<const uint4*>(cur + soff(r, cc));  // at use: few registers
             if (STAGED) *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(tile) + soff(r, cc)) = v[j];
             if (RS != RS_NONE) {
@@ -538,7 +539,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         reinterpret_cast<uint4*>(cs + ((long long)ct * n_row_tiles + rt) * 512)[tid - 32] =
             reinterpret_cast<const uint4*>(ctile)[tid - 32];
     }
-        if (!PIPE || Tn >= total) break;
+        if (!PERSIST || Tn >= total) break;
         if (dyn && tid == 0) s_next[slot] = Tnn;
         // the next tile rewrites the staged tile and the column-scale tile; dyn: s_next[slot] is written
         if (CS != CS_NONE || dyn) __syncthreads();

@@ -33,7 +33,7 @@ QUANT_COMBOS = (
 # launch for inputs of many tiles: requested_pipe)
 ONE_COMBOS = [(i, 0, c) for i in (1, 2) for c in (1, 2, 3)]
 # mx_quant_dyn (the dynamic tile schedule): the 16-bit row-only and fused modes. Under auto only the persistent
-# launches use it (grouped rows and 3-D weight scales, on pipe 3); the others are there for MOE_EP_QUANT_PIPE=2 / 3.
+# launches use it (grouped rows and 3-D weight scales, on pipe 3); the others are there for MOE_EP_QUANT_PIPE=1-3.
 # fp32 and the SwiGLU inputs take pipe 0 (one CTA per tile)
 DYN_COMBOS = [(i, r, 0) for i in (1, 2) for r in (1, 2, 3, 4)] + [
     (i, r, c) for i in (1, 2) for r in (1, 2) for c in (1, 2)
@@ -112,7 +112,11 @@ def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int | None = None)
 def quant_ctas(tiles: int, es: int, rs_mode: int, cs_mode: int, device: torch.device, pipe: int | None = None) -> int:
     """Grid of mx_quant over ``tiles`` tiles: one CTA per tile (pipes 0, 4 and 5; pipe 5's tiles are 64 rows,
     :func:`quant_plan` counts them) or a persistent grid of CTAs-per-SM x SMs (kernels' QuantCfg)."""
-    pipe = effective_pipe(es, rs_mode, cs_mode, pipe)
+    return grid_for(tiles, effective_pipe(es, rs_mode, cs_mode, pipe), device)
+
+
+def grid_for(tiles: int, pipe: int, device: torch.device) -> int:
+    """:func:`quant_ctas` for an effective pipe already known (:func:`effective_pipe`)."""
     if pipe in (0, 4, 5):
         return tiles
     per_sm = 2 if pipe == 2 else PIPE3_CTAS_PER_SM
@@ -300,7 +304,7 @@ def quant_plan(
         # halves of every 128-row scale tile, so that its padding rows are written too
         n_row_tiles = 2 * n_row_tiles if rs_mode == RS["blocked"] else cdiv(m, TILE // 2)
         tiles, threads = n_row_tiles * ctiles, THREADS // 2
-    grid = quant_ctas(tiles, es, rs_mode, cs_mode, x.device, req)
+    grid = grid_for(tiles, eff, x.device)
     table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
     cp_async = eff in (3, 4, 5)  # the tile lands in shared-memory stages (pipes 4 and 5: one)
     # PIPE 3 buffers on 128 bytes (also the column modes' tile); 4: one tile per CTA, one buffer; 5: a 64-row one

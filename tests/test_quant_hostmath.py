@@ -232,7 +232,10 @@ def test_e4m3_decode(harness, tmp_path):
 
 
 def test_emulator_builds(tmp_path):
-    assert build_emulator(tmp_path) is not None
+    """The emulator compiles and reports the kernel's own choice: bf16 row-only plain scales run pipe 5 under auto
+    (kernels/quantize.cu QuantCfg), blocked ones pipe 4, fp32 pipe 0."""
+    so = build_emulator(tmp_path)
+    assert (so.emu_pipe(1, 1, 0, -1), so.emu_pipe(1, 2, 0, -1), so.emu_pipe(0, 2, 0, -1)) == (5, 4, 0)
 
 
 def test_dynamic_schedule_choice(monkeypatch):
@@ -294,8 +297,6 @@ def test_kernel_pipe_matches_host(tmp_path):
     from moe_ep import quant_plan
 
     so = emulator(tmp_path)
-    if so is None:
-        pytest.skip("no C++ compiler")
     bad = []
     for i, r, c, q in PIPE_CASES:
         es = 4 if i in (0, 3, 4, 5) else 2  # fp32 and the SwiGLU codes stage fp32 (quant_plan.quant_plan)
