@@ -539,7 +539,11 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         reinterpret_cast<uint4*>(cs + ((long long)ct * n_row_tiles + rt) * 512)[tid - 32] =
             reinterpret_cast<const uint4*>(ctile)[tid - 32];
     }
-        if (!PERSIST || Tn >= total) break;
+        // !PIPE, not !PERSIST: the one-tile pipes (4, 5) then still compile the persistent prefetch branch above,
+        // which never runs for them (Tn == total). Letting the compiler drop it (exit on !PERSIST) made their live
+        // code 1-7 us slower (row_blocked 16384x2048 89.1 -> 84.6 %, row_plain 32768x7168 97.0 -> 93.2 %: NOTES,
+        // review after pass 12), so the exit stays as measured.
+        if (!PIPE || Tn >= total) break;
         if (dyn && tid == 0) s_next[slot] = Tnn;
         // the next tile rewrites the staged tile and the column-scale tile; dyn: s_next[slot] is written
         if (CS != CS_NONE || dyn) __syncthreads();
