@@ -541,7 +541,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     }
         // !PIPE, not !PERSIST: the one-tile pipes (4, 5) then still compile the persistent prefetch branch above,
         // which never runs for them (Tn == total). Letting the compiler drop it (exit on !PERSIST) made their live
-        // code 1-7 us slower (row_blocked 16384x2048 89.1 -> 84.6 %, row_plain 32768x7168 97.0 -> 93.2 %: NOTES,
+        // code 0.4-7.0 us slower (row_blocked 16384x2048 89.1 -> 84.6 %, row_plain 32768x7168 97.0 -> 93.2 %: NOTES,
         // review after pass 12), so the exit stays as measured.
         if (!PIPE || Tn >= total) break;
         if (dyn && tid == 0) s_next[slot] = Tnn;
