@@ -137,7 +137,7 @@ def _quantizer(kind: str):
     from moe_ep import mxfp8  # noqa: PLC0415
 
     if kind == "cuda":
-        from moe_ep import mxfp8_cuda  # noqa: PLC0415
+        from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
 
         return lambda x: mxfp8_cuda.quantize_rowwise(x, "plain"), "mxfp8_cuda.quantize_rowwise"
 
@@ -155,9 +155,8 @@ def _quantizer(kind: str):
 
 def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     from moe_ep import mxfp8  # noqa: PLC0415
-    from moe_ep.comm import cuda_transport as ct  # noqa: PLC0415
-    from moe_ep.comm import ops  # noqa: PLC0415
-    from moe_ep.comm import reference as ref  # noqa: PLC0415
+    from moe_ep.transport import cuda as ct  # noqa: PLC0415
+    from moe_ep.transport import reference as ref  # noqa: PLC0415
 
     cfg = SHAPES[shape]
     t, h, e, k = cfg["T"], cfg["H"], cfg["E"], cfg["K"]
@@ -182,7 +181,7 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     want = mxfp8.to_blocked_grouped(q.scale[rh.expand_row], rh.group_sizes, "m")
     y = (torch.randn(ncap, h, device=dev) * 0.1).to(torch.bfloat16)
     _, _, wm = ct.dispatch_fwd_mxfp8(x, w, handle)
-    rout = ops.combine_fwd(y[:n], wm[:n], rh)
+    rout = ref.combine_fwd(y[:n], wm[:n], rh)
     del q
 
     def check() -> tuple[bool, bool, bool, bool]:
@@ -318,7 +317,7 @@ def main() -> int:
         "--sweep",
         default="",
         help="other schedules of the fused kernels timed per case against the same baselines, e.g. "
-        "'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' (fields of moe_ep.comm.schedule.TransportSchedule)",
+        "'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' (fields of moe_ep.transport.schedule.TransportSchedule)",
     )
     args = p.parse_args()
     if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
@@ -328,10 +327,10 @@ def main() -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     from moe_ep import finish  # noqa: PLC0415
-    from moe_ep.comm import nvshmem as nvs  # noqa: PLC0415
+    from moe_ep.transport import runtime as nvs  # noqa: PLC0415
 
     shapes = [s for s in args.shapes.split(",") if s]
-    rt = nvs.init_runtime(
+    rt = ct.init_runtime(
         dist.group.WORLD,
         max(SHAPES[s]["T"] for s in shapes),
         max(SHAPES[s]["H"] for s in shapes),

@@ -1,7 +1,7 @@
 """Benchmark one expert-MLP training step (forward + backward) on the MXFP8 CUDA path against bf16 torch.
 
 Per shape (M expert-sorted rows of hidden H, E experts of FFN width F; random uneven group sizes, fixed seed):
-  mxfp8   ``moe_ep.expert_mlp_cuda``'s ``expert_mlp_cuda_fwd`` + ``expert_mlp_cuda_bwd`` with the weights' MXFP8
+  mxfp8   ``moe_ep.experts.cuda``'s ``expert_mlp_cuda_fwd`` + ``expert_mlp_cuda_bwd`` with the weights' MXFP8
           operands cached (what every micro-batch after the first of an optimizer step pays); the per-step weight
           quantization and preparation (``weight_operands`` of W13 and W2) is timed alone as ``weight_prep_ms``.
           ``step_with_weight_prep_ratio``: bf16 step / (ours + weight_prep_ms), the ratio of a step whose weights
@@ -10,7 +10,7 @@ Per shape (M expert-sorted rows of hidden H, E experts of FFN width F; random un
           hence prepares, again for the backward).
   bf16    the same step in bf16 with ``torch._grouped_mm`` (6 GEMMs; the wgrads take dY^T as a transposed view, no
           copy), SwiGLU forward/backward compiled with ``torch.compile`` (one fused elementwise kernel each).
-It first checks ours against the reference recipe (``moe_ep.gemm.expert_mlp_fwd/bwd`` with quantize=True): the gap
+It first checks ours against the reference recipe (``moe_ep.experts.reference.expert_mlp_fwd/bwd`` with quantize=True): the gap
 must be at most 1/10 of the recipe's own error against quantize=False (tests/test_expert_mlp_cuda.py explains the
 bound). Then it times with CUDA events (median of --reps per round, --rounds rounds in bench_gemm.round_order) and
 reports ms, tokens/s (M / step time), TFLOP/s (:func:`flops`), % of the H100/H200 dense bf16 peak (989 TFLOP/s)
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import env_restored, interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
 
-from moe_ep import gemm  # noqa: E402
-from moe_ep.expert_mlp_cuda import expert_mlp_cuda_bwd, expert_mlp_cuda_fwd  # noqa: E402
-from moe_ep.gemm_operands import weight_operands  # noqa: E402
-from moe_ep.weight_cache import WeightQuantCache  # noqa: E402
+from moe_ep.experts import reference as gemm  # noqa: E402
+from moe_ep.experts.cuda import expert_mlp_cuda_bwd, expert_mlp_cuda_fwd  # noqa: E402
+from moe_ep.experts.operands import weight_operands  # noqa: E402
+from moe_ep.experts.weight_cache import WeightQuantCache  # noqa: E402
 
 SHAPES = {  # name: (M rows, H hidden, F ffn, E experts): the GEMMs of bench_gemm's shapes
     "dsv3": (32768, 7168, 2048, 32),  # GEMM1 = dsv3_up (N = 2F = 4096), GEMM2 = dsv3_down

@@ -1,4 +1,4 @@
-"""Benchmark the MXFP8 grouped GEMMs (moe_ep.gemm_cuda) against torch's grouped GEMMs on the same shapes.
+"""Benchmark the MXFP8 grouped GEMMs (moe_ep.experts.gemm) against torch's grouped GEMMs on the same shapes.
 
 For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgrad, wgrad) it first checks the
 kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median of --reps;
@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moe_ep import gemm_cuda, mxfp8, mxfp8_cuda  # noqa: E402
+from moe_ep import mxfp8  # noqa: E402
+from moe_ep.experts import gemm as gemm_cuda  # noqa: E402
+from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
 
 SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
     "dsv3_up": (32768, 7168, 4096, 32),

@@ -27,8 +27,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gemm import env_restored  # noqa: E402
 
-from moe_ep import mxfp8_cuda, quant_plan  # noqa: E402
-from moe_ep.gemm_operands import colwise_prep_rows_used  # noqa: E402
+from moe_ep.experts.operands import colwise_prep_rows_used  # noqa: E402
+from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
+from moe_ep.mxfp8 import plan as quant_plan  # noqa: E402
 from moe_ep.mxfp8 import quantize_torch, to_blocked, to_blocked_grouped  # noqa: E402
 
 TARGETS = {"row_blocked": 0.92, "col_blocked": 0.85, "fused": 0.85}  # fraction of copy bandwidth (H200)
@@ -260,7 +261,7 @@ def _check(variant: str, x: torch.Tensor, rows: int) -> bool:
     if variant == "row_blocked":
         return all(map(_eq, mxfp8_cuda.quantize_rowwise(xs, "blocked"), _ref_row_blocked(xc)))
     if variant in DUAL:
-        from moe_ep.gemm import quantize_grouped_dual_torch  # noqa: PLC0415
+        from moe_ep.experts.reference import quantize_grouped_dual_torch  # noqa: PLC0415
 
         xs, kw, kh = _dual_args(variant, x[:rows].contiguous())
         sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)

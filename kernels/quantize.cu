@@ -65,7 +65,6 @@
 
 #include "quant_sched.cuh"
 
-#include "stamps.cuh"
 
 // Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile (512), column-scale tile (512), column
 // multipliers 2**-E (4 x 128 fp32) and NaN-block masks (4 x 128 bytes) of phase 3, then (RS_GROUPED) the group
@@ -206,7 +205,6 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr bool GCOL = CS == CS_GNT || CS == CS_GPREP;  // per-group column blocks, in x's row order
     constexpr int BR = CS == CS_GPREP ? 64 : 32;             // rows per unit of the table's third prefix sum
 
-    mx_stamp(0);  // entry (MX_STAMPS builds only)
     MX_CHECK_THREADS(NT);
     const int tid = threadIdx.x, lane = tid & 31;
     const int C = K / 32;
@@ -288,7 +286,6 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     if (PIPE == 2) load(vn, 0, row0, nrows, ct * TILE);
     int buf = 0;
     if (PIPE == 3) issue(stage0, row0, nrows, ct * TILE);
-    bool first = true;  // for mx_stamp(1): the first tile's row output issued
     int Tn = PERSIST ? T + (int)gridDim.x : total;
     int slot = 0;
 
@@ -370,8 +367,6 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             }
         }
     }
-    if (first) mx_stamp(1);
-    first = false;
     // ---------------- blocked row-scale tile from registers: 512 B, 16-byte stores ----------------
     if (SREG) {
         // The 4 column blocks of a row group sit on lanes TPB apart (cc / TPB = cb); the cb = 0 lane gathers
@@ -565,7 +560,6 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             coords(T, rt, ct, row0, nrows, bs);
         }
     }
-    mx_stamp_last(2);  // exit of the CTA's last warp
     if (dyn) mx_sched_done(sched);
 }
 

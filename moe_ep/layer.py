@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import EPHandle, combine, dispatch
 from .config import MoEConfig
-from .gemm import expert_mlp
+from .experts.reference import expert_mlp
 from .router import Router
+from .transport import EPHandle, combine, dispatch
 
 
 class Experts(nn.Module):

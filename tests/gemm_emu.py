@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moe_ep import gemm_cuda, mxfp8
+from moe_ep import mxfp8
+from moe_ep.experts import gemm as gemm_cuda
 
 KM_LD, MN_LD, OPER, STAGE, SMEM = 72, 136, 18432, 36864, 73728
 TID = np.arange(256, dtype=np.int64)[None, :]  # threadIdx.x (one row per CTA of a vectorized call)

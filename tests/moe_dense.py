@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moe_ep import mxfp8
-from moe_ep.gemm import expert_mlp
+from moe_ep.experts.reference import expert_mlp
 
 
 class _QuantizeGrad(torch.autograd.Function):

@@ -144,7 +144,7 @@ def build_emulator(workdir: Path):
     """Compile the kernel emulator as a shared library; returns a ctypes.CDLL (or None without a compiler)."""
     import ctypes  # noqa: PLC0415
 
-    from moe_ep import quant_plan  # noqa: PLC0415
+    from moe_ep.mxfp8 import plan as quant_plan  # noqa: PLC0415
 
     if CXX is None:
         return None
@@ -222,7 +222,7 @@ def emulator(workdir: Path):
     """The emulator of the kernels as NVRTC would compile them now (quant_plan.options(): the kernels' default pipe
     is a compile-time switch, so a test that sets MOE_EP_QUANT_PIPE gets its own build), built once per option set
     into a directory under ``workdir``."""
-    from moe_ep import quant_plan  # noqa: PLC0415
+    from moe_ep.mxfp8 import plan as quant_plan  # noqa: PLC0415
 
     opts = quant_plan.options()
     if opts not in _EMU_BY_OPTIONS:
@@ -233,10 +233,12 @@ def emulator(workdir: Path):
 
 
 def install_emulator(monkeypatch, workdir: Path) -> None:
-    """Route moe_ep.mxfp8_cuda's launches for CPU tensors to :func:`emulator` (builds under ``workdir``)."""
+    """Route moe_ep.mxfp8.cuda's launches for CPU tensors to :func:`emulator` (builds under ``workdir``)."""
     import re  # noqa: PLC0415
 
-    from moe_ep import mxfp8_cuda, quant_checks, quant_plan  # noqa: PLC0415
+    from moe_ep.mxfp8 import checks as quant_checks  # noqa: PLC0415
+    from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
+    from moe_ep.mxfp8 import plan as quant_plan  # noqa: PLC0415
 
     def launch(name, grid, args, shared_mem, device, threads=256):
         so = emulator(workdir)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moe_ep import MoE, MoEConfig
-from moe_ep.comm import combine, dispatch
 from moe_ep.router import route
+from moe_ep.transport import combine, dispatch
 
 
 def test_import_without_gpu_packages():

@@ -1,4 +1,4 @@
-"""The expert MLP on the CUDA kernels (moe_ep.expert_mlp_cuda) against the reference recipe (moe_ep.gemm.expert_mlp).
+"""The expert MLP on the CUDA kernels (moe_ep.experts.cuda) against the reference recipe (moe_ep.experts.reference.expert_mlp).
 
 Tolerance. Both sides run the same MXFP8 recipe: every GEMM operand quantized along its reduction axis, products of
 exactly dequantized operands, fp32 sums. They differ only in the fp32 summation order inside the GEMMs, and an
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep import gemm
-from moe_ep.expert_mlp_cuda import expert_mlp_cuda
-from moe_ep.weight_cache import WeightQuantCache
+from moe_ep.experts import reference as gemm
+from moe_ep.experts.cuda import expert_mlp_cuda
+from moe_ep.experts.weight_cache import WeightQuantCache
 
 CUDA = torch.cuda.is_available()
 

@@ -1,4 +1,4 @@
-"""MXFP8 grouped GEMM kernels (moe_ep.gemm_cuda) against the reference: dequantize exactly + float64 matmul.
+"""MXFP8 grouped GEMM kernels (moe_ep.experts.gemm) against the reference: dequantize exactly + float64 matmul.
 
 Tolerance. The operands are exactly representable in bf16 (e4m3 * 2**k; we never test the < 2**-133 underflow
 corner) and the tensor cores form exact products, so only the fp32 accumulation differs from an exact sum.
@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_ep import _cuda, gemm_cuda, mxfp8
+from moe_ep import _cuda, mxfp8
+from moe_ep.experts import gemm as gemm_cuda
 
 CUDA = torch.cuda.is_available()
 

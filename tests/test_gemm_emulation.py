@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_ep import gemm_cuda, mxfp8
-from moe_ep.gemm import fake_quantize_grouped_cols, grouped_mm_torch, grouped_wgrad_torch
+from moe_ep import mxfp8
+from moe_ep.experts import gemm as gemm_cuda
+from moe_ep.experts.reference import fake_quantize_grouped_cols, grouped_mm_torch, grouped_wgrad_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_emu import (  # noqa: E402

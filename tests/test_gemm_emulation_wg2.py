@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_ep import gemm_cuda, mxfp8
+from moe_ep import mxfp8
+from moe_ep.experts import gemm as gemm_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_emu import (  # noqa: E402

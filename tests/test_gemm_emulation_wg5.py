@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_ep import gemm_cuda, mxfp8
+from moe_ep import mxfp8
+from moe_ep.experts import gemm as gemm_cuda
 from tests.gemm_emu import cvt_words_1s, scan_groups
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep import gemm_cuda
+from moe_ep.experts import gemm as gemm_cuda
 from tests.test_gemm_cuda import _assert_close, _guarded, _guarded_out, _sizes_t, _skip_without_gpu, _varied
 
 
@@ -132,7 +132,7 @@ def test_wgrad_from_prepared_quantizer_output(sizes, out_dtype):
     the kernel is deterministic. Against the reference: the fp32 bound of tests/test_gemm_cuda._assert_close (2x the
     fp32 reference's own error plus the accumulation-order term). No host sync; nothing written past out."""
     _skip_without_gpu()
-    from moe_ep import mxfp8_cuda  # noqa: PLC0415
+    from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
 
     gen = torch.Generator(device="cuda").manual_seed(3 + sum(sizes))
     g, m, n, k = len(sizes), sum(sizes), 160, 288  # multiples of 32 (the quantizer) and N % 128 != 0

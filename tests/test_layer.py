@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import MoE, MoEConfig, init_ep
-from moe_ep.comm import combine, dispatch
-from moe_ep.gemm import expert_mlp
+from moe_ep.experts.reference import expert_mlp
 from moe_ep.router import route
+from moe_ep.transport import combine, dispatch
 from tests._dist import run_distributed
 from tests.moe_dense import dense_moe
 

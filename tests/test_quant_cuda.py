@@ -1,4 +1,4 @@
-"""MXFP8 quantization kernels (kernels/quantize.cu via moe_ep.mxfp8_cuda): bytes == the reference's bytes.
+"""MXFP8 quantization kernels (kernels/quantize.cu via moe_ep.mxfp8.cuda): bytes == the reference's bytes.
 
 Every test runs on two backends:
   * ``cuda``: the real kernels (CuPy/NVRTC) on the GPU; skipped without CUDA (mark ``gpu``).
@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ep import mxfp8_cuda, quant_plan
 from moe_ep.mxfp8 import (
     MXFP8Tensor,
     dequantize_torch,
@@ -25,6 +24,8 @@ from moe_ep.mxfp8 import (
     to_blocked,
     to_blocked_grouped,
 )
+from moe_ep.mxfp8 import cuda as mxfp8_cuda
+from moe_ep.mxfp8 import plan as quant_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_emu  # noqa: E402

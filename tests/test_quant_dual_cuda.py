@@ -1,4 +1,4 @@
-"""Grouped GEMM operands from one read (moe_ep.mxfp8_cuda.quantize_grouped_dual): row-wise MXFP8 with per-group
+"""Grouped GEMM operands from one read (moe_ep.mxfp8.cuda.quantize_grouped_dual): row-wise MXFP8 with per-group
 blocked scales plus the per-group column-wise operand, of x itself (mx_quant_dual, or mx_quant's shared-memory
 transpose) and of the SwiGLU forward / backward (mx_swiglu_dual, or mx_quant): bytes == the reference's bytes.
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep import mxfp8_cuda, quant_plan
-from moe_ep.gemm_operands import colwise_prep_rows, colwise_prep_rows_used
+from moe_ep.experts.operands import colwise_prep_rows, colwise_prep_rows_used
+from moe_ep.mxfp8 import cuda as mxfp8_cuda
+from moe_ep.mxfp8 import plan as quant_plan
 from tests.test_quant_cuda import HAS_CUDA, _big, backend_dev, record_launches  # noqa: F401  (backend_dev: the ``dev`` fixture)
 
 # ------------------------------------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ def _set_impl(monkeypatch, impl: str) -> None:
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
 @pytest.mark.parametrize("dtype,impl", DUAL_IMPLS)
 def test_grouped_dual_matches_reference(dev, sizes, dtype, impl, monkeypatch):
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     _set_impl(monkeypatch, impl)
     m, k = sum(sizes), 160
@@ -110,7 +111,7 @@ def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype, impl, monkey
     """colwise="bf16": the row-wise pair as with MXFP8 column output, and the column operand written as the
     prepared bf16 layout (64-row group blocks, zero padding rows) == prepare_colwise_bf16_torch of the reference's
     MXFP8 column operand; nothing written past the last group's block."""
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     _set_impl(monkeypatch, impl)
     m, k = sum(sizes), 160
@@ -165,7 +166,7 @@ def test_grouped_dual_extreme_and_persistent(dev, colwise, stages, monkeypatch):
     enough tiles that every persistent CTA runs several (GPU: 1284 tiles over at most 396 CTAs; emulator: 33 tiles
     over at most 6), bytes == the reference. The emulator copies cp.async data at once: only the GPU run checks
     the stage ring's waits."""
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
     monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", stages)
@@ -185,7 +186,7 @@ def test_grouped_dual_extreme_and_persistent(dev, colwise, stages, monkeypatch):
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
 def test_grouped_dual_k224(dev, colwise, monkeypatch):
     """K = 224: the last column tile holds 96 of 128 columns (3 of 4 scale columns), with a trailing empty group."""
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
     sizes = [3, 0, 70, 129, 0]
@@ -256,7 +257,7 @@ def test_grouped_dual_prepared_bad_input():
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
 def test_swiglu_dual_matches_reference(dev, sizes):
     """SwiGLU fused with both quantizations == torch's swiglu (same device) then the reference quantizer."""
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     m, f = sum(sizes), 96
     a = _dual_input(m, 2 * f, torch.bfloat16, seed=7 + m).to(dev)
@@ -271,7 +272,7 @@ def test_swiglu_dual_matches_reference(dev, sizes):
 def test_swiglu_dual_prepared_matches_reference(dev, sizes, mode):
     """The fused SwiGLU forward (h) and backward (dA, with an fp32 or a bf16 dh) with the prepared column operand:
     the wgrad operand straight from the fused kernel."""
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     m, f = sum(sizes), 96
     a = _dual_input(m, 2 * f, torch.bfloat16, seed=17 + m).to(dev)
@@ -312,7 +313,7 @@ def test_swiglu_bwd_dual_matches_reference(dev, sizes, dh_dtype):
     F = 96 puts the gate/up boundary of dA (column 96) inside the first 128-column tile. A bf16 dh (the dgrad
     GEMM's output) is read as is; the reference promotes it to fp32 exactly, so the bytes must match too.
     """
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     m, f = sum(sizes), 96
     a = _dual_input(m, 2 * f, torch.bfloat16, seed=11 + m).to(dev)
@@ -365,7 +366,7 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, colwise, monkeypatch):
 def test_swiglu_reg_matches_reference(dev, bwd, colwise, monkeypatch):
     """mx_swiglu_dual against torch's swiglu / swiglu_bwd on the same device then the reference quantizer: exact on
     the GPU (F = 128 backward, one h tile; F = 224 forward, a partial second one), extreme blocks, empty groups."""
-    from moe_ep.gemm import quantize_grouped_dual_torch
+    from moe_ep.experts.reference import quantize_grouped_dual_torch
 
     monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
     sizes, f = [3, 0, 70, 129, 0, 40], 128 if bwd else 224

@@ -241,7 +241,7 @@ def test_emulator_builds(tmp_path):
 def test_dynamic_schedule_choice(monkeypatch):
     """MOE_EP_QUANT_SCHED: which mx_quant launches take the dynamic tile schedule (hand-worked, 396 CTA slots), and
     the kernel quant_plan names for them."""
-    from moe_ep import quant_plan
+    from moe_ep.mxfp8 import plan as quant_plan
 
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     monkeypatch.delenv("MOE_EP_QUANT_SCHED", raising=False)
@@ -294,7 +294,7 @@ def test_dynamic_schedule_choice(monkeypatch):
 def test_kernel_pipe_matches_host(tmp_path):
     """quant_plan.effective_pipe (grid, shared memory and CTA size are sized from it) == the pipe kernels/quantize.cu's
     QuantCfg compiles, for every input code, row / column mode and requested pipe."""
-    from moe_ep import quant_plan
+    from moe_ep.mxfp8 import plan as quant_plan
 
     so = emulator(tmp_path)
     bad = []
@@ -309,7 +309,7 @@ def test_kernel_pipe_matches_host(tmp_path):
 def test_pipe5_plan(monkeypatch):
     """Pipe 5 (64-row tiles of 128 threads): 16-bit row plain under auto, row plain / blocked under
     MOE_EP_QUANT_PIPE=5, every other mode as pipe 4 (hand-worked plans)."""
-    from moe_ep import quant_plan
+    from moe_ep.mxfp8 import plan as quant_plan
 
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
@@ -364,7 +364,7 @@ def test_pipe5_plan(monkeypatch):
 
 def test_quant_grid_full_and_balanced(monkeypatch):
     """MOE_EP_QUANT_GRID: the persistent grid of the row-wise kernels on a 132-SM GPU (hand-worked numbers)."""
-    from moe_ep import quant_plan
+    from moe_ep.mxfp8 import plan as quant_plan
 
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
@@ -406,7 +406,7 @@ def test_quant_grid_full_and_balanced(monkeypatch):
 
 def test_dual_kernel_plan(monkeypatch):
     """Which grouped-dual kernel a bf16 input gets, its depth, grid and shared memory (hand-worked, 132 SMs)."""
-    from moe_ep import quant_plan
+    from moe_ep.mxfp8 import plan as quant_plan
 
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     monkeypatch.delenv("MOE_EP_QUANT_DUAL", raising=False)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from moe_ep.comm.schedule import CTA_WARPS, MAX_PIECES, TransportSchedule, agree
+from moe_ep.transport.schedule import CTA_WARPS, MAX_PIECES, TransportSchedule, agree
 from tests._dist import run_distributed
 
 _ENV = [f"MOE_EP_{f.name.upper()}" for f in dataclasses.fields(TransportSchedule)]

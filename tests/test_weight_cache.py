@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_ep import mxfp8
-from moe_ep.weight_cache import WeightQuantCache
+from moe_ep.experts.weight_cache import WeightQuantCache
 
 
 def _q(w: torch.Tensor):
@@ -60,7 +60,7 @@ def test_dead_weights_are_released():
 def test_weight_operands_match_the_reference_and_are_cached():
     """gemm_cuda.weight_operands: fprop and dgrad operands (the reference converters' bytes) and both prepared bf16
     weights; with a cache, computed once per weight version."""
-    from moe_ep import gemm_cuda
+    from moe_ep.experts import gemm as gemm_cuda
 
     w = torch.nn.Parameter(torch.randn(2, 64, 96) * 0.1)
     cache = WeightQuantCache()

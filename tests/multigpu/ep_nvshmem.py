@@ -31,10 +31,10 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from moe_ep import finish, mxfp8  # noqa: E402
-from moe_ep.comm import cuda_transport as ct  # noqa: E402
-from moe_ep.comm import nvshmem as nvs  # noqa: E402
-from moe_ep.comm import ops  # noqa: E402
-from moe_ep.comm import reference as ref  # noqa: E402
+from moe_ep.transport import autograd as ops  # noqa: E402
+from moe_ep.transport import cuda as ct  # noqa: E402
+from moe_ep.transport import reference as ref  # noqa: E402
+from moe_ep.transport import runtime as nvs  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 
 TMAX, HMAX, KMAX, EMAX = 512, 1024, 8, 64
@@ -175,7 +175,7 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
         same_bytes(recv.weight, rrecv.weight, f"received weights {tag}")
         same_bytes(handle.expand_row[:n].long(), rh.expand_row, f"expand_row {tag}")
         same_bytes(handle.expand_slot[:n].long(), rh.expand_slot, f"expand_slot {tag}")
-        rrows, rw = ops.dispatch_fwd(x, w, rh, quantize)
+        rrows, rw = ref.dispatch_fwd(x, w, rh, quantize)
         same_bytes(rows[:n], rrows, f"expanded rows {tag}")
         same_bytes(wrows[:n], rw, f"expanded weights {tag}")
         zeros_past(rows, n, f"expanded rows {tag}")
@@ -211,14 +211,14 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
     y = tiny_columns((torch.randn(n, h, generator=gen)).to(dtype).to(DEV))
     wy = (torch.rand(n, generator=gen) + 0.5).to(DEV)
     out = ct.combine_fwd(padded(y), padded(wy), handle)
-    rout = ops.combine_fwd(y, wy, rh)
+    rout = ref.combine_fwd(y, wy, rh)
     close(out, rout, "combine", 2**-7, 1e-6)
     same_bytes(out, rout, "combine (bitwise: same summation order)")
 
     g_rows = tiny_columns(torch.randn(n, h, generator=gen).to(dtype).to(DEV))
     g_w = torch.randn(n, generator=gen).to(DEV)
     dx, dtw = ct.dispatch_bwd(padded(g_rows), padded(g_w), handle, dtype)
-    rdx, rdtw = ops.dispatch_bwd(g_rows, g_w, rh, dtype)
+    rdx, rdtw = ref.dispatch_bwd(g_rows, g_w, rh, dtype)
     close(dx, rdx, "dispatch backward dx", 2**-7, 1e-6)
     same_bytes(dx, rdx, "dispatch backward dx (bitwise)")
     same_bytes(dtw, rdtw, "dispatch backward d topk_w")
@@ -226,10 +226,10 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
     dy = tiny_columns(torch.randn(x.shape[0], h, generator=gen).to(dtype).to(DEV))
     for quantize in (True, False):
         dyr, dw = ct.combine_bwd(dy, padded(y), padded(wy), handle, quantize)
-        rdyr, rdw = ops.combine_bwd(dy, y, wy, rh, quantize)
+        rdyr, rdw = ref.combine_bwd(dy, y, wy, rh, quantize)
         same_bytes(dyr[:n], rdyr, f"combine backward dy*w q={quantize}")
         zeros_past(dyr, n, "combine backward dy*w")
-        dq = ops._rows(*ref.send_rows(dy, rh, quantize), dtype)[rh.expand_row].float()
+        dq = ref._rows(*ref.send_rows(dy, rh, quantize), dtype)[rh.expand_row].float()
         scale_abs = (dq * y.float()).abs().sum(-1)
         close(dw[:n], rdw, f"combine backward dw q={quantize}", 0.0, 1e-5 * scale_abs + 1e-6)
         zeros_past(dw, n, "combine backward dw")
@@ -391,7 +391,7 @@ def main() -> int:
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     DEV = torch.device("cuda", local)
     GROUP = dist.group.WORLD
-    nvs.init_runtime(GROUP, TMAX, HMAX, KMAX, EMAX, wire_bytes=4)
+    ct.init_runtime(GROUP, TMAX, HMAX, KMAX, EMAX, wire_bytes=4)
     bf, f32 = torch.bfloat16, torch.float32
     cases = [
         ("random bf16 H=256 top2", lambda: case_transport("random", [13, 7, 0, 21], 8, 2, 256, bf, specials=True)),

@@ -21,25 +21,18 @@ Layouts (``x: [M, K]``, C = K // 32):
 Environment: ``MOE_EP_MXFP8_SOFT_CVT=1`` compiles the kernels with the software float->e4m3 conversion instead
 of the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (a debugging switch; both must give identical bytes).
 ``MOE_EP_QUANT_PIPE`` (auto, 0-5) selects the tile pipelining of the quantization kernels
-(:func:`moe_ep.quant_plan.pipe_switch`); :mod:`moe_ep.quant_plan` decides kernel, grid and shared memory.
+(:func:`moe_ep.mxfp8.plan.pipe_switch`); :mod:`moe_ep.mxfp8.plan` decides kernel, grid and shared memory.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _cuda
-from . import quant_plan as qp
-from .gemm_operands import colwise_prep_rows
-from .mxfp8 import (
-    BLOCK,
-    MXFP8Tensor,
-    blocked_size,
-    dequantize_torch,
-    grouped_blocked_size,
-    quantize_torch,
-)
-from .quant_checks import check_colwise, check_groups, check_input, check_out
+from .. import _cuda
+from . import plan as qp
+from .checks import check_colwise, check_groups, check_input, check_out
+from .format import BLOCK, MXFP8Tensor, blocked_size, colwise_prep_rows, grouped_blocked_size
+from .reference import dequantize_torch, quantize_torch
 
 _SRC = "quantize.cu"
 _THREADS = qp.THREADS  # CTA size of every kernel here but mx_quant's pipe 5 (quant_plan decides)
@@ -232,7 +225,7 @@ def quantize_grouped_dual_into(
     data: [M, K] e4m3, row-wise (1x32 along K); scale: u8 [grouped_blocked_size(M, G, K//32, "m")] (fprop/dgrad).
     data_c: [M, K] e4m3, column-wise in 32-row blocks that restart at each group's first row (a group's last block
         is zero padded); scale_c: u8 [ceil(M/32) + G, K], block j of group g at row sum_{h<g} ceil(n_h/32) + j
-        (the wgrad operand format of :mod:`moe_ep.gemm_cuda`). Rows past sum(group_sizes) and unused scale rows
+        (the wgrad operand format of :mod:`moe_ep.experts.gemm`). Rows past sum(group_sizes) and unused scale rows
         are not written.
     colwise="bf16" writes the column-wise operand already prepared for the Hopper wgrad kernel instead:
         data_c: bf16 [64 (ceil(M/64) + G), K], the exact value of every quantized element, group g from row
@@ -241,7 +234,7 @@ def quantize_grouped_dual_into(
         0x7FC0 here, as in ``prepare_colwise_bf16_torch``; 0x7FFF from the CUDA preparation kernel); rows
         past the last group's block are not written. Why: the wgrad operands are transient in the backward pass,
         so writing 2 bytes here replaces the preparation pass (read 1 + 1/32, write 2 bytes per element, plus a
-        launch) that :func:`moe_ep.gemm_cuda.grouped_wgrad_out` runs otherwise.
+        launch) that :func:`moe_ep.experts.gemm.grouped_wgrad_out` runs otherwise.
     """
     if colwise not in ("mxfp8", "bf16"):
         raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")

@@ -1,4 +1,4 @@
-"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.gemm_cuda``): preparation of the bf16 operands the wgmma
+"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 operands the wgmma
 kernels read (weights once per version, wgrad activations per call), the weight-operand bundle with its cache, and
 the pure-PyTorch converters from plain tensors to the kernels' formats (tests, benchmarks).
 
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import mxfp8
+from .. import mxfp8
+from ..mxfp8 import reference as mxfp8_reference
+from ..mxfp8.format import colwise_prep_rows
 
 _PREP_FILE = "weight_prep.cu"
 
@@ -114,7 +116,7 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     chunks = g * n * (kp // 64) * 4
     if chunks == 0:
         return out
-    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     fn = _cuda.get_function(_PREP_FILE, "mx_prepare_weight_bf16", device=w.device.index)
     grid = min(_cdiv(chunks, 256), _cuda.num_sms(w.device) * 8)
@@ -122,11 +124,6 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     args += (_cuda.i64(mxfp8.blocked_size(n, k // 32)),)
     _cuda.launch(fn, grid, 256, args, device=w.device)
     return out
-
-
-def colwise_prep_rows(m: int, num_groups: int) -> int:
-    """Rows of a prepared wgrad operand (static bound ``64 (ceil(M/64) + G)`` >= sum of ceil64(n_g), no sync)."""
-    return 64 * (_cdiv(m, 64) + num_groups)
 
 
 def colwise_prep_rows_used(group_sizes) -> int:
@@ -193,7 +190,7 @@ def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: t
     g = group_sizes.numel()
     if g == 0 or c == 0:
         return out
-    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     fn = _cuda.get_function(_PREP_FILE, "mx_prepare_colwise_bf16", device=data.device.index)
     args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(group_sizes), _cuda.ptr(out), _cuda.i32(g))
@@ -231,7 +228,7 @@ def prepare_colwise_bf16_pair(
     g = group_sizes.numel()
     if g == 0 or n == 0 or k == 0:
         return prepare_colwise_bf16(a, a_scale, group_sizes, ap), prepare_colwise_bf16(b, b_scale, group_sizes, bp)
-    from . import _cuda  # noqa: PLC0415
+    from .. import _cuda  # noqa: PLC0415
 
     nblocks = colwise_prep_rows(m, g) // 32
     warps_a, warps_b = nblocks * _cdiv(n, 1024), nblocks * _cdiv(k, 1024)
@@ -269,7 +266,7 @@ def _weight_operands(w: torch.Tensor) -> WeightOperands:
         # column-wise output of W[e] [N, K] is W[e]^T [K, N] quantized along N, i.e. the dgrad operand. (Two
         # row-wise passes over W and a transposed copy, as above, took 14.2 ms for dsv3's W13 + W2:
         # benchmarks/NOTES.md, "The expert MLP".)
-        from . import mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
+        from ..mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
 
         wd, ws, wtd, wts = mxfp8_cuda.quantize_weights_fused(w.contiguous())
     return WeightOperands(wd, ws, prepare_weight_bf16(wd, ws), wtd, wts, prepare_weight_bf16(wtd, wts))
@@ -279,7 +276,7 @@ def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:
     """Quantize an expert weight for fprop and dgrad and prepare both bf16 operands of the ``wgmma4`` kernels.
 
     w: bf16/fp32 [G, N, K] (N, K multiples of 32), any device (CUDA: quantization and preparation kernels, no host
-    sync). With ``cache`` (a ``moe_ep.weight_cache.WeightQuantCache``) the result is computed once per weight
+    sync). With ``cache`` (a ``moe_ep.experts.weight_cache.WeightQuantCache``) the result is computed once per weight
     version (an optimizer step or an FSDP2 all-gather write recomputes it) and shared by every micro-batch.
     Memory: 2 bytes + 2 bytes (prepared) + 2 bytes (e4m3 both ways) per weight element.
     """
@@ -359,5 +356,5 @@ def colwise_dequantize_ref(data: torch.Tensor, scale: torch.Tensor, group_sizes)
         boff += _cdiv(rows, 32)
     rows_scale = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=data.device)
     s = scale[rows_scale].to(torch.int32)
-    mult = torch.where(s == mxfp8.SCALE_NAN, float("nan"), mxfp8._exp2_int((s - 127).clamp(-127, 127)))
+    mult = torch.where(s == mxfp8.SCALE_NAN, float("nan"), mxfp8_reference._exp2_int((s - 127).clamp(-127, 127)))
     return data[: rows_scale.numel()].to(torch.float32) * mult

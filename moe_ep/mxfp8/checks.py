@@ -1,12 +1,12 @@
-"""Argument checks of the CUDA quantization launchers (:mod:`moe_ep.mxfp8_cuda`): each raises a TypeError or
+"""Argument checks of the CUDA quantization launchers (:mod:`moe_ep.mxfp8.cuda`): each raises a TypeError or
 ValueError that names the argument and the problem (dtype, shape, device, contiguity, alignment, K % 32)."""
 
 from __future__ import annotations
 
 import torch
 
-from . import quant_plan as qp
-from .mxfp8 import BLOCK
+from . import plan as qp
+from .format import BLOCK
 
 
 def on_gpu(t: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/grouped_gemm.cu`` (DESIGN.md sections 3 and 5.3).
 
-The specification is ``moe_ep.gemm`` (``grouped_mm_torch``, ``grouped_wgrad_torch``, ``fake_quantize_grouped_cols``):
+The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``, ``fake_quantize_grouped_cols``):
 the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16 except below
 2**-133) on bf16 tensor cores with fp32 accumulation, so results equal the reference up to fp32 summation order.
 
@@ -78,8 +78,8 @@ import os
 import numpy as np
 import torch
 
-from . import mxfp8
-from .gemm_operands import (  # the operand side, re-exported: gemm_cuda.<name> is the public spelling
+from .. import mxfp8
+from .operands import (  # the operand side, re-exported: gemm_cuda.<name> is the public spelling
     WeightOperands,
     _cdiv,
     _check_dtype,
@@ -256,7 +256,7 @@ def _launch(
 ):
     if grid <= 0:
         return
-    from . import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     fn = _cuda.get_function(kernel_file, kernel, extra_options=options, device=out.device.index)
     args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest) + tuple(extra)
@@ -265,7 +265,7 @@ def _launch(
 
 def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int, zero_rest: bool) -> tuple:
     """The kernels' GM_ARGS: (6 pointers, int G, long long M, int N, int K, int zero_rest) as numpy scalars."""
-    from . import _cuda  # noqa: PLC0415  (numpy + torch only; CuPy is imported by get_function / launch)
+    from .. import _cuda  # noqa: PLC0415  (numpy + torch only; CuPy is imported by get_function / launch)
 
     ptrs = tuple(_cuda.ptr(t) for t in (a, a_scale, b, b_scale, group_sizes, out))
     return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))

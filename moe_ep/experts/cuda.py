@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from . import gemm_cuda, mxfp8_cuda
-from .gemm_operands import weight_operands
+from ..mxfp8 import cuda as mxfp8_cuda
+from . import gemm as gemm_cuda
+from .operands import weight_operands
 from .weight_cache import WeightQuantCache
 
 

@@ -1,4 +1,4 @@
-"""Dispatch and combine with autograd, following the fast path's structure.
+"""Dispatch and combine with autograd over a :class:`Transport` (the reference or the CUDA one).
 
 Forward:  dispatch = MXFP8 quantize + send once per (token, rank) + expert-sorted expansion;
           combine  = weight by top-k weight, reduce per (token, rank) on the expert side, send back, sum on
@@ -12,68 +12,51 @@ the backward pass (as in every MXFP8 training recipe); dy is quantized where the
 
 from __future__ import annotations
 
-import sys
+from typing import Any, Protocol
 
 import torch
 
 from .. import mxfp8
 from .handle import EPHandle
-from .reference import RecvBuffers, _all_to_all, build_layout, dispatch_send, rank_reduce, send_rows, slot_reduce
+from .reference import REFERENCE, build_layout
 
 
-def _rows(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Received payload -> values: [R, H] e4m3 + [R, H//32] scales (or plain rows) -> [R, H] dtype."""
-    return data if scale is None else mxfp8.dequantize(mxfp8.MXFP8Tensor(data, scale, 1), dtype)
+class Transport(Protocol):
+    """The four passes a transport implements; :class:`_Dispatch` / :class:`_Combine` add autograd around them.
 
+    ``handle`` is the transport's own handle type (:class:`EPHandle` or the CUDA transport's ``CudaEPHandle``).
+    """
 
-def dispatch_fwd(
-    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, H], topk_w: [T, top_k] fp32 -> (expanded x [N, H] x.dtype, expanded weights [N] fp32)."""
-    recv: RecvBuffers = dispatch_send(x, topk_w, handle, quantize)
-    rows = _rows(recv.data, recv.scale, x.dtype)
-    return rows[handle.expand_row], recv.weight[handle.expand_row, handle.expand_slot]
+    def dispatch_fwd(
+        self, x: torch.Tensor, topk_w: torch.Tensor, handle: Any, quantize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H], topk_w: [T, top_k] fp32 -> (expert-sorted rows [N, H] x.dtype, row weights [N] fp32)."""
+        ...
 
+    def dispatch_bwd(
+        self, grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: Any, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad_rows: [N, H], grad_w: [N] fp32 -> (dx [T, H] dtype, d topk_w [T, top_k] fp32)."""
+        ...
 
-def dispatch_bwd(
-    grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: EPHandle, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine of dx: grad_rows [N, H], grad_w [N] fp32 -> (dx [T, H] dtype, d topk_w [T, top_k] fp32)."""
-    grp, ss, rs = handle.group, handle.send_splits, handle.recv_splits
-    per_row = slot_reduce(grad_rows, handle, handle.num_recv).to(dtype)  # the wire carries `dtype`
-    dx = rank_reduce(_all_to_all(per_row, rs, ss, grp), handle).to(dtype)
-    gw = torch.zeros(handle.num_recv, handle.top_k, dtype=torch.float32, device=grad_w.device)
-    gw[handle.expand_row, handle.expand_slot] = grad_w.to(torch.float32)
-    gw_src = _all_to_all(gw, rs, ss, grp)  # [S, top_k]
-    row_of_slot = handle.send_row_of.gather(1, handle.topk_rank)  # [T, top_k]: each slot's sent row
-    slots = torch.arange(handle.top_k, device=gw_src.device).expand_as(row_of_slot)
-    return dx, gw_src[row_of_slot, slots]
+    def combine_fwd(self, y: torch.Tensor, w: torch.Tensor, handle: Any) -> torch.Tensor:
+        """y: [N, H] expert outputs, w: [N] fp32 -> [T, H] y.dtype."""
+        ...
 
-
-def combine_fwd(y: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> torch.Tensor:
-    """y: [N, H] expert outputs, w: [N] fp32 -> [T, H] y.dtype (fp32 sums, y.dtype on the wire)."""
-    per_row = slot_reduce(y.to(torch.float32) * w[:, None], handle, handle.num_recv).to(y.dtype)
-    back = _all_to_all(per_row, handle.recv_splits, handle.send_splits, handle.group)
-    return rank_reduce(back, handle).to(y.dtype)
-
-
-def combine_bwd(
-    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 dispatch of dy: dy [T, H] -> (d y [N, H] y.dtype, d w [N] fp32)."""
-    data, scale = send_rows(dy.contiguous(), handle, quantize)
-    dy_rows = _rows(data, scale, dy.dtype)[handle.expand_row].to(torch.float32)
-    return (dy_rows * w[:, None]).to(y.dtype), (dy_rows * y.to(torch.float32)).sum(-1)
+    def combine_bwd(
+        self, dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: Any, quantize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dy: [T, H] -> (d y [N, H] y.dtype, d w [N] fp32)."""
+        ...
 
 
 class _Dispatch(torch.autograd.Function):
-    """Dispatch with autograd over a transport's ``dispatch_fwd`` / ``dispatch_bwd`` (``impl``: this module, or
-    :mod:`moe_ep.comm.cuda_transport`, which shares these two Functions)."""
+    """Dispatch with autograd over ``transport.dispatch_fwd`` / ``dispatch_bwd``."""
 
     @staticmethod
-    def forward(ctx, x, topk_w, handle, quantize, impl):
-        ctx.handle, ctx.dtype, ctx.impl = handle, x.dtype, impl
-        rows, w = impl.dispatch_fwd(x, topk_w, handle, quantize)
+    def forward(ctx, x, topk_w, handle, quantize, transport):
+        ctx.handle, ctx.dtype, ctx.transport = handle, x.dtype, transport
+        rows, w = transport.dispatch_fwd(x, topk_w, handle, quantize)
         ctx.rows_shape, ctx.w_shape, ctx.device = rows.shape, w.shape, rows.device
         return rows, w
 
@@ -84,27 +67,24 @@ class _Dispatch(torch.autograd.Function):
             grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.dtype, device=ctx.device)
         if grad_w is None:
             grad_w = torch.zeros(ctx.w_shape, dtype=torch.float32, device=ctx.device)
-        dx, dw = ctx.impl.dispatch_bwd(grad_rows, grad_w, ctx.handle, ctx.dtype)
+        dx, dw = ctx.transport.dispatch_bwd(grad_rows, grad_w, ctx.handle, ctx.dtype)
         return dx, dw, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """Combine with autograd over a transport's ``combine_fwd`` / ``combine_bwd`` (``impl`` as in _Dispatch)."""
+    """Combine with autograd over ``transport.combine_fwd`` / ``combine_bwd``."""
 
     @staticmethod
-    def forward(ctx, y, w, handle, quantize, impl):
+    def forward(ctx, y, w, handle, quantize, transport):
         ctx.save_for_backward(y, w)
-        ctx.handle, ctx.quantize, ctx.impl = handle, quantize, impl
-        return impl.combine_fwd(y, w, handle)
+        ctx.handle, ctx.quantize, ctx.transport = handle, quantize, transport
+        return transport.combine_fwd(y, w, handle)
 
     @staticmethod
     def backward(ctx, dy):
         y, w = ctx.saved_tensors
-        dyr, dw = ctx.impl.combine_bwd(dy, y, w, ctx.handle, ctx.quantize)
+        dyr, dw = ctx.transport.combine_bwd(dy, y, w, ctx.handle, ctx.quantize)
         return dyr, dw, None, None, None
-
-
-_SELF = sys.modules[__name__]
 
 
 def check_dispatch_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, quantize: bool) -> None:
@@ -137,7 +117,7 @@ def dispatch(
     """
     check_dispatch_inputs(x, topk_idx, topk_w, quantize)
     handle = build_layout(topk_idx, num_experts, group)
-    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, _SELF)
+    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, REFERENCE)
     return rows, w, handle
 
 
@@ -152,4 +132,4 @@ def combine(y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize: bool =
             f"combine expects y [{handle.num_expanded}, H] and w [{handle.num_expanded}], "
             f"got {tuple(y.shape)} and {tuple(w.shape)}"
         )
-    return _Combine.apply(y, w, handle, quantize, _SELF)
+    return _Combine.apply(y, w, handle, quantize, REFERENCE)

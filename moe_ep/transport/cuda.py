@@ -1,6 +1,6 @@
 """CUDA transport: layout, fused MXFP8 dispatch and combine over NVSHMEM peer pointers (kernels/*.cu).
 
-Same contracts as :mod:`moe_ep.comm.reference` / :mod:`moe_ep.comm.ops` (the specification), with every count kept
+Same contracts as :mod:`moe_ep.transport.reference` / :mod:`moe_ep.transport.autograd` (the specification), with every count kept
 on the GPU: nothing here waits for the GPU (safe under ``torch.cuda.set_sync_debug_mode("error")``).
 
 Differences a caller must know (shapes cannot depend on device counts without a host sync):
@@ -11,7 +11,7 @@ Differences a caller must know (shapes cannot depend on device counts without a 
   * ``handle.group_sizes`` is int32 on the GPU; host lists (``send_splits`` ...) are properties that sync.
   * H must be a multiple of 32; x / y rows bf16 or fp32 (fp32 unquantized payloads need ``wire_bytes=4``).
 
-Phases and kernels (build_layout and CudaEPHandle live in cuda_layout.py and are importable from here;
+Phases and kernels (build_layout and CudaEPHandle live in layout.py and are importable from here;
 stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh):
   build_layout   ep_layout_count      per-CTA counts, last CTA: prefix over CTAs + count row to every rank
                  ep_layout_place      counts matrix -> all offsets, per token / slot rows   (LAYOUT epoch)
@@ -25,22 +25,22 @@ stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh):
                  ep_combine_recv      the rank-ordered sum on the source
   combine_bwd = MXFP8 dispatch of dy (ep_dispatch without metadata + ep_expand in MODE_BWD)
   dispatch_bwd = bf16 combine of dx (ep_combine_* with BWD = 1, also returns the top-k weight gradients)
-Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.comm.nvshmem`).
+Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.transport.runtime`).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import torch
 
 from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
-from .cuda_layout import _I_R, CudaEPHandle, _check_capacity, _fn, _i32, _i64, _p, build_layout
-from .nvshmem import EPRuntime
-from .ops import _Combine, _Dispatch, check_dispatch_inputs
+from . import runtime as _runtime
+from .autograd import _Combine, _Dispatch, check_dispatch_inputs
+from .layout import _I_R, CudaEPHandle, _check_capacity, _fn, _i32, _i64, _p, build_layout
+from .runtime import EPRuntime
 from .schedule import CTA_WARPS
 
 _THREADS = 32 * CTA_WARPS  # the fused kernels' CTA (the schedule's warp counts are checked against it)
@@ -59,14 +59,23 @@ MODE_MX, MODE_VAL, MODE_BWD = 0, 1, 2
 
 
 def precompile() -> None:
-    """Compile (or load from CuPy's cache) every transport kernel on this rank. :func:`nvshmem.init_runtime`
+    """Compile (or load from CuPy's cache) every transport kernel on this rank. :func:`init_runtime`
     calls it before its barrier, so compile-time skew between ranks never eats into a spin-wait timeout."""
-    _fn("layout.cu", "ep_layout_count")  # build_layout's kernels (cuda_layout.py)
+    _fn("layout.cu", "ep_layout_count")  # build_layout's kernels (layout.py)
     _fn("layout.cu", "ep_layout_place")
     for n in _DISPATCH_NAMES:
         _fn("dispatch.cu", n, _DISPATCH_NAMES)
     for n in _COMBINE_NAMES:
         _fn("combine.cu", n, _COMBINE_NAMES)
+
+
+def init_runtime(
+    group, max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, wire_bytes: int = 2
+) -> EPRuntime:
+    """:func:`moe_ep.transport.runtime.init_runtime` after :func:`precompile` (collective when ep_size > 1): the
+    runtime's closing barrier then finds every rank with its kernels compiled."""
+    precompile()
+    return _runtime.init_runtime(group, max_tokens_per_rank, hidden, top_k, num_experts, wire_bytes)
 
 
 def _grid(work_rows: int, rt: EPRuntime, per_cta: int = _THREADS // 32) -> int:
@@ -393,7 +402,7 @@ def dispatch_bwd(
 
 
 # ----------------------------------------------------------------------------------------------------- autograd
-# The autograd Functions are moe_ep.comm.ops' (_Dispatch / _Combine), called with this module as the transport.
+# The autograd Functions are moe_ep.transport.autograd's (_Dispatch / _Combine), called with CUDA as the transport.
 
 
 def dispatch(
@@ -405,16 +414,16 @@ def dispatch(
     quantize: bool = True,
     expand_capacity: int | None = None,
 ):
-    """:func:`moe_ep.comm.ops.dispatch` on the CUDA transport -> (rows [Ncap, H], weights [Ncap], handle)."""
+    """:func:`moe_ep.transport.autograd.dispatch` on the CUDA transport -> (rows [Ncap, H], weights [Ncap], handle)."""
     check_dispatch_inputs(x, topk_idx, topk_w, quantize)
     handle = build_layout(topk_idx, num_experts, group, expand_capacity=expand_capacity)
-    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, sys.modules[__name__])
+    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, CUDA)
     return rows, w, handle
 
 
 def combine(y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize: bool = True) -> torch.Tensor:
-    """:func:`moe_ep.comm.ops.combine` on the CUDA transport: y [Ncap, H], w [Ncap] -> [T, H] y.dtype."""
-    return _Combine.apply(y, w, handle, quantize, sys.modules[__name__])
+    """:func:`moe_ep.transport.autograd.combine` on the CUDA transport: y [Ncap, H], w [Ncap] -> [T, H] y.dtype."""
+    return _Combine.apply(y, w, handle, quantize, CUDA)
 
 
 def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):
@@ -441,3 +450,15 @@ def _views(rt, r, hid, k, quantize, dtype, cls):
         data = sym[o["disp_data"] : o["disp_data"] + r * hid * es].view(dtype).view(r, hid)
         scale = None
     return cls(data, scale, meta[:, :k].long(), meta[:, k : 2 * k].contiguous().view(torch.float32))
+
+
+class CudaTransport:
+    """The NVSHMEM transport as a :class:`~.autograd.Transport` (handles are :class:`CudaEPHandle`)."""
+
+    dispatch_fwd = staticmethod(dispatch_fwd)
+    dispatch_bwd = staticmethod(dispatch_bwd)
+    combine_fwd = staticmethod(combine_fwd)
+    combine_bwd = staticmethod(combine_bwd)
+
+
+CUDA = CudaTransport()

@@ -174,3 +174,63 @@ def rank_reduce(rows: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         has = (row >= 0).nonzero(as_tuple=True)[0]
         out[has] += rows[row[has]].to(torch.float32)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- the four passes
+
+
+def _rows(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Received payload -> values: [R, H] e4m3 + [R, H//32] scales (or plain rows) -> [R, H] dtype."""
+    return data if scale is None else mxfp8.dequantize(mxfp8.MXFP8Tensor(data, scale, 1), dtype)
+
+
+def dispatch_fwd(
+    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H], topk_w: [T, top_k] fp32 -> (expanded x [N, H] x.dtype, expanded weights [N] fp32)."""
+    recv: RecvBuffers = dispatch_send(x, topk_w, handle, quantize)
+    rows = _rows(recv.data, recv.scale, x.dtype)
+    return rows[handle.expand_row], recv.weight[handle.expand_row, handle.expand_slot]
+
+
+def dispatch_bwd(
+    grad_rows: torch.Tensor, grad_w: torch.Tensor, handle: EPHandle, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine of dx: grad_rows [N, H], grad_w [N] fp32 -> (dx [T, H] dtype, d topk_w [T, top_k] fp32)."""
+    grp, ss, rs = handle.group, handle.send_splits, handle.recv_splits
+    per_row = slot_reduce(grad_rows, handle, handle.num_recv).to(dtype)  # the wire carries `dtype`
+    dx = rank_reduce(_all_to_all(per_row, rs, ss, grp), handle).to(dtype)
+    gw = torch.zeros(handle.num_recv, handle.top_k, dtype=torch.float32, device=grad_w.device)
+    gw[handle.expand_row, handle.expand_slot] = grad_w.to(torch.float32)
+    gw_src = _all_to_all(gw, rs, ss, grp)  # [S, top_k]
+    row_of_slot = handle.send_row_of.gather(1, handle.topk_rank)  # [T, top_k]: each slot's sent row
+    slots = torch.arange(handle.top_k, device=gw_src.device).expand_as(row_of_slot)
+    return dx, gw_src[row_of_slot, slots]
+
+
+def combine_fwd(y: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+    """y: [N, H] expert outputs, w: [N] fp32 -> [T, H] y.dtype (fp32 sums, y.dtype on the wire)."""
+    per_row = slot_reduce(y.to(torch.float32) * w[:, None], handle, handle.num_recv).to(y.dtype)
+    back = _all_to_all(per_row, handle.recv_splits, handle.send_splits, handle.group)
+    return rank_reduce(back, handle).to(y.dtype)
+
+
+def combine_bwd(
+    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 dispatch of dy: dy [T, H] -> (d y [N, H] y.dtype, d w [N] fp32)."""
+    data, scale = send_rows(dy.contiguous(), handle, quantize)
+    dy_rows = _rows(data, scale, dy.dtype)[handle.expand_row].to(torch.float32)
+    return (dy_rows * w[:, None]).to(y.dtype), (dy_rows * y.to(torch.float32)).sum(-1)
+
+
+class ReferenceTransport:
+    """The reference transport (``torch.distributed.all_to_all_single``) as a :class:`~.autograd.Transport`."""
+
+    dispatch_fwd = staticmethod(dispatch_fwd)
+    dispatch_bwd = staticmethod(dispatch_bwd)
+    combine_fwd = staticmethod(combine_fwd)
+    combine_bwd = staticmethod(combine_bwd)
+
+
+REFERENCE = ReferenceTransport()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import mxfp8
+from .. import mxfp8
 
 
 def _fq(t: torch.Tensor, axis: int, on: bool) -> torch.Tensor:
@@ -100,7 +100,7 @@ def quantize_grouped_dual_torch(
     swiglu_dh: torch.Tensor | None = None,
     colwise: str = "mxfp8",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Reference of :func:`moe_ep.mxfp8_cuda.quantize_grouped_dual` (same signature, same bytes).
+    """Reference of :func:`moe_ep.mxfp8.cuda.quantize_grouped_dual` (same signature, same bytes).
 
     x: [M, K] float (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32; or a: [M, 2F]
     bf16 with swiglu_dh [M, F] fp32 or bf16, quantizing ``swiglu_bwd(a, dh)`` [M, 2F] fp32);
@@ -114,7 +114,7 @@ def quantize_grouped_dual_torch(
     operand bf16 [64 (ceil(M/64) + G), K] (rows past the last group's 64-row block are zero here; the kernel
     leaves them unwritten).
     """
-    from .gemm_operands import colwise_operand_ref, prepare_colwise_bf16_torch  # noqa: PLC0415  (no CuPy import)
+    from .operands import colwise_operand_ref, prepare_colwise_bf16_torch  # noqa: PLC0415  (no CuPy import)
 
     if colwise not in ("mxfp8", "bf16"):
         raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")

@@ -313,9 +313,6 @@ def init_runtime(
     cfg = RuntimeConfig(int(max_tokens_per_rank), int(hidden), int(top_k), int(num_experts), int(wire_bytes))
     rt = _state["runtimes"].get(_key(group))
     if rt is None:
-        from . import cuda_transport  # noqa: PLC0415  (it imports this module)
-
-        cuda_transport.precompile()
         rt = EPRuntime(group, cfg)  # ends with a barrier when ep_size > 1: every rank has its kernels
         _state["runtimes"][_key(group)] = rt
     else:
@@ -328,7 +325,7 @@ def get_runtime(group) -> EPRuntime:
     rt = _state["runtimes"].get(_key(group))
     if rt is None:
         raise RuntimeError(
-            "no NVSHMEM transport runtime for this EP group: call moe_ep.comm.nvshmem.init_runtime("
+            "no NVSHMEM transport runtime for this EP group: call moe_ep.transport.cuda.init_runtime("
             "group, max_tokens_per_rank, hidden, top_k, num_experts) first (on every rank)"
         )
     return rt

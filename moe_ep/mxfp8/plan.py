@@ -1,5 +1,5 @@
 """Launch plans of the quantization kernels in ``kernels/quantize.cu``: which kernel a call takes, its grid and its
-shared memory (host arithmetic only; :mod:`moe_ep.mxfp8_cuda` launches what this module decides).
+shared memory (host arithmetic only; :mod:`moe_ep.mxfp8.cuda` launches what this module decides).
 
 Kernels: ``mx_quant`` (every mode; tile pipelining by MOE_EP_QUANT_PIPE), ``mx_quant_dual`` (bf16 grouped dual,
 kernels/quant_dual.cuh), ``mx_swiglu_dual`` (SwiGLU forward / backward, kernels/quant_swiglu.cuh), ``mx_dequant``.
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from . import _cuda
+from .. import _cuda
 
 TILE = 128
 IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

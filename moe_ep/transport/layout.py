@@ -1,5 +1,5 @@
 """Routing layout of the CUDA transport (kernels/layout.cu): the device-resident :class:`CudaEPHandle` and
-:func:`build_layout`, plus the launch helpers the transport shares. See :mod:`moe_ep.comm.cuda_transport` for the
+:func:`build_layout`, plus the launch helpers the transport shares. See :mod:`moe_ep.transport.cuda` for the
 contracts; everything here stays on the GPU (no host sync except the handle's documented host helpers).
 """
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .. import _cuda
-from .nvshmem import EPRuntime, get_runtime
+from .runtime import EPRuntime, get_runtime
 
 _LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
 _LAYOUT_TOKENS_PER_CTA = 128
@@ -27,7 +27,7 @@ _p, _i32, _i64 = _cuda.ptr, _cuda.i32, _cuda.i64
 
 @dataclass
 class CudaEPHandle:
-    """Device-resident layout (the CUDA counterpart of :class:`moe_ep.comm.handle.EPHandle`).
+    """Device-resident layout (the CUDA counterpart of :class:`moe_ep.transport.handle.EPHandle`).
 
     Source side: topk_idx [T, K] int32; tok_dst [T, W] int32 row in rank r's receive buffer (-1: not sent);
       send_row_of [T, W] int32 (the reference's sent-row order, -1: none); slot_pos [T, K] int32 expanded row of
