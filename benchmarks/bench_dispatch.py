@@ -317,7 +317,8 @@ def main() -> int:
         "--sweep",
         default="",
         help="other schedules of the fused kernels timed per case against the same baselines, e.g. "
-        "'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' (fields of moe_ep.transport.schedule.TransportSchedule)",
+        "'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' "
+        "(fields of moe_ep.transport.schedule.TransportSchedule)",
     )
     args = p.parse_args()
     if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
@@ -327,6 +328,7 @@ def main() -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     from moe_ep import finish  # noqa: PLC0415
+    from moe_ep.transport import cuda as ct  # noqa: PLC0415
     from moe_ep.transport import runtime as nvs  # noqa: PLC0415
 
     shapes = [s for s in args.shapes.split(",") if s]

@@ -1,4 +1,5 @@
-"""The expert MLP on the CUDA kernels (moe_ep.experts.cuda) against the reference recipe (moe_ep.experts.reference.expert_mlp).
+"""The expert MLP on the CUDA kernels (moe_ep.experts.cuda) against the reference recipe
+(moe_ep.experts.reference.expert_mlp).
 
 Tolerance. Both sides run the same MXFP8 recipe: every GEMM operand quantized along its reduction axis, products of
 exactly dequantized operands, fp32 sums. They differ only in the fp32 summation order inside the GEMMs, and an

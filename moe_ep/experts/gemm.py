@@ -1,7 +1,7 @@
 """MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/grouped_gemm.cu`` (DESIGN.md sections 3 and 5.3).
 
-The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``, ``fake_quantize_grouped_cols``):
-the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16 except below
+The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``,
+``fake_quantize_grouped_cols``): the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16 except below
 2**-133) on bf16 tensor cores with fp32 accumulation, so results equal the reference up to fp32 summation order.
 
 Operand formats (all tensors CUDA, contiguous, 16-byte aligned; ``G`` groups; ``group_sizes`` int32 [G] on the

@@ -1,7 +1,7 @@
 """CUDA transport: layout, fused MXFP8 dispatch and combine over NVSHMEM peer pointers (kernels/*.cu).
 
-Same contracts as :mod:`moe_ep.transport.reference` / :mod:`moe_ep.transport.autograd` (the specification), with every count kept
-on the GPU: nothing here waits for the GPU (safe under ``torch.cuda.set_sync_debug_mode("error")``).
+Same contracts as :mod:`moe_ep.transport.reference` / :mod:`moe_ep.transport.autograd` (the specification), with
+every count kept on the GPU: nothing here waits for the GPU (safe under ``torch.cuda.set_sync_debug_mode("error")``).
 
 Differences a caller must know (shapes cannot depend on device counts without a host sync):
   * expanded tensors have ``handle.expand_capacity`` rows (default ``ep_size * max_tokens_per_rank *
