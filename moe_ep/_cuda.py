@@ -118,7 +118,7 @@ def get_function(
     """Kernel ``kernel`` (a plain name or one of ``name_expressions``) of ``kernels/<name>``.
 
     Cached per (file, kernel, name expressions, full option list, device): the options include
-    MOE_EP_NVRTC_OPTIONS as it is at the call, so changing it between calls (the benchmarks' build A/B runs) gets
+    MOE_EP_NVRTC_OPTIONS as it is at the call, so changing it between calls (e.g. adding -lineinfo) gets
     the other build, not the function cached for the first one.
     """
     dev = torch.cuda.current_device() if device is None else device
