@@ -1,4 +1,4 @@
-"""Dispatch / combine benchmark: the NVSHMEM transport vs NCCL baselines (DESIGN.md section 6, issue 4).
+"""Dispatch / combine benchmark: the NVSHMEM transport vs NCCL baselines (docs/design.md, section "Transport").
 
     torchrun --standalone --nproc-per-node=4 benchmarks/bench_dispatch.py --json out.json
     python benchmarks/bench_dispatch.py --json out.json     (re-launches itself under torchrun on all GPUs;
@@ -10,11 +10,13 @@ skewed = Zipf(1.2) expert popularity), after checking bytes/values against the r
   dispatch        ct.dispatch_fwd_mxfp8: fused quantize + NVLink stores + expert-sorted rows + blocked scales
   combine         ct.combine_fwd (bf16 rows back, slot- and rank-ordered fp32 sums)
   (a) nccl_bf16   split exchange + host sync + gather + all_to_all_single of bf16 rows, one row per
-                  (token, expert) pair grouped by expert (the "32768 rows" of DESIGN section 5)
+                  (token, expert) pair grouped by expert (T * top_k rows per rank)
   (b) nccl_mxfp8  quantize (torch.compile of the reference, or --quant) + the same with e4m3 rows + scales
   nccl_combine    all_to_all_single of the bf16 pair rows back (splits already on the host)
 Times: median of --iters CUDA-event timings, max over ranks. Bytes on the wire = rows sent to OTHER ranks x row
 bytes (dispatch: H e4m3 + H/32 scales + 12*top_k metadata; combine: 2H). GB/s per rank and % of 450 GB/s NVLink.
+--schedules: the fused kernels under other TransportSchedules (EPRuntime.set_schedule), each timed against the
+same baselines in the same process ("sweep" entries of each result).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from moe_ep.transport.schedule import TransportSchedule  # noqa: E402
+
 SHAPES = {"dsv3": dict(T=4096, H=7168, E=256, K=8), "small": dict(T=8192, H=2048, E=128, K=8)}
-NVLINK_GBS = 450.0
+NVLINK_GBS = 450.0  # H100 / H200 NVLink 4, per GPU and direction: the physical limit the GB/s are compared with
 
 
 def _spawn_or_skip(args) -> int:
@@ -105,34 +109,6 @@ def _time(fn, iters: int, warmup: int = 3, cpu_ahead: bool = True) -> float:
     return float(med.item())
 
 
-def _split_dispatch(ct, x, w, handle, iters: int) -> tuple[float, float]:
-    """Median (max over ranks) of the send kernel and of the expand part (scale memset + expand kernel)."""
-    from moe_ep.mxfp8 import grouped_blocked_size  # noqa: PLC0415
-
-    flag = torch.zeros(1, device="cuda")
-    n, hid, lcl = handle.expand_capacity, x.shape[1], handle.num_local_experts
-    data = torch.empty(n, hid, dtype=torch.float8_e4m3fn, device=x.device)
-    wout = torch.empty(n, dtype=torch.float32, device=x.device)
-    sends, expands = [], []
-    for it in range(iters + 3):
-        dist.all_reduce(flag)
-        torch.cuda._sleep(SPIN_CYCLES)  # CPU ahead, as in _time
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        ev[0].record()
-        u = ct._send(x, w, handle, True)
-        ev[1].record()
-        scale = torch.zeros(grouped_blocked_size(n, lcl, hid // 32, "m"), dtype=torch.uint8, device=x.device)
-        ct._expand(handle, u, ct.MODE_MX, True, hid, None, data, out_scale=scale, w_out=wout, zero_pad=False)
-        ev[2].record()
-        ev[2].synchronize()
-        if it >= 3:
-            sends.append(ev[0].elapsed_time(ev[1]) * 1e3)
-            expands.append(ev[1].elapsed_time(ev[2]) * 1e3)
-    med = torch.tensor([sorted(sends)[len(sends) // 2], sorted(expands)[len(expands) // 2]], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med[0]), float(med[1])
-
-
 def _quantizer(kind: str):
     from moe_ep import mxfp8  # noqa: PLC0415
 
@@ -153,7 +129,29 @@ def _quantizer(kind: str):
     return q, "quantize_torch (eager)"
 
 
-def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
+def parse_schedules(spec: str) -> list[tuple[dict, TransportSchedule]]:
+    """'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' -> [(fields, schedule)], each schedule the
+    defaults with those fields replaced (checked: ValueError for an unknown field or a value out of range)."""
+    names = {f.name for f in dataclasses.fields(TransportSchedule)}
+    out = []
+    for entry in (e for e in spec.split(";") if e.strip()):
+        kw = {}
+        for kv in (x for x in entry.split(",") if x.strip()):
+            key, sep, val = kv.partition("=")
+            key = key.strip()
+            if not sep or key not in names:
+                raise ValueError(
+                    f"--schedules: {kv!r} is not field=value with a field of TransportSchedule {sorted(names)}"
+                )
+            try:
+                kw[key] = int(val)
+            except ValueError:
+                raise ValueError(f"--schedules: {kv!r}: expected an integer") from None
+        out.append((kw, TransportSchedule(**kw)))
+    return out
+
+
+def run_case(shape: str, routing: str, args, quant, quant_name, schedules) -> dict:
     from moe_ep import mxfp8  # noqa: PLC0415
     from moe_ep.transport import cuda as ct  # noqa: PLC0415
     from moe_ep.transport import reference as ref  # noqa: PLC0415
@@ -218,7 +216,6 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     )
     res["dispatch_us_cpu_bound"] = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters, cpu_ahead=False)
     res["combine_us_cpu_bound"] = _time(lambda: ct.combine_fwd(y, wm, handle), args.iters, cpu_ahead=False)
-    res["send_us"], res["expand_us"] = _split_dispatch(ct, x, w, handle, args.iters)
 
     # baselines: one row per (token, expert) pair, grouped by expert (hence by rank), host-synced splits
     lcl = e // world
@@ -269,7 +266,6 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     res["dispatch_remote_bytes"] = disp_bytes
     res["combine_remote_bytes"] = comb_bytes
     res["dispatch_GBps"] = disp_bytes / res["dispatch_us"] / 1e3
-    res["send_GBps"] = disp_bytes / res["send_us"] / 1e3
     res["combine_GBps"] = comb_bytes / res["combine_us"] / 1e3
     res["dispatch_pct_nvlink"] = 100 * res["dispatch_GBps"] / NVLINK_GBS
     res["combine_pct_nvlink"] = 100 * res["combine_GBps"] / NVLINK_GBS
@@ -277,13 +273,12 @@ def run_case(shape: str, routing: str, args, quant, quant_name) -> dict:
     res["speedup_layout_dispatch_vs_nccl_mxfp8"] = res["nccl_mxfp8_dispatch_us"] / res["layout_dispatch_us"]
     res["speedup_dispatch_vs_nccl_bf16"] = res["nccl_bf16_dispatch_us"] / res["dispatch_us"]
     res["speedup_combine_vs_nccl_bf16"] = res["nccl_bf16_combine_us"] / res["combine_us"]
-    # --sweep: the fused kernels under other MOE_EP_* settings, against this case's baselines (same process)
+    # --schedules: the fused kernels under other schedules, against this case's baselines (same process)
     res["sweep"] = []
     rt = handle.runtime
     base = rt.schedule
-    for cfg_s in [c for c in args.sweep.split(";") if c]:
-        kw = {k2: int(v2) for k2, v2 in (kv.split("=", 1) for kv in cfg_s.split(",") if kv)}
-        rt.set_schedule(dataclasses.replace(base, **kw))
+    for kw, schedule in schedules:
+        rt.set_schedule(schedule)
         try:
             od, osc, oc, oka = check()
             du = _time(lambda: ct.dispatch_fwd_mxfp8(x, w, handle), args.iters)
@@ -314,13 +309,16 @@ def main() -> int:
     p.add_argument("--quant", default="compile", choices=("compile", "cuda", "eager"))
     p.add_argument("--no-spawn", action="store_true", help="skip instead of re-launching under torchrun")
     p.add_argument(
+        "--schedules",
         "--sweep",
+        dest="schedules",
         default="",
-        help="other schedules of the fused kernels timed per case against the same baselines, e.g. "
-        "'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' "
+        help="other schedules of the fused kernels timed per case against the same baselines, ';'-separated, each "
+        "the defaults with some fields replaced, e.g. 'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' "
         "(fields of moe_ep.transport.schedule.TransportSchedule)",
     )
     args = p.parse_args()
+    schedules = parse_schedules(args.schedules)  # checked before any process is launched
     if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return _spawn_or_skip(args)
     os.environ.setdefault("MOE_EP_FORCE_REFERENCE", "1")  # the reference check uses the pure-torch quantizer
@@ -344,14 +342,13 @@ def main() -> int:
     for shape in shapes:
         for routing in [r for r in args.routing.split(",") if r]:
             t0 = time.time()
-            res = run_case(shape, routing, args, quant, quant_name)
+            res = run_case(shape, routing, args, quant, quant_name, schedules)
             results.append(res)
             if dist.get_rank() == 0:
                 print(
                     f"{shape:6s} {routing:8s} ok={res['correct']} layout {res['layout_us']:8.1f}us  dispatch "
                     f"{res['dispatch_us']:8.1f}us ({res['dispatch_GBps']:6.1f} GB/s, "
-                    f"{res['dispatch_pct_nvlink']:5.1f}% NVLink; send {res['send_us']:.1f} + expand "
-                    f"{res['expand_us']:.1f})  combine {res['combine_us']:8.1f}us "
+                    f"{res['dispatch_pct_nvlink']:5.1f}% NVLink)  combine {res['combine_us']:8.1f}us "
                     f"({res['combine_GBps']:6.1f} GB/s)  | nccl bf16 {res['nccl_bf16_dispatch_us']:8.1f}  mxfp8 "
                     f"{res['nccl_mxfp8_dispatch_us']:8.1f}  comb {res['nccl_bf16_combine_us']:8.1f}us | x"
                     f"{res['speedup_dispatch_vs_nccl_mxfp8']:.2f} vs (b), combine x"

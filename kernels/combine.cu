@@ -1,16 +1,14 @@
-// Combine of the NVSHMEM transport (and the dispatch backward, which is the same data movement).
+// Combine of the NVSHMEM transport (and the dispatch backward, which is the same data movement), one kernel:
+// ep_combine<YT, BWD> (moe_ep/transport/cuda.py launches it; protocol: docs/design.md, section "Transport").
 //
-// ep_combine_send<YT, BWD> (expert side): waits COMB_FREE(u-1) of every rank, then one warp per received row i
-//   (from rank s, index i - recv_off[s] among that rank's rows): acc = 0; for each top-k slot j in order with
-//   expanded row n = recv_pos[i][j]:  acc += y[n] * w[n]  (forward)   or   acc += y[n]  (BWD: dx rows)
-//   in fp32 with separate multiply and add (no FMA contraction: the reference's slot_reduce), then stores one YT
-//   row into rank s's combine buffer at row ret_base[s] + (i - recv_off[s]) -- the row's position in rank s's
-//   sent-row order. BWD also returns the top-k weight gradients of the row ([K] fp32, 0 for other ranks' slots).
-//   The last CTA signals COMB_READY(u).
-// ep_combine_recv<YT, BWD> (source side): waits COMB_READY(u) of every rank, then one warp per token t:
-//   out[t] = YT(sum over ranks r = 0..W-1 in order of row send_row_of[t][r]) in fp32 (the reference's
-//   rank_reduce); BWD: d topk_w[t][j] = returned weight gradient of slot j from the row sent to rank(g_tj).
-//   The last CTA signals COMB_FREE(u).
+// Expert side, per received row i (from rank s, index i - recv_off[s] among that rank's rows): acc = 0; for each
+//   top-k slot j in order with expanded row n = recv_pos[i][j]:  acc += y[n] * w[n]  (forward)   or   acc += y[n]
+//   (BWD: dx rows) in fp32 with separate multiply and add (no FMA contraction: the reference's slot_reduce), then
+//   one YT row into rank s's combine buffer at row ret_base[s] + (i - recv_off[s]) -- the row's position in rank
+//   s's sent-row order. BWD also returns the top-k weight gradients of the row ([K] fp32, 0 for other ranks' slots).
+// Source side, per token t: out[t] = YT(sum over ranks r = 0..W-1 in order of row send_row_of[t][r]) in fp32 (the
+//   reference's rank_reduce); BWD: d topk_w[t][j] = returned weight gradient of slot j from the row sent to
+//   rank(g_tj).
 // Each lane owns 8 consecutive elements per 256-element step (16-byte bf16 / 32-byte fp32 accesses).
 // The sums and products are mx_add / mx_mul (PTX without .ftz): NVRTC builds with -ftz=true, which would flush
 // subnormal terms and results that the reference keeps.
@@ -20,8 +18,8 @@
 #define YT_F32 0
 #define YT_BF16 1
 #define COMB_THREADS 512
-// rows whose loads are issued together (slots in ep_combine_send, ranks in ep_combine_recv), summed in order
-// afterwards; sized for occupancy (bf16: 40 registers -> 3 CTAs/SM for send, 52 -> 2 for recv)
+// rows whose loads are issued together (slots on the expert side, ranks on the source side), summed in order
+// afterwards; sized for registers (the kernel holds both sides' state; 2 CTAs of 512 threads per SM)
 #define COMB_BATCH_SEND 2
 #define COMB_BATCH_RECV 4
 
@@ -73,13 +71,12 @@ __device__ __forceinline__ void store8(unsigned char* p, const float* v) {
 
 // Expert side, one received row i from rank s (one warp): slot-ordered (weighted) fp32 sum, one YT row stored into
 // rank s's combine buffer at row dst (BWD and meta: also the top-k weight gradients of the row). Only the elements
-// [c_begin, c_end) (multiples of 256: a column piece of the fused combine, whose piece 0 passes meta; default the
-// whole row).
+// [c_begin, c_end) (multiples of 256: a column piece; piece 0 passes meta).
 template <int YT, int BWD>
 __device__ __forceinline__ void comb_send_row(int i, long long dst, unsigned char* orow_base, float* cmeta_s,
                                               const unsigned char* __restrict__ y, const float* __restrict__ w,
-                                              const int* __restrict__ recv_pos, int H, int K, int lane,
-                                              bool meta = true, int c_begin = 0, int c_end = 1 << 30) {
+                                              const int* __restrict__ recv_pos, int H, int K, int lane, bool meta,
+                                              int c_begin, int c_end) {
     const int es = YT == YT_BF16 ? 2 : 4;
     int pos = lane < K ? recv_pos[(long long)i * K + lane] : -1;
     const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
@@ -138,8 +135,7 @@ __device__ __forceinline__ bool comb_row_of(int v, int W, const int* roff, int R
     return i < roff[s + 1] && i < R;
 }
 
-// Prologue of both combine sends (ep_combine_send, ep_combine): peers, received-row offsets per source rank and
-// the return bases into shared memory, then wait until every peer freed its combine buffer (epoch - 1).
+// Prologue of ep_combine: peers, received-row offsets per source rank and the return bases into shared memory, then wait until every peer freed its combine buffer (epoch - 1).
 // Returns the work items V = W * (most rows from one rank) of comb_row_of, and R (rows received, capped).
 __device__ __forceinline__ int comb_send_setup(const EpCtl& c, const ep_u64* __restrict__ peers_g,
                                                const int* __restrict__ info, int W, int me, int recv_cap,
@@ -157,46 +153,23 @@ __device__ __forceinline__ int comb_send_setup(const EpCtl& c, const ep_u64* __r
     return W * maxc;
 }
 
-template <int YT, int BWD>
-__global__ void __launch_bounds__(COMB_THREADS) ep_combine_send(
-    const unsigned char* __restrict__ y, const float* __restrict__ w, const int* __restrict__ recv_pos,
-    const int* __restrict__ info, int H, int K, int W, int me, int recv_cap, const ep_u64* __restrict__ peers_g,
-    long long comb_off, long long cmeta_off, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
-    long long timeout_ns) {
-    const EpCtl c{err, herr, ctr, timeout_ns};
-    __shared__ ep_u64 peers[EP_MAX_RANKS];
-    __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
-    int R;
-    const int V = comb_send_setup(c, peers_g, info, W, me, recv_cap, epoch, peers, roff, rbase, R);
-    const int lane = threadIdx.x & 31;
-    const int nwarps = gridDim.x * (COMB_THREADS / 32);
-    for (int v = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); v < V; v += nwarps) {
-        int s, i;
-        if (!comb_row_of(v, W, roff, R, s, i)) continue;
-        const long long dst = rbase[s] + (i - roff[s]);
-        comb_send_row<YT, BWD>(i, dst, reinterpret_cast<unsigned char*>(peers[s] + comb_off),
-                               reinterpret_cast<float*>(peers[s] + cmeta_off), y, w, recv_pos, H, K, lane);
-    }
-    ep_grid_signal(c, 2, peers, F_COMB_READY, me, W, epoch);
-}
-
 // Source side, one token t (one warp): rank-ordered fp32 sum of its returned rows (BWD: top-k weight gradients).
-// CG: rows written by peers during this kernel (fused handoff): L2-only loads.
-template <int YT, int BWD, bool CG>
+// The rows were written by peers during this kernel: L2-only loads.
+template <int YT, int BWD>
 __device__ __forceinline__ void comb_recv_token(int t, int sr, unsigned char* __restrict__ out,
                                                 float* __restrict__ dtw, const int* __restrict__ send_row_of,
                                                 const int* __restrict__ topk, const unsigned char* comb,
                                                 const float* cmeta, int H, int K, int L, int W, int lane) {
     const int es = YT == YT_BF16 ? 2 : 4;
-    // fewer fp32 rows in flight in the fused kernel (it also holds the send side's registers: no spills)
-    constexpr int NB = (CG && YT != YT_BF16) ? 2 : COMB_BATCH_RECV;
+    // fewer fp32 rows in flight (the kernel also holds the expert side's registers: no spills)
+    constexpr int NB = YT != YT_BF16 ? 2 : COMB_BATCH_RECV;
     const unsigned hm = __ballot_sync(0xFFFFFFFFu, sr >= 0);
     if (BWD && lane < K) {
         const int g = topk[(long long)t * K + lane];
         float gw = 0.f;
         if (g >= 0 && g < L * W) {
             const int row = send_row_of[(long long)t * W + g / L];
-            if (row >= 0) gw = CG ? __ldcg(cmeta + (long long)row * K + lane) : cmeta[(long long)row * K + lane];
+            if (row >= 0) gw = __ldcg(cmeta + (long long)row * K + lane);
         }
         dtw[(long long)t * K + lane] = gw;
     }
@@ -218,7 +191,7 @@ __device__ __forceinline__ void comb_recv_token(int t, int sr, unsigned char* __
             uint4 ra[NB], rb[NB];
 #pragma unroll
             for (int q = 0; q < NB; ++q)
-                if (ok[q] && e0 < H) load8_raw<YT, CG>(comb + (rw[q] * H + e0) * es, ra[q], rb[q]);
+                if (ok[q] && e0 < H) load8_raw<YT, true>(comb + (rw[q] * H + e0) * es, ra[q], rb[q]);
 #pragma unroll
             for (int q = 0; q < NB; ++q)
                 if (ok[q] && e0 < H) {
@@ -232,40 +205,17 @@ __device__ __forceinline__ void comb_recv_token(int t, int sr, unsigned char* __
     }
 }
 
-template <int YT, int BWD>
-__global__ void __launch_bounds__(COMB_THREADS) ep_combine_recv(
-    unsigned char* __restrict__ out, float* __restrict__ dtw, const int* __restrict__ send_row_of,
-    const int* __restrict__ topk, int T, int H, int K, int L, int W, int me, const ep_u64* __restrict__ peers_g,
-    long long comb_off, long long cmeta_off, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
-    long long timeout_ns) {
-    const EpCtl c{err, herr, ctr, timeout_ns};
-    __shared__ ep_u64 peers[EP_MAX_RANKS];
-    if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
-    __syncthreads();
-    const ep_u64 own = peers[me];
-    ep_cta_wait_all(c, own, F_COMB_READY, epoch, W, me);
-    const int lane = threadIdx.x & 31;
-    const int nwarps = gridDim.x * (COMB_THREADS / 32);
-    const unsigned char* comb = reinterpret_cast<const unsigned char*>(own + comb_off);
-    const float* cmeta = reinterpret_cast<const float*>(own + cmeta_off);
-    for (int t = blockIdx.x * (COMB_THREADS / 32) + (threadIdx.x >> 5); t < T; t += nwarps) {
-        const int sr = lane < W ? send_row_of[(long long)t * W + lane] : -1;
-        comb_recv_token<YT, BWD, false>(t, sr, out, dtw, send_row_of, topk, comb, cmeta, H, K, L, W, lane);
-    }
-    ep_grid_signal(c, 3, peers, F_COMB_FREE, me, W, epoch);
-}
-
-// ep_combine<YT, BWD>: ep_combine_send + ep_combine_recv in ONE kernel with the per-row handoff of ep_sync.cuh:
+// ep_combine<YT, BWD>: both sides in ONE kernel with the per-row handoff of ep_sync.cuh:
 //   A  (after COMB_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take received rows by
 //      ticket (ctr[6]) in the interleaved order of comb_row_of, each row as `pieces` (1..4) tickets of contiguous
-//      256-element column ranges, and store each piece as ep_combine_send; then lane 0 stores
+//      256-element column ranges, and store each piece (comb_send_row); then lane 0 stores
 //      rflag[dst][piece] = u into the destination rank's region (release, after every lane fenced its stores).
 //   B  the other warps at once, the senders when no row is left: warps take tokens by ticket (ctr[7]) in ascending
 //      order (the order the expert sides return them: each processes a source's rows in token order); lane r < W
 //      waits rflag[send_row_of[t][r]][*] >= u (rows rank r received: tok_dst[t][r] >= 0), then the rank-ordered
-//      sum as ep_combine_recv (L2-only loads).
+//      sum (comb_recv_token, L2-only loads).
 //   The last CTA signals COMB_FREE(u) and resets the tickets. COMB_READY is not used (per-row flags replace it).
-// Results are bitwise those of the two-kernel path (same per-row / per-token arithmetic).
+// The pieces split only the columns: every element's sum has the same terms in the same order whatever the schedule.
 template <int YT, int BWD>
 __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
     const unsigned char* __restrict__ y, const float* __restrict__ w, const int* __restrict__ recv_pos,
@@ -307,12 +257,12 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
         if (t >= T) break;
         const int sr = lane < W ? send_row_of[(long long)t * W + lane] : -1;
         // wait for the rows rank `lane` returns: those it received (tok_dst >= 0; a row dropped by a receive
-        // overflow -- reported -- is summed unwritten, as in the two-kernel path, instead of waited for)
+        // overflow -- reported -- is summed unwritten instead of waited for, which would time out)
         if (sr >= 0 && tok_dst[(long long)t * W + lane] >= 0)
             for (int p = 0; p < pieces; ++p)
                 if (!ep_wait(c, rflag + (long long)sr * pieces + p, epoch, F_COMB_READY, lane, me)) break;
         __syncwarp();
-        comb_recv_token<YT, BWD, true>(t, sr, out, dtw, send_row_of, topk, comb, cmeta, H, K, L, W, lane);
+        comb_recv_token<YT, BWD>(t, sr, out, dtw, send_row_of, topk, comb, cmeta, H, K, L, W, lane);
     }
     ep_grid_signal(c, 3, peers, F_COMB_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV);
 }

@@ -1,4 +1,5 @@
-// Fused MXFP8 quantize + dispatch (sender) and expert-sorted expansion (receiver) of the NVSHMEM transport.
+// MXFP8 quantize + dispatch (sender) and expert-sorted expansion (receiver) of the NVSHMEM transport
+// (moe_ep/transport/cuda.py launches them; protocol and buffers: docs/design.md, section "Transport").
 //
 // ep_dispatch<IN, QUANT>: one warp per token (grid-stride). The token's bf16/fp32 row is read once; each lane owns
 //   16 consecutive elements per 512-element step, a lane pair owns one 1x32 MXFP8 block (common.cuh math, bytes
@@ -8,23 +9,22 @@
 //   rank 1, ...; tokens ascending within a rank: the reference's receive order). With META, lanes j < K also
 //   store the row's metadata [local expert | weight bits | expanded row] (3K int32) for slot j.
 //   QUANT = 0 sends the raw row (row_bytes, any element type). Starts by waiting DISP_FREE(u-1) of every rank;
-//   the last CTA signals DISP_READY(u).
+//   the last CTA signals DISP_READY(u). Used by the value dispatch (dispatch_fwd) and the combine backward.
 // ep_expand<MODE, QUANT, OT>: waits DISP_READY(u) of every rank, then one warp per received row:
-//   MODE_MX   e4m3 row -> out[n] (16-byte copies), scale -> per-group blocked layout (to_blocked_grouped "m"),
+//   MODE_VAL  the row's values in OT (dequantized e4m3 * 2^(s-127) rounded to OT, or the raw OT row) -> out[n],
 //             w_out[n], exp_row[n] = i, exp_slot[n] = j    for every slot j of the row with expanded row n.
-//   MODE_VAL  the row's values in OT (dequantized e4m3 * 2^(s-127) rounded to OT, or the raw OT row) -> out[n].
 //   MODE_BWD  combine-backward: v = values of the received dy row (rounded to OT, as the reference), then
 //             out[n] = OT(v * w_in[n]) and dw[n] = sum_h v * y[n] (fp32; warp-order sum).
-//   Forward modes record recv_pos[i][j] = n (used by combine); MODE_BWD reads it (no metadata is sent).
+//   MODE_VAL records recv_pos[i][j] = n (used by combine); MODE_BWD reads it (no metadata is sent).
 //   Rows n in [N, expand_cap) of the small outputs are zeroed, the data rows too when zero_pad. The last CTA
 //   signals DISP_FREE(u).
+// ep_dispatch_mx<IN> (below): the MXFP8 forward dispatch, send and expansion in one kernel.
 #include "common.cuh"
 #include "ep_sync.cuh"
 
 #define IN_F32 0
 #define IN_BF16 1
 
-#define MODE_MX 0
 #define MODE_VAL 1
 #define MODE_BWD 2
 
@@ -263,10 +263,12 @@ template <int MODE, int QUANT, int OT>
 __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     const ep_u64* __restrict__ peers_g, int me, int W, long long data_off, long long scale_off, long long meta_off,
     const int* __restrict__ info, int H, int K, int L, int recv_cap, int expand_cap, int zero_pad,
-    int* __restrict__ recv_pos, unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale,
+    int* __restrict__ recv_pos, unsigned char* __restrict__ out, unsigned char* __restrict__ unused_scale,
     float* __restrict__ w_out, int* __restrict__ exp_row, int* __restrict__ exp_slot,
     const unsigned char* __restrict__ y, const float* __restrict__ w_in, float* __restrict__ dw, ep_u64 epoch,
     int* err, int* herr, unsigned* ctr, long long timeout_ns) {
+    // unused_scale: no mode writes scales here (the MXFP8 expansion is ep_dispatch_mx's); the parameter keeps the
+    // argument layout that moe_ep/transport/cuda.py passes (a null pointer)
     const EpCtl c{err, herr, ctr, timeout_ns};
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
@@ -276,8 +278,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     const int lane = threadIdx.x & 31;
     const int gwarp = blockIdx.x * (DISP_THREADS / 32) + (threadIdx.x >> 5);
     const int nwarps = gridDim.x * (DISP_THREADS / 32);
-    const int C = H >> 5, tpr = (C + 3) >> 2;
-    const int ob = MODE == MODE_MX ? 1 : (OT == IN_BF16 ? 2 : 4);  // output bytes per element
+    const int C = H >> 5;
+    const int ob = OT == IN_BF16 ? 2 : 4;  // output bytes per element
     const int R = min(info[I_R], recv_cap);
     const int N = min(info[I_N], expand_cap);
     const unsigned char* data = reinterpret_cast<const unsigned char*>(own + data_off);
@@ -295,9 +297,6 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
         }
         const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
         if (!vm) continue;
-        // MODE_MX: blocked-scale row of each slot (tile offset of its group * 128 + row in the group), once per row
-        int srow = 0;
-        if (MODE == MODE_MX && pos >= 0) srow = info[I_GSTART + L + 1 + loc] * 128 + (pos - info[I_GSTART + loc]);
         if constexpr (MODE == MODE_BWD) {
             for (unsigned m = vm; m; m &= m - 1) {
                 const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
@@ -322,34 +321,11 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
             for (int c0 = 0; c0 < H; c0 += 512) {
                 const int e0 = c0 + 16 * lane;
                 const bool act = e0 < H;
-                if (MODE == MODE_MX) {
-                    uint4 q = make_uint4(0, 0, 0, 0);
-                    unsigned sb = 0;
-                    if (act) {
-                        q = ep_ld16(data + (long long)i * H + e0);
-                        sb = scale[(long long)i * C + (e0 >> 5)];
-                    }
-                    for (unsigned m = vm; m; m &= m - 1) {
-                        const int j = __ffs(m) - 1;
-                        const long long n = __shfl_sync(0xFFFFFFFFu, pos, j);
-                        const long long rb = __shfl_sync(0xFFFFFFFFu, srow, j);
-                        if (act) {
-                            ep_st16(out + n * H + e0, q);
-                            if (!(lane & 1)) {
-                                const int cc = e0 >> 5;
-                                const long long off = ((rb >> 7) * tpr + (cc >> 2)) * 512 + (rb & 31) * 16 +
-                                                      ((rb & 127) >> 5) * 4 + (cc & 3);
-                                out_scale[off] = (unsigned char)sb;
-                            }
-                        }
-                    }
-                } else {
-                    float v[16];
-                    if (act) recv_values<QUANT, OT>(data, scale, i, H, C, e0, v);
-                    for (unsigned m = vm; m; m &= m - 1) {
-                        const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
-                        if (act) store16<OT>(out + (n * H + e0) * ob, v);
-                    }
+                float v[16];
+                if (act) recv_values<QUANT, OT>(data, scale, i, H, C, e0, v);
+                for (unsigned m = vm; m; m &= m - 1) {
+                    const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
+                    if (act) store16<OT>(out + (n * H + e0) * ob, v);
                 }
             }
         }
@@ -374,15 +350,13 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
 }
 
 // ---- fused MXFP8 dispatch (the fast path, dispatch_fwd_mxfp8) ------------------------------------------------------
-// 512-element steps per iteration of the expansion (loads of all of them in flight before the stores); 4 measured
-// no better (benchmarks/TRANSPORT.md pass 3, 5.; so did evict-first stores, removed after that run)
-#ifndef EXP_STEPS
+// 512-element steps per iteration of the expansion: the loads of all of them are in flight before the stores
+// (more steps did not help: docs/performance.md)
 #define EXP_STEPS 2
-#endif
 
-// One MODE_MX received row i (one warp), rows written by peers during this kernel: L2-only loads. EXP_STEPS
-// 512-element steps per iteration (all their loads in flight before the stores). Bytes identical to
-// ep_expand<MODE_MX>.
+// One received MXFP8 row i (one warp), written by a peer during this kernel: L2-only loads. The e4m3 row goes to
+// out[n] (16-byte copies), its scales to the per-group blocked layout (to_blocked_grouped "m"), and w_out[n],
+// exp_row[n] = i, exp_slot[n] = j, for every slot j of the row with expanded row n.
 __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, const unsigned char* data,
                                               const unsigned char* scale, const int* __restrict__ info, int H,
                                               int K, int L, int expand_cap, int* __restrict__ recv_pos,
@@ -432,8 +406,8 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
     }
 }
 
-// ep_dispatch_mx<IN>: ep_dispatch<IN,1> (with metadata) + ep_expand<MODE_MX> in ONE kernel, the expansion of each
-// received row overlapping the rest of the NVLink traffic (ep_sync.cuh, "per-row handoff"):
+// ep_dispatch_mx<IN>: the send of ep_dispatch<IN,1> (with metadata) and the MXFP8 expansion in ONE kernel, the
+// expansion of each received row overlapping the rest of the NVLink traffic (ep_sync.cuh, "per-row handoff"):
 //   A  (after DISP_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take tokens by ticket
 //      (ctr[6]) and send them as ep_dispatch, each token as `pieces` (1..4) tickets of contiguous 512-element
 //      column ranges (piece 0 also stores the metadata); after a piece's stores, lane r stores
@@ -444,7 +418,8 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
 //      in an order interleaving the source ranks (v -> rank v % W, its (v / W)-th row: rows arrive from every
 //      sender in token order), wait rflag[i][*] >= u, expand the row.
 //   then the rows past N as ep_expand (small outputs; no data padding on this path), and the last CTA signals
-//   DISP_FREE(u) and resets the tickets. DISP_READY is not used (per-row flags replace it).
+//   DISP_FREE(u) and resets the tickets. DISP_READY is not used (per-row flags replace it). topk_w must not be
+//   null: the metadata (expert, weight, expanded row) is what the receivers expand by.
 template <int IN>
 __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,

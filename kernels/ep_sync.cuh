@@ -1,5 +1,6 @@
 // Flags, waits with timeouts and error reporting shared by the NVSHMEM transport kernels
-// (layout.cu, dispatch.cu, combine.cu; moe_ep/comm/cuda_transport.py launches them).
+// (layout.cu, dispatch.cu, combine.cu; moe_ep/transport/layout.py and cuda.py launch them; the protocol:
+// docs/design.md, section "Transport").
 //
 // Every rank owns one NVSHMEM symmetric region; `peers[r]` is the address of rank r's region as seen from this
 // GPU (nvshmem_ptr; peers[me] is the local address). The first bytes of the region are flag words:
@@ -9,6 +10,7 @@
 //   *_READY[src] = u   rank src finished writing its rows for use u into this rank's buffer
 //   *_FREE[dst]  = u   rank dst finished reading what this rank wrote for use u (its buffer may be reused)
 // A sender of use u waits FREE[r] >= u-1 for every receiver r; a receiver waits READY[s] >= u for every sender s.
+// The fused kernels (ep_dispatch_mx, ep_combine) replace READY by per-row flags (below); FREE stays.
 //
 // Errors: the first error is recorded in `err` (device, elects one writer) and mirrored with details into
 // host-mapped pinned memory `herr` (read by the host without a CUDA sync). Timeouts are fatal (err[1] = 1): every

@@ -1,4 +1,4 @@
-// Dispatch layout on the GPU: two kernels on one stream (moe_ep/comm/cuda_transport.py:build_layout).
+// Dispatch layout on the GPU: two kernels on one stream (moe_ep/transport/layout.py: build_layout).
 //
 // Input topk [T, K] int32 global expert ids (E experts, L = E / W per rank). Both kernels use the SAME grid of
 // nb CTAs and the same split: CTA b owns tokens [b*tpc, (b+1)*tpc), its warp w the w-th contiguous sub-range.

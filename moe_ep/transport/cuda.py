@@ -12,25 +12,24 @@ Differences a caller must know (shapes cannot depend on device counts without a 
   * H must be a multiple of 32; x / y rows bf16 or fp32 (fp32 unquantized payloads need ``wire_bytes=4``).
 
 Phases and kernels (build_layout and CudaEPHandle live in layout.py and are importable from here;
-stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh):
-  build_layout   ep_layout_count      per-CTA counts, last CTA: prefix over CTAs + count row to every rank
-                 ep_layout_place      counts matrix -> all offsets, per token / slot rows   (LAYOUT epoch)
-  dispatch_fwd_mxfp8  ep_dispatch_mx  fused (default): quantize once, store to every dest rank, and expand each
-                                      received row into expert-sorted order (+ blocked scales) as its flag lands
-  dispatch       ep_dispatch          quantize once, store to every dest rank (DISP epoch)
-                 ep_expand            expert-sorted rows (+ blocked scales)
-  combine        ep_combine           fused (default): slot-ordered weighted sum sent as one row per (token, rank),
-                                      rows interleaved over destination ranks; rank-ordered sum as rows land
-                 ep_combine_send      two-kernel path (MOE_EP_FUSED=0): the send half   (COMB epoch)
-                 ep_combine_recv      the rank-ordered sum on the source
-  combine_bwd = MXFP8 dispatch of dy (ep_dispatch without metadata + ep_expand in MODE_BWD)
-  dispatch_bwd = bf16 combine of dx (ep_combine_* with BWD = 1, also returns the top-k weight gradients)
+stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh; docs/design.md, section
+"Transport"):
+  build_layout        ep_layout_count   per-CTA counts, last CTA: prefix over CTAs + count row to every rank
+                      ep_layout_place   counts matrix -> all offsets, per token / slot rows   (LAYOUT epoch)
+  dispatch_fwd_mxfp8  ep_dispatch_mx    quantize once, store to every dest rank, and expand each received row
+                                        into expert-sorted order (+ blocked scales) as its flags land (DISP epoch)
+  dispatch_fwd        ep_dispatch       quantize once (or raw rows), store to every dest rank (DISP epoch)
+                      ep_expand         MODE_VAL: expert-sorted rows, dequantized (or raw) in x's dtype
+  combine_fwd         ep_combine        slot-ordered weighted sum sent as one row per (token, rank), rows
+                                        interleaved over destination ranks; rank-ordered sum as rows land (COMB)
+  combine_bwd = MXFP8 (or raw) dispatch of dy: ep_dispatch without metadata + ep_expand in MODE_BWD
+  dispatch_bwd = combine of dx: ep_combine with BWD = 1 (also returns the top-k weight gradients)
+The fused kernels' work split is the runtime's :class:`~moe_ep.transport.schedule.TransportSchedule`
+(:func:`init_runtime`'s ``schedule``, :meth:`EPRuntime.set_schedule`).
 Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.transport.runtime`).
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -40,22 +39,23 @@ from ..mxfp8 import grouped_blocked_size
 from . import runtime as _runtime
 from .autograd import _Combine, _Dispatch, check_dispatch_inputs
 from .layout import _I_R, CudaEPHandle, _check_capacity, _fn, _i32, _i64, _p, build_layout
+from .reference import RecvBuffers
 from .runtime import EPRuntime
-from .schedule import CTA_WARPS
+from .schedule import CTA_WARPS, TransportSchedule
 
 _THREADS = 32 * CTA_WARPS  # the fused kernels' CTA (the schedule's warp counts are checked against it)
 _DT = {torch.float32: 0, torch.bfloat16: 1}
+MODE_VAL, MODE_BWD = 1, 2  # ep_expand's MODE (kernels/dispatch.cu)
+# every instantiation a launcher below uses: ep_dispatch<IN, QUANT> (IN: 0 fp32 / 1 bf16; QUANT = 0 sends raw rows
+# of any dtype), ep_expand<MODE, QUANT, OT>, ep_dispatch_mx<IN>, ep_combine<YT, BWD>
 _DISPATCH_NAMES = (
-    ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>", "ep_expand<0,1,1>")
-    + tuple(f"ep_expand<{m},{q},{o}>" for m in (1, 2) for q in (0, 1) for o in (0, 1))
+    ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>")
+    + tuple(f"ep_expand<{m},{q},{o}>" for m in (MODE_VAL, MODE_BWD) for q in (0, 1) for o in (0, 1))
     + ("ep_dispatch_mx<0>", "ep_dispatch_mx<1>")
 )
-_COMBINE_NAMES = tuple(f"ep_combine_{k}<{y},{b}>" for k in ("send", "recv") for y in (0, 1) for b in (0, 1)) + tuple(
-    f"ep_combine<{y},{b}>" for y in (0, 1) for b in (0, 1)
-)
-# CTAs per SM of the fused kernels (ep_dispatch_mx: 56 registers, ep_combine: <= 62 at 512 threads -> 2 fit)
+_COMBINE_NAMES = tuple(f"ep_combine<{y},{b}>" for y in (0, 1) for b in (0, 1))
+# CTAs per SM of the fused kernels (their register counts at 512 threads let 2 fit)
 _FUSED_CTAS_PER_SM = 2
-MODE_MX, MODE_VAL, MODE_BWD = 0, 1, 2
 
 
 def precompile() -> None:
@@ -70,22 +70,26 @@ def precompile() -> None:
 
 
 def init_runtime(
-    group, max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, wire_bytes: int = 2
+    group,
+    max_tokens_per_rank: int,
+    hidden: int,
+    top_k: int,
+    num_experts: int,
+    wire_bytes: int = 2,
+    *,
+    schedule: TransportSchedule | None = None,
+    timeout_s: float | None = None,
 ) -> EPRuntime:
-    """:func:`moe_ep.transport.runtime.init_runtime` after :func:`precompile` (collective when ep_size > 1): the
-    runtime's closing barrier then finds every rank with its kernels compiled."""
+    """:func:`moe_ep.transport.runtime.init_runtime` (same arguments) after :func:`precompile` (collective when
+    ep_size > 1): the runtime's closing barrier then finds every rank with its kernels compiled."""
     precompile()
-    return _runtime.init_runtime(group, max_tokens_per_rank, hidden, top_k, num_experts, wire_bytes)
+    return _runtime.init_runtime(
+        group, max_tokens_per_rank, hidden, top_k, num_experts, wire_bytes, schedule=schedule, timeout_s=timeout_s
+    )
 
 
 def _grid(work_rows: int, rt: EPRuntime, per_cta: int = _THREADS // 32) -> int:
     return max(1, min(-(-work_rows // per_cta), rt.num_sms * 4))
-
-
-def _fused() -> bool:
-    """Fused send+receive kernels (ep_dispatch_mx, ep_combine; per-row flags). MOE_EP_FUSED=0: the two-kernel
-    path (ep_dispatch + ep_expand, ep_combine_send + ep_combine_recv), read at every call."""
-    return os.environ.get("MOE_EP_FUSED", "1") != "0"
 
 
 def _fused_grid(work_rows: int, rt: EPRuntime) -> int:
@@ -146,7 +150,8 @@ def _send_args(x: torch.Tensor, tw: torch.Tensor | None, h: CudaEPHandle) -> tup
 
 
 def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> int:
-    """Launch ep_dispatch (rows of x to every destination rank); returns the DISP epoch used."""
+    """Launch ep_dispatch (rows of x to every destination rank, with the routing metadata when topk_w is given);
+    returns the DISP epoch that :func:`_expand` waits for."""
     rt = h.runtime
     es = x.element_size()
     tw = _send_prep(x, topk_w, h, quantize)
@@ -169,18 +174,16 @@ def _expand(
     mode: int,
     quantize: bool,
     hid: int,
-    out_dtype,
-    out,
-    out_scale=None,
+    out: torch.Tensor,
     w_out=None,
     y=None,
     w_in=None,
     dw=None,
-    zero_pad=True,
 ) -> None:
+    """Launch ep_expand<mode> for the rows of epoch ``u`` into ``out`` ([expand_capacity, hid], its dtype; rows past
+    the device count N zeroed)."""
     rt = h.runtime
-    ot = _DT.get(out_dtype, 1)
-    name = "ep_expand<0,1,1>" if mode == MODE_MX else f"ep_expand<{mode},{int(quantize)},{ot}>"
+    name = f"ep_expand<{mode},{int(quantize)},{_DT[out.dtype]}>"
     fwd = mode != MODE_BWD
     args = (
         _p(rt.peers),
@@ -195,10 +198,10 @@ def _expand(
         _i32(h.num_local_experts),
         _i32(h.recv_capacity),
         _i32(h.expand_capacity),
-        _i32(int(zero_pad)),
+        _i32(1),  # zero_pad
         _p(h.recv_pos),
         _p(out),
-        _p(out_scale),
+        _p(None),  # unused_scale
         _p(w_out),
         _p(h.expand_row if fwd else None),
         _p(h.expand_slot if fwd else None),
@@ -225,7 +228,7 @@ def dispatch_fwd(
     u = _send(x, topk_w, handle, quantize)
     out = torch.empty(handle.expand_capacity, x.shape[1], dtype=x.dtype, device=x.device)
     w_out = torch.empty(handle.expand_capacity, dtype=torch.float32, device=x.device)
-    _expand(handle, u, MODE_VAL, quantize, x.shape[1], x.dtype, out, w_out=w_out)
+    _expand(handle, u, MODE_VAL, quantize, x.shape[1], out, w_out=w_out)
     return out, w_out
 
 
@@ -238,23 +241,21 @@ def dispatch_fwd_mxfp8(
     """
     handle.runtime.raise_pending()
     x = _check_rows(x, "x")
-    fused = _fused() and topk_w is not None
-    u = 0 if fused else _send(x, topk_w, handle, True)
+    if topk_w is None:
+        raise ValueError("dispatch_fwd_mxfp8 needs topk_w: the receivers expand rows by the routing metadata")
     n, hid, lcl = handle.expand_capacity, x.shape[1], handle.num_local_experts
     data = torch.empty(n, hid, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.zeros(grouped_blocked_size(n, lcl, hid // 32, "m"), dtype=torch.uint8, device=x.device)
     w_out = torch.empty(n, dtype=torch.float32, device=x.device)
-    if fused:
-        _dispatch_mx_fused(x, topk_w, handle, data, scale, w_out)
-    else:
-        _expand(handle, u, MODE_MX, True, hid, None, data, out_scale=scale, w_out=w_out, zero_pad=False)
+    _dispatch_mx(x, topk_w, handle, data, scale, w_out)
     return data, scale, w_out
 
 
-def _dispatch_mx_fused(
+def _dispatch_mx(
     x: torch.Tensor, topk_w: torch.Tensor, h: CudaEPHandle, data: torch.Tensor, scale: torch.Tensor, w_out: torch.Tensor
 ) -> None:
-    """ep_dispatch_mx: the send of ep_dispatch<IN,1> and the MODE_MX expand in one kernel (per-row flags)."""
+    """ep_dispatch_mx: the send of ep_dispatch<IN,1> and the MXFP8 expansion in one kernel (per-row flags), split
+    by the runtime's schedule."""
     rt = h.runtime
     tw = _send_prep(x, topk_w, h, True)
     u = rt.next_epoch("disp")
@@ -291,12 +292,13 @@ def combine_bwd(
     u = _send(dy, None, handle, quantize)
     out = torch.empty_like(y)
     dw = torch.empty(handle.expand_capacity, dtype=torch.float32, device=y.device)
-    _expand(handle, u, MODE_BWD, quantize, y.shape[1], y.dtype, out, y=y, w_in=w.to(torch.float32).contiguous(), dw=dw)
+    _expand(handle, u, MODE_BWD, quantize, y.shape[1], out, y=y, w_in=w.to(torch.float32).contiguous(), dw=dw)
     return out, dw
 
 
 # ------------------------------------------------------------------------------------------------------ combine
 def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
+    """ep_combine<YT, BWD> (one kernel, split by the runtime's schedule) -> (out [T, H], d topk_w [T, K] or None)."""
     rt = h.runtime
     _check_capacity(rt, rows.shape[1], rows.element_size(), h.top_k)
     if rows.shape[0] != h.expand_capacity or wv.shape != (h.expand_capacity,):
@@ -310,62 +312,16 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
     hid = rows.shape[1]
     out = torch.empty(h.num_tokens, hid, dtype=rows.dtype, device=rows.device)
     dtw = torch.empty(h.num_tokens, h.top_k, dtype=torch.float32, device=rows.device) if bwd else None
-    if _fused():
-        args = (
-            _p(rows),
-            _p(wv),
-            _p(h.recv_pos),
-            _p(h.info),
-            _i32(h.recv_capacity),
-            _p(out),
-            _p(dtw),
-            _p(h.send_row_of),
-            _p(h.tok_dst),
-            _p(h.topk_idx),
-            _i32(h.num_tokens),
-            _i32(hid),
-            _i32(h.top_k),
-            _i32(h.num_local_experts),
-            _i32(h.ep_size),
-            _i32(rt.rank),
-            _p(rt.peers),
-            _i64(rt.region("comb_data")),
-            _i64(rt.region("comb_meta")),
-            _i64(rt.region("comb_flag")),
-            _i32(rt.schedule.combine_send_warps),
-            _i32(rt.schedule.pieces("combine", hid)),
-            np.uint64(u),
-            *rt.ctl_args(),
-        )
-        grid = _fused_grid(max(h.recv_capacity, h.num_tokens), rt)
-        _cuda.launch(
-            _fn("combine.cu", f"ep_combine<{yt},{b}>", _COMBINE_NAMES), grid, _THREADS, args, device=rows.device
-        )
-        return out, dtw
-    common = (_p(rt.peers), _i64(rt.region("comb_data")), _i64(rt.region("comb_meta")), np.uint64(u), *rt.ctl_args())
     args = (
         _p(rows),
         _p(wv),
         _p(h.recv_pos),
         _p(h.info),
-        _i32(hid),
-        _i32(h.top_k),
-        _i32(h.ep_size),
-        _i32(rt.rank),
         _i32(h.recv_capacity),
-        *common,
-    )
-    _cuda.launch(
-        _fn("combine.cu", f"ep_combine_send<{yt},{b}>", _COMBINE_NAMES),
-        _grid(h.recv_capacity, rt),
-        _THREADS,
-        args,
-        device=rows.device,
-    )
-    args = (
         _p(out),
         _p(dtw),
         _p(h.send_row_of),
+        _p(h.tok_dst),
         _p(h.topk_idx),
         _i32(h.num_tokens),
         _i32(hid),
@@ -373,15 +329,17 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
         _i32(h.num_local_experts),
         _i32(h.ep_size),
         _i32(rt.rank),
-        *common,
+        _p(rt.peers),
+        _i64(rt.region("comb_data")),
+        _i64(rt.region("comb_meta")),
+        _i64(rt.region("comb_flag")),
+        _i32(rt.schedule.combine_send_warps),
+        _i32(rt.schedule.pieces("combine", hid)),
+        np.uint64(u),
+        *rt.ctl_args(),
     )
-    _cuda.launch(
-        _fn("combine.cu", f"ep_combine_recv<{yt},{b}>", _COMBINE_NAMES),
-        _grid(h.num_tokens, rt),
-        _THREADS,
-        args,
-        device=rows.device,
-    )
+    grid = _fused_grid(max(h.recv_capacity, h.num_tokens), rt)
+    _cuda.launch(_fn("combine.cu", f"ep_combine<{yt},{b}>", _COMBINE_NAMES), grid, _THREADS, args, device=rows.device)
     return out, dtw
 
 
@@ -427,11 +385,9 @@ def combine(y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize: bo
 
 
 def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):
-    """Views of what this rank received in the last dispatch (valid until the next one): the reference's
-    RecvBuffers contract (data [R, H], scale [R, H//32] or None, local [R, K] int64, weight [R, K] fp32).
-    Host sync (reads R): tests only."""
-    from .reference import RecvBuffers  # noqa: PLC0415
-
+    """Views of what this rank received in the last :func:`dispatch_fwd` (valid until the next dispatch): the
+    reference's RecvBuffers contract (data [R, H], scale [R, H//32] or None, local [R, K] int64, weight [R, K]
+    fp32). Host sync (reads R): tests only."""
     rt = handle.runtime
     torch.cuda.current_stream(rt.device).synchronize()  # NOTE: host sync (tests only)
     r = min(int(handle.info[_I_R].item()), handle.recv_capacity)

@@ -5,7 +5,9 @@
   PE = global rank. ``NVSHMEM_DISABLE_NVLS=1`` is forced (NVLink multicast is never used). Finalized at exit
   (:func:`shutdown`, registered with ``atexit``; call it yourself before ``destroy_process_group`` to be tidy).
 * :func:`init_runtime` returns the :class:`EPRuntime` of an EP process group, shared by every MoE layer of the
-  process: ONE symmetric byte region per rank (identical offsets on every rank) holding
+  process. Its configuration: the fused kernels' work split (``schedule``, a
+  :class:`~moe_ep.transport.schedule.TransportSchedule`, agreed on by every EP rank) and the spin-wait timeout
+  (``timeout_s``). It holds ONE symmetric byte region per rank (identical offsets on every rank) holding
       flags      [F_NUM][8] u64      written by peers (release/acquire; see kernels/ep_sync.cuh)
       counts_in  [W][W + E] int32    count rows of every rank (layout exchange)
       disp_meta  [cap][3K] int32     received (local expert | weight bits | expanded row) per top-k slot
@@ -23,11 +25,12 @@
   host-mapped pinned memory. :meth:`EPRuntime.raise_pending` reads it WITHOUT a CUDA sync and raises; every transport
   call runs it first, so an error surfaces at the first transport call issued after the faulty kernel has
   executed (typically the next call or the next step). :meth:`EPRuntime.check_errors` synchronizes the current
-  stream first (tests, end of a step). Timeouts (``MOE_EP_COMM_TIMEOUT_S``, default 60 s, per wait) are fatal:
-  the runtime refuses further work.
+  stream first (tests, end of a step). Timeouts (per wait: ``init_runtime(..., timeout_s=...)``, else the
+  ``MOE_EP_COMM_TIMEOUT_S`` environment variable, a debugging aid, else 60 s) are fatal: the runtime refuses
+  further work.
 
 Across nodes (peers without a peer pointer) a second implementation of the same kernels' interface would stage
-rows locally and move them with ``nvshmemx_putmem_signal_on_stream``; see benchmarks/TRANSPORT.md.
+rows locally and move them with ``nvshmemx_putmem_signal_on_stream``; see docs/design.md, section "Transport".
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ MAX_TOPK = 32
 _ALIGN = 256
 
 ERR_INVALID_EXPERT, ERR_RECV_OVERFLOW, ERR_EXPAND_OVERFLOW, ERR_TIMEOUT = 1, 2, 3, 4
+DEFAULT_TIMEOUT_S = 60.0
 _FLAG_NAMES = ("LAYOUT_READY", "LAYOUT_FREE", "DISP_READY", "DISP_FREE", "COMB_READY", "COMB_FREE")
 
 _state: dict = {"nvshmem": False, "runtimes": {}, "atexit": False}
@@ -68,6 +72,26 @@ def _nvshmem():
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise ImportError("the CUDA transport needs nvshmem4py (pip install 'moe_ep[gpu]')") from e
     return nvc
+
+
+def timeout_seconds(timeout_s: float | None = None) -> float:
+    """The spin-wait timeout in seconds: ``timeout_s`` if given, else ``$MOE_EP_COMM_TIMEOUT_S``, else 60.
+
+    Raises ValueError unless it is a finite number > 0.
+    """
+    src = "timeout_s"
+    if timeout_s is None:
+        raw = os.environ.get("MOE_EP_COMM_TIMEOUT_S", "")
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        src = "MOE_EP_COMM_TIMEOUT_S"
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"MOE_EP_COMM_TIMEOUT_S={raw!r}: expected seconds (a number > 0)") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"{src}={timeout_s!r}: expected seconds (a number > 0)")
+    return float(timeout_s)
 
 
 def init_nvshmem(min_heap_bytes: int = 0) -> None:
@@ -133,16 +157,22 @@ class RuntimeConfig:
 
 
 class EPRuntime:
-    """Symmetric buffers, peer table, epochs and error state of one EP process group (see the module doc)."""
+    """Symmetric buffers, peer table, epochs and error state of one EP process group (see the module doc).
 
-    def __init__(self, group, cfg: RuntimeConfig) -> None:
+    ``schedule``: the fused kernels' work split (None: ``TransportSchedule()``, the defaults); ``timeout_s``: see
+    :func:`timeout_seconds`. Create it through :func:`init_runtime` (collective when ep_size > 1).
+    """
+
+    def __init__(
+        self, group, cfg: RuntimeConfig, schedule: TransportSchedule | None = None, timeout_s: float | None = None
+    ) -> None:
         self.group = group
         self.ep_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         if self.ep_size > MAX_RANKS:
             raise ValueError(f"the NVSHMEM transport supports up to {MAX_RANKS} EP ranks, got {self.ep_size}")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.timeout_ns = int(float(os.environ.get("MOE_EP_COMM_TIMEOUT_S", "60")) * 1e9)
+        self.timeout_ns = int(timeout_seconds(timeout_s) * 1e9)  # read by every kernel launch (ctl_args)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.broken: str | None = None
         self.sym: torch.Tensor | None = None
@@ -153,7 +183,7 @@ class EPRuntime:
         self._herr_np = self.herr.numpy()
         self.cfg: RuntimeConfig | None = None
         self._allocate(cfg)
-        self.schedule = agree(TransportSchedule.from_env(), group)
+        self.schedule = agree(TransportSchedule() if schedule is None else schedule, group)
 
     def set_schedule(self, schedule: TransportSchedule) -> None:
         """Use ``schedule`` for the following fused dispatches / combines (collective: every rank, same value;
@@ -205,7 +235,7 @@ class EPRuntime:
                 except Exception as e:  # noqa: BLE001
                     raise NotImplementedError(
                         f"EP rank {r} (PE {pe}) has no peer pointer (not NVLink/P2P reachable); peers across nodes "
-                        "need the put_signal transport (benchmarks/TRANSPORT.md), which is not implemented yet"
+                        "need the put_signal transport (docs/design.md, section 'Transport'), not implemented yet"
                     ) from e
                 if not p:
                     raise NotImplementedError(f"EP rank {r} (PE {pe}) has no peer pointer (across nodes?)")
@@ -267,8 +297,9 @@ class EPRuntime:
         if code == ERR_TIMEOUT:
             name = _FLAG_NAMES[a] if 0 <= a < len(_FLAG_NAMES) else str(a)
             return (
-                f"timeout: EP rank {c} waited more than MOE_EP_COMM_TIMEOUT_S for flag {name} of EP rank {b} "
-                "(a peer died, hung, or called a different sequence of transport ops)"
+                f"timeout: EP rank {c} waited more than {self.timeout_ns / 1e9:g} s (init_runtime's timeout_s or "
+                f"MOE_EP_COMM_TIMEOUT_S) for flag {name} of EP rank {b} (a peer died, hung, or called a different "
+                "sequence of transport ops)"
             )
         return f"unknown transport error {code} ({a}, {b}, {c})"
 
@@ -301,22 +332,43 @@ def _key(group) -> tuple:
 
 
 def init_runtime(
-    group, max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, wire_bytes: int = 2
+    group,
+    max_tokens_per_rank: int,
+    hidden: int,
+    top_k: int,
+    num_experts: int,
+    wire_bytes: int = 2,
+    *,
+    schedule: TransportSchedule | None = None,
+    timeout_s: float | None = None,
 ) -> EPRuntime:
     """The runtime of ``group`` (None: one rank owns every expert), created or grown to cover the sizes.
 
-    Collective over every rank of the default group when ep_size > 1 (symmetric allocation).
+    Collective over every rank of the default group when ep_size > 1 (symmetric allocation, schedule agreement).
     ``wire_bytes``: element size of unquantized payloads (2: bf16; 4 if fp32 rows are dispatched or combined).
+    ``schedule``: the fused kernels' work split, the same on every rank (ValueError on every rank otherwise). None:
+    ``TransportSchedule()`` (the measured defaults) for a new runtime, the current schedule for an existing one; a
+    schedule given for an existing runtime replaces its schedule (:meth:`EPRuntime.set_schedule`).
+    ``timeout_s``: seconds a transport wait spins before the runtime records a fatal timeout (None: a new runtime
+    takes :func:`timeout_seconds`, an existing one keeps its timeout).
+    Arguments are checked before any collective or CUDA call (ValueError / TypeError).
     """
     if hidden % 32:
         raise ValueError(f"hidden ({hidden}) must be a multiple of 32 for the CUDA transport")
+    if schedule is not None and not isinstance(schedule, TransportSchedule):
+        raise TypeError(f"schedule must be a TransportSchedule or None, got {type(schedule).__name__}")
+    timeout = None if timeout_s is None else timeout_seconds(timeout_s)
     cfg = RuntimeConfig(int(max_tokens_per_rank), int(hidden), int(top_k), int(num_experts), int(wire_bytes))
     rt = _state["runtimes"].get(_key(group))
     if rt is None:
-        rt = EPRuntime(group, cfg)  # ends with a barrier when ep_size > 1: every rank has its kernels
+        rt = EPRuntime(group, cfg, schedule, timeout)  # ends with a barrier when ep_size > 1
         _state["runtimes"][_key(group)] = rt
     else:
         rt.ensure(cfg)
+        if schedule is not None:
+            rt.set_schedule(schedule)
+        if timeout is not None:
+            rt.timeout_ns = int(timeout * 1e9)
     return rt
 
 

@@ -1,21 +1,20 @@
 """Work split of the NVSHMEM transport's fused kernels (kernels/dispatch.cu ``ep_dispatch_mx``, combine.cu
-``ep_combine``), held by the runtime and identical on every EP rank.
+``ep_combine``), held by the runtime and identical on every EP rank (docs/design.md, section "Transport").
 
-Two knobs per kernel (measured on 4x H200 in benchmarks/TRANSPORT.md, "Performance pass 3"):
+Two knobs per kernel:
   send_warps  warps of every 16-warp CTA that start on the sending side (1..16); the others start receiving at
               once, so that received rows are expanded / summed while the send is still running.
   pieces      column pieces per row (1..4), each a separate send ticket with its own row flag, so that the last
               wave of sends (what the receivers finish after the send) is smaller; 0 = from the hidden size.
 
-The pieces value decides which row flag a sender sets and which ones a receiver waits for: ranks that disagree
-would read rows before they arrive. So the schedule is agreed on when it is set (:func:`agree`, a collective
-with a host sync, at runtime creation or :meth:`EPRuntime.set_schedule`), never read per call from the
-environment.
+The schedule is configuration: ``init_runtime(..., schedule=TransportSchedule(...))`` when the runtime is created,
+:meth:`EPRuntime.set_schedule` later. The pieces value decides which row flag a sender sets and which ones a
+receiver waits for: ranks that disagree would read rows before they arrive. So the schedule is agreed on when it
+is set (:func:`agree`, a collective with a host sync), never per call.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import astuple, dataclass, fields
 
 import torch.distributed as dist
@@ -35,13 +34,17 @@ _RANGE = {
 
 def _check(field: str, value) -> None:
     lo, hi = _RANGE[field]
-    if not isinstance(value, int) or not lo <= value <= hi:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise ValueError(f"expected an integer in {lo}..{hi}" + (" (0: from hidden)" if lo == 0 else ""))
 
 
 @dataclass(frozen=True)
 class TransportSchedule:
-    """Defaults: the best of the 4x H200 sweeps (dispatch 6 sender warps, combine 12; pieces from hidden)."""
+    """The fused kernels' work split; every field is checked on construction (ValueError naming the field).
+
+    Defaults: the measured best (docs/performance.md): dispatch 6 sender warps, combine 12, pieces from hidden.
+    Example: ``TransportSchedule(dispatch_send_warps=8, combine_pieces=4)``.
+    """
 
     dispatch_send_warps: int = 6
     combine_send_warps: int = 12
@@ -64,31 +67,15 @@ class TransportSchedule:
         p = getattr(self, f"{kind}_pieces")
         return p if p else max(1, min(MAX_PIECES, (hidden + 511) // 512 // 7))
 
-    @classmethod
-    def from_env(cls) -> TransportSchedule:
-        """The defaults, overridden by MOE_EP_{DISPATCH,COMBINE}_{SEND_WARPS,PIECES} where set."""
-        kw = {}
-        for f in fields(cls):
-            name = f"MOE_EP_{f.name.upper()}"
-            raw = os.environ.get(name, "")
-            if not raw:
-                continue
-            try:
-                kw[f.name] = int(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r}: expected an integer") from None
-            try:
-                _check(f.name, kw[f.name])
-            except ValueError as e:
-                raise ValueError(f"{name}={raw!r}: {e}") from None
-        return cls(**kw)
-
 
 def agree(schedule: TransportSchedule, group) -> TransportSchedule:
     """Check that every rank of ``group`` holds the same schedule (collective; host sync); returns it.
 
-    Raises ValueError on every rank, listing each rank's values, when they differ.
+    Raises ValueError on every rank, listing each rank's values, when they differ; TypeError (before any
+    collective) when ``schedule`` is not a :class:`TransportSchedule`.
     """
+    if not isinstance(schedule, TransportSchedule):
+        raise TypeError(f"expected a TransportSchedule, got {type(schedule).__name__}: {schedule!r}")
     if group is None or dist.get_world_size(group) == 1:
         return schedule
     mine = astuple(schedule)
@@ -97,5 +84,5 @@ def agree(schedule: TransportSchedule, group) -> TransportSchedule:
     if any(tuple(v) != mine for v in everyone):
         names = [f.name for f in fields(TransportSchedule)]
         rows = "; ".join(f"rank {r}: {dict(zip(names, v, strict=True))}" for r, v in enumerate(everyone))
-        raise ValueError(f"the transport schedule differs between EP ranks (set the same MOE_EP_* values): {rows}")
+        raise ValueError(f"the transport schedule differs between EP ranks (pass the same TransportSchedule): {rows}")
     return schedule

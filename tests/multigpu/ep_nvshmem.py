@@ -24,7 +24,6 @@ import sys
 os.environ.setdefault("MOE_EP_FORCE_REFERENCE", "1")  # the reference quantizer is pure torch: the specification
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("MOE_EP_COMM_TIMEOUT_S", "20")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -35,9 +34,11 @@ from moe_ep.transport import autograd as ops  # noqa: E402
 from moe_ep.transport import cuda as ct  # noqa: E402
 from moe_ep.transport import reference as ref  # noqa: E402
 from moe_ep.transport import runtime as nvs  # noqa: E402
+from moe_ep.transport.schedule import TransportSchedule  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 
 TMAX, HMAX, KMAX, EMAX = 512, 1024, 8, 64
+TIMEOUT_S = 20.0  # spin-wait timeout of the runtime (a hung case fails in 20 s instead of 60)
 RANK = WORLD = 0
 DEV = None
 GROUP = None
@@ -368,19 +369,42 @@ def case_timeout():
         fail(f"[rank 0] lone combine did not time out: {msg!r}")
 
 
-def with_schedule(fn, **kw):
-    """fn() under another schedule of the fused kernels (collective: every rank sets the same), restored after."""
+def with_schedule(fn, schedule: TransportSchedule, via_init: bool = False):
+    """fn() under another schedule of the fused kernels (collective: every rank sets the same), restored after.
+    via_init: set through init_runtime(..., schedule=) on the existing runtime instead of EPRuntime.set_schedule."""
 
     def run():
         rt = nvs.get_runtime(GROUP)
         old = rt.schedule
-        rt.set_schedule(dataclasses.replace(old, **kw))
+        if via_init:
+            same = ct.init_runtime(GROUP, TMAX, HMAX, KMAX, EMAX, wire_bytes=4, schedule=schedule)
+            if same is not rt or rt.schedule != schedule:
+                fail(f"[rank {RANK}] init_runtime(schedule=) did not update the existing runtime's schedule")
+        else:
+            rt.set_schedule(schedule)
         try:
             fn()
         finally:
             rt.set_schedule(old)
 
     return run
+
+
+def case_schedule_mismatch():
+    """Ranks passing different schedules: set_schedule raises on every rank, and the old schedule stays."""
+    rt = nvs.get_runtime(GROUP)
+    old = rt.schedule
+    mine = dataclasses.replace(old, combine_send_warps=1 + RANK % 2)
+    try:
+        rt.set_schedule(mine)
+        msg = None
+    except ValueError as exc:
+        msg = str(exc)
+    if msg is None or "differs between EP ranks" not in msg:
+        fail(f"[rank {RANK}] mismatched schedules not rejected: {msg!r}")
+    if rt.schedule != old:
+        fail(f"[rank {RANK}] schedule changed to {rt.schedule} after a rejected set_schedule")
+    case_transport("random", [5, 3, 8, 2], 16, 2, 64, torch.bfloat16, seed=11)  # still usable afterwards
 
 
 def main() -> int:
@@ -391,7 +415,7 @@ def main() -> int:
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     DEV = torch.device("cuda", local)
     GROUP = dist.group.WORLD
-    ct.init_runtime(GROUP, TMAX, HMAX, KMAX, EMAX, wire_bytes=4)
+    ct.init_runtime(GROUP, TMAX, HMAX, KMAX, EMAX, wire_bytes=4, schedule=TransportSchedule(), timeout_s=TIMEOUT_S)
     bf, f32 = torch.bfloat16, torch.float32
     cases = [
         ("random bf16 H=256 top2", lambda: case_transport("random", [13, 7, 0, 21], 8, 2, 256, bf, specials=True)),
@@ -412,22 +436,18 @@ def main() -> int:
             "schedule: 1 sender warp, 3 pieces, H=1024",
             with_schedule(
                 lambda: case_transport("random", [300, 41, 0, 257], 32, 8, 1024, bf, specials=True),
-                dispatch_send_warps=1,
-                combine_send_warps=1,
-                dispatch_pieces=3,
-                combine_pieces=3,
+                TransportSchedule(dispatch_send_warps=1, combine_send_warps=1, dispatch_pieces=3, combine_pieces=3),
+                via_init=True,
             ),
         ),
         (
             "schedule: 16 sender warps, 2 / 4 pieces, H=992",
             with_schedule(
                 lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 992, bf),
-                dispatch_send_warps=16,
-                combine_send_warps=16,
-                dispatch_pieces=2,
-                combine_pieces=4,
+                TransportSchedule(dispatch_send_warps=16, combine_send_warps=16, dispatch_pieces=2, combine_pieces=4),
             ),
         ),
+        ("schedules that differ between ranks raise", case_schedule_mismatch),
         ("autograd bf16 under sync_debug_mode error", lambda: case_autograd("random", [40, 17, 0, 33], 16, 4, 128, bf)),
         ("autograd fp32 top8", lambda: case_autograd("random", [20, 9, 31, 3], 16, 8, 64, f32)),
         ("invalid expert index raises", case_invalid_index),
