@@ -12,7 +12,6 @@ import pytest
 import torch
 
 
-
 def _gpu_missing() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (none visible)"

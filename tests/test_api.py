@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,13 @@ def test_router_aux_loss_and_renormalization():
     assert abs(float(r.aux_loss) - 4 * 0.5) < 1e-4  # f_2 = 1/2 (top-2), P_2 ~ 1
     r = route(torch.randn(16, 8), 3, renormalize=True)
     assert torch.allclose(r.topk_w.sum(-1), torch.ones(16))
+
+
+def test_readme_quickstart_runs_as_written():
+    """The README's CPU quickstart, executed exactly as printed there."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Quickstart", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "(4, 32, 64) (8, 192, 64) (8, 64)"
