@@ -4,15 +4,16 @@ For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgra
 kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median of --reps;
 --rounds interleaved rounds, TFLOP/s from the median round, ratio = median over rounds of the same round's torch
 bf16 time over ours) and reports TFLOP/s (2*M*N*K / time) for:
-  mxfp8_<impl>  our kernels, every family of gemm_cuda.IMPLS for fprop/dgrad (wgmma4/5 with the bf16 weight prepared
-                once, outside the timing: see "prepare_weight" for that pass); wgrad: gemm_cuda.WGRAD_IMPLS
-                (mxfp8_wgmma / mxfp8_mma, bf16 output; "mxfp8_f32" = the default kernel with fp32 output;
-                the wgmma wgrad's per-call operand preparation is included in its time and also timed
-                alone: "prepare_colwise_ms"; "mxfp8_prepared" = the same GEMM on operands the quantizer wrote
-                already prepared, quantize_grouped_dual(colwise="bf16"): no preparation pass, the quantizer's
-                extra cost is in "colwise_producer_ms"; "mxfp8_prepared+q" = mxfp8_prepared charged with that
-                extra cost: the wgrad path of the training step, quantizer's share included). Each family is
-                checked first; a family whose check fails (or raises) is reported and not timed, the others go on.
+  mxfp8         our kernels (moe_ep.experts.gemm): fprop/dgrad with the bf16 weight prepared once, outside the
+                timing (see "prepare_weight" for that pass); wgrad with bf16 output, its per-call operand
+                preparation included in its time and also timed alone: "prepare_colwise_ms"
+  mxfp8_f32     wgrad with the launcher's default fp32 output
+  mxfp8_prepared  wgrad on operands the quantizer wrote already prepared, quantize_grouped_dual(colwise="bf16"): no
+                preparation pass, the quantizer's extra cost is in "colwise_producer_ms"
+  mxfp8_prepared+q  mxfp8_prepared charged with that extra cost: the wgrad path of the training step, the
+                quantizer's share included
+                Our kernels are checked first; if the check fails (or raises) the script stops (--keep-going: the
+                failure is reported and they are not timed).
   bf16          torch._grouped_mm on bf16 operands (offs = cumsum int32) -- the reference point for ratios
   deq+bf16      dequantize the MXFP8 operands to bf16, then torch._grouped_mm
   fp8_rowwise   torch._scaled_grouped_mm with fp8 e4m3 operands and per-row fp32 scales (errors recorded)
@@ -23,7 +24,6 @@ Usage: python benchmarks/bench_gemm.py [--quick] [--json PATH] [--shapes dsv3_up
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -46,18 +46,7 @@ SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
 }
 
 
-@contextlib.contextmanager
-def env_restored(*names: str):
-    """The environment switches ``names`` as they were, after the block (set or unset)."""
-    saved = {v: os.environ.get(v) for v in names}
-    try:
-        yield
-    finally:
-        for var, val in saved.items():
-            if val is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = val
+IMPL = "mxfp8"  # the name of our kernels in the results (variants, check_rel_err, check_ok, impls)
 
 
 def uneven_sizes(m: int, g: int, seed: int, align: int = 16) -> list[int]:
@@ -182,25 +171,10 @@ def run_shape(name, m, k, n, g, args, out_rows):
     flops = 2.0 * m * n * k
     res = {"M": m, "K": k, "N": n, "G": g, "group_sizes": sizes, "variants": {}}
 
-    def with_env(var, value, fn):  # run fn with the environment switch var=value (restored after)
-        def run():
-            with env_restored(var):
-                os.environ[var] = value
-                return fn()
-
-        return run
-
-    def with_impl(impl, fn):
-        return with_env("MOE_EP_GEMM_IMPL", impl, fn)
-
-    def with_wgrad(impl, fn):
-        return with_env("MOE_EP_WGRAD_IMPL", impl, fn)
-
-    impls = list(gemm_cuda.IMPLS)
     ours = {"fprop": {}, "dgrad": {}, "wgrad": {}}
-    # wgmma4/5 take the weights as exact bf16 prepared once per weight version (gemm_cuda.prepare_weight_bf16): timed
-    # here as the kernel alone; the preparation (kernels/weight_prep.cu) is reported separately, per weight version,
-    # with its bandwidth (e4m3 + scale bytes read, bf16 written) and the torch reference's time
+    # the fprop / dgrad kernel takes the weight as exact bf16 prepared once per weight version (prepare_weight_bf16):
+    # timed here as the kernel alone; the preparation (kernels/weight_prep.cu) is reported separately, per weight
+    # version, with its bandwidth (e4m3 + scale bytes read, bf16 written) and the torch reference's time
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     wtprep = gemm_cuda.prepare_weight_bf16(wtq.data, wts)
     prep = {"matches_torch_reference": True}
@@ -214,25 +188,17 @@ def run_shape(name, m, k, n, g, args, out_rows):
             "torch_ref_ms": time_ms(lambda wd_=wd_, ws_=ws_: gemm_cuda.prepare_weight_bf16_torch(wd_, ws_), 1, 3),
         }
     res["prepare_weight"] = prep
-    res["prepare_colwise_ms"] = {  # the wgmma wgrad's per-call pass over each operand (included in its timing)
+    res["prepare_colwise_ms"] = {  # the wgrad's per-call pass over each operand (included in its timing)
         "dy": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz), 3, 10),
         "x": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(xc, xcs, sz), 3, 10),
         "pair": time_ms(lambda: gemm_cuda.prepare_colwise_bf16_pair(dyc, dycs, xc, xcs, sz), 3, 10),  # what wgrad runs
     }
     print(f"[{name}] prepare_weight: {prep}")
-    for impl in impls:
-        ours["fprop"][f"mxfp8_{impl}"] = with_impl(
-            impl, lambda: gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, w_prepared=wprep)
-        )
-        ours["dgrad"][f"mxfp8_{impl}"] = with_impl(
-            impl, lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz, wt_prepared=wtprep)
-        )
-
-    for wimpl in gemm_cuda.WGRAD_IMPLS:  # bf16 output, like the torch baselines
-        ours["wgrad"][f"mxfp8_{wimpl}"] = with_wgrad(
-            wimpl, lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16)
-        )
-    # the launcher's default: fp32 output, default kernel (prepare passes included, as in every wgmma wgrad call)
+    ours["fprop"][IMPL] = lambda: gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, w_prepared=wprep)
+    ours["dgrad"][IMPL] = lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz, wt_prepared=wtprep)
+    # bf16 output, like the torch baselines
+    ours["wgrad"][IMPL] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16)
+    # the launcher's default: fp32 output (prepare passes included, as in every wgrad call)
     ours["wgrad"]["mxfp8_f32"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
     # the operands as the quantizer writes them with colwise="bf16" (already in the GEMM's prepared layout): the GEMM
     # alone. The quantizer's cost with either column output is timed below ("colwise_producer_ms"), so the whole
@@ -257,7 +223,7 @@ def run_shape(name, m, k, n, g, args, out_rows):
         f"producer ms {res['colwise_producer_ms']}"
     )
 
-    # ---- correctness on a subsample before timing (per kernel family; a failing family is not timed)
+    # ---- correctness on a subsample before timing (our kernels are not timed if it fails)
     if not args.no_check:
         starts = [0] + torch.cumsum(torch.tensor(sizes), 0).tolist()[:-1]
         nonempty = [i for i in range(g) if sizes[i]]
@@ -270,46 +236,41 @@ def run_shape(name, m, k, n, g, args, out_rows):
         # 2/3 * steps * 2**-24 ~ 5e-6 of the norm, so 3e-5 (indexing / scale bugs give O(1)).
         limit = {"fprop": 5e-3, "dgrad": 5e-3, "wgrad": 3e-5, "finite": 0.0}
         res["check_rel_err"], res["check_ok"] = {}, {}
-        for impl in impls:
-            errs = {}
-            try:
-                o_f, o_d = ours["fprop"][f"mxfp8_{impl}"](), ours["dgrad"][f"mxfp8_{impl}"]()
-                for gi in pick:  # the first and the last (partial) 128-row tile of each picked group
-                    n_chk = min(sizes[gi], 64)
-                    for part, r0 in (("head", starts[gi]), ("tail", starts[gi] + sizes[gi] - n_chk)):
-                        r = slice(r0, r0 + n_chk)
-                        errs[f"fprop_g{gi}{part}"] = rel_err(o_f[r], xf[r] @ wf[gi].t())
-                        errs[f"dgrad_g{gi}{part}"] = rel_err(o_d[r], dyf[r] @ wtf[gi].t())
-                fin = bool(torch.isfinite(o_f).all() and torch.isfinite(o_d).all())
-                errs["finite"] = 0.0 if fin else float("inf")
-                del o_f, o_d
-                if impl == "mma":  # once: both wgrad kernels (fp32 output)
-                    dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
-                    xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
-                    for wimpl in gemm_cuda.WGRAD_IMPLS:
-                        o_w = with_wgrad(wimpl, lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz))()
-                        for gi in pick[:2]:
-                            r = slice(starts[gi], starts[gi] + sizes[gi])
-                            errs[f"wgrad_{wimpl}_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
-                        if wimpl == "wgmma":  # the prepared-operand path: the same GEMM on the same bytes
-                            o_p = torch.empty_like(o_w)
-                            gemm_cuda.grouped_wgrad_prepared_out(dyp, xp, sz, o_p, m)
-                            errs["wgrad_prepared_vs_wgmma"] = 0.0 if torch.equal(o_p, o_w) else float("inf")
-                            del o_p
-                        del o_w
-                    del dcf, xcf
-                bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
-            except Exception as e:  # noqa: BLE001  (report and go on with the other families)
-                bad = {"exception": f"{type(e).__name__}: {str(e)[:300]}"}
-                errs["exception"] = bad["exception"]
-            res["check_rel_err"][impl], res["check_ok"][impl] = errs, not bad
-            summary = ", ".join(f"{kk}={v:.1e}" if isinstance(v, float) else f"{kk}={v}" for kk, v in errs.items())
-            print(f"[{name}] check {impl} {'ok' if not bad else 'FAILED'}: {summary}")
-            if bad and not args.keep_going:
-                if impl == "mma":
-                    raise SystemExit(f"{name}: kernel does not match the reference: {bad}")
-                for var in ("fprop", "dgrad"):  # not timed: reported as an error row
-                    ours[var][f"mxfp8_{impl}"] = None
+        errs = {}
+        try:
+            o_f, o_d = ours["fprop"][IMPL](), ours["dgrad"][IMPL]()
+            for gi in pick:  # the first and the last (partial) 128-row tile of each picked group
+                n_chk = min(sizes[gi], 64)
+                for part, r0 in (("head", starts[gi]), ("tail", starts[gi] + sizes[gi] - n_chk)):
+                    r = slice(r0, r0 + n_chk)
+                    errs[f"fprop_g{gi}{part}"] = rel_err(o_f[r], xf[r] @ wf[gi].t())
+                    errs[f"dgrad_g{gi}{part}"] = rel_err(o_d[r], dyf[r] @ wtf[gi].t())
+            fin = bool(torch.isfinite(o_f).all() and torch.isfinite(o_d).all())
+            errs["finite"] = 0.0 if fin else float("inf")
+            del o_f, o_d
+            # wgrad (fp32 output)
+            dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
+            xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
+            o_w = gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+            for gi in pick[:2]:
+                r = slice(starts[gi], starts[gi] + sizes[gi])
+                errs[f"wgrad_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
+            o_p = torch.empty_like(o_w)  # the prepared-operand path: the same GEMM on the same bytes
+            gemm_cuda.grouped_wgrad_prepared_out(dyp, xp, sz, o_p, m)
+            errs["wgrad_prepared_vs_wgrad"] = 0.0 if torch.equal(o_p, o_w) else float("inf")
+            del o_p, o_w, dcf, xcf
+            bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
+        except Exception as e:  # noqa: BLE001  (reported like a failed check)
+            bad = {"exception": f"{type(e).__name__}: {str(e)[:300]}"}
+            errs["exception"] = bad["exception"]
+        res["check_rel_err"][IMPL], res["check_ok"][IMPL] = errs, not bad
+        summary = ", ".join(f"{kk}={v:.1e}" if isinstance(v, float) else f"{kk}={v}" for kk, v in errs.items())
+        print(f"[{name}] check {IMPL} {'ok' if not bad else 'FAILED'}: {summary}")
+        if bad and not args.keep_going:
+            raise SystemExit(f"{name}: kernel does not match the reference: {bad}")
+        if bad:  # --keep-going: not timed, reported as error rows
+            for var in ours:
+                ours[var] = dict.fromkeys(ours[var])
         del xf, dyf, wf, wtf
         torch.cuda.empty_cache()
 
@@ -408,7 +369,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "commit": commit,
-        "impls": list(gemm_cuda.IMPLS),
+        "impls": [IMPL],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": {"warmup": args.warmup, "reps": args.reps, "quick": args.quick, "rounds": args.rounds},
         "shapes": {},
@@ -419,10 +380,9 @@ def main() -> None:
         result["shapes"][name] = run_shape(name, m, k, n, g, args, rows)
         torch.cuda.empty_cache()
 
-    cols = [f"mxfp8_{i}" for i in gemm_cuda.IMPLS] + ["mxfp8_f32", "mxfp8_prepared", "mxfp8_prepared+q"]
+    cols = [IMPL, "mxfp8_f32", "mxfp8_prepared", "mxfp8_prepared+q"]
     cols += ["bf16", "deq+bf16", "fp8_rowwise"]
-    impls = ",".join(result["impls"])
-    print(f"\n{result['device']}  torch {result['torch']}  impls={impls}  (TFLOP/s, ratio vs torch bf16)")
+    print(f"\n{result['device']}  torch {result['torch']}  (TFLOP/s, ratio vs torch bf16)")
     print(f"{'shape':<10} {'var':<6} " + " ".join(f"{c:>18}" for c in cols))
     for name, var, vres in rows:
         cells = []

@@ -1,69 +1,45 @@
-// Grouped MXFP8 wgrad for Hopper, implementation "wgmma" (MOE_EP_WGRAD_IMPL=wgmma, the default): dW[g] = dY_g^T X_g
-// -> [G, N, K], the reduction over each group's rows.
+// Grouped MXFP8 wgrad for Hopper: dW[g] = dY_g^T X_g -> [G, N, K], the reduction over each group's rows.
+// Launcher and operand formats: moe_ep/experts/gemm.py grouped_wgrad_out / grouped_wgrad_prepared_out; design:
+// docs/design.md, section "Grouped GEMMs".
 //
-//   * why: the mma wgrad kernel (design 1) runs at 0.33-0.38x torch bf16. Both wgrad operands are activations
-//     quantized column-wise (scales along the reduction), so neither can be prepared once like a weight; but a
-//     per-call pass that dequantizes them exactly to bf16 (kernels/weight_prep.cu mx_prepare_colwise_bf16:
-//     memory-bound, ~3 bytes per element) costs ~10 % of the GEMM at the benchmark shapes, and the GEMM itself
+//   * both wgrad operands are activations quantized column-wise (scales along the reduction), so neither can be
+//     prepared once like a weight; instead a per-call pass dequantizes them exactly to bf16 (kernels/weight_prep.cu
+//     mx_prepare_colwise_bf16_pair: memory-bound), or the quantizer writes that layout directly, and this GEMM
 //     then needs no conversion at all: both operands go by TMA straight into the layout wgmma reads.
 //   * prepared operands: dY' [64 (ceil(M/64) + G), N], X' [same rows, K] bf16: group g at rows 64 poff_g ..
 //     (poff_g = sum_{h<g} ceil(n_h / 64)), zero padded to a multiple of 64 rows, so a group's reduction is
-//     ceil(n_g / 64) k-steps of 64 rows, 4 k16 slices each. (A first version aligned groups to 32 rows and issued
-//     2 slices in an odd last step; ptxas then serialized every wgmma, "WG.AR in divergent path".)
+//     ceil(n_g / 64) k-steps of 64 rows, 4 k16 slices each (whole steps keep every wgmma on a uniform path).
 //   * both operands are MN-major (the N or K values of one row are contiguous): TMA boxes of 64 rows x 64
 //     columns (128 bytes, 128-byte swizzle) and wgmma with both transpose flags; A = 2 boxes (tile rows n0 ..
 //     n0 + 127, one per consumer warpgroup), B = 4 boxes (256 columns of K). Descriptor: the 64-wide MN atoms are
 //     8192 bytes apart (leading byte offset), 8-row k groups 1024 bytes (stride byte offset).
-//   * schedule as wgmma5 (grouped_gemm_wg5.cu): persistent grid over G x ceil(N/128) x ceil(K/256) tiles, a
-//     producer warp, 2 consumer warpgroups (64 x 256 each, 128 fp32 accumulators), a 4-stage full/empty
-//     mbarrier ring (WR_STAGES; 3 with -DWR_STAGES=3); empty groups store zeros.
-//   * epilogue through shared memory and TMA stores (it is the largest cost otherwise: dW in fp32 is 3.8 GB at
-//     dsv3_up, and a register epilogue kept the MMAs idle while it drained; measured without stores: 2.42 against
-//     3.44 ms). With 4 stages only 16 KiB per warpgroup are left for it, so a warpgroup's 64 x 256 tile leaves in
-//     rounds: bf16 in 2 rounds of 128 columns (w5_epilogue_tma_rounds), fp32 in 4 of 64 (wr_epilogue_tma_f32), each
-//     round after the previous one's stores have read the region. (3 stages leave 32 KiB: 1 and 2 rounds.) A
-//     warpgroup whose 64 rows run past N (they would land in the next group's rows) stores from registers.
-//     Measured (benchmarks/NOTES.md, "wgrad: a fourth stage"): the fourth stage with the extra rounds took 0-8 %
-//     less time than 3 stages at 7 of 8 shape / dtype pairs (fp32 outputs most), +0.3-0.5 % at dsv3_down bf16.
-// Timing experiment: -DWR_NO_EPI (no output stores; benchmarks/prof_gemm.py --kernel wgrad).
-// Shared memory (all dynamic): 4 x 49152 + 32768 staging + barriers + 9 GroupInfo = 229872 B (3 stages: 3 x 49152
-// + 65536 + ... = 213472 B).
+//   * schedule as the fprop kernel (kernels/grouped_gemm.cu): persistent grid over G x ceil(N/128) x ceil(K/256)
+//     tiles, a producer warp, 2 consumer warpgroups (64 x 256 each, 128 fp32 accumulators), a 4-stage full/empty
+//     mbarrier ring; empty groups store zeros.
+//   * epilogue through shared memory and TMA stores, so that the MMAs of the next tile run while the output drains.
+//     Next to 4 stages only 16 KiB per warpgroup are left for it, so a warpgroup's 64 x 256 tile leaves in rounds:
+//     bf16 in 2 rounds of 128 columns (epilogue_bf16_tma), fp32 in 4 of 64 (wr_epilogue_tma_f32), each round
+//     after the previous one's stores have read the region. A warpgroup whose 64 rows run past N (they would land
+//     in the next group's rows) stores from registers.
+// Shared memory (all dynamic): 4 x 49152 + 32768 staging + barriers + 9 GroupInfo = 229872 B.
 
-#define WG5_NO_KERNELS
-#include "grouped_gemm_wg5.cu"
+#include "gemm_wgmma.cuh"
 
-#ifndef WR_STAGES  // (-DWR_STAGES=3: the earlier layout, 3 ring stages and twice the output staging)
 #define WR_STAGES 4
-#endif
-// output staging per consumer warpgroup: 32 KiB with 3 stages, 16 KiB with 4 (4 x 49152 + 2 x 32768 would not fit)
-#define WR_REGION (WR_STAGES >= 4 ? 16384 : 32768)
+#define WR_REGION 16384                                // output staging per consumer warpgroup
 #define WR_A_BYTES 16384                               // 2 boxes of 64 rows x 128 B
 #define WR_STAGE_BYTES 49152                           // A | B (4 boxes)
 #define WR_EPI (WR_STAGES * WR_STAGE_BYTES)            // output staging: WR_REGION per consumer warpgroup
 #define WR_BAR (WR_EPI + 2 * WR_REGION)                // full[S], empty[S]
 #define WR_GI (WR_BAR + 16 * WR_STAGES)
-#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 229872 (4 stages), 213472 (3)
+#define WR_SMEM_BYTES (WR_GI + 9 * 48)                 // 229872
 static_assert(WR_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
-
-// d[128] += A(64 x 16) x B(256 x 16)^T from shared memory, both bf16 and MN-major ("transposed": the 64 / 256
-// output-dimension values of one k are contiguous), 128-byte swizzle; fp32 accumulation.
-__device__ __forceinline__ void wgmma_m64n256k16_ss_mn(float* d, unsigned long long da, unsigned long long db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WG_ACC128_STR "}, %128, %129, p, 1, 1, 1, 1;\n}\n"
-                 : WG_ACC128(d)
-                 : "l"(da), "l"(db));
-}
 
 // MN-major, 128-byte swizzle descriptor: start address, leading byte offset (next 64-wide MN atom), stride byte
 // offset (next group of 8 k rows of 128 bytes).
 __device__ __forceinline__ unsigned long long wg_desc_mn(unsigned saddr) {
-#ifdef WR_SWAP_LBO_SBO  // diagnostic: the other reading of the two offsets
-    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | ((unsigned long long)(1024 >> 4) << 16) |
-           ((unsigned long long)(8192 >> 4) << 32) | (1ull << 62);
-#else
     return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | ((unsigned long long)(8192 >> 4) << 16) |
            ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-#endif
 }
 
 // Output tiles of the grid: G groups x 128-row tiles of N x 256-column tiles of K (the producer and the consumers
@@ -155,9 +131,9 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
     const unsigned full0 = sbase + WR_BAR, empty0 = full0 + 8u * WR_STAGES;
     ring_init(full0, empty0, WR_STAGES);
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + WR_GI) + warp;
-    if (warp >= W5_CONSUMER_WARPS) {
+    if (warp >= WS_CONSUMER_WARPS) {
         setmaxnreg_dec<56>();
-        if (warp == W5_CONSUMER_WARPS) wgr_produce(gi, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0);
+        if (warp == WS_CONSUMER_WARPS) wgr_produce(gi, sizes, G, M, N, K, tmA, tmB, sbase, full0, empty0);
         return;
     }
     setmaxnreg_inc<224>();
@@ -194,31 +170,28 @@ __device__ __forceinline__ void wgr_kernel(const int* __restrict__ sizes, void* 
         // out[g] is [N, K]: tile rows n0 .., columns k0 ..; as a [G * N, K] matrix its first row is g * N + n0
         const long long orow = (long long)g * N + n0;
         const unsigned region = sbase + WR_EPI + (unsigned)WR_REGION * (unsigned)wg;
-#ifdef WR_NO_EPI  // timing experiment only (prof_gemm.py --kernel wgrad): no output stores
-        if (orow >= 0) continue;
-#endif
         if (N - n0 < 64 * (wg + 1)) {  // rows past N: masked stores from registers
             if (OUT_F32)
-                w2_epilogue<1>(acc, out, orow, N - n0, k0, K, ar0, sbase);
+                epilogue_f32(acc, out, orow, N - n0, k0, K, ar0);
             else
-                w5_epilogue_bf16(acc, static_cast<unsigned short*>(out), orow, N - n0, k0, K, ar0);
+                epilogue_bf16(acc, static_cast<unsigned short*>(out), orow, N - n0, k0, K, ar0);
         } else if (OUT_F32) {
             wr_epilogue_tma_f32(acc, region, wg, orow, k0, K, tmO);
         } else {
-            w5_epilogue_tma_rounds<32768 / WR_REGION>(acc, region, wg, orow, k0, K, tmO);
+            epilogue_bf16_tma<32768 / WR_REGION>(acc, region, wg, orow, k0, K, tmO);
         }
     }
     if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before exit
 }
 
-// Kernel parameters: GM_ARGS (A, B and their scales unused: the operands are reached through the tensor maps of
-// the prepared bf16 copies; M, N, K and the group sizes as in the other wgrad kernel), tmA over dY' [R, N], tmB
+// Kernel parameters: GM_TMA_ARGS (A, B and their scales unused: the operands are reached through the tensor maps
+// of the prepared bf16 copies; M = the data rows the groups cover, N, K, the group sizes), tmA over dY' [R, N], tmB
 // over X' [R, K], both in boxes of 64 rows x 64 columns with the 128-byte swizzle, tmO over out as [G N, K] in
 // boxes of 64 rows x 128 bytes (64 bf16 / 32 fp32 columns), 128-byte swizzle.
-#define WR_ARGS W3_ARGS, const __grid_constant__ TmaMap tmO
-extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_f32(WR_ARGS) {
+#define WR_ARGS GM_TMA_ARGS, const __grid_constant__ TmaMap tmO
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) mx_gmm_wgrad_f32(WR_ARGS) {
     wgr_kernel<1>(sizes, out, G, M, N, K, &tmA, &tmB, &tmO);
 }
-extern "C" __global__ void __launch_bounds__(W5_THREADS, 1) mx_gmm_wgrad_wg_bf16(WR_ARGS) {
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) mx_gmm_wgrad_bf16(WR_ARGS) {
     wgr_kernel<0>(sizes, out, G, M, N, K, &tmA, &tmB, &tmO);
 }

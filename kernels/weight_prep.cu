@@ -1,5 +1,5 @@
-// Weight preparation for the wgmma4 / wgmma5 GEMMs (moe_ep.gemm_cuda.prepare_weight_bf16; reference:
-// prepare_weight_bf16_torch): MXFP8 weight e4m3 [G, N, K] + blocked scales -> exact bf16 [G, N, Kp] (Kp = K
+// Weight preparation for the fprop / dgrad GEMM (kernels/grouped_gemm.cu; launcher moe_ep/experts/operands.py
+// prepare_weight_bf16, reference prepare_weight_bf16_torch): MXFP8 weight e4m3 [G, N, K] + blocked scales -> exact bf16 [G, N, Kp] (Kp = K
 // rounded up to 64, zero padded), each 64-wide k block stored in the GEMM kernels' permuted k order: logical
 // position 16 s + 8 h + 2 c + e holds physical column 16 c + 4 s + 2 h + e.
 //
@@ -12,8 +12,7 @@
 //   * chunks past K (K % 64 == 32) are written as zeros; a warp walks whole quads, and the loop bound is uniform
 //     per warp (the shuffles need all 32 lanes), stores are masked.
 
-#define GM_NO_MMA_KERNELS
-#include "grouped_gemm.cu"
+#include "gemm_common.cuh"
 
 // w: [G * N, K] e4m3 rows; ws: [G, bsz] blocked scales (bsz = blocked_size(N, K / 32)); out: [G * N, Kp] bf16.
 extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const unsigned char* __restrict__ w,
@@ -51,8 +50,8 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Activation preparation for the wgmma wgrad kernel (moe_ep.gemm_cuda.prepare_colwise_bf16; reference:
-// prepare_colwise_bf16_torch): a wgrad operand in the grouped column-wise MXFP8 format (data [M, C] e4m3 in its
+// Activation preparation for the wgrad kernel (kernels/grouped_gemm_wgrad.cu; launcher moe_ep/experts/operands.py
+// prepare_colwise_bf16, reference prepare_colwise_bf16_torch): a wgrad operand in the grouped column-wise MXFP8 format (data [M, C] e4m3 in its
 // own row order, scales [ceil(M/32) + G, C] where block j of group g is scale row boff_g + j) -> exact bf16
 // [64 (ceil(M/64) + G), C] in which group g occupies rows 64 poff_g .. (poff_g = sum_{h<g} ceil(n_h / 64)), zero
 // padded to a multiple of 64 rows: the GEMM reduces over whole 64-row steps of one group. Rows past the last
@@ -61,9 +60,7 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 //   * one warp per padded 32-row block pb and 1024 columns: it finds the block's group (gm_scan_groups by padded
 //     32-row block, GM_BY_PAD32; 2 ceil(n / 64) blocks per group), then converts
 //     8 columns per lane: 8 data bytes per row, the 8 scale bytes of the block's scale row (per-column scales:
-//     pair_mults8), one 16-byte store per row. Padding blocks are zeros. The pass is bandwidth-bound: 2.8-3.6
-//     TB/s on H200 (the smaller rates at the "small" shape's 150-200 MB operands); a first version with a CTA
-//     per block x 256 columns and a block barrier measured the same.
+//     pair_mults8), one 16-byte store per row. Padding blocks are zeros. The pass is bandwidth-bound.
 // ---------------------------------------------------------------------------------------------------------
 struct BlockGroup {
     long long row0;  // first data row of the block; -1: the block belongs to no group
@@ -144,8 +141,7 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_colwise_bf16(const 
 }
 
 // Both wgrad operands in one launch (same rows and groups, widths Ca and Cb): the first warps_a warps of the grid
-// prepare a, the rest b. Why: at the small shape the two separate launches ran at 2.8-3.2 TB/s against ~3.5 for
-// large ones (ramp and tail of each launch); one launch was predicted to save ~15 us of the 0.4 ms wgrad.
+// prepare a, the rest b. Why: one launch has one ramp and one tail instead of two.
 extern "C" __global__ void __launch_bounds__(256) mx_prepare_colwise_bf16_pair(
     const unsigned char* __restrict__ data_a, const unsigned char* __restrict__ scale_a,
     unsigned short* __restrict__ out_a, int Ca, int warps_a, const unsigned char* __restrict__ data_b,

@@ -1,10 +1,10 @@
-"""Tests of the CPU emulation of kernels/grouped_gemm.cu (the model itself is tests/gemm_emu.py).
+"""CPU tests of the grouped GEMM kernels' shared arithmetic (the models are in tests/gemm_emu.py).
 
-Hand-worked bit conversions, the group scan, emulated kernels against the float64 reference on awkward group
-sizes, and address-only runs on the benchmark's shapes (every load in bounds, every output row written once).
+Hand-worked bit conversions, the group scan, the fprop / dgrad kernel's tile schedule (every group row in exactly one
+tile, the rows past the groups zero-filled exactly once) on the benchmark's shapes, its k permutation, and the CPU
+path of the weight preparation.
 """
 
-# ruff: noqa: B023
 from __future__ import annotations
 
 import sys
@@ -22,23 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_emu import (  # noqa: E402
     E4M3X2_HI,
     E4M3X2_LO,
-    _check_loads,
-    _u8,
-    addresses_2d3d,
-    addresses_wgrad,
     bf16_to_f,
-    check_emulated_2d3d,
-    cta_2d3d,
     cvt_words_1s,
     cvt_words_ps,
     e4m3x2_bits,
     e4m3x2_bits_placed,
-    emu_2d3d,
-    emu_wgrad,
     f_to_bf16,
-    load_2d3d,
     mm64,
     pair_mults8,
+    raster,
     scan_groups,
     wgrad64,
 )
@@ -66,13 +58,8 @@ def test_bit_conversion_exact_for_all_codes_and_scales():
 
 
 def test_sign_extended_pair_form_equals_the_bit_placement():
-    """kernels/grouped_gemm.cu's e4m3x2_bits (sign-extending prmt, shift, mask) gives, for every pair of bytes and in
-    both word halves, the bits of the direct placement (sign to bit 15, (b & 0x7F) << 4), i.e. v * 2**-120."""
-    from moe_ep import _cuda
-
-    src = _cuda.read_source("grouped_gemm.cu")
-    assert f"#define E4M3X2_LO 0x{E4M3X2_LO:04X}u" in src and f"#define E4M3X2_HI 0x{E4M3X2_HI:04X}u" in src
-    assert "return (d << 4) & 0x87F087F0u;" in src
+    """The kernels' e4m3x2_bits (sign-extending prmt, shift, mask) gives, for every pair of bytes and in both word
+    halves, the bits of the direct placement (sign to bit 15, (b & 0x7F) << 4), i.e. v * 2**-120."""
     for lo in range(256):
         for hi in range(256):
             pair = lo | hi << 8
@@ -126,81 +113,6 @@ def test_scan_groups_negative_and_clamped_sizes():
     assert scan_groups(sizes, 4, 300, 1, 0)["g"] == 1
 
 
-CASES_2D3D = [  # (sizes, trailing rows outside every group, K, N, fp32 out, zero_rest)
-    ([5, 0, 37, 130], 3, 96, 136, False, False),  # K % 64 == 32 (last k-step half empty), N % 128 != 0
-    ([0, 0, 0], 3, 64, 16, True, True),  # only empty groups: zero fill only
-    ([200], 3, 32, 8, True, False),
-    ([1, 127, 0, 64], 130, 128, 264, True, True),  # 130 trailing rows: two zero-fill tiles
-    ([3, 40], 3, 64, 24, False, True),
-    ([0, 129, 0], 0, 64, 8, True, True),  # 2 tiles of one group, last one 1 row; rows end with the groups
-]
-
-
-@pytest.mark.parametrize("sizes,extra,k,n,out_f32,zero_rest", CASES_2D3D)
-def test_emulated_2d3d_matches_reference(sizes, extra, k, n, out_f32, zero_rest):
-    check_emulated_2d3d(emu_2d3d, sizes, extra, k, n, out_f32, zero_rest, seed=sum(sizes) + k + n)
-
-
-def test_emulated_dgrad_transposed_weights():
-    sizes, n, k = [40, 0, 90], 64, 48  # dgrad: dy [M, N] x W [G, N, K] -> [M, K]
-    torch.manual_seed(1)
-    g, m = len(sizes), sum(sizes)
-    dy, w = torch.randn(m, n), torch.randn(g, n, k)
-    dd, ds = gemm_cuda.rowwise_operand_ref(dy, sizes)
-    wtd, wts = gemm_cuda.weight_t_operand_ref(w)
-    out = np.full(m * k, np.nan)
-    emu_2d3d(_u8(dd), _u8(ds), _u8(wtd), _u8(wts), sizes, out, g, m, k, n, True)
-    ref = mm64(mxfp8.fake_quantize(dy, -1), mxfp8.fake_quantize(w, -2).transpose(1, 2), sizes)
-    spec = grouped_mm_torch(mxfp8.fake_quantize(dy, -1), mxfp8.fake_quantize(w, -2).transpose(1, 2), sizes)
-    # the fp64 helper agrees with the fp32 spec: fp32 sums of n <= 64 unit-scale products carry ~n * 2^-24 ~ 4e-6
-    # absolute error; 1e-4 leaves room for cancellation
-    torch.testing.assert_close(ref.float(), spec, rtol=1e-4, atol=1e-4)
-    # the emulation sums in float64 and rounds once to fp32 (<= 2^-24 relative); twice that
-    torch.testing.assert_close(torch.from_numpy(out).reshape(m, k), ref, rtol=2.0**-23, atol=1e-30)
-
-
-def test_emulated_raw_codes_and_scales():
-    """The GPU test_raw_codes scenario (random e4m3 codes incl. subnormals, scale bytes 100..154: both
-    conversion paths) through the emulated fprop: the last row tile of the last group is partial."""
-    gen = torch.Generator().manual_seed(7)
-    sizes, k, n = [70, 0, 200], 128, 64
-    g, m = len(sizes), sum(sizes)
-    c = torch.randint(0, 256, (m, k), generator=gen, dtype=torch.int32)
-    c[:, :32] = (c[:, :32] & 0x87) | 1  # one block of e4m3 subnormals per row
-    a = torch.where((c & 0x7F) == 0x7F, c ^ 1, c).to(torch.uint8).view(torch.float8_e4m3fn)
-    c = torch.randint(0, 256, (g, n, k), generator=gen, dtype=torch.int32)
-    b = torch.where((c & 0x7F) == 0x7F, c ^ 1, c).to(torch.uint8).view(torch.float8_e4m3fn)
-    a_s = torch.randint(100, 155, (m, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
-    b_s = torch.randint(100, 155, (g, n, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
-    aq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(a, a_s, 1), torch.float32)
-    bq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(b, b_s, 2), torch.float32)
-    xs = mxfp8.to_blocked_grouped(a_s, torch.tensor(sizes), "m")
-    out = np.full(m * n, np.nan)
-    emu_2d3d(_u8(a), _u8(xs), _u8(b), _u8(mxfp8.to_blocked(b_s)), sizes, out, g, m, n, k, True, True)
-    torch.testing.assert_close(torch.from_numpy(out).reshape(m, n), mm64(aq, bq, sizes), rtol=1e-5, atol=1e-30)
-
-
-@pytest.mark.parametrize("sizes,n,k", [([5, 0, 70, 33], 24, 136), ([0, 0], 8, 8), ([64], 128, 16)])
-def test_emulated_wgrad_matches_reference(sizes, n, k):
-    torch.manual_seed(len(sizes) + n)
-    g, m = len(sizes), sum(sizes)
-    dy = torch.randn(m, n) * torch.logspace(-2, 2, m).reshape(m, 1)
-    x = torch.randn(m, k)
-    ad, asc = gemm_cuda.colwise_operand_ref(dy, sizes)
-    bd, bsc = gemm_cuda.colwise_operand_ref(x, sizes)
-    out = np.full(g * n * k, np.nan)
-    emu_wgrad(_u8(ad), _u8(asc), _u8(bd), _u8(bsc), sizes, out, g, m, n, k, True)
-    ref = wgrad64(fake_quantize_grouped_cols(dy, sizes), fake_quantize_grouped_cols(x, sizes), sizes)
-    torch.testing.assert_close(
-        ref.float(),
-        grouped_wgrad_torch(fake_quantize_grouped_cols(dy, sizes), fake_quantize_grouped_cols(x, sizes), sizes),
-        rtol=1e-4,
-        atol=1e-4,
-    )  # the fp64 helper agrees with the fp32 spec (fp32 sums over a group's rows, as above)
-    # float64 sums rounded once to fp32 (<= 2^-24 relative); twice that
-    torch.testing.assert_close(torch.from_numpy(out).reshape(g, n, k), ref, rtol=2.0**-23, atol=1e-30)
-
-
 def test_colwise_converter_matches_fake_quantize_grouped_cols():
     sizes = [0, 5, 33, 64, 0, 100]
     t = torch.randn(sum(sizes), 24) * 10
@@ -232,35 +144,113 @@ ADDRESS_CASES = {  # name: (sizes, M, K, N): the benchmark's shapes (fprop K x N
 }
 
 
+def schedule_2d3d(sizes, m_total: int, n: int, zero_rest: bool) -> np.ndarray:
+    """The fprop / dgrad kernel's tile schedule (gg_tile and the zero fill of kernels/grouped_gemm.cu): every tile
+    t < (ceil(M/128) + G) * ceil(N/256) in gm_raster's order, each tile's row tile found by the group scan. Checks
+    that the order is a bijection and that a tile's rows lie inside its group and below M; returns, per output row
+    and 256-column tile, how many tiles compute it (group rows) or zero it (rows past the groups, with zero_rest)."""
+    g_count = len(sizes)
+    n_tiles, m_tiles = -(-n // 256), -(-m_total // 128) + g_count
+    scans = {m_t: scan_groups(sizes, g_count, m_total, 1, m_t) for m_t in range(m_tiles)}
+    cover = np.zeros((m_total + 1, n_tiles), dtype=np.int64)  # +1: difference array
+    order = [raster(t, m_tiles, n_tiles) for t in range(m_tiles * n_tiles)]
+    assert sorted(order) == [(a, b) for a in range(m_tiles) for b in range(n_tiles)]
+    for m_t, n_t in order:
+        gi = scans[m_t]
+        if gi["g"] < 0:  # a tile past the groups: zero_rows at columns n0 and n0 + 128 of rows r0 .. r0 + 127
+            assert m_t >= gi["total_tiles"]
+            r0 = gi["total_rows"] + (m_t - gi["total_tiles"]) * 128
+            if zero_rest and r0 < m_total:
+                cover[r0, n_t] += 1
+                cover[min(r0 + 128, m_total), n_t] -= 1
+            continue
+        mrows = min(128, gi["rows"] - gi["tile"] * 128)
+        if mrows <= 0:  # a tile of a group clamped at M: nothing to do
+            continue
+        r0 = gi["row0"] + gi["tile"] * 128
+        assert gi["row0"] <= r0 and r0 + mrows <= gi["row0"] + gi["rows"] <= m_total
+        cover[r0, n_t] += 1
+        cover[r0 + mrows, n_t] -= 1
+    return np.cumsum(cover, axis=0)[:m_total]
+
+
 @pytest.mark.parametrize("name", list(ADDRESS_CASES))
-def test_addresses_in_bounds_and_rows_covered_once(name):
+def test_schedule_covers_every_row_once(name):
+    """At the benchmark's shapes and edge cases: every group row is computed by exactly one tile per column tile,
+    and the rows past the groups are zero-filled exactly once with zero_rest (never without): there are always
+    enough tiles past the groups for that."""
     sizes, m, k, n = ADDRESS_CASES[name]
     s = min(sum(max(v, 0) for v in sizes), m)
-    for kk, nn in ((k, n), (n, k)):  # fprop [M, K] x [G, N, K]; dgrad [M, N] x [G, K, N]
-        if kk % 32:
-            continue
+    for nn in (n, k):  # fprop [M, K] x [G, N, K] -> [M, N]; dgrad -> [M, K]
         for zero_rest in (False, True):
-            cover = addresses_2d3d(sizes, m, nn, kk, zero_rest)
+            cover = schedule_2d3d(sizes, m, nn, zero_rest)
             assert (cover[:s] == 1).all(), f"group rows written {cover[:s].min()}..{cover[:s].max()} times"
             assert (cover[s:] == (1 if zero_rest else 0)).all(), "rows past the groups"
-    addresses_wgrad(sizes, m, n, k)
 
 
-def test_address_check_catches_the_double_column_offset():
-    """Sanity check of the address-only run: the loader bug of the first device run (ck added to the row
-    pointers and again to the column) reads past the end of x on its last rows (and wrong columns elsewhere)."""
-    sizes, m, k, n = [100, 0, 156], 256, 64, 128
-    sizes_of = {
-        "a": m * k,
-        "a_sc": mxfp8.grouped_blocked_size(m, 3, k // 32),
-        "b": 3 * n * k,
-        "b_sc": 3 * mxfp8.blocked_size(n, k // 32),
-    }
-    c = cta_2d3d(scan_groups(sizes, 3, m, 1, 2), [0], n, k)  # the last row tile of x (rows 228..255)
-    _check_loads(load_2d3d(c, 0, k), sizes_of)
-    bad = {
-        name: (ok, buf, off + (c["ck"] if buf in ("a", "b") else 0), nb)
-        for name, (ok, buf, off, nb) in load_2d3d(c, 0, k).items()
-    }
-    with pytest.raises(IndexError):
-        _check_loads(bad, sizes_of)
+def test_raster_order_worked_example_and_bijection():
+    assert [raster(t, 5, 3, 2) for t in range(15)] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2),
+        (2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (3, 2),
+        (4, 0), (4, 1), (4, 2),
+    ]  # fmt: skip
+    assert [raster(t, 2, 3, 1) for t in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    for m_tiles in (1, 2, 7, 8, 9, 17, 40):
+        for n_tiles in (1, 3, 16):
+            for band in (1, 4, 8, 16):
+                got = [raster(t, m_tiles, n_tiles, band) for t in range(m_tiles * n_tiles)]
+                assert sorted(got) == [(a, b) for a in range(m_tiles) for b in range(n_tiles)]
+                if band > 1:  # inside a full band the row tile varies fastest
+                    assert got[: min(band, m_tiles)] == [(a, 0) for a in range(min(band, m_tiles))]
+
+
+def a_fragment_columns() -> dict[int, int]:
+    """The kernel's A fragments (a_frags of cvt16's words): logical k = 16 s + 8 h + 2 c + e of a 64-wide k-step
+    (register 4 s + 2 h, element e, lane % 4 == c: the wgmma k16 slice s, k 8 h + 2 c + e) holds the row's physical
+    column 16 c + 4 s + 2 h + e (cvt16 word 2 s + h of the thread's 16-byte chunk c)."""
+    cols = {}
+    for c in range(4):
+        for s in range(4):
+            for hh in range(2):
+                for e in range(2):
+                    cols[16 * s + 8 * hh + 2 * c + e] = 16 * c + 2 * (2 * s + hh) + e
+    return cols
+
+
+def test_k_permutation_matches_the_fragment_model():
+    """k_permutation (the order of the prepared weight's k columns) is the A fragments' logical -> physical map, so
+    A and B meet in the same k order: the MMA sums the same products as the plain product."""
+    perm = gemm_cuda.k_permutation().tolist()
+    cols = a_fragment_columns()
+    assert [cols[lg] for lg in range(64)] == perm
+    assert sorted(perm) == list(range(64))
+
+
+@pytest.mark.parametrize("k", [32, 96, 128])
+def test_prepare_weight_bf16_is_the_permuted_exact_dequantization(k):
+    """prepare_weight_bf16 == dequantize (exact in bf16) with each 64-block of k permuted, zero past K; the blocked
+    scales are read back through the same offsets as to_blocked (N = 136: two 128-row scale tiles)."""
+    torch.manual_seed(k)
+    w = torch.randn(3, 136, k) * torch.logspace(-4, 4, k)[torch.randperm(k)]
+    wq = mxfp8.quantize_torch(w, -1)
+    prep = gemm_cuda.prepare_weight_bf16(wq.data, mxfp8.to_blocked(wq.scale))
+    kp = -(-k // 64) * 64
+    assert prep.dtype == torch.bfloat16 and prep.shape == (3, 136, kp)
+    deq = mxfp8.dequantize_torch(wq, torch.float32)
+    assert torch.equal(deq.bfloat16().float(), deq)  # exact in bf16 (no value below 2^-133 here)
+    full = torch.zeros(3, 136, kp)
+    full[..., :k] = deq
+    perm = gemm_cuda.k_permutation()
+    for j in range(kp // 64):
+        for lg in range(64):
+            assert torch.equal(prep[..., 64 * j + lg].float(), full[..., 64 * j + int(perm[lg])])
+
+
+def test_float64_helpers_agree_with_the_spec():
+    """mm64 / wgrad64 (the GPU tests' float64 references) against the fp32 specification."""
+    torch.manual_seed(1)
+    sizes, n, k = [40, 0, 90], 64, 48
+    a, w = torch.randn(sum(sizes), k), torch.randn(len(sizes), n, k)
+    torch.testing.assert_close(mm64(a, w, sizes).float(), grouped_mm_torch(a, w, sizes), rtol=1e-4, atol=1e-4)
+    dy, x = torch.randn(sum(sizes), n), torch.randn(sum(sizes), k)
+    torch.testing.assert_close(wgrad64(dy, x, sizes).float(), grouped_wgrad_torch(dy, x, sizes), rtol=1e-4, atol=1e-4)

@@ -22,7 +22,7 @@ def test_weight_prep_kernel_matches_reference(g, n, k):
     payload of a 0xFF-scale block is the hardware's canonical NaN), on every e4m3 code, scales 0 / 254 / 0xFF,
     K % 64 == 32 (zero padding), N not a multiple of 128; with no host sync; into a given ``out`` too."""
     _skip_without_gpu()
-    from tests.test_gemm_emulation_wg5 import _awkward_weight, assert_same_bf16  # noqa: PLC0415
+    from tests.test_gemm_emulation_kernels import _awkward_weight, assert_same_bf16  # noqa: PLC0415
 
     w, ws = _awkward_weight(g, n, k, seed=k + n)
     ref = gemm_cuda.prepare_weight_bf16_torch(w, ws)
@@ -48,7 +48,7 @@ def test_colwise_prep_kernel_matches_reference(sizes):
     """kernels/weight_prep.cu mx_prepare_colwise_bf16 == prepare_colwise_bf16_torch on every row a group owns
     (its 64-row chunks, padding zeros included); NaN-scale blocks NaN in the same places; nothing past out."""
     _skip_without_gpu()
-    from tests.test_gemm_emulation_wg5 import assert_same_bf16  # noqa: PLC0415
+    from tests.test_gemm_emulation_kernels import assert_same_bf16  # noqa: PLC0415
 
     gen = torch.Generator(device="cuda").manual_seed(len(sizes) + sum(sizes))
     m, c = sum(sizes) + 7, 264
@@ -79,7 +79,7 @@ def test_colwise_prep_pair_kernel_matches_reference(sizes):
     """mx_prepare_colwise_bf16_pair (both wgrad operands in one launch, widths 264 and 1032: two 1024-column chunks)
     == prepare_colwise_bf16_torch of each, on every row a group owns; nothing written past either output."""
     _skip_without_gpu()
-    from tests.test_gemm_emulation_wg5 import assert_same_bf16  # noqa: PLC0415
+    from tests.test_gemm_emulation_kernels import assert_same_bf16  # noqa: PLC0415
 
     gen = torch.Generator(device="cuda").manual_seed(7 + sum(sizes))
     m, g = sum(sizes) + 7, len(sizes)

@@ -1,8 +1,10 @@
-"""MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/grouped_gemm.cu`` (DESIGN.md sections 3 and 5.3).
+"""MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/grouped_gemm.cu`` (fprop / dgrad) and
+``kernels/grouped_gemm_wgrad.cu`` (wgrad). Design: docs/design.md, section "Grouped GEMMs".
 
 The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``,
-``fake_quantize_grouped_cols``): the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16 except below
-2**-133) on bf16 tensor cores with fp32 accumulation, so results equal the reference up to fp32 summation order.
+``fake_quantize_grouped_cols``): the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is
+exact in bf16 except below 2**-133) on bf16 tensor cores with fp32 accumulation, so results equal the reference up
+to fp32 summation order.
 
 Operand formats (all tensors CUDA, contiguous, 16-byte aligned; ``G`` groups; ``group_sizes`` int32 [G] on the
 device, never read on the host; rows are NOT padded; a group's rows are contiguous and groups follow each other):
@@ -13,13 +15,17 @@ fprop  ``grouped_mm_fprop``: out[M, N] = X_g @ W[g]^T for the rows of each group
              (group g starts on 128-row scale tile ``sum_{h<g} ceil(n_h/128)``, computed on device)
     w        float8_e4m3fn [G, N, K] quantized along K
     w_scale  uint8 [G, blocked_size(N, K/32)]: ``mxfp8.to_blocked(scale [G, N, K/32])``
+    w_prepared  bf16 [G, N, ceil(K/64) * 64]: ``prepare_weight_bf16(w, w_scale)``, the weight as the kernel reads it
+             (exact bf16, k permuted inside each 64-block, ``k_permutation``); computed once per weight version
+             (``weight_operands`` with a ``WeightQuantCache``) and passed in; without it every call prepares it (one
+             memory-bound pass and a transient bf16 copy of the weight)
     out      bf16 (default) or fp32 [M, N]. Rows past sum(sizes) (the only rows outside every group: groups are
              contiguous from row 0) are zero-filled by the kernel when the wrapper allocates ``out`` (or when
              ``zero_rest=True``); a caller-given ``out`` keeps them untouched by default.
 dgrad  ``grouped_mm_dgrad``: the same kernel with the transposed weight copy: dX[M, K] = dY_g @ W[g]
     dy       float8_e4m3fn [M, N] row-wise (blocks along N), dy_scale as x_scale with N for K
     wt       float8_e4m3fn [G, K, N] = W^T per expert quantized along N (= quantize(W, axis=-2) transposed),
-    wt_scale uint8 [G, blocked_size(K, N/32)]
+    wt_scale uint8 [G, blocked_size(K, N/32)]; wt_prepared bf16 [G, K, ceil(N/64) * 64] as w_prepared
 wgrad  ``grouped_mm_wgrad``: dW[g] = dY_g^T @ X_g, [G, N, K], reduction over each group's rows
     dy       float8_e4m3fn [M, N] in dY's own layout, quantized COLUMN-wise in 32x1 blocks that restart at each
              group's first row (a group's last block may be short: zero padded), i.e. ``fake_quantize_grouped_cols``
@@ -29,43 +35,24 @@ wgrad  ``grouped_mm_wgrad``: dW[g] = dY_g^T @ X_g, [G, N, K], reduction over eac
     out      fp32 (default) or bf16 [G, N, K]; empty groups get zeros.
     (This layout keeps the producers' row-major data, needs no transpose and no alignment of group starts;
     the 16 scales of 16 consecutive columns are contiguous. ``colwise_operand_ref`` builds it.)
-    ``grouped_wgrad_prepared_out`` takes both operands already prepared instead (bf16 [64 (ceil(M/64) + G), N / K],
-    group g at row 64 sum_{h<g} ceil(n_h/64)), as ``mxfp8_cuda.quantize_grouped_dual(..., colwise="bf16")`` writes
-    them: the same GEMM without the per-call preparation pass.
+    Each call first dequantizes both operands exactly to bf16 (``prepare_colwise_bf16_pair``: bf16
+    [64 (ceil(M/64) + G), N / K], group g at row 64 sum_{h<g} ceil(n_h/64), zero rows up to its next multiple of 64;
+    the two copies live for the call). ``grouped_wgrad_prepared_out`` takes both operands already in that layout,
+    as ``mxfp8_cuda.quantize_grouped_dual(..., colwise="bf16")`` writes them: the same GEMM without the pass.
+
+Kernels. fprop and dgrad run one persistent, warp-specialized kernel (grid = min(tiles, SMs), 384 threads: a
+producer warp issues TMA loads into a ring of shared-memory stages, two consumer warpgroups dequantize the
+activation tile into wgmma register fragments and multiply it by the prepared bf16 weight; 128 x 256 output tiles).
+It has two builds, picked from the reduction length by :func:`ring_stages`: 4 ring stages with a TMA-store
+epilogue, or, for K >= 3072, 5 stages with the register epilogue (the shared output tile does not fit next to a
+fifth stage); both give the same results. wgrad runs a kernel of the same structure on the two prepared bf16
+operands (MN-major wgmma, 128 x 256 tiles of [N, K] per group, 4 ring stages, TMA-store epilogue in rounds).
 
 Shape rules: K (the reduction axis of fprop/dgrad) % 32 == 0; output columns % 8 == 0; wgrad N, K % 8 == 0.
 Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are clamped, never touched).
 Everything runs on torch's current stream with no host synchronization.
 
-Environment: ``MOE_EP_GEMM_IMPL`` selects the kernel family of fprop/dgrad (H200 TFLOP/s ratios to torch bf16
-``_grouped_mm`` in benchmarks/NOTES.md):
-  ``wgmma3`` (``kernels/grouped_gemm_wg3.cu``): 128x256 tiles; the raw MXFP8 operands arrive by TMA in a
-      4-stage ring (tensor maps from the driver's ``cuTensorMapEncodeTiled``); A is dequantized straight into
-      wgmma register fragments (k permuted inside each 64-block, ``k_permutation``), B into a bf16 shared ring
-      read by wgmma.m64n256k16. 0.50-0.58x.
-  ``wgmma4`` (``kernels/grouped_gemm_wg4.cu``): A as wgmma3; the weight is exact bf16 prepared once per
-      weight version (``weight_operands`` with a ``WeightQuantCache``, or ``prepare_weight_bf16``; pass it as
-      ``w_prepared`` / ``wt_prepared``; without it every call prepares it: one memory-bound pass and a
-      transient bf16 copy of the weight) and TMA-loaded with the 128-byte swizzle: no conversion of B.
-      0.94-1.14x in the last benchmark.
-  ``wgmma5`` (default; ``kernels/grouped_gemm_wg5.cu``): wgmma4's math in a warp-specialized persistent kernel (a
-      producer warp loads ahead across tiles into a 4-stage mbarrier ring, 2 consumer warpgroups issuing their MMAs
-      in turn, TMA-store epilogue). Same prepared weight. With a long reduction (K >= 3072) it runs a second build
-      with a 5-stage ring and the register epilogue instead (the TMA epilogue's staging tile does not fit next to
-      a fifth stage): ``w5_stages``, ``MOE_EP_GEMM_STAGES``. 1.01-1.17x in the last benchmark (llama4 1.01 / 1.04;
-      single launches alternated with torch: 0.99 / 1.00; benchmarks/NOTES.md, "a fifth stage"), ahead of wgmma4
-      at every variant.
-  ``wgmma2`` (``grouped_gemm_wg2.cu``): wgmma3's math with per-thread global loads one step ahead. 0.44-0.52x.
-  ``wgmma`` (``grouped_gemm_wgmma.cu``): 128x128 tiles, both operands dequantized into 128B-swizzled shared
-      tiles read by wgmma.m64n128k16, 3 stages. 0.45-0.53x.
-  ``mma`` (``grouped_gemm.cu``): ldmatrix + mma.sync bf16, 128x128x64 tiles, 2 CTAs/SM. 0.33-0.41x.
-``MOE_EP_WGRAD_IMPL`` selects the wgrad kernel: ``wgmma`` (default; ``kernels/grouped_gemm_wgrad.cu``: both
-operands dequantized to bf16 by one pass per call, ``prepare_colwise_bf16``, then TMA + wgmma with MN-major
-operands, persistent and warp-specialized as wgmma5; the two bf16 copies, 2 (64 ceil(M/64) + 64 G) (N + K) bytes,
-live for the call) or ``mma`` (the design-1 kernel). Unknown values raise
-ValueError.
-
-The operand side lives in ``moe_ep/gemm_operands.py`` and is re-exported here: the bf16 preparation of weights
+The operand side lives in ``moe_ep/experts/operands.py`` and is re-exported here: the bf16 preparation of weights
 (``prepare_weight_bf16``, ``weight_operands``) and of wgrad activations (``prepare_colwise_bf16``), and the
 ``*_ref`` pure-PyTorch converters from plain tensors to these formats (tests, benchmarks; host group sizes).
 """
@@ -73,13 +60,12 @@ The operand side lives in ``moe_ep/gemm_operands.py`` and is re-exported here: t
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import torch
 
 from .. import mxfp8
-from .operands import (  # the operand side, re-exported: gemm_cuda.<name> is the public spelling
+from .operands import (  # the operand side, re-exported: gemm.<name> is the public spelling
     WeightOperands,
     _cdiv,
     _check_dtype,
@@ -102,17 +88,13 @@ from .operands import (  # the operand side, re-exported: gemm_cuda.<name> is th
     weight_t_operand_ref,
 )
 
-__all__ = [  # this module's API, with the operand side re-exported from gemm_operands
-    "DEFAULT_IMPL",
-    "IMPLS",
-    "WGRAD_IMPLS",
+__all__ = [  # this module's API, with the operand side re-exported from operands
     "WeightOperands",
     "colwise_dequantize_ref",
     "colwise_operand_ref",
     "colwise_prep_rows",
     "colwise_prep_rows_used",
     "colwise_scale_rows",
-    "gemm_impl",
     "grouped_mm_2d3d_out",
     "grouped_mm_dgrad",
     "grouped_mm_fprop",
@@ -126,87 +108,33 @@ __all__ = [  # this module's API, with the operand side re-exported from gemm_op
     "prepare_colwise_bf16_torch",
     "prepare_weight_bf16",
     "prepare_weight_bf16_torch",
+    "ring_stages",
     "rowwise_operand_ref",
     "weight_operand_ref",
     "weight_operands",
     "weight_t_operand_ref",
-    "wgrad_impl",
 ]
 
-IMPLS = ("mma", "wgmma", "wgmma2", "wgmma3", "wgmma4", "wgmma5")
-_KERNEL_FILE = "grouped_gemm.cu"
-_WGMMA_FILE = "grouped_gemm_wgmma.cu"
-_WGMMA2_FILE = "grouped_gemm_wg2.cu"
-_WGMMA3_FILE = "grouped_gemm_wg3.cu"
-_WGMMA4_FILE = "grouped_gemm_wg4.cu"
-_WGMMA5_FILE = "grouped_gemm_wg5.cu"
+_GEMM_FILE = "grouped_gemm.cu"
 _WGRAD_FILE = "grouped_gemm_wgrad.cu"
-WGRAD_IMPLS = ("wgmma", "mma")
+_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (kernels/gemm_wgmma.cuh WS_THREADS)
+_BM, _BN = 128, 256  # output tile of both kernels (fprop / dgrad: rows x columns; wgrad: rows of N x columns of K)
+_GEMM_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, grouped_gemm.cu GG_SMEM_BYTES
+# the long-reduction build: 5 ring stages, no shared output tile (register epilogue)
+_DEEP_OPTIONS = ("-DGG_STAGES=5", "-DGG_REG_EPI")
+_DEEP_SMEM_BYTES = 207872  # 5 x 40960 + 0 + 5 x 512 + 80 + 9 x 48
+_DEEP_K = 3072  # reductions from this length on run the deep build
 _WGRAD_SMEM_BYTES = 229872  # 4 x 49152 + 32768 + 64 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
-_WGRAD_SMEM_BYTES_3 = 213472  # -DWR_STAGES=3: 3 x 49152 + 65536 + 48 + 9 x 48
-_THREADS = 256
-_TILE = 128
-_SMEM_BYTES = 73728  # 2 stages x (A + B) x 18432 B, kernels/grouped_gemm.cu GM_SMEM_BYTES
-_WGMMA_SMEM_BYTES = 99328  # 3 stages x (A + B) x 16384 B + 1024 (alignment), grouped_gemm_wgmma.cu WG_SMEM_BYTES
-_WGMMA2_SMEM_BYTES = 99328  # 3 stages x B 32768 B + 1024 (alignment), grouped_gemm_wg2.cu W2_SMEM_BYTES
-_WGMMA2_BN = 256  # output columns per CTA of the wgmma2 / wgmma3 kernels (128 rows)
-_WGMMA3_SMEM_BYTES = 203776  # bf16 ring 3 x 32768 + raw ring 4 x 26112 + 1024, grouped_gemm_wg3.cu W3_SMEM_BYTES
-_WGMMA4_SMEM_BYTES = 168960  # 4 x (32768 + 8192 + 512 -> 41984) + 1024, grouped_gemm_wg4.cu W4_SMEM_BYTES
-_WGMMA5_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, grouped_gemm_wg5.cu W5_SMEM_BYTES
-# the long-reduction build of wgmma5: 5 ring stages, no shared output tile (register epilogue)
-_WGMMA5_DEEP_OPTIONS = ("-DW5_STAGES=5", "-DW5_REG_EPI")
-_WGMMA5_DEEP_SMEM_BYTES = 207872  # 5 x 40960 + 0 + 5 x 512 + 80 + 9 x 48
-# Measured (benchmarks/NOTES.md, "wgmma5: a fifth stage for long reductions"; per-launch A/B, time saved by the
-# deep build): at M = 32768, N = 4096, G = 32, K = 2048 -1.1 %, 3072 +1.2 %, 4096 +1.4 %, 5120 +2.5 %; at
-# 32768 x 1536 x 2048 x 16 (K = 1536) -3.6 %.
-_W5_DEEP_K = 3072
-_WGMMA5_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (grouped_gemm_wg5.cu W5_THREADS)
-_PREPARED_IMPLS = ("wgmma4", "wgmma5")  # the kernels that read the weight as prepare_weight_bf16's output
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-DEFAULT_IMPL = "wgmma5"
+def ring_stages(k: int) -> int:
+    """Ring stages of the fprop / dgrad kernel build for a reduction of ``k``: 5 (register epilogue) when
+    k >= 3072, else 4 (TMA-store epilogue). Same results either way (the same k-steps in the same order).
 
-
-def gemm_impl() -> str:
-    """The kernel family selected by ``MOE_EP_GEMM_IMPL`` (default ``wgmma5``: the weight as exact bf16, prepared
-    once per weight version by :func:`weight_operands` / :func:`prepare_weight_bf16`, or on every call when the
-    caller passes none; ``wgmma3`` is the fastest that reads MXFP8 weights as they are)."""
-    impl = os.environ.get("MOE_EP_GEMM_IMPL", DEFAULT_IMPL).strip().lower() or DEFAULT_IMPL
-    if impl not in IMPLS:
-        raise ValueError(f"MOE_EP_GEMM_IMPL={impl!r} is not one of {IMPLS}")
-    return impl
-
-
-def w5_stages(k: int) -> int:
-    """Ring stages of the wgmma5 build for a reduction of ``k``: ``MOE_EP_GEMM_STAGES`` = ``auto`` (default: 5 when
-    k >= 3072, else 4), ``4`` (TMA-store epilogue) or ``5`` (register epilogue). Same results either way (the same
-    k-steps in the same order)."""
-    v = os.environ.get("MOE_EP_GEMM_STAGES", "auto").strip().lower() or "auto"
-    if v not in ("auto", "4", "5"):
-        raise ValueError(f"MOE_EP_GEMM_STAGES={v!r} must be auto, 4 or 5")
-    if v != "auto":
-        return int(v)
-    return 5 if k >= _W5_DEEP_K else 4
-
-
-def wgrad_stages() -> int:
-    """Ring stages of the wgmma wgrad kernel: ``MOE_EP_WGRAD_STAGES`` = 4 (default: 16 KiB of output staging per
-    warpgroup, the epilogue in rounds) or 3 (32 KiB, half the rounds). Same results either way. Measured: 4 took
-    0-8 % less time at 7 of 8 shape / output-dtype pairs (benchmarks/NOTES.md, "wgrad: a fourth stage")."""
-    v = os.environ.get("MOE_EP_WGRAD_STAGES", "4").strip() or "4"
-    if v not in ("3", "4"):
-        raise ValueError(f"MOE_EP_WGRAD_STAGES={v!r} must be 3 or 4")
-    return int(v)
-
-
-def wgrad_impl() -> str:
-    """The wgrad kernel selected by ``MOE_EP_WGRAD_IMPL``: ``wgmma`` (default; operands dequantized to bf16 by one
-    pass per call, then TMA + wgmma) or ``mma`` (dequantized inside the kernel, mma.sync)."""
-    impl = os.environ.get("MOE_EP_WGRAD_IMPL", "wgmma").strip().lower() or "wgmma"
-    if impl not in WGRAD_IMPLS:
-        raise ValueError(f"MOE_EP_WGRAD_IMPL={impl!r} is not one of {WGRAD_IMPLS}")
-    return impl
+    Example: ring_stages(2048) == 4, ring_stages(7168) == 5.
+    """
+    return 5 if k >= _DEEP_K else 4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -236,31 +164,29 @@ def _check_common(a, a_scale, b, b_scale, group_sizes, out) -> None:
 
 def _launch(
     kernel: str,
+    kernel_file: str,
     grid: int,
-    a,
-    a_scale,
-    b,
-    b_scale,
-    group_sizes,
-    out,
+    smem: int,
+    tensors: tuple,
     g: int,
     m: int,
     n: int,
     k: int,
-    zero_rest: bool = False,
-    kernel_file: str = _KERNEL_FILE,
-    smem: int = _SMEM_BYTES,
-    extra: tuple = (),
-    threads: int = _THREADS,
+    zero_rest: bool,
+    maps: tuple,
     options: tuple[str, ...] = (),
-):
+) -> None:
+    """Launch ``kernel`` of ``kernels/<kernel_file>`` (built with ``options``) on ``grid`` CTAs of ``_THREADS``
+    threads: GM_ARGS from ``tensors`` = (a, a_scale, b, b_scale, group_sizes, out) and the sizes, then the tensor
+    maps ``maps``. Nothing happens when grid <= 0."""
     if grid <= 0:
         return
     from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
+    out = tensors[5]
     fn = _cuda.get_function(kernel_file, kernel, extra_options=options, device=out.device.index)
-    args = _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest) + tuple(extra)
-    _cuda.launch(fn, grid, threads, args, shared_mem=smem, device=out.device)
+    args = _kernel_args(*tensors, g, m, n, k, zero_rest) + tuple(maps)
+    _cuda.launch(fn, grid, _THREADS, args, shared_mem=smem, device=out.device)
 
 
 def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int, zero_rest: bool) -> tuple:
@@ -271,7 +197,7 @@ def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: in
     return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))
 
 
-# CUtensorMap for the wgmma3 kernel: 128 opaque bytes, encoded by the driver and passed by value to a
+# CUtensorMap of the kernels' operands and outputs: 128 opaque bytes, encoded by the driver and passed by value to a
 # ``const __grid_constant__`` struct parameter (a numpy structured scalar; CuPy passes its bytes).
 _TMA_MAP = np.dtype([("bytes", np.uint8, (128,))])
 _libcuda = None
@@ -327,10 +253,9 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     b: e4m3 [G, N, K]; b_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32 [G] (device);
     out: bf16/fp32 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
     ``zero_rest`` (by the kernel, no extra pass), else left untouched. Returns ``out``.
-    b_prepared: ``wgmma4`` / ``wgmma5`` only: ``prepare_weight_bf16(b, b_scale)`` computed once per weight
+    b_prepared: bf16 [G, N, ceil(K/64) * 64] = ``prepare_weight_bf16(b, b_scale)`` computed once per weight
     version; without it the launcher prepares it on every call (one memory-bound pass over the weight).
     """
-    impl = gemm_impl()
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"expected a [M, K] and b [G, N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -357,52 +282,30 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
         )
     if tuple(out.shape) != (m, n):
         raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
-    bn = _WGMMA2_BN if impl in ("wgmma2", "wgmma3", *_PREPARED_IMPLS) else _TILE
-    grid = (_cdiv(m, _TILE) + g) * _cdiv(n, bn) if g else 0
-    if grid == 0 and zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
-        out.zero_()
-    suffix = _OUT_SUFFIX[out.dtype]
-    extra = ()
-    threads = _THREADS
-    options: tuple[str, ...] = ()
-    if impl in _PREPARED_IMPLS:
-        if impl == "wgmma5":  # persistent: one CTA per SM walks the tiles (host-side property, cached by torch)
-            kernel, kfile, smem = f"mx_gmm_wg5_2d3d_{suffix}", _WGMMA5_FILE, _WGMMA5_SMEM_BYTES
-            deep = w5_stages(k) == 5
-            if deep:
-                options, smem = _WGMMA5_DEEP_OPTIONS, _WGMMA5_DEEP_SMEM_BYTES
-            threads = _WGMMA5_THREADS
-            grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)
-        else:
-            kernel, kfile, smem = f"mx_gmm_wg4_2d3d_{suffix}", _WGMMA4_FILE, _WGMMA4_SMEM_BYTES
-        if grid > 0:
-            kp = _cdiv(k, 64) * 64
-            if b_prepared is None:
-                b_prepared = prepare_weight_bf16(b, b_scale)
-            _check_dtype("b_prepared", b_prepared, (torch.bfloat16,))
-            _check_memory("b_prepared", b_prepared, out.device)
-            if tuple(b_prepared.shape) != (g, n, kp):
-                raise ValueError(f"b_prepared must be [{g}, {n}, {kp}] bf16, got {tuple(b_prepared.shape)}")
-            extra = (
-                _tma_map_2d(a, m, k, 128, 64),
-                _tma_map_2d(b_prepared, g * n, kp, 256, 64, elem_bytes=2, swizzle128=True),
-            )
-            if impl == "wgmma5":  # the output for the TMA-store epilogue (bf16: boxes of 64 x 64, 128-byte swizzle)
-                # fp32 outputs and the 5-stage build store from registers: the parameter is then a placeholder
-                tma_out = out.dtype == torch.bfloat16 and not deep
-                extra += (_tma_map_2d(out, m, n, 64, 64, 2, True) if tma_out else extra[0],)
-    elif impl == "wgmma3":
-        kernel, kfile, smem = f"mx_gmm_wg3_2d3d_{suffix}", _WGMMA3_FILE, _WGMMA3_SMEM_BYTES
-        if grid > 0:  # A [M, K] in boxes of 128 rows x 64 bytes, B [G * N, K] in boxes of 256 rows x 64 bytes
-            extra = (_tma_map_2d(a, m, k, 128, 64), _tma_map_2d(b, g * n, k, 256, 64))
-    elif impl == "wgmma2":
-        kernel, kfile, smem = f"mx_gmm_wg2_2d3d_{suffix}", _WGMMA2_FILE, _WGMMA2_SMEM_BYTES
-    elif impl == "wgmma":
-        kernel, kfile, smem = f"mx_gmm_wg_2d3d_{suffix}", _WGMMA_FILE, _WGMMA_SMEM_BYTES
-    else:
-        kernel, kfile, smem = f"mx_gmm_2d3d_{suffix}", _KERNEL_FILE, _SMEM_BYTES
-    args = (a, a_scale, b, b_scale, group_sizes, out, g, m, n, k, zero_rest)
-    _launch(kernel, grid, *args, kfile, smem, extra, threads, options)
+    grid = (_cdiv(m, _BM) + g) * _cdiv(n, _BN) if g else 0
+    if grid == 0:
+        if zero_rest:  # G == 0: no CTA to zero-fill with (all M rows are past the groups)
+            out.zero_()
+        return out
+    kp = _cdiv(k, 64) * 64
+    if b_prepared is None:
+        b_prepared = prepare_weight_bf16(b, b_scale)
+    _check_dtype("b_prepared", b_prepared, (torch.bfloat16,))
+    _check_memory("b_prepared", b_prepared, out.device)
+    if tuple(b_prepared.shape) != (g, n, kp):
+        raise ValueError(f"b_prepared must be [{g}, {n}, {kp}] bf16, got {tuple(b_prepared.shape)}")
+    deep = ring_stages(k) == 5
+    options, smem = (_DEEP_OPTIONS, _DEEP_SMEM_BYTES) if deep else ((), _GEMM_SMEM_BYTES)
+    # A [M, K] e4m3 in boxes of 128 rows x 64 bytes; the prepared B [G N, Kp] bf16 in boxes of 256 rows x 64
+    # columns with the 128-byte swizzle; the bf16 output [M, N] in boxes of 64 x 64 with the 128-byte swizzle for the
+    # TMA-store epilogue (fp32 outputs and the deep build store from registers: the map is then a placeholder)
+    a_map = _tma_map_2d(a, m, k, 128, 64)
+    b_map = _tma_map_2d(b_prepared, g * n, kp, 256, 64, elem_bytes=2, swizzle128=True)
+    o_map = _tma_map_2d(out, m, n, 64, 64, 2, True) if out.dtype == torch.bfloat16 and not deep else a_map
+    grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)  # persistent CTAs
+    kernel = f"mx_gmm_2d3d_{_OUT_SUFFIX[out.dtype]}"
+    tensors = (a, a_scale, b, b_scale, group_sizes, out)
+    _launch(kernel, _GEMM_FILE, grid, smem, tensors, g, m, n, k, zero_rest, (a_map, b_map, o_map), options)
     return out
 
 
@@ -411,8 +314,10 @@ def grouped_mm_fprop(
 ):
     """Forward grouped GEMM: x e4m3 [M, K] (+ grouped blocked scales) x w e4m3 [G, N, K] -> [M, N] out_dtype.
 
-    Without ``out``, every row of the result is defined: rows past sum(group_sizes) are zero (written by the
-    kernel). A given ``out`` keeps those rows as they were.
+    x_scale: u8 [>= (ceil(M/128)+G) * ceil(K/128) * 512]; w_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32
+    [G] (device); w_prepared: bf16 [G, N, ceil(K/64) * 64] (``prepare_weight_bf16``; prepared per call when None);
+    out: bf16/fp32 [M, N]. Without ``out``, every row of the result is defined: rows past sum(group_sizes) are zero
+    (written by the kernel). A given ``out`` keeps those rows as they were.
     """
     alloc = out is None
     if alloc:
@@ -424,6 +329,10 @@ def grouped_mm_dgrad(
     dy, dy_scale, wt, wt_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None, wt_prepared=None
 ):
     """Input-gradient grouped GEMM: dy e4m3 [M, N] x wt e4m3 [G, K, N] (W^T, quantized along N) -> [M, K].
+
+    dy_scale: u8 [>= (ceil(M/128)+G) * ceil(N/128) * 512]; wt_scale: u8 [G, blocked_size(K, N/32)]; group_sizes:
+    int32 [G] (device); wt_prepared: bf16 [G, K, ceil(N/64) * 64] (prepared per call when None); out: bf16/fp32
+    [M, K].
 
     Rows past sum(group_sizes) as in :func:`grouped_mm_fprop` (zero without ``out``, untouched with it).
     """
@@ -440,8 +349,6 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
     a_scale: u8 [>= ceil(M/32)+G, N]; b_scale: u8 [>= ceil(M/32)+G, K]; group_sizes int32 [G] (device);
     out: fp32/bf16 [G, N, K] (every element written; zeros for empty groups). Returns ``out``.
     """
-    gemm_impl()
-    impl = wgrad_impl()
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(f"expected a [M, N] and b [M, K], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -456,11 +363,6 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
             raise ValueError(f"{name} must be [>= ceil(M/32) + G = {rows}, {cols}], got {tuple(s.shape)}")
     if tuple(out.shape) != (g, n, k):
         raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
-    if impl == "mma":
-        suffix = _OUT_SUFFIX[out.dtype]
-        grid = g * _cdiv(n, _TILE) * _cdiv(k, _TILE)
-        _launch(f"mx_gmm_wgrad_{suffix}", grid, a, a_scale, b, b_scale, group_sizes, out, g, m, n, k)
-        return out
     if not (g and n and k):
         return out
     ap, bp = prepare_colwise_bf16_pair(a, a_scale, b, b_scale, group_sizes)  # [64 (ceil(M/64) + G), N / K] bf16
@@ -469,42 +371,24 @@ def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
 
 
 def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
-    """The wgmma wgrad kernel on prepared operands, checked by the callers: ap bf16 [R, N], bp bf16 [R, K] with
+    """The wgrad kernel on prepared operands, checked by the callers: ap bf16 [R, N], bp bf16 [R, K] with
     R = 64 (ceil(M/64) + G), group_sizes int32 [G], out fp32/bf16 [G, N, K]; m = M."""
     g, n, k = out.shape
-    tiles = g * _cdiv(n, _TILE) * _cdiv(k, _WGMMA2_BN)
+    tiles = g * _cdiv(n, _BM) * _cdiv(k, _BN)
     if tiles == 0:
         return
     rp = ap.shape[0]
     eo = out.element_size()  # the output as [G N, K] in boxes of 64 rows x 128 bytes for the TMA-store epilogue
-    extra = (
+    maps = (
         _tma_map_2d(ap, rp, n, 64, 64, 2, True),
         _tma_map_2d(bp, rp, k, 64, 64, 2, True),
         _tma_map_2d(out, g * n, k, 64, 128 // eo, eo, True),
     )
     grid = min(tiles, torch.cuda.get_device_properties(out.device).multi_processor_count)
-    three = wgrad_stages() == 3
     # GM_ARGS' operand pointers are unused by this kernel (it reads the tensor maps); ap / bp stand in for them.
-    _launch(
-        f"mx_gmm_wgrad_wg_{_OUT_SUFFIX[out.dtype]}",
-        grid,
-        ap,
-        ap,
-        bp,
-        bp,
-        group_sizes,
-        out,
-        g,
-        m,
-        n,
-        k,
-        False,
-        _WGRAD_FILE,
-        _WGRAD_SMEM_BYTES_3 if three else _WGRAD_SMEM_BYTES,
-        extra,
-        _WGMMA5_THREADS,
-        ("-DWR_STAGES=3",) if three else (),
-    )
+    tensors = (ap, ap, bp, bp, group_sizes, out)
+    kernel = f"mx_gmm_wgrad_{_OUT_SUFFIX[out.dtype]}"
+    _launch(kernel, _WGRAD_FILE, grid, _WGRAD_SMEM_BYTES, tensors, g, m, n, k, False, maps)
 
 
 def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out_dtype=torch.float32):
@@ -538,10 +422,9 @@ def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):
     the data rows the groups cover (a host int known without a sync: the quantizer's input rows);
     out: fp32/bf16 [G, N, K], every element written (zeros for empty groups). Returns ``out``. The sizes must sum
     to at most num_rows (not checked: that would need a host sync); a num_rows that is wrong but gives the same
-    row count passes the shape check, and the kernel then clamps the groups to it. MOE_EP_WGRAD_IMPL does not apply:
-    this is the only kernel that reads prepared operands.
-    Why: :func:`grouped_wgrad_out` prepares both operands on every call (one memory-bound pass, ~2 bytes more
-    traffic per element than writing the prepared layout in the quantizer, plus a launch).
+    row count passes the shape check, and the kernel then clamps the groups to it.
+    Why: :func:`grouped_wgrad_out` prepares both operands on every call (one memory-bound pass and a launch, which
+    the quantizer saves by writing the prepared layout itself).
     """
     for name, t, dts in (
         ("a_prep", a_prep, (torch.bfloat16,)),
@@ -570,7 +453,12 @@ def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):
 
 
 def grouped_mm_wgrad(dy, dy_scale, x, x_scale, group_sizes, out_dtype: torch.dtype = torch.float32, out=None):
-    """Weight-gradient grouped GEMM: dW[g] = dY_g^T @ X_g -> [G, N, K] out_dtype (fp32 by default)."""
+    """Weight-gradient grouped GEMM: dW[g] = dY_g^T @ X_g -> [G, N, K] out_dtype (fp32 by default).
+
+    dy: e4m3 [M, N], x: e4m3 [M, K], both quantized column-wise per group (``colwise_operand_ref``); dy_scale: u8
+    [>= ceil(M/32)+G, N]; x_scale: u8 [>= ceil(M/32)+G, K]; group_sizes: int32 [G] (device); out: fp32/bf16
+    [G, N, K] (allocated when None). See :func:`grouped_wgrad_out`.
+    """
     if out is None:
         out = torch.empty(group_sizes.numel(), dy.shape[1], x.shape[1], dtype=out_dtype, device=dy.device)
     return grouped_wgrad_out(dy, dy_scale, x, x_scale, group_sizes, out)

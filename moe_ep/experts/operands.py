@@ -1,9 +1,9 @@
-"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 operands the wgmma
+"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 operands the
 kernels read (weights once per version, wgrad activations per call), the weight-operand bundle with its cache, and
 the pure-PyTorch converters from plain tensors to the kernels' formats (tests, benchmarks).
 
-The formats themselves are documented in ``moe_ep/gemm_cuda.py``; every public name here is also reachable as
-``gemm_cuda.<name>``.
+The formats themselves are documented in ``moe_ep/experts/gemm.py``; every public name here is also reachable as
+``moe_ep.experts.gemm.<name>``.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def colwise_scale_rows(m: int, num_groups: int) -> int:
 
 
 def k_permutation(device=None) -> torch.Tensor:
-    """int64 [64]: for the wgmma2/3/4 kernels' logical k position l = 16 s + 8 h + 2 c + e of a 64-wide k block, the
-    physical column 16 c + 4 s + 2 h + e it holds (s: k16 slice, h: fragment half, c: lane % 4, e: pair element).
+    """int64 [64]: for the fprop / dgrad kernel's logical k position l = 16 s + 8 h + 2 c + e of a 64-wide k block,
+    the physical column 16 c + 4 s + 2 h + e it holds (s: k16 slice, h: fragment half, c: lane % 4, e: pair element;
+    ``kernels/grouped_gemm.cu``).
 
     Example: k_permutation()[:4] = [0, 1, 16, 17] (lane c = 1 holds physical columns 16, 17 at logical 2, 3).
     """
@@ -90,7 +91,7 @@ def prepare_weight_bf16_torch(w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 
 def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight operand of the ``wgmma4`` / ``wgmma5`` kernels: the exact bf16 dequantization of an MXFP8 weight,
+    """The weight operand of the fprop / dgrad kernel: the exact bf16 dequantization of an MXFP8 weight,
     each 64-wide k block in the kernels' permuted order (:func:`k_permutation`), K padded with zeros to a multiple
     of 64.
 
@@ -98,7 +99,7 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     -> bf16 [G, N, ceil(K/64) * 64] (into ``out`` when given). CUDA tensors: one memory-bound kernel
     (``kernels/weight_prep.cu``), no host sync; others: :func:`prepare_weight_bf16_torch` (the same bytes). Meant
     to run once per weight version and be cached with the quantized weight (e4m3 * 2^(s-127) is exact in bf16
-    down to 2^-133, like the in-kernel conversion of the other kernels, so the GEMM products are the same).
+    down to 2^-133, like the kernel's in-register conversion of the activations, so the GEMM products are exact).
     """
     if w.device.type != "cuda":
         ref = prepare_weight_bf16_torch(w, w_scale)
@@ -273,7 +274,7 @@ def _weight_operands(w: torch.Tensor) -> WeightOperands:
 
 
 def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:
-    """Quantize an expert weight for fprop and dgrad and prepare both bf16 operands of the ``wgmma4`` kernels.
+    """Quantize an expert weight for fprop and dgrad and prepare both bf16 operands of the fprop / dgrad kernel.
 
     w: bf16/fp32 [G, N, K] (N, K multiples of 32), any device (CUDA: quantization and preparation kernels, no host
     sync). With ``cache`` (a ``moe_ep.experts.weight_cache.WeightQuantCache``) the result is computed once per weight

@@ -1,18 +1,18 @@
-"""CPU models of the index logic new in ``kernels/grouped_gemm_wg5.cu`` and ``kernels/weight_prep.cu``.
+"""CPU models of the index logic of ``kernels/grouped_gemm.cu``, ``kernels/grouped_gemm_wgrad.cu``,
+``kernels/gemm_wgmma.cuh`` (the epilogues) and ``kernels/weight_prep.cu``.
 
-* ``quad_transpose4`` (kernels/grouped_gemm.cu): the two xor-shuffle rounds, lane by lane.
-* ``w5_epilogue_bf16``: which (row, column) pair every 16-byte store of a warp carries.
+* ``quad_transpose4`` (kernels/gemm_common.cuh): the two xor-shuffle rounds, lane by lane.
+* ``epilogue_bf16`` / ``epilogue_bf16_tma``: which (row, column) pair every store of a warp carries.
 * ``mx_prepare_weight_bf16``: the whole kernel (thread -> chunk mapping, blocked scale offset, the exact conversion
   of ``gemm_emu.cvt_words_1s``, the quad transpose, the store offsets) against ``prepare_weight_bf16_torch``,
   byte for byte, on awkward weights (K % 64 == 32, N not a multiple of 128, scales 0 / 254 / 0xFF, e4m3
   subnormals).
-The GPU tests (tests/test_gemm_cuda.py) run the real kernels against the same references.
+* the launchers' shared-memory sizes and the choice of the fprop / dgrad build (``ring_stages``).
+The GPU tests (tests/test_gemm_cuda.py, tests/test_gemm_prep_cuda.py) run the real kernels against the same
+references.
 """
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +21,6 @@ import torch
 from moe_ep import mxfp8
 from moe_ep.experts import gemm as gemm_cuda
 from tests.gemm_emu import cvt_words_1s, scan_groups
-
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 
 
 def shfl_xor(vals: list, mask: int) -> list:
@@ -62,24 +60,7 @@ def test_quad_transpose4_transposes():
             assert t[c][i] == (i, c), (c, i, t[c][i])
 
 
-def test_quad_transpose4_model_matches_the_source():
-    """The model's selects are the kernel's (a changed lane predicate or shuffle distance in the source fails)."""
-    src = (KERNELS / "grouped_gemm.cu").read_text()
-    body = src[src.index("void quad_transpose4") :]
-    body = body[: body.index("\n}\n")]
-    norm = re.sub(r"\s+", " ", body)
-    for frag in (
-        "unsigned s0 = odd ? w[0] : w[1], s1 = odd ? w[2] : w[3];",
-        "__shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);",
-        "if (odd) { w[0] = r0; w[2] = r1; } else { w[1] = r0; w[3] = r1; }",
-        "s0 = hi ? w[0] : w[2]; s1 = hi ? w[1] : w[3];",
-        "r0 = __shfl_xor_sync(0xffffffffu, s0, 2); r1 = __shfl_xor_sync(0xffffffffu, s1, 2);",
-        "if (hi) { w[0] = r0; w[1] = r1; } else { w[2] = r0; w[3] = r1; }",
-    ):
-        assert frag in norm, frag
-
-
-def test_w5_epilogue_stores_cover_each_tile_element_once():
+def test_epilogue_bf16_stores_cover_each_tile_element_once():
     """Accumulator 4 j + 2 h + e of lane (q, l) is tile row 16 q + l / 4 + 8 h, column 8 j + 2 (l % 4) + e (the
     wgmma m64n256 layout); after the epilogue's per-(h, m) quad transpose, lane c's 16-byte store at column
     32 m + 8 c holds columns 32 m + 8 c .. + 7 of its row in order."""
@@ -181,45 +162,25 @@ def test_weight_prep_rejects_bad_inputs():
         gemm_cuda.prepare_weight_bf16(w, ws[..., :-1])
 
 
-def test_w5_constants_match_the_launcher():
-    src = (KERNELS / "grouped_gemm_wg5.cu").read_text()
-
-    def define(name: str) -> int:  # the last definition: the default after an experiment's #ifdef branch
-        return int(re.findall(rf"#define {name} (\d+)", src)[-1])
-
-    stages, stage_bytes, epi = define("W5_STAGES"), define("W5_STAGE_BYTES"), define("W5_EPI_BYTES")
-    assert stage_bytes == 256 * 128 + 128 * 64 and stage_bytes % 1024 == 0  # B bf16 + A raw, SW128-aligned
-    assert epi == 2 * 4 * 64 * 128  # 2 warpgroups x 4 chunks of 64 rows x 128 B
-    expect = stages * stage_bytes + epi + 512 * stages + 16 * stages + 9 * 48
-    assert gemm_cuda._WGMMA5_SMEM_BYTES == expect
-    assert gemm_cuda._WGMMA5_THREADS == define("W5_THREADS")
-    assert gemm_cuda._WGMMA5_SMEM_BYTES <= 232448  # all of it dynamic; an H100/H200 CTA may have 227 KiB
-    # the long-reduction build: 5 stages, the register epilogue (no shared output tile)
-    assert gemm_cuda._WGMMA5_DEEP_OPTIONS == ("-DW5_STAGES=5", "-DW5_REG_EPI")
-    assert "#ifndef W5_STAGES" in src and re.search(r"#ifdef W5_REG_EPI[^\n]*\n#define W5_EPI_BYTES 0\n", src)
-    assert gemm_cuda._WGMMA5_DEEP_SMEM_BYTES == 5 * stage_bytes + 0 + 512 * 5 + 16 * 5 + 9 * 48 <= 232448
-    for suffix in gemm_cuda._OUT_SUFFIX.values():
-        assert f"mx_gmm_wg5_2d3d_{suffix}(W5_ARGS)" in src
+def test_launcher_shared_memory_sizes():
+    """The launchers' dynamic shared memory per CTA: ring stages of [B bf16 256 x 128 B | A raw 128 x 64 B] (fprop /
+    dgrad) or [A 2 x 64 x 128 B | B 4 x 64 x 128 B] (wgrad), the output staging, one 512-byte A scale tile per stage
+    (fprop / dgrad), two 8-byte mbarriers per stage and one 48-byte GroupInfo per warp (12 warps, the 9 first used);
+    all within the 232448 bytes an H100/H200 CTA may have."""
+    stage = 256 * 128 + 128 * 64
+    assert stage % 1024 == 0  # every stage 1024-aligned (the 128-byte swizzle)
+    tile = 2 * 4 * 64 * 128  # bf16 output staging: 2 warpgroups x 4 boxes of 64 rows x 128 B
+    assert gemm_cuda._GEMM_SMEM_BYTES == 4 * stage + tile + 512 * 4 + 16 * 4 + 9 * 48 <= 232448
+    assert gemm_cuda._DEEP_SMEM_BYTES == 5 * stage + 0 + 512 * 5 + 16 * 5 + 9 * 48 <= 232448  # register epilogue
+    assert gemm_cuda._DEEP_OPTIONS == ("-DGG_STAGES=5", "-DGG_REG_EPI")
+    wstage = 2 * 64 * 128 + 4 * 64 * 128
+    assert gemm_cuda._WGRAD_SMEM_BYTES == 4 * wstage + 2 * 16384 + 16 * 4 + 9 * 48 <= 232448
+    assert gemm_cuda._THREADS == 384
 
 
-def test_w5_stages_rule_and_switch(monkeypatch):
-    """The deep build from K = 3072 under auto; MOE_EP_GEMM_STAGES forces 4 or 5."""
-    monkeypatch.delenv("MOE_EP_GEMM_STAGES", raising=False)
-    assert [gemm_cuda.w5_stages(k) for k in (32, 2048, 3040, 3072, 3104, 7168)] == [4, 4, 4, 5, 5, 5]
-    monkeypatch.setenv("MOE_EP_GEMM_STAGES", "4")
-    assert gemm_cuda.w5_stages(8192) == 4
-    monkeypatch.setenv("MOE_EP_GEMM_STAGES", "5")
-    assert gemm_cuda.w5_stages(32) == 5
-    monkeypatch.setenv("MOE_EP_GEMM_STAGES", "6")
-    with pytest.raises(ValueError, match="MOE_EP_GEMM_STAGES"):
-        gemm_cuda.w5_stages(64)
-    monkeypatch.delenv("MOE_EP_WGRAD_STAGES", raising=False)
-    assert gemm_cuda.wgrad_stages() == 4
-    monkeypatch.setenv("MOE_EP_WGRAD_STAGES", "3")
-    assert gemm_cuda.wgrad_stages() == 3
-    monkeypatch.setenv("MOE_EP_WGRAD_STAGES", "5")
-    with pytest.raises(ValueError, match="MOE_EP_WGRAD_STAGES"):
-        gemm_cuda.wgrad_stages()
+def test_ring_stages_rule():
+    """The 5-stage build (register epilogue) from K = 3072 on, the 4-stage one (TMA-store epilogue) below."""
+    assert [gemm_cuda.ring_stages(k) for k in (32, 2048, 3040, 3072, 3104, 7168)] == [4, 4, 4, 5, 5, 5]
 
 
 # ------------------------------------------------------------------------- wgrad: prepared operands, k-steps
@@ -286,12 +247,9 @@ def test_block_group_scan_matches_direct_indexing(seed):
 
 @pytest.mark.parametrize("rows", [0, 1, 63, 64, 65, 128, 130])
 def test_wgrad_ksteps_match_the_prepared_layout(rows):
-    """grouped_gemm_wgrad.cu reduces a group over ceil(rows / 64) full k-steps of 64 prepared rows starting at row
-    64 poff_g (read from its source); the prepared layout (prepare_colwise_bf16_torch) must put exactly those rows
-    there: the group's rows, then zeros up to the next group, which starts right after the last k-step."""
-    src = (KERNELS / "grouped_gemm_wgrad.cu").read_text()
-    assert "ksteps = (int)(((unsigned)gi->rows + 63u) >> 6);" in src and "prow0 = 64 * gi->poff;" in src
-    assert "for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss_mn" in src  # 4 k16 slices in every step
+    """The wgrad kernel reduces a group over ceil(rows / 64) full k-steps of 64 prepared rows (4 k16 slices each)
+    starting at row 64 poff_g; the prepared layout (prepare_colwise_bf16_torch) must put exactly those rows there:
+    the group's rows, then zeros up to the next group, which starts right after the last k-step."""
     ksteps = (rows + 63) // 64
     sizes = [rows, 5]
     x = torch.randn(rows + 5, 8) + 3.0  # no zeros in the data: a zero row can only be padding
@@ -303,28 +261,11 @@ def test_wgrad_ksteps_match_the_prepared_layout(rows):
     assert torch.equal(prep[64 * ksteps : 64 * ksteps + 5].float(), deq[rows:])  # the next group's first row
 
 
-def test_wgrad_constants_match_the_launcher():
-    src = (KERNELS / "grouped_gemm_wgrad.cu").read_text()
-
-    def define(name: str) -> int:
-        return int(re.findall(rf"#define {name} (\d+)", src)[-1])
-
-    stages, stage = define("WR_STAGES"), define("WR_STAGE_BYTES")
-    assert define("WR_A_BYTES") == 2 * 64 * 128 and stage == define("WR_A_BYTES") + 4 * 64 * 128
-    assert "#define WR_EPI (WR_STAGES * WR_STAGE_BYTES)" in src  # then 2 x WR_REGION of output staging
-    assert "#define WR_REGION (WR_STAGES >= 4 ? 16384 : 32768)" in src
-    assert "#define WR_BAR (WR_EPI + 2 * WR_REGION)" in src
-    assert stages == 4 and gemm_cuda._WGRAD_SMEM_BYTES == stages * stage + 32768 + 16 * stages + 9 * 48 <= 232448
-    assert gemm_cuda._WGRAD_SMEM_BYTES_3 == 3 * stage + 65536 + 16 * 3 + 9 * 48 <= 232448  # MOE_EP_WGRAD_STAGES=3
-    for suffix in gemm_cuda._OUT_SUFFIX.values():
-        assert f"mx_gmm_wgrad_wg_{suffix}(WR_ARGS)" in src
-
-
-def test_w5_tma_epilogue_direct_stores_are_the_box_layout_and_conflict_free():
-    """w5_epilogue_tma (direct version): accumulator pair (h, j) of lane (q, l) goes to chunk j / 8, row r, 16-byte
-    unit (j % 8) ^ (r % 8), byte 4 c. Reading the region back as 4 TMA boxes of 64 rows x 128 B with the 128-byte
-    swizzle (unit u of row r at (u ^ (r % 8)) * 16) must give every (row, column pair) exactly once, and each
-    warp store instruction (fixed h, j) must hit 32 different banks."""
+def test_tma_epilogue_stores_are_the_box_layout_and_conflict_free():
+    """epilogue_bf16_tma (one round of 4 boxes): accumulator pair (h, j) of lane (q, l) goes to chunk j / 8, row r,
+    16-byte unit (j % 8) ^ (r % 8), byte 4 c. Reading the region back as 4 TMA boxes of 64 rows x 128 B with the
+    128-byte swizzle (unit u of row r at (u ^ (r % 8)) * 16) must give every (row, column pair) exactly once, and
+    each warp store instruction (fixed h, j) must hit 32 different banks."""
     region = {}
     for q in range(4):
         for h in range(2):
@@ -345,17 +286,11 @@ def test_w5_tma_epilogue_direct_stores_are_the_box_layout_and_conflict_free():
     assert len(region) == 64 * 128  # 64 rows x 128 bf16 pairs
 
 
-def test_w5_scale_offset_and_kstep_bound_match_their_definitions():
-    """w5_convert_a's per-thread constants: T.sa + 2 (s % 2) is the blocked-tile offset of row ar0's scale byte for
-    the 32-block of k = 64 s + 16 c ((ar0 % 32) 16 + (ar0 / 32) 4 + (k / 32) % 4), and s < T.slim holds exactly when
-    that k is inside K (the kernel reads the scale byte only then). Checked against the source's expressions."""
-    from moe_ep import _cuda
-
-    src = _cuda.read_source("grouped_gemm_wg5.cu")
-    assert "T.sa = (unsigned)((ar0 & 31) * 16 + (ar0 >> 5) * 4 + (c >> 1));" in src
-    assert "T.slim = (K - 16 * c + 63) / 64;" in src
-    assert "const unsigned sc = a_sc + T.sa + 2u * ((unsigned)s & 1u);" in src
-    assert "const bool kv = s < T.slim;" in src
+def test_scale_offset_and_kstep_bound_match_their_definitions():
+    """gg_convert_a's per-thread constants (kernels/grouped_gemm.cu): T.sa = (ar0 & 31) 16 + (ar0 >> 5) 4 + c / 2,
+    plus 2 (s % 2), is the blocked-tile offset of row ar0's scale byte for the 32-block of k = 64 s + 16 c
+    ((ar0 % 32) 16 + (ar0 / 32) 4 + (k / 32) % 4), and s < T.slim = (K - 16 c + 63) / 64 holds exactly when that k
+    is inside K (the kernel reads the scale byte only then)."""
     for ar0 in range(128):
         for c in range(4):
             sa = (ar0 & 31) * 16 + (ar0 >> 5) * 4 + (c >> 1)
