@@ -1,4 +1,4 @@
-"""CPU model of the full/empty mbarrier ring of the warp-specialized kernels (grouped_gemm_wg5.cu, _wgrad.cu).
+"""CPU model of the full/empty mbarrier ring of the warp-specialized kernels (grouped_gemm.cu, grouped_gemm_wgrad.cu).
 
 The producer warp and the 8 consumer warps are replayed as coroutines under a random scheduler, with the PTX
 mbarrier semantics (a phase completes when its expected arrivals have arrived and its transaction bytes have
