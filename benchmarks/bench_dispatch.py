@@ -115,7 +115,7 @@ def _quantizer(kind: str):
     if kind == "cuda":
         from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
 
-        return lambda x: mxfp8_cuda.quantize_rowwise(x, "plain"), "mxfp8_cuda.quantize_rowwise"
+        return lambda x: (lambda t: (t.data, t.scale))(mxfp8_cuda.quantize(x, x.dim() - 1)), "mxfp8_cuda.quantize"
 
     def q(x):
         t = mxfp8.quantize_torch(x)

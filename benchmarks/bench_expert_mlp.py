@@ -10,22 +10,19 @@ Per shape (M expert-sorted rows of hidden H, E experts of FFN width F; random un
           hence prepares, again for the backward).
   bf16    the same step in bf16 with ``torch._grouped_mm`` (6 GEMMs; the wgrads take dY^T as a transposed view, no
           copy), SwiGLU forward/backward compiled with ``torch.compile`` (one fused elementwise kernel each).
-It first checks ours against the reference recipe (``moe_ep.experts.reference.expert_mlp_fwd/bwd``, quantize=True): the gap
-must be at most 1/10 of the recipe's own error against quantize=False (tests/test_expert_mlp_cuda.py explains the
+It first checks ours against the reference recipe (``moe_ep.experts.reference.expert_mlp_fwd/bwd``,
+quantize=True): the gap must be at most 1/10 of the recipe's own error against quantize=False (tests/test_expert_mlp_cuda.py explains the
 bound). Then it times with CUDA events (median of --reps per round, --rounds rounds in bench_gemm.round_order) and
 reports ms, tokens/s (M / step time), TFLOP/s (:func:`flops`), % of the H100/H200 dense bf16 peak (989 TFLOP/s)
-and the ratio bf16 / ours per round (median; > 1: ours faster). ``--ab-quant`` also times our step with
-MOE_EP_QUANT_DUAL=smem (all four quantization passes on mx_quant's shared-memory kernels) in the same rounds, and
-reports that time over the default's. Exits 1 when a shape's check fails.
+and the ratio bf16 / ours per round (median; > 1: ours faster). Exits 1 when a shape's check fails.
 
-Usage: python benchmarks/bench_expert_mlp.py [--shapes dsv3,small] [--rounds 3] [--reps 10] [--ab-quant] [--json PATH]
+Usage: python benchmarks/bench_expert_mlp.py [--shapes dsv3,small] [--rounds 3] [--reps 10] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -35,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm import env_restored, interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
+from bench_gemm import interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep.experts import reference as gemm  # noqa: E402
 from moe_ep.experts.cuda import expert_mlp_cuda_bwd, expert_mlp_cuda_fwd  # noqa: E402
@@ -56,7 +53,7 @@ def flops(m: int, h: int, f: int) -> float:
     return 18.0 * m * h * f
 
 
-def run_shape(name: str, rounds: int, reps: int, ab_quant: bool = False) -> dict:
+def run_shape(name: str, rounds: int, reps: int) -> dict:
     m, h, f, e = SHAPES[name]
     sizes = uneven_sizes(m, e, seed=sum(map(ord, name)))
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
@@ -113,14 +110,7 @@ def run_shape(name: str, rounds: int, reps: int, ab_quant: bool = False) -> dict
     def ours_fwd():
         expert_mlp_cuda_fwd(x, w13, w2, sz, cache)
 
-    def ours_step_smem():  # the environment is read at each launch
-        with env_restored("MOE_EP_QUANT_DUAL"):
-            os.environ["MOE_EP_QUANT_DUAL"] = "smem"
-            ours_step()
-
     fns = {"mxfp8_step": ours_step, "bf16_step": bf16_step, "mxfp8_fwd": ours_fwd, "bf16_fwd": bf16_fwd}
-    if ab_quant:
-        fns["mxfp8_step_quant_smem"] = ours_step_smem
     errors: dict = {}
     times = interleaved_ms(fns, rounds, 2, reps, errors)
     row["errors"] = errors
@@ -130,8 +120,6 @@ def run_shape(name: str, rounds: int, reps: int, ab_quant: bool = False) -> dict
         row["step_ratio_bf16_over_mxfp8"] = paired_ratio(times["bf16_step"], times["mxfp8_step"])
     if times["mxfp8_fwd"] and times["bf16_fwd"]:
         row["fwd_ratio_bf16_over_mxfp8"] = paired_ratio(times["bf16_fwd"], times["mxfp8_fwd"])
-    if times.get("mxfp8_step_quant_smem") and times["mxfp8_step"]:
-        row["step_ratio_quant_smem_over_default"] = paired_ratio(times["mxfp8_step_quant_smem"], times["mxfp8_step"])
     fl = flops(m, h, f)
     for k in ("mxfp8_step", "bf16_step"):
         if k in row["ms"]:
@@ -154,7 +142,6 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--ab-quant", action="store_true", help="also time the step with MOE_EP_QUANT_DUAL=smem")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from moe_ep.provenance import code_version  # noqa: PLC0415
@@ -169,7 +156,7 @@ def main() -> None:
         "shapes": {},
     }
     for name in args.shapes.split(","):
-        res["shapes"][name] = run_shape(name, args.rounds, args.reps, args.ab_quant)
+        res["shapes"][name] = run_shape(name, args.rounds, args.reps)
         torch.cuda.empty_cache()
     nan = float("nan")
     head = f"{'shape':8s} {'mxfp8 ms':>9s} {'bf16 ms':>9s} {'ratio':>6s} {'fwd':>6s} {'%peak':>6s} {'wprep ms':>8s}"
@@ -182,8 +169,6 @@ def main() -> None:
             f"{r.get('mxfp8_step_pct_peak', nan):6.1f} {r['weight_prep_ms']:8.3f} "
             f"{r.get('step_with_weight_prep_ratio', nan):11.3f} {r.get('step_with_weight_prep_twice_ratio', nan):8.3f}"
         )
-        if "step_ratio_quant_smem_over_default" in r:
-            print(f"{'':8s} step with MOE_EP_QUANT_DUAL=smem / default: {r['step_ratio_quant_smem_over_default']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     if not all(r["correct"] for r in res["shapes"].values()):

@@ -1,4 +1,5 @@
-// MXFP8 block math shared by the kernels (DESIGN.md section 3 is the contract, moe_ep/mxfp8.py the spec).
+// MXFP8 block math shared by the kernels (docs/design.md, "MXFP8 format" is the contract,
+// moe_ep/mxfp8/reference.py the spec).
 //
 // Everything here is __host__ __device__ and header-only so that it also compiles as plain C++ (g++) for the
 // CPU bit-exactness tests in tests/test_quant_hostmath.py. No host headers under NVRTC.
@@ -95,8 +96,8 @@ MX_HD int mx_block_exp_div(float amax) { return mx_ceil_log2(mx_div448(amax)); }
 
 // Block exponent E from the largest |v| of a finite block (amax >= 0). Scale byte = E + 127.
 // Equal to mx_block_exp_div for every finite amax, with integer operations only (the IEEE division with its
-// slow-path branch and the exponent extraction were ~20 of the ~100 SASS instructions per 16-byte chunk of the
-// row quantizer, which ncu showed issue-bound). Why it is exact: 448 = 1.75 * 2**8, and
+// slow-path branch and the exponent extraction were a large share of the issue-bound row quantizer's
+// instructions: docs/performance.md). Why it is exact: 448 = 1.75 * 2**8, and
 // fl(amax / 448) <= 2**E holds exactly when amax <= 448 * 2**E as long as the quotient is a normal number (the
 // next float above 448 * 2**E is 2**(E-15) away, i.e. its quotient is more than half an ulp of 2**E above it).
 // The smallest such E is then (biased exponent of amax) - 135, plus 1 when the mantissa exceeds 1.75 (0x600000):
@@ -121,7 +122,7 @@ MX_HD unsigned mx_bf16_block_t(unsigned k) {
 }
 
 // Software float -> e4m3 (RNE, saturating to +-448, subnormals, signed zero). Input must not be NaN.
-// Used on the host for the CPU tests, and on the device when MX_SOFT_CVT is defined.
+// Used on the host (the CPU tests and the kernel emulator); the device uses the hardware conversion.
 MX_HD unsigned mx_f32_to_e4m3_soft(float q) {
     unsigned bits = mx_f2u(q);
     unsigned sign = (bits >> 24) & 0x80u;
@@ -158,10 +159,10 @@ MX_HD float mx_e4m3_to_f32_soft(unsigned b) {
 // The hardware conversion needs no clamp: .satfinite maps every finite value and +-Inf beyond 448 to +-448,
 // which is what the clamp did (the quantizers' scaled values never exceed 448 anyway, since 448 * 2**E >= amax).
 // Only NaN differs (clamp: -448, satfinite: NaN), and every caller overwrites NaN/Inf blocks with 0x7F bytes.
-// Dropping the two min/max per value removed 16 of those ~100 instructions per chunk. The software conversion
+// Dropping the two min/max per value saves instructions of the issue-bound quantizers. The software conversion
 // keeps the clamp: it requires a NaN-free input within +-448.
 MX_HD unsigned mx_cvt2_e4m3(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && !defined(MX_SOFT_CVT)
+#if defined(__CUDA_ARCH__)
     unsigned short r;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return (unsigned)r;

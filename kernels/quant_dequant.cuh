@@ -1,5 +1,5 @@
 // mx_dequant of kernels/quantize.cu (included there after NTHREADS and the e4m3 helpers are defined): the inverse
-// of the row-wise / column-wise quantizers, moe_ep/mxfp8.py dequantize_torch is its specification.
+// of the row-wise / column-wise quantizers, moe_ep/mxfp8/reference.py dequantize_torch is its specification.
 #pragma once
 
 // Dequantization. q: [M, K] e4m3 bytes; rowwise (COLW=0) s: [M, K/32]; columnwise (COLW=1) s: [M/32, K].

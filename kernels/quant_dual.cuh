@@ -1,18 +1,15 @@
 // Register-tiled dual quantizer of kernels/quantize.cu: bf16 x [M, K] -> row-wise MXFP8 with per-group blocked
 // scales (RS_GROUPED) and the per-group column-wise operand in x's own [M, K] layout (CS_GNT, or CS_GPREP's
-// prepared bf16 values), from one read. Same arguments, tile order, group table and bytes as
-// mx_quant<IN_BF16, RS_GROUPED, CS>; included by quantize.cu after mx_quant.
+// prepared bf16 values), from one read. Same arguments, tile order and group table as mx_quant's grouped modes
+// (the bytes of moe_ep.experts.reference.quantize_grouped_dual_torch); included by quantize.cu after mx_quant.
 //
-// Why a second kernel: mx_quant's column modes go through the tile staged in shared memory twice (phase 2: 32 word
-// loads per thread for the column amax; phase 3: the tile again, with the multipliers and NaN masks read back per
-// element): about 1350 SASS instructions per thread and tile, ncu's issue rate near its limit, and 62-79 % of copy,
-// while a probe moving the same bytes (two row-major output streams) reaches 88-95 % (benchmarks/NOTES.md, passes 5-6).
-// Here nothing is transposed: a thread holds an 8 x 8 block of the 128 x 128 tile (8 rows of one 16-byte chunk), so a
+// Why not mx_quant's column modes: they go through the tile staged in shared memory twice (phase 2: 32 word loads
+// per thread for the column amax; phase 3: the tile again, with the multipliers and NaN masks read back per
+// element), and that kernel was issue-bound (docs/performance.md, "Quantizer pipes, ..."). Here nothing is
+// transposed: a thread holds an 8 x 8 block of the 128 x 128 tile (8 rows of one 16-byte chunk), so a
 // 1x32 row block is spread over the 4 lanes lane ^ {1, 2} and a 32x1 column block over the 4 lanes lane ^ {8, 16} of
 // the same warp. Both amaxes are two shuffles, each element is read once from shared memory and widened once for both
-// outputs, and the stages need no CTA barrier (each thread reads back only the cp.async copies it issued itself, as in
-// pipe 3). Where it stands (82-91 % of copy at the benchmark shapes, where the same access pattern with no
-// arithmetic reaches 91-97 %): benchmarks/NOTES.md, "Register-tiled grouped dual" and passes 7-8.
+// outputs, and the stages need no CTA barrier (each thread reads back only the cp.async copies it issued itself).
 //
 // Thread layout: warp w covers tile rows 32 (w & 3) .. + 32 (one 32-row column block) and columns
 // 64 (w >> 2) .. + 64; lane = 8 rg + cc covers rows 32 (w & 3) + 8 rg + i (i < 8) and columns 64 (w >> 2) + 8 cc
@@ -20,7 +17,7 @@
 // processed), laid out [8][NTHREADS] x 16 bytes, so the 16-byte loads of one warp touch consecutive addresses.
 // The row scales go through a 512-byte shared tile (two, alternating per tile) and one CTA barrier per tile:
 // every 16-byte word of the cuBLAS tile holds bytes of all four 32-row blocks, i.e. of four warps (stored from
-// the lanes as 2-byte pieces instead, they cost 1-9 points of copy bandwidth: benchmarks/NOTES.md).
+// the lanes as 2-byte pieces instead, they were slower: docs/performance.md).
 #pragma once
 
 #define MXD_STAGE_BYTES (8 * NTHREADS * 16)
@@ -93,8 +90,7 @@ __device__ __forceinline__ void mxd_row_scales_to_smem(unsigned char* st, const 
 // tile past the last group) has no element to quantize (the caller skips its arithmetic; warp-uniform, so the
 // shuffles stay whole-warp). What it still owes: zero row-scale bytes (the caller's) and, for CS_GPREP, the zero
 // rows that pad the group to its 64-row block, at output columns oc .. oc + 7. Such warps are common where groups
-// are small against 128 rows: bench_quant's 32 random groups of 16384 rows give 16 zero and 32 partial row tiles
-// of 160 (benchmarks/NOTES.md, pass 8).
+// are small against 128 rows: 32 random groups of 16384 rows give 16 zero and 32 partial row tiles of 160.
 template <int CS>
 __device__ __forceinline__ void mxd_idle_warp(unsigned char* __restrict__ cq, long long bs, int K, int oc, bool cok,
                                               int nrows, int tr0, int mb) {
@@ -114,7 +110,7 @@ struct MxdCoord {
 
 // The tiles T = first + j * step (j = 0, 1, ...) of an n_row_tiles x ctiles grid (column tile fastest), in
 // increasing order: the row tile, the column tile and the group advance incrementally (no division and no binary
-// search per tile; ~130 of the ~1000 instructions per thread and tile).
+// search per tile).
 template <int BR>
 struct MxdCursor {
     const int* tstart;
@@ -187,15 +183,14 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     mx_quant_dual(MX_QUANT_PARAMS) {
     static_assert(IN == IN_BF16, "the register-tiled dual quantizer reads bf16");
     static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in x's layout");
-    static_assert(S >= 2 && S <= 6, "cp.async stages of 32 KB");
+    static_assert(S >= 2 && S <= 4, "cp.async stages of 32 KB (moe_ep/mxfp8/plan.py dual_plan)");
     constexpr int BR = CS == CS_GPREP ? 64 : 32;  // rows per unit of the table's third prefix sum
     (void)group_rows;
     (void)x2;
     MX_DYN_SMEM(smem);
     // S cp.async stages, two 512-byte row-scale tiles, then the group table (16 (G + 1) bytes). The stages come
     // first so that they start on 128 bytes: after the table (528 bytes at G = 32) each warp's 512-byte cp.async
-    // spanned five 128-byte rows of shared memory, and L2 served every line of x twice (ncu: 1.67x the read
-    // sectors and requests, half of them hits; benchmarks/NOTES.md, pass 7, "The dual kernels read x twice").
+    // spanned five 128-byte rows of shared memory, and L2 served every line of x twice (docs/performance.md).
     unsigned char* stage0 = smem;
     unsigned char* stile0 = stage0 + S * MXD_STAGE_BYTES;  // [2][512] row-scale tiles
     long long* g_rstart = reinterpret_cast<long long*>(stile0 + 2 * 512);

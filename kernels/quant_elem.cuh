@@ -46,7 +46,7 @@ __device__ __forceinline__ uint4 swiglu4(uint2 g, uint2 u) {
     return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
-// swiglu_bwd (moe_ep.gemm.swiglu_bwd), op by op as torch evaluates it on CUDA, each result rounded to fp32:
+// swiglu_bwd (moe_ep.experts.reference), op by op as torch evaluates it on CUDA, each result rounded to fp32:
 //   sig = 1 / (1 + expf(-g));  dg = (dh * u) * (sig * (1 + g * (1 - sig)));  du = dh * (g * sig).
 __device__ __forceinline__ float mx_sigmoid(float g) {
     return mx_div(1.0f, mx_add(1.0f, expf(-g)));

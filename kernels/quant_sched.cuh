@@ -1,5 +1,5 @@
 // Tile scheduling helpers of kernels/quantize.cu: the per-CTA group table (device-side scan of the group sizes,
-// no host sync), the tile -> group lookup, and the cp.async primitives of the shared-memory double buffer.
+// no host sync), the tile -> group lookup, and the cp.async primitives of the shared-memory stages.
 // Included by quantize.cu only (after TILE and NTHREADS are defined).
 #pragma once
 
@@ -101,13 +101,11 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
     grouped_tile<BR>(tstart, rstart, bstart, G, lo, T, row0, nrows, bs);
 }
 
-// MX_PIPE 3: persistent grid; each tile's 32 KB arrive by cp.async in a shared-memory double buffer (the next
-// tile's copies are in flight while the current one is processed). Bytes in flight then cost no registers: the
-// same-traffic probe (kernels/bench_probe.cu, 8 CTAs/SM) reaches 94-95 % of copy where the register-staged
-// kernel (4 CTAs/SM, 64 registers) stays near 85 %. In row-only modes each thread reads back only the 16-byte
-// slots it copied itself, so the stage needs no CTA barrier (cp.async.wait_group orders a thread's own copies).
-// Modes with a column output read other threads' slots in phase 2 and rely on quantize.cu's __syncthreads after
-// phase 1, and on the one at the end of each tile before the stage is refilled: neither can go.
+// cp.async stages (mx_quant's pipes 4 and 5, mx_quant_dual, mx_swiglu_dual): a tile's bytes arrive in shared
+// memory, so bytes in flight cost no registers (docs/performance.md, "Quantization"). In row-only modes
+// each thread reads back only the 16-byte slots it copied itself, so the stage needs no CTA barrier
+// (cp.async.wait_group orders a thread's own copies). mx_quant's modes with a column output read other threads'
+// slots in phase 2 and rely on quantize.cu's __syncthreads after phase 1.
 #define MX_STAGE_BYTES (TILE * TILE * 2)
 
 __device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {

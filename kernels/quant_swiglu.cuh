@@ -1,19 +1,20 @@
 // Register-tiled SwiGLU quantizers of kernels/quantize.cu: the forward h = silu(gate) * up and the backward
-// dA = swiglu_bwd(a, dh) of moe_ep.gemm, each computed in fp32 exactly as mx_quant's IN_SWIGLU / IN_SWIGLU_BWD16
-// (quant_elem.cuh) and quantized both ways in one pass: row-wise MXFP8 with per-group blocked scales
+// dA = swiglu_bwd(a, dh) of moe_ep.experts.reference, each computed in fp32 exactly as mx_quant's IN_SWIGLU /
+// IN_SWIGLU_BWD16 (quant_elem.cuh) and quantized both ways in one pass: row-wise MXFP8 with per-group blocked scales
 // (RS_GROUPED) and the per-group column-wise operand in the output's [M, K] layout (CS_GNT, or CS_GPREP's
 // prepared bf16 values). Same arguments, group table and bytes as mx_quant<IN_SWIGLU | IN_SWIGLU_BWD16,
-// RS_GROUPED, CS>; included by quantize.cu after quant_dual.cuh.
+// RS_GROUPED, CS>, which runs where this kernel does not fit (moe_ep/mxfp8/plan.py swiglu_plan); included by
+// quantize.cu after quant_dual.cuh.
 //
 // Why a second kernel: mx_quant stages SwiGLU's fp32 results in shared memory (64 KB a tile, one tile per CTA at
 // a time, no prefetch) and transposes them there for the column blocks, and its backward tiles are dA's: the gate
 // half and the up half of a row are separate tiles, so sigmoid(g) (an expf and an IEEE divide) is evaluated twice
-// per element and g and dh are read twice. It ran at 35-42 % (forward) and 29-37 % (backward) of copy bandwidth
-// on H200 (benchmarks/NOTES.md). Here the thread layout is mx_quant_dual's (a thread holds an 8 x 8 block of a
-// 128 x 128 tile of h; 1x32 row blocks reduce over lanes ^1/^2, 32x1 column blocks over lanes ^8/^16; no
-// transpose), the fp32 values stay in registers, the bf16 inputs arrive by cp.async S - 1 tiles ahead, and a
-// backward tile is one 128 x 128 tile of h: the thread computes sigmoid(g) once and both dA values (gate column
-// c and up column F + c) from one read of g, u and dh, then quantizes the gate and the up tile of dA.
+// per element and g and dh are read twice (its speed: docs/performance.md). Here the thread layout is
+// mx_quant_dual's (a thread holds an 8 x 8 block of a 128 x 128 tile of h; 1x32 row blocks reduce over lanes
+// ^1/^2, 32x1 column blocks over lanes ^8/^16; no transpose), the fp32 values stay in registers, the bf16 inputs
+// arrive by cp.async S - 1 tiles ahead, and a backward tile is one 128 x 128 tile of h: the thread computes
+// sigmoid(g) once and both dA values (gate column c and up column F + c) from one read of g, u and dh, then
+// quantizes the gate and the up tile of dA.
 //
 // Stage layout: NS streams of [8][NTHREADS] x 16 bytes (gate, up, and in the backward dh), so the 16-byte loads
 // of a warp touch consecutive addresses and each thread reads back only the copies it issued itself (no barrier
@@ -51,8 +52,8 @@ __device__ __forceinline__ float swd_sigmoid(float g) { return swd_div(1.0f, mx_
 
 // Where swd_div stands for div.rn, on bf16 |g| bits a (16-bit halves of a word, as the kernel sees them): a <= 69.0
 // (0x428A; d = 1 + expf(-g) <= 2**100, so the reciprocal stays normal), and in the forward, which divides g itself,
-// also g zero or |g| >= 2**-100 (0x0D80). The lower bound is a margin, not a measured need: a GPU check during the
-// review found the quotient exact for every |g| <= 80, subnormals included. NaN and Inf are outside both. State per
+// also g zero or |g| >= 2**-100 (0x0D80). The lower bound is a margin, not a need: the quotient is exact for every
+// |g| <= 80 on the GPU, subnormals included. NaN and Inf are outside both. State per
 // thread, over 2 bf16 per word: amax = max a, cmin = min of ((a | 0x8000) - 1) ^ 0x8000 per half (0xFFFF for a = 0,
 // a - 1 otherwise: "a in [1, 0x0D7F]" is cmin < 0x0D7F).
 struct SwdDomain {

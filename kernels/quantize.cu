@@ -1,29 +1,26 @@
-// MXFP8 quantization / dequantization kernels (DESIGN.md section 3; moe_ep/mxfp8.py is the specification).
+// MXFP8 quantization / dequantization kernels (docs/design.md, "MXFP8 format" and "Quantization kernels";
+// moe_ep/mxfp8/reference.py is the specification).
 //
-// A CTA (256 threads) processes 128 x 128 tiles of the input x [M, K] (rows x columns): one per CTA, or one at a
-// time on a persistent grid with the next tile's loads in flight (MX_PIPE below; pipe 5: 64 x 128 tiles of 128
-// threads). Per tile:
-//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipes 3-5: by cp.async
-//            into shared memory); the TPB = 32/VEC lanes
-//            that hold one 1x32 block reduce its amax with shuffles and write the row-wise e4m3 bytes; the row
-//            scales go straight to global memory (plain) or form one 128x4 cuBLAS tile (blocked layouts: the
-//            128 rows x 4 scale columns of this tile, padding included): gathered in registers by lane shuffles
-//            in row-only modes (so they need no CTA barrier at all), in a 512-byte smem tile otherwise.
-//            Column-wise modes also stage the raw chunk in smem (XOR-swizzled, conflict-free both ways).
+// A CTA processes one 128 x 128 tile of the input x [M, K] (rows x columns; pipe 5: a 64 x 128 tile, see QuantCfg).
+// Per tile:
+//   phase 1  every thread loads 8 x 16-byte chunks (coalesced, all issued before use; pipes 4 and 5: by cp.async
+//            into a shared-memory stage); the TPB = 32/VEC lanes that hold one 1x32 block reduce its amax with
+//            shuffles and write the row-wise e4m3 bytes; the row scales go straight to global memory (plain) or
+//            into a 512-byte smem tile (the blocked layouts: the 128 rows x 4 scale columns of this tile, padding
+//            included). Column-wise modes also stage the raw chunk in smem (XOR-swizzled, conflict-free both ways).
 //   phase 2  (column-wise) a thread owns one 32-bit word column (2 bf16 / 1 fp32 columns) of one 32-row
-//            block: it reduces and quantizes the 32x1 block and stores 32 e4m3 bytes of the TRANSPOSED output
-//            xt [K, M] (4 lanes write 128 contiguous bytes of a row of xt). Column scales: plain [K, M/32]
-//            or one blocked tile (K rows x M/32 columns: 128 x 4 per CTA again).
+//            block: it reduces the 32x1 block. CS_BLOCKED quantizes it and stores 32 e4m3 bytes of the TRANSPOSED
+//            output xt [K, M] (4 lanes write 128 contiguous bytes of a row of xt) and one blocked scale tile (K rows
+//            x M/32 columns: 128 x 4 per CTA again); the other column modes keep the block's multiplier for phase 3.
 //   phase 3  (CS_NT, CS_GNT, CS_GPREP) re-read the staged tile and write column-wise data in x's own [M, K] layout
 //            (CS_GPREP: as the exact bf16 value of each quantized element, in the wgrad kernel's prepared layout).
-// Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed (pipe 5:
-// the two 64-row CTAs of a tile write the 8-byte halves of each 16-byte word; the launcher runs both halves).
+// Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
-// Kernels: mx_quant (every mode), mx_quant_batch (the fused blocked mode over a batch of experts' weights),
-// mx_quant_dual (kernels/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual
-// (kernels/quant_swiglu.cuh: SwiGLU forward / backward + grouped dual), mx_dequant (kernels/quant_dequant.cuh);
-// moe_ep/quant_plan.py chooses.
+// Kernels (moe_ep/mxfp8/plan.py chooses): mx_quant (quantize(x, axis) and the grouped dual of inputs staged as
+// fp32 words), mx_quant_batch (the fused blocked mode over a batch of experts' weights), mx_quant_dual
+// (kernels/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual (kernels/quant_swiglu.cuh: SwiGLU
+// forward / backward + grouped dual), mx_dequant (kernels/quant_dequant.cuh).
 #include "common.cuh"
 
 #define IN_F32 0
@@ -35,13 +32,11 @@
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
-#define RS_BLOCKED 2  // to_blocked(scale)
+#define RS_BLOCKED 2  // to_blocked(scale) (mx_quant_batch)
 #define RS_GROUPED 3  // to_blocked_grouped(scale, sizes, "m"); sizes int32 on device
-#define RS_UNIFORM 4  // 3-D weights [E, N, K]: E groups of N rows, per-expert to_blocked -> [E, bytes]
 
 #define CS_NONE 0     // no column-wise output
-#define CS_PLAIN 1    // data xt [K, M], scale [K, M/32]
-#define CS_BLOCKED 2  // data xt [K, M], scale to_blocked([K, M/32])
+#define CS_BLOCKED 2  // data xt [K, M], scale to_blocked([K, M/32]) (mx_quant_batch)
 #define CS_NT 3       // data [M, K] (x's layout), scale [M/32, K]  (quantize(x, axis=0))
 #define CS_GNT 4      // CS_NT per row group (RS_GROUPED only): 32-row blocks restart at each group's first row,
                       // block j of group g is scale row sum_{h<g} ceil(n_h/32) + j of [ceil(M/32) + G, K]
@@ -68,124 +63,72 @@
 
 // Shared-memory bytes of mx_quant beyond the staged tile: row-scale tile (512), column-scale tile (512), column
 // multipliers 2**-E (4 x 128 fp32) and NaN-block masks (4 x 128 bytes) of phase 3, then (RS_GROUPED) the group
-// table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/quant_plan.py). CS_GPREP adds its
+// table of 16 * (G + 1) bytes; the launcher passes the same sum (moe_ep/mxfp8/plan.py). CS_GPREP adds its
 // column dequantization multipliers 2**E (4 x 128 fp32) before the table.
 #define MX_SMEM_FIXED 3584
 #define MX_SMEM_GPREP 2048
 
-// Software pipelining (MX_PIPE, compile time: MOE_EP_QUANT_PIPE; the launcher sizes grid and shared memory by the
-// same rule, moe_ep/quant_plan.py effective_pipe): 0 = one tile per CTA (grid = all tiles); 1 = persistent grid;
-// 2 = persistent, the next tile's loads in registers during the current one; 3 = persistent, cp.async double
-// buffer (quant_sched.cuh); 4 = 3's cp.async path with one tile per CTA (one 32 KB stage, more CTAs per SM: the
-// block scheduler overlaps CTAs and hands tiles to SMs as they free up). 2-5 need 16-bit inputs (fp32 tiles take
-// two passes), so fp32 and the SwiGLU inputs use 0. Column-wise modes stage the tile in shared memory anyway:
-// they pipeline only with 3 or 4, whose copies land in the swizzled tile (1 and 2 fall back to 0).
-// 5 = 4 on 64-row tiles of 128 threads (16-bit row plain / blocked only, the other modes take 4): a CTA writes
-// half of every 16-byte word of its blocked scale tile, and a thread waits for each of its chunks on its own
-// (QuantCfg::GROUPS).
-// -1 ("auto"): the per-mode best measured on H200 (benchmarks/NOTES.md, passes 10-11): 5 for plain row scales
-// (+0.7 to +2.6 points of copy over 4), 4 for blocked row scales (5 is 0.3-0.5 behind) and the fused modes; 3 for
-// grouped row scales (one group-table scan per CTA for many tiles; it beat 2 and 4), 3-D weight scales and mx_quant's grouped-dual modes (these two not measured on 4); 0 for column-only
-// outputs. PREQ overrides MX_PIPE per instantiation: column-only inputs of many tiles launch mx_quant<IN, 0, CS, 4>
-// (moe_ep/quant_plan.py requested_pipe).
-#ifndef MX_PIPE
-#define MX_PIPE -1
-#endif
-#ifndef MX_HALF_MINB
-#define MX_HALF_MINB 8
-#endif
-#ifndef MX_HALF_GROUPS
-#define MX_HALF_GROUPS 8
-#endif
-
-template <int IN, int RS, int CS, int PREQ = MX_PIPE> struct QuantCfg {
+// Tile pipelining of mx_quant, fixed per mode (the launcher sizes grid, CTA size and shared memory by the same
+// rule, moe_ep/mxfp8/plan.py effective_pipe). Every pipe runs one tile per CTA (grid = all tiles):
+//   0  the chunks are loaded into registers: inputs staged as fp32 words (fp32 itself and the SwiGLU inputs,
+//      whose tiles take two passes) and 16-bit column-only inputs of few tiles;
+//   4  the tile lands by cp.async in one 32 KB shared-memory stage (more CTAs per SM; the block scheduler overlaps
+//      CTAs and hands tiles to SMs as they free up): the fused blocked mode of mx_quant_batch, and 16-bit
+//      column-only inputs of many tiles, which the launcher asks for by PREQ = 4 (mx_quant<IN, 0, CS, 4>);
+//   5  pipe 4 on 64-row tiles of 128 threads for 16-bit row-only plain scales; a thread waits for each of its
+//      chunks on its own (GROUPS).
+// Why these, and the CTAs per SM (MINB): docs/performance.md.
+template <int IN, int RS, int CS, int PREQ = -1> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
-    static constexpr int WANT0 =
-        PREQ >= 0 ? PREQ
-                  : (CS != CS_NONE ? (RS == RS_NONE ? 0 : (RS == RS_GROUPED ? 3 : 4))
-                                   : (RS == RS_GROUPED || RS == RS_UNIFORM ? 3 : (RS == RS_PLAIN ? 5 : 4)));
-    // pipe 5: pipe 4 on 64-row tiles of 128 threads (16-bit row plain / blocked; the other modes run 4)
-    static constexpr bool HALF = WANT0 == 5 && ES == 2 && CS == CS_NONE && (RS == RS_PLAIN || RS == RS_BLOCKED);
-    static constexpr bool ONE = (WANT0 == 4 || WANT0 == 5) && ES == 2;  // pipes 4 / 5: 3's data path, one tile per CTA
-    static constexpr int WANT = WANT0 >= 4 ? 3 : WANT0;
-    static constexpr int PIPE = ((WANT >= 2 && ES == 4) || (CS != CS_NONE && WANT != 3)) ? 0 : WANT;
+    static_assert(PREQ == -1 || (PREQ == 4 && RS == RS_NONE), "pipe 4 on request: column-only modes");
+    static_assert(ES == 4 || RS != RS_GROUPED, "16-bit grouped dual runs mx_quant_dual");
+    static constexpr bool HALF = ES == 2 && CS == CS_NONE && RS == RS_PLAIN;  // pipe 5
+    static constexpr bool CPA = ES == 2 && (HALF || PREQ == 4 || (RS == RS_BLOCKED && CS == CS_BLOCKED));  // 4, 5
     static constexpr int NT = HALF ? NTHREADS / 2 : NTHREADS;  // threads per CTA
     static constexpr int ROWS = HALF ? TILE / 2 : TILE;         // rows of a CTA's tile
-    // pipe 4: 5 CTAs per SM row-only (48 registers), 3 with a column output (80): the best measured (NOTES pass 10);
-    // pipe 5: MX_HALF_MINB CTAs per SM of 128 threads (8: 128 KB in flight per SM, ahead of 10 for row_plain, pass 11)
-    static constexpr int MINB = HALF ? MX_HALF_MINB
-                                     : ONE ? (CS == CS_NONE ? 5 : 3)
-                                           : (PIPE == 2 ? 2 : (ES == 4 || PIPE == 1 || PIPE == 3 ? 3 : 4));
-    static_assert(!ONE || PIPE == 3, "pipe 4 is pipe 3's data path");
-    // cp.async groups per thread's 8 chunks, each waited for just before its first chunk is read. Pipe 5: one per
-    // chunk (MX_HALF_GROUPS), -0.03 to +0.44 points of copy for row plain on the six benchmark shapes (level at
-    // 131072 x 2048; NOTES pass 12);
-    // pipe 4 keeps one group (per-chunk waits lost 0.8-1.7 points for row blocked there).
-    static constexpr int GROUPS = HALF ? MX_HALF_GROUPS : 1;
-    static_assert(GROUPS == 1 || GROUPS == 2 || GROUPS == 4 || GROUPS == 8, "groups must divide the 8 chunks");
-    static_assert(GROUPS == 1 || (ONE && CS == CS_NONE), "per-chunk waits: one tile per CTA, no CTA-wide reads");
+    static constexpr int MINB = HALF ? 8 : (CPA || ES == 4 ? 3 : 4);
+    // cp.async groups per thread's 8 chunks, each waited for just before its first chunk is read
+    static constexpr int GROUPS = HALF ? 8 : 1;
+    static_assert(GROUPS == 1 || (CPA && CS == CS_NONE), "per-chunk waits: no CTA-wide reads");
 };
 
-// x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), persistent
-// (grid-stride, or the dynamic schedule below when sched is given) when QuantCfg::PIPE > 0 and not ONE; 256 threads
-// (pipe 5: 128 threads on 64-row tiles, QuantCfg::NT / ROWS).
+// x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), one tile per
+// CTA; QuantCfg::NT threads on QuantCfg::ROWS-row tiles.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
-// RS_GROUPED: gsizes [G] int32; RS_UNIFORM: group_rows = N (rows per expert).
+// RS_GROUPED: gsizes [G] int32. x2: SwiGLU backward's dh. group_rows: unused (kept so that the parameters keep
+// their offsets).
 // The kernels mx_quant and mx_quant_batch (below) are this body with their pointers.
 // The kernels' common parameters (mx_quant, mx_quant_batch, mx_quant_dual, mx_swiglu_dual: one launcher).
 #define MX_QUANT_PARAMS                                                                                              \
     const unsigned char *__restrict__ x, long long M, int K, unsigned char *__restrict__ rq,                          \
         unsigned char *__restrict__ rs, unsigned char *__restrict__ cq, unsigned char *__restrict__ cs,              \
         const int *__restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,                    \
-        const unsigned char *__restrict__ x2, unsigned *__restrict__ sched
+        const unsigned char *__restrict__ x2
 
-// Dynamic tile schedule of the persistent pipes (sched != nullptr): sched [2] u32 on the launch's stream, zero
-// between launches. A CTA's first two tiles are static (blockIdx.x, + gridDim.x); every later one is 2 * gridDim.x
-// plus a ticket from sched[0], fetched by thread 0 one tile ahead of its use and passed on through shared memory
-// behind the CTA barrier at the end of each tile. Why: with the static grid-stride order some CTAs run up to 15 %
-// behind the others at large shapes (per-CTA exit stamps: at 32768 x 7168 the median CTA ends at 152 us, the last
-// at 175), and the GPU idles behind them; with tickets, faster CTAs take more tiles. Output bytes do not depend on
-// which CTA quantizes a tile. sched[1] counts the CTAs that are done with the counter (each after its last
-// fetch); the last one resets both words, so the next launch on the stream starts from zero.
-__device__ __forceinline__ void mx_sched_done(unsigned* sched) {
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
-            __threadfence();  // every other CTA's last fetch is ordered before the reset
-            sched[0] = 0u;
-            sched[1] = 0u;
-        }
-    }
-}
-
-template <int IN, int RS, int CS, int PREQ, bool DYN = false>
+template <int IN, int RS, int CS, int PREQ>
 __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     using Cfg = QuantCfg<IN, RS, CS, PREQ>;
     constexpr int ES = Cfg::ES;      // element bytes
-    constexpr int PIPE = Cfg::PIPE;
-    constexpr bool PERSIST = PIPE != 0 && !Cfg::ONE;  // a persistent grid: more tiles than CTAs
+    constexpr bool CPA = Cfg::CPA;   // pipes 4 and 5: the tile lands by cp.async in a shared-memory stage
     constexpr int VEC = 16 / ES;              // elements per 16-byte chunk
     constexpr int CPR = TILE / VEC;           // chunks per tile row
     constexpr int TPB = 32 / VEC;             // lanes per 1x32 block
     constexpr int WPR = TILE * ES / 4;        // 32-bit words per tile row
     constexpr int PER = 8;                    // chunks in flight per thread
     constexpr int NT = Cfg::NT;      // threads
-    constexpr int ROWS = Cfg::ROWS;  // tile rows (pipe 5: 64, half of a blocked scale tile)
-    constexpr bool HALF = Cfg::HALF;
+    constexpr int ROWS = Cfg::ROWS;  // tile rows (pipe 5: 64)
     constexpr int CPG = PER / Cfg::GROUPS;  // chunks per cp.async group
     constexpr int PASSES = ROWS * CPR / (NT * PER);
-    constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED || RS == RS_UNIFORM;
-    // Row-only blocked modes keep their scale tile in registers (no barrier); modes with a column-wise output
-    // need the CTA barrier for phase 2 anyway and keep the smem tile (fewer live registers through phase 1).
-    constexpr bool SREG = RTILE && CS == CS_NONE;
-    static_assert((PIPE != 2 && PIPE != 3) || PASSES == 1, "prefetch needs a one-pass tile");
+    constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED;  // a 512-byte blocked row-scale tile in smem
+    static_assert(!RTILE || CS != CS_NONE, "row-only blocked scales are not compiled");
+    static_assert(!CPA || PASSES == 1, "a cp.async stage holds the tile in one pass");
 
     // The tile in shared memory: [TILE][WPR] words, XOR-swizzled; its own area when a column-wise output needs
-    // it (STAGED), or the current cp.async stage (PIPE 3), which uses the same layout.
-    constexpr bool STAGED = CS != CS_NONE && PIPE != 3;
+    // it (STAGED), or the cp.async stage (CPA), which uses the same layout.
+    constexpr bool STAGED = CS != CS_NONE && !CPA;
     MX_DYN_SMEM(smem);
     unsigned* tile = reinterpret_cast<unsigned*>(smem);
-    unsigned char* stile = smem + (STAGED ? TILE * WPR * 4 : 0);         // 512 B row-scale tile (!SREG)
+    unsigned char* stile = smem + (STAGED ? TILE * WPR * 4 : 0);         // 512 B row-scale tile (RTILE)
     unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
     float* smul = reinterpret_cast<float*>(ctile + 512);                 // [4][128] col multipliers (CS_NT)
     unsigned char* sbad = ctile + 512 + 4 * 4 * TILE;                    // [4][128] NaN-block masks (CS_NT)
@@ -194,9 +137,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     long long* g_rstart = reinterpret_cast<long long*>(stile + FIXED);  // [G + 1] (RS_GROUPED)
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
-    // PIPE 3: two 32 KB stages after the table, on 128 bytes (the launcher adds 2 * 32 KB + 128; ONE: one stage,
-    // 32 KB + 128, or 16 KB + 128 on pipe 5's 64-row tiles): a stage off 128 bytes makes L2 serve each line twice
-    // (kernels/quant_dual.cuh).
+    // CPA: the stage after the table, on 128 bytes (the launcher adds 32 KB + 128, or 16 KB + 128 on pipe 5's
+    // 64-row tiles): a stage off 128 bytes makes L2 serve each line twice (kernels/quant_dual.cuh).
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
         smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 127) & ~127LL);
@@ -221,11 +163,6 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         if (RS == RS_GROUPED) {
             grouped_lookup<BR>(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
             nrows = (int)max(0LL, min((long long)nrows, M - row0));
-        } else if (RS == RS_UNIFORM) {
-            const int tpe = (int)((group_rows + TILE - 1) / TILE);
-            const int e = rt / tpe, lt = rt % tpe;
-            row0 = e * group_rows + (long long)lt * TILE;
-            nrows = (int)min((long long)TILE, group_rows - (long long)lt * TILE);
         } else {
             row0 = (long long)rt * ROWS;
             nrows = (int)min((long long)ROWS, M - row0);
@@ -233,15 +170,15 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         if (!GCOL) bs = row0 >> 5;
     };
     // Chunk m (= p * PER + j) of this thread is tile row m * RPM + r0, 16-byte column cc0: the element offset of
-    // its first value is base + m * RPM * K, so the per-chunk address is one add (the 64-bit row arithmetic per
-    // chunk was a tenth of the row quantizer's instructions).
+    // its first value is base + m * RPM * K, so the per-chunk address is one add (no 64-bit row arithmetic per
+    // chunk).
     constexpr int RPM = NT / CPR;  // tile rows per chunk step
     const int r0 = tid / CPR, cc0 = tid % CPR;
     const long long step = (long long)RPM * K;
     // Byte offset of chunk (tile row r, 16-byte column cc) in the swizzled tile: bits 3-4 of the word index are
     // XORed with the row's 32-row block, so 16-byte row writes and 32-row column reads are both conflict-free.
     auto soff = [&](int r, int cc) { return (r * WPR + ((cc * 4) ^ (((r >> 5) & 3) << 3))) * 4; };
-    auto issue = [&](unsigned char* stage, long long row0, int nrows, int col0) {  // PIPE 3 (PASSES == 1)
+    auto issue = [&](unsigned char* stage, long long row0, int nrows, int col0) {  // CPA (PASSES == 1)
         const bool cok = col0 + cc0 * VEC < K;
         const unsigned char* src = x + ((row0 + r0) * K + col0 + cc0 * VEC) * ES;
 #pragma unroll
@@ -270,42 +207,24 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         }
     };
 
-    // the dynamic tile schedule (mx_sched_done; mx_quant_dyn); without a counter mx_quant_dyn runs the static order
-    const bool dyn = DYN && PERSIST && sched != nullptr;
-    __shared__ int s_next[DYN ? 2 : 1];  // the next ticket's tile, alternating (a slow warp may still read the other)
     int T = (int)blockIdx.x;
-    if (T >= total) {
-        if (dyn) mx_sched_done(sched);
-        return;
-    }
-    (void)s_next;  // unused in the static kernels
+    if (T >= total) return;
     int rt, ct, nrows;
     long long row0, bs;
     coords(T, rt, ct, row0, nrows, bs);
-    uint4 vn[PER];
-    if (PIPE == 2) load(vn, 0, row0, nrows, ct * TILE);
     int buf = 0;
-    if (PIPE == 3) issue(stage0, row0, nrows, ct * TILE);
-    int Tn = PERSIST ? T + (int)gridDim.x : total;
-    int slot = 0;
+    if (CPA) issue(stage0, row0, nrows, ct * TILE);
+    // One tile per CTA (Tn == total), inside the loop of a double-buffered persistent tile order: the CPA pipes keep
+    // its next-tile branch, which never runs, because the compiler's code for the straight-line tile was slower
+    // (docs/performance.md, "Quantizer pipes, schedules, grids, dual variants").
+    int Tn = total;
 
     for (;;) {
         const int col0 = ct * TILE;
-        int Tnn = 0;
-        if (dyn && tid == 0 && Tn < total) Tnn = 2 * (int)gridDim.x + (int)atomicAdd(sched, 1u);
         int rt_n = 0, ct_n = 0, nrows_n = 0;
         long long row0_n = 0, bs_n = 0;
-        uint4 vc[PER];
-        if (PIPE == 2) {
-#pragma unroll
-            for (int j = 0; j < PER; ++j) vc[j] = vn[j];
-            if (Tn < total) {
-                coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
-                load(vn, 0, row0_n, nrows_n, ct_n * TILE);
-            }
-        }
         unsigned char* cur = stage0 + buf * MX_STAGE_BYTES;
-        if (PIPE == 3) {
+        if (CPA) {
             tile = reinterpret_cast<unsigned*>(cur);
             if (Tn < total) {
                 coords(Tn, rt_n, ct_n, row0_n, nrows_n, bs_n);
@@ -317,22 +236,10 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         }
 
     // ---------------- phase 1: load, row-wise quantization, staging ----------------
-    // Blocked row scales stay in registers (no smem tile, no CTA barrier): chunk m = p * PER + j of this thread
-    // is row r = m * RPM + tid / CPR, i.e. word (r & 31) = tid / CPR + RPM * (m % NW) of the 128x4 tile, byte
-    // 4 * (r >> 5) + cb with r >> 5 = m / NW; sw[w] collects that word's 4 row blocks of column block cb.
-    constexpr int NW = 32 / RPM;  // 16-byte scale words per thread
-    unsigned sw[NW];
-#pragma unroll
-    for (int w = 0; w < NW; ++w) sw[w] = 0u;
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
         uint4 v[PER];
-        if (PIPE == 2) {
-#pragma unroll
-            for (int j = 0; j < PER; ++j) v[j] = vc[j];
-        } else if (PIPE != 3) {
-            load(v, p, row0, nrows, col0);
-        }
+        if (!CPA) load(v, p, row0, nrows, col0);
         const bool cok = col0 + cc0 * VEC < K;
         unsigned char* const rq0 = rq + (row0 + r0) * K + col0 + cc0 * VEC;
 #pragma unroll
@@ -341,7 +248,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             const int r = m * RPM + r0, cc = cc0;
             const bool ok = cok && r < nrows;
             if (CPG < PER && j % CPG == 0) cp_async_wait_n(Cfg::GROUPS - 1 - j / CPG);
-            if (PIPE == 3) v[j] = *reinterpret_cast<const uint4*>(cur + soff(r, cc));  // at use: few registers
+            if (CPA) v[j] = *reinterpret_cast<const uint4*>(cur + soff(r, cc));  // at use: few registers
             if (STAGED) *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(tile) + soff(r, cc)) = v[j];
             if (RS != RS_NONE) {
                 unsigned key = chunk_key<IN>(v[j]);
@@ -359,35 +266,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
                 const unsigned sb = bad ? MX_SCALE_NAN : (unsigned)(e + 127);
                 if (RS == RS_PLAIN) {
                     if ((lane & (TPB - 1)) == 0 && ok) rs[(row0 + r) * C + ct * 4 + cc / TPB] = (unsigned char)sb;
-                } else if (SREG) {
-                    sw[m % NW] |= (ok ? sb : 0u) << (8 * (m / NW));
                 } else if ((lane & (TPB - 1)) == 0) {
                     stile[tile_off(r, cc / TPB)] = ok ? (unsigned char)sb : (unsigned char)0;
-                }
-            }
-        }
-    }
-    // ---------------- blocked row-scale tile from registers: 512 B, 16-byte stores ----------------
-    if (SREG) {
-        // The 4 column blocks of a row group sit on lanes TPB apart (cc / TPB = cb); the cb = 0 lane gathers
-        // them and writes whole 16-byte words (every lane takes part in the shuffles).
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-            const unsigned u0 = sw[w];
-            const unsigned u1 = __shfl_xor_sync(0xFFFFFFFFu, u0, TPB);
-            const unsigned u2 = __shfl_xor_sync(0xFFFFFFFFu, u0, 2 * TPB);
-            const unsigned u3 = __shfl_xor_sync(0xFFFFFFFFu, u0, 3 * TPB);
-            if (tid % CPR == 0) {
-                uint4 o;
-                o.x = (u0 & 0xFFu) | (u1 & 0xFFu) << 8 | (u2 & 0xFFu) << 16 | u3 << 24;
-                o.y = (u0 >> 8 & 0xFFu) | (u1 >> 8 & 0xFFu) << 8 | (u2 >> 8 & 0xFFu) << 16 | (u3 >> 8) << 24;
-                o.z = (u0 >> 16 & 0xFFu) | (u1 >> 16 & 0xFFu) << 8 | (u2 >> 16 & 0xFFu) << 16 | (u3 >> 16) << 24;
-                o.w = (u0 >> 24) | (u1 >> 24) << 8 | (u2 >> 24) << 16 | (u3 >> 24) << 24;
-                if (HALF) {  // 64 rows = row blocks 2 (rt & 1) and 2 (rt & 1) + 1: one half of each 16-byte word
-                    reinterpret_cast<uint2*>(rs + ((long long)(rt >> 1) * ctiles + ct) *
-                                                      512)[2 * (tid / CPR + RPM * w) + (rt & 1)] = make_uint2(o.x, o.y);
-                } else {
-                    reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid / CPR + RPM * w] = o;
                 }
             }
         }
@@ -438,11 +318,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
                         dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
                         dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
                     }
-                    if (CS == CS_PLAIN) {
-                        if (ok) cs[(long long)(col0 + kl) * (M >> 5) + (row0 >> 5) + mb] = sb;
-                    } else {
-                        ctile[tile_off(kl, mb)] = ok ? sb : (unsigned char)0;
-                    }
+                    ctile[tile_off(kl, mb)] = ok ? sb : (unsigned char)0;
                 }
             }
         }
@@ -526,7 +402,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     }
 
     // ---------------- blocked scale tiles from smem: 512 B each, 16-byte stores ----------------
-    if (RTILE && !SREG && tid < 32) {
+    if (RTILE && tid < 32) {
         reinterpret_cast<uint4*>(rs + ((long long)rt * ctiles + ct) * 512)[tid] =
             reinterpret_cast<const uint4*>(stile)[tid];
     }
@@ -534,65 +410,39 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         reinterpret_cast<uint4*>(cs + ((long long)ct * n_row_tiles + rt) * 512)[tid - 32] =
             reinterpret_cast<const uint4*>(ctile)[tid - 32];
     }
-        // !PIPE, not !PERSIST: the one-tile pipes (4, 5) then still compile the persistent prefetch branch above,
-        // which never runs for them (Tn == total). Letting the compiler drop it (exit on !PERSIST) made their live
-        // code 0.4-7.0 us slower (row_blocked 16384x2048 89.1 -> 84.6 %, row_plain 32768x7168 97.0 -> 93.2 %: NOTES,
-        // review after pass 12), so the exit stays as measured.
-        if (!PIPE || Tn >= total) break;
-        if (dyn && tid == 0) s_next[slot] = Tnn;
-        // the next tile rewrites the staged tile and the column-scale tile; dyn: s_next[slot] is written
-        if (CS != CS_NONE || dyn) __syncthreads();
+        if (!CPA || Tn >= total) break;
+        if (CS != CS_NONE) __syncthreads();  // the next tile rewrites the staged tile and the column-scale tile
         T = Tn;
-        if (dyn) {
-            Tn = s_next[slot];
-            slot ^= 1;
-        } else {
-            Tn = T + (int)gridDim.x;
-        }
+        Tn = T + (int)gridDim.x;
         buf ^= 1;
-        if (PIPE >= 2) {
-            rt = rt_n;
-            ct = ct_n;
-            row0 = row0_n;
-            nrows = nrows_n;
-            bs = bs_n;
-        } else {
-            coords(T, rt, ct, row0, nrows, bs);
-        }
+        rt = rt_n;
+        ct = ct_n;
+        row0 = row0_n;
+        nrows = nrows_n;
+        bs = bs_n;
     }
-    if (dyn) mx_sched_done(sched);
 }
 
-template <int IN, int RS, int CS, int PREQ = MX_PIPE>
+template <int IN, int RS, int CS, int PREQ = -1>
 __global__ void __launch_bounds__(QuantCfg<IN, RS, CS, PREQ>::NT, QuantCfg<IN, RS, CS, PREQ>::MINB)
     mx_quant(MX_QUANT_PARAMS) {
-    mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2, nullptr);
-}
-
-// mx_quant on the dynamic tile schedule (sched: the launch stream's counter, mx_sched_done). A kernel of its own
-// rather than a runtime switch in mx_quant: the switch cost the static path 1-3.4 % (benchmarks/NOTES.md, pass 9),
-// and the small shapes keep the static order.
-template <int IN, int RS, int CS, int PREQ = MX_PIPE>
-__global__ void __launch_bounds__(QuantCfg<IN, RS, CS, PREQ>::NT, QuantCfg<IN, RS, CS, PREQ>::MINB)
-    mx_quant_dyn(MX_QUANT_PARAMS) {
-    mx_quant_body<IN, RS, CS, PREQ, true>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2,
-                                          sched);
+    mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2);
 }
 
 // The fused blocked mode (rq + rs blocked, cq = x^T + cs blocked) over a batch of gridDim.y equal [M, K] problems
 // stored back to back (quantize_weights_fused: one launch for all experts instead of one each, which was
 // host-bound for small experts). Problem blockIdx.y: x, rq and cq advance by M * K elements, rs by
 // blocked_size(M, K/32) and cs by blocked_size(K, M/32) bytes; the arguments are those of problem 0. M % 32 == 0.
-template <int IN, int PREQ = MX_PIPE>
-__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS_BLOCKED, CS_BLOCKED, PREQ>::MINB)
+template <int IN>
+__global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS_BLOCKED, CS_BLOCKED>::MINB)
     mx_quant_batch(MX_QUANT_PARAMS) {
-    constexpr int ES = QuantCfg<IN, RS_BLOCKED, CS_BLOCKED, PREQ>::ES;
+    constexpr int ES = QuantCfg<IN, RS_BLOCKED, CS_BLOCKED>::ES;
     const long long b = blockIdx.y, mk = b * M * K;
     // rs (blocked [M, K/32]) and cs (blocked [K, M/32]) have the same size: ceil(M/128) x ceil(K/128) tiles of
     // 512 bytes either way, since M and K are multiples of 32
     const long long sb = b * ((M + TILE - 1) / TILE) * ((K + TILE - 1) / TILE) * 512;
-    mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, PREQ>(x + mk * ES, M, K, rq + mk, rs + sb, cq + mk, cs + sb, gsizes,
-                                                    G, group_rows, n_row_tiles, ctiles, x2, nullptr);
+    mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, -1>(x + mk * ES, M, K, rq + mk, rs + sb, cq + mk, cs + sb, gsizes, G,
+                                                  group_rows, n_row_tiles, ctiles, x2);
 }
 
 #include "quant_dequant.cuh"

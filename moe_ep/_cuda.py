@@ -153,27 +153,6 @@ def _device_index(device: torch.device | int | None) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-_sched: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def sched_counter(device: torch.device | int | None = None) -> torch.Tensor:
-    """[2] int32, zero between launches: the ticket counter of the persistent quantizers' dynamic tile schedule
-    (kernels/quantize.cu mx_sched_done; the launch's last CTA sets it back to zero), one per (device, stream).
-
-    Launches on one stream run one after the other, so they can share a counter; two streams never do. Under CUDA
-    graph capture every launch gets its own counter, allocated and zeroed inside the graph, so a replay never shares
-    one with eager launches or another replay on a different stream.
-    """
-    dev = _device_index(device)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=dev)
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
-    t = _sched.get(key)
-    if t is None:
-        t = _sched[key] = torch.zeros(2, dtype=torch.int32, device=dev)
-    return t
-
-
 _streams: dict[tuple[int, int], object] = {}
 
 

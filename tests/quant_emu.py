@@ -8,15 +8,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import torch
-
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 # ------------------------------------------------------------------------------------------------------------
 # CPU emulator of kernels/quantize.cu: the real kernel source compiled as C++, one OS thread per CUDA thread
 # (the launch's CTA size, CTAs in sequence), __syncthreads and warp shuffles emulated with barriers. test_quant_cuda.py
-# runs its whole suite through it (device "emu") by replacing mxfp8_cuda._launch.
+# runs its whole suite through it (device "emu") by replacing mxfp8_cuda._launch. The host build has no
+# __CUDA_ARCH__, so the PTX helpers take their host paths (the software e4m3 conversion among them).
 # ------------------------------------------------------------------------------------------------------------
 
 EMU_SHIM = r"""
@@ -64,8 +63,6 @@ static std::barrier<>* g_cta;
 static std::barrier<>* g_warp[8];
 static uint64_t g_shfl[8][32];
 static inline void __syncthreads() { g_cta->arrive_and_wait(); }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 template <class T> static T shfl_impl(T v, int src_of_lane_delta, bool xr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint64_t u = 0; memcpy(&u, &v, sizeof(T));
@@ -99,7 +96,7 @@ template <class F> static void run_grid(int grid, F f, int grid_y = 1, int threa
 }
 
 typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, unsigned char*, unsigned char*,
-                        unsigned char*, const int*, int, long long, int, int, const unsigned char*, unsigned*);
+                        unsigned char*, const int*, int, long long, int, int, const unsigned char*);
 typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
 
 // Shared memory past the launch's dynamic size is filled with a canary before the grid runs and checked after it:
@@ -108,7 +105,7 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, i
                          const unsigned char* x,
                          long long M, int K, unsigned char* rq, unsigned char* rsp, unsigned char* cq,
                          unsigned char* csp, const int* g, int G, long long group_rows, int nrt, int ctiles,
-                         const unsigned char* x2, unsigned* sched) {
+                         const unsigned char* x2) {
     QuantFn fn = nullptr;
     QUANT_TABLE
     if (!fn) return 1;
@@ -116,14 +113,14 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, i
     if (threads < 32 || threads > 256 || threads % 32) return 4;
     memset(g_smem, 0xA5, sizeof(g_smem));
     g_bad_threads = false;
-    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2, sched); }, grid_y, threads);
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2); }, grid_y, threads);
     if (g_bad_threads) return 5;
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
     return 0;
 }
 
-// kernels/quantize.cu's QuantCfg for (IN, RS, CS, PREQ): 5 pipe 5 (HALF), 4 pipe 4 (ONE), else QuantCfg::PIPE
+// kernels/quantize.cu's QuantCfg for (IN, RS, CS, PREQ): 5 pipe 5 (HALF), 4 pipe 4 (CPA), else 0
 extern "C" int emu_pipe(int in, int rs, int cs, int pp) {
     PIPE_TABLE
     return -100;
@@ -168,16 +165,12 @@ def build_emulator(workdir: Path):
             for c in quant_plan.DUAL_CS
         )
         + " ".join(f"if (in == {i} && rs == 2 && cs == 2 && pp == 100) fn = &mx_quant_batch<{i}>;" for i in range(3))
-        + " ".join(
-            f"if (in == {i} && rs == {r} && cs == {c} && pp == 200) fn = &mx_quant_dyn<{i},{r},{c}>;"
-            for i, r, c in quant_plan.DYN_COMBOS
-        )
     )
     dt = " ".join(f"if (out == {o} && colw == {c}) fn = &mx_dequant<{o},{c}>;" for o in range(3) for c in range(2))
     pt = " ".join(
         f"if (in == {i} && rs == {r} && cs == {c} && pp == {q}) {{ using Q = QuantCfg<{i},{r},{c},{q}>;"
-        " return Q::HALF ? 5 : Q::ONE ? 4 : Q::PIPE; }"
-        for i, r, c, q in PIPE_CASES
+        " return Q::HALF ? 5 : Q::CPA ? 4 : 0; }"
+        for i, r, c, q in pipe_cases()
     )
     src = workdir / "emu.cpp"
     src.write_text(EMU_SHIM.replace("QUANT_TABLE", qt).replace("DEQ_TABLE", dt).replace("PIPE_TABLE", pt))
@@ -193,7 +186,6 @@ def build_emulator(workdir: Path):
             "-fno-strict-aliasing",
             "-Wno-unknown-pragmas",
             f"-I{KERNELS}",
-            *quant_plan.options(),  # the same -D switches as the NVRTC build (MOE_EP_QUANT_PIPE, ...)
             str(src),
             "-o",
             str(lib),
@@ -202,34 +194,33 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p, p]
+    so.emu_quant.argtypes = [i, i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     so.emu_pipe.argtypes = [i, i, i, i]
     return so
 
 
-# every (IN, RS, CS, requested pipe) that QuantCfg can be asked about: IN 0-5 (fp32, bf16, fp16, the SwiGLU codes),
-# every row / column mode but (none, none), pipes auto (-1) and 0-5
-PIPE_CASES = [(i, r, c, q) for i in range(6) for r in range(5) for c in range(6) for q in range(-1, 6) if r or c]
+def pipe_cases() -> list[tuple[int, int, int, int]]:
+    """Every (IN, RS, CS, requested pipe) mx_quant and mx_quant_batch are compiled for (moe_ep.mxfp8.plan.NAMES)."""
+    from moe_ep.mxfp8 import plan as quant_plan  # noqa: PLC0415
 
-EMU_SCHED = torch.zeros(2, dtype=torch.int32)  # the emulator's dynamic-schedule counter (mxfp8_cuda._sched_counter)
+    return (
+        [(i, r, c, -1) for i, r, c in quant_plan.QUANT_COMBOS]
+        + [(i, r, c, 4) for i, r, c in quant_plan.ONE_COMBOS]
+        + [(i, quant_plan.RS["blocked"], quant_plan.CS["blocked"], -1) for i in range(3)]  # mx_quant_batch
+    )
 
 
-_EMU_BY_OPTIONS: dict[tuple[str, ...], object] = {}  # emulators by the -D switches they were built with
+_EMU: dict[Path, object] = {}  # the emulator, built once per work directory
 
 
 def emulator(workdir: Path):
-    """The emulator of the kernels as NVRTC would compile them now (quant_plan.options(): the kernels' default pipe
-    is a compile-time switch, so a test that sets MOE_EP_QUANT_PIPE gets its own build), built once per option set
-    into a directory under ``workdir``."""
-    from moe_ep.mxfp8 import plan as quant_plan  # noqa: PLC0415
-
-    opts = quant_plan.options()
-    if opts not in _EMU_BY_OPTIONS:
-        d = workdir / f"emu{len(_EMU_BY_OPTIONS)}"
+    """The emulator of the kernels, built once into a directory under ``workdir``."""
+    if workdir not in _EMU:
+        d = workdir / "emu"
         d.mkdir(parents=True, exist_ok=True)
-        _EMU_BY_OPTIONS[opts] = build_emulator(d)
-    return _EMU_BY_OPTIONS[opts]
+        _EMU[workdir] = build_emulator(d)
+    return _EMU[workdir]
 
 
 def install_emulator(monkeypatch, workdir: Path) -> None:
@@ -252,8 +243,6 @@ def install_emulator(monkeypatch, workdir: Path) -> None:
             rc = so.emu_quant(3 + 2 * params[0], 3, params[1], -10 - params[2], *t, *a)
         elif name.startswith("mx_quant_batch"):  # mx_quant_batch<in>: the fused blocked mode, pipe code 100
             rc = so.emu_quant(params[0], 2, 2, 100, *t, *a)
-        elif name.startswith("mx_quant_dyn"):  # mx_quant_dyn<in,rs,cs>, the dynamic tile schedule: pipe code 200
-            rc = so.emu_quant(*params[:3], 200, *t, *a)
         elif name.startswith("mx_quant"):  # mx_quant<in,rs,cs> or mx_quant<in,rs,cs,pipe>
             rc = so.emu_quant(*params[:3], params[3] if len(params) > 3 else -1, *t, *a)
         else:
@@ -266,7 +255,5 @@ def install_emulator(monkeypatch, workdir: Path) -> None:
         assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
 
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)
-    # one counter for every launch, as on one stream: a launch that did not set it back to zero fails the next one
-    monkeypatch.setattr(mxfp8_cuda, "_sched_counter", lambda d: EMU_SCHED)
     monkeypatch.setattr(quant_checks, "on_gpu", lambda t: True)
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 2)

@@ -17,13 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ep.mxfp8 import (
-    MXFP8Tensor,
-    dequantize_torch,
-    quantize_torch,
-    to_blocked,
-    to_blocked_grouped,
-)
+from moe_ep.mxfp8 import MXFP8Tensor, dequantize_torch, quantize_torch, to_blocked
 from moe_ep.mxfp8 import cuda as mxfp8_cuda
 from moe_ep.mxfp8 import plan as quant_plan
 
@@ -43,10 +37,30 @@ DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 def backend_dev(request, monkeypatch, tmp_path_factory) -> torch.device:
     """Device on which the kernels run: cuda, or cpu with mxfp8_cuda routed to the emulator (test parameter
     ``dev``; tests/test_quant_dual_cuda.py imports it)."""
+    junk_outputs(monkeypatch)
     if request.param == "cuda":
         return torch.device("cuda")
     quant_emu.install_emulator(monkeypatch, tmp_path_factory.getbasetemp() / "mxemu")
     return torch.device("cpu")
+
+
+class _JunkTorch:
+    """torch as moe_ep.mxfp8.cuda sees it, except that ``empty`` fills its tensors with 0xAB bytes."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, **kw) -> torch.Tensor:
+        t = torch.empty(*shape, **kw)
+        if t.numel():
+            t.view(-1).view(torch.uint8).fill_(0xAB)
+        return t
+
+
+def junk_outputs(monkeypatch) -> None:
+    """The outputs the launchers of moe_ep.mxfp8.cuda allocate start as 0xAB bytes (every byte is the kernel's)."""
+    monkeypatch.setattr(mxfp8_cuda, "torch", _JunkTorch())
 
 
 def _big(dev: torch.device) -> bool:
@@ -146,216 +160,11 @@ def _shapes(dev, small, big):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# row-wise
+# quantize(x, axis): row-wise (axis = last) and column-wise in x's layout (axis = 0)
 # ------------------------------------------------------------------------------------------------------------
 
 ROW_SMALL = [(1, 32), (5, 64), (127, 96), (128, 128), (129, 160), (300, 544)]
 ROW_BIG = [(300, 2080), (1000, 2048), (2304, 7168), (16384 + 7, 256)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["plain", "blocked"])
-@pytest.mark.parametrize("pipe", ["auto", "5"])
-def test_rowwise(dev, dtype, layout, pipe, monkeypatch):
-    """Row-wise bytes under the auto pipe (5 for plain scales, 4 for blocked) and under MOE_EP_QUANT_PIPE=5
-    (64-row tiles of 128 threads for 16-bit inputs: each CTA writes half of every 16-byte word of a blocked scale
-    tile, the padding rows' zeros included; fp32 falls back to pipe 0). The outputs start as 0xAB bytes, so a byte
-    the kernel leaves unwritten fails."""
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
-    plans: list = []
-    names = record_launches(monkeypatch, plans)
-    for i, (m, k) in enumerate(_shapes(dev, ROW_SMALL, ROW_BIG)):
-        x = make_input(m, k, dtype, seed=i)
-        ref = quantize_torch(x, -1)
-        data = torch.full((m, k), 0xAB, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
-        scale = torch.full(mxfp8_cuda.row_scale_shape(m, k, layout), 0xAB, dtype=torch.uint8, device=dev)
-        mxfp8_cuda.quantize_rowwise_into(x.to(dev), data, scale, layout)
-        assert_bytes(data, ref.data, f"data {m}x{k}")
-        assert_bytes(scale, ref.scale if layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k} {layout}")
-    # the launcher's CTA size must be the kernel's (the emulator checks it; the GPU rejects a larger one)
-    assert set(names) == {f"mx_quant<{quant_plan.IN[dtype]},{quant_plan.RS[layout]},0>"}
-    # 300 x 544 (5 column tiles), worked by hand: 3 row tiles of 128 (15 CTAs of 256 threads) or, on pipe 5, 5 of
-    # 64 rows for plain scales (25 x 128) and both 64-row halves of the 3 blocked tiles (30 x 128); fp32: pipe 0
-    half = dtype != torch.float32 and (layout == "plain" or pipe == "5")
-    want = (25 if layout == "plain" else 30, 128) if half else (15, 256)
-    assert plans[ROW_SMALL.index((300, 544))][1:] == want, plans
-
-
-GROUP_CASES = [
-    (300, 64, [0, 300, 0]),
-    (300, 64, [300]),
-    (300, 160, [100, 0, 28, 172]),
-    (129, 32, [1, 128]),
-    (257, 96, [128, 1, 0, 128]),
-    (0, 64, [0, 0, 0]),
-    (1000, 32, "random300"),  # G > 256: the device-side scan runs more than one chunk
-]
-
-
-def _sizes(m: int, spec, seed: int) -> torch.Tensor:
-    if isinstance(spec, list):
-        return torch.tensor(spec, dtype=torch.int32)
-    g = torch.Generator().manual_seed(seed)
-    n = int(spec.removeprefix("random"))
-    cuts = torch.sort(torch.randint(0, m + 1, (n - 1,), generator=g)).values
-    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])]))
-    return sizes.to(torch.int32)
-
-
-@pytest.mark.parametrize(
-    "dtype,pipe",
-    [(d, "auto") for d in DTYPES] + [(torch.bfloat16, "4"), (torch.bfloat16, "2")],
-)
-def test_rowwise_grouped(dev, dtype, pipe, monkeypatch):
-    """Grouped row scales on the kernel's auto pipe (3 for 16-bit inputs, persistent, with the dynamic schedule from
-    12 tiles per CTA; 0 for fp32), and under MOE_EP_QUANT_PIPE=4 (one CTA per tile, each scanning the group table)
-    and 2 (register prefetch)."""
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
-    cases = GROUP_CASES if (_big(dev) or dtype == torch.bfloat16) else GROUP_CASES[:-1]  # the emulator is slow
-    cases = cases + ([(32768 + 100, 256, "random64")] if _big(dev) else [])
-    for i, (m, k, spec) in enumerate(cases):
-        sizes = _sizes(m, spec, i)
-        assert int(sizes.sum()) == m
-        x = make_input(m, k, dtype, seed=i) if m else torch.zeros(0, k, dtype=dtype)
-        ref = quantize_torch(x, -1)
-        data, scale = mxfp8_cuda.quantize_rowwise(x.to(dev), "grouped", sizes.to(dev))
-        assert_bytes(data, ref.data, f"data {m}x{k} groups {spec}")
-        assert_bytes(scale, to_blocked_grouped(ref.scale, sizes, "m"), f"grouped scale {m}x{k} groups {spec}")
-
-
-def test_into_writes_every_byte(dev):
-    """Outputs prefilled with 0xAB: the kernels must write all padding of blocked tiles themselves."""
-    x = make_input(200, 96, torch.bfloat16, seed=7)
-    ref, reft = quantize_torch(x, -1), quantize_torch(x[:192].t().contiguous(), -1)
-    xd = x.to(dev)
-
-    def junk(shape, dtype=torch.uint8):
-        return torch.full(shape, 0xAB, dtype=torch.uint8, device=dev).view(dtype)
-
-    data, scale = junk((200, 96), torch.float8_e4m3fn), junk(mxfp8_cuda.row_scale_shape(200, 96, "blocked"))
-    mxfp8_cuda.quantize_rowwise_into(xd, data, scale, "blocked")
-    assert_bytes(data, ref.data, "data")
-    assert_bytes(scale, to_blocked(ref.scale), "blocked scale")
-    sizes = torch.tensor([0, 3, 197], dtype=torch.int32)
-    scale = junk(mxfp8_cuda.row_scale_shape(200, 96, "grouped", 3))
-    mxfp8_cuda.quantize_rowwise_into(xd, data, scale, "grouped", sizes.to(dev))
-    assert_bytes(scale, to_blocked_grouped(ref.scale, sizes, "m"), "grouped scale")
-    x2 = xd[:192]
-    dt, st = junk((96, 192), torch.float8_e4m3fn), junk(mxfp8_cuda.col_scale_shape(192, 96, "blocked"))
-    d2, s2 = junk((192, 96), torch.float8_e4m3fn), junk(mxfp8_cuda.row_scale_shape(192, 96, "blocked"))
-    mxfp8_cuda.quantize_fused_into(x2, d2, s2, dt, st, "blocked", "blocked")
-    assert_bytes(dt, reft.data, "colwise data")
-    assert_bytes(st, to_blocked(reft.scale), "colwise blocked scale")
-    assert_bytes(s2, to_blocked(quantize_torch(x[:192], -1).scale), "fused row scale")
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dynamic_schedule(dev, dtype, monkeypatch):
-    """The persistent pipe under MOE_EP_QUANT_SCHED=dynamic (tiles from the ticket counter; MOE_EP_QUANT_PIPE=3, as
-    auto gives these modes one CTA per tile): row-wise plain / blocked, grouped and fused, three launches each into
-    outputs refilled with 0xAB, so a tile
-    that no CTA took (or a counter left non-zero by the previous launch) shows as junk; bytes == the reference, and
-    the counter is zero after each round of four launches (one left non-zero in between would show as junk in the
-    next launch's output). GPU: 4128 x 7168 is 1848 tiles over 396 CTAs (4.7 per CTA);
-    emulator: 288 x 544, 15 tiles over 6."""
-    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")
-    counters = []
-    get = mxfp8_cuda._sched_counter
-    monkeypatch.setattr(mxfp8_cuda, "_sched_counter", lambda d: counters.append(get(d)) or counters[-1])
-    names = record_launches(monkeypatch)
-    m, k = (4096 + 32, 7168) if _big(dev) else (288, 544)
-    x = make_input(m, k, dtype, seed=71)
-    ref, reft = quantize_torch(x, -1), quantize_torch(x.t().contiguous(), -1)
-    sizes = _sizes(m, "random40", 71)
-    xd = x.to(dev)
-
-    def junk(shape, dt=torch.uint8):
-        return torch.full(shape, 0xAB, dtype=torch.uint8, device=dev).view(dt)
-
-    for rep in range(3):
-        counters.clear()
-        for layout, want in (("plain", ref.scale), ("blocked", to_blocked(ref.scale))):
-            data, scale = junk((m, k), torch.float8_e4m3fn), junk(mxfp8_cuda.row_scale_shape(m, k, layout))
-            mxfp8_cuda.quantize_rowwise_into(xd, data, scale, layout)
-            assert_bytes(data, ref.data, f"data, {layout}, launch {rep}")
-            assert_bytes(scale, want, f"{layout} scale, launch {rep}")
-        data, scale = (
-            junk((m, k), torch.float8_e4m3fn),
-            junk(mxfp8_cuda.row_scale_shape(m, k, "grouped", sizes.numel())),
-        )
-        mxfp8_cuda.quantize_rowwise_into(xd, data, scale, "grouped", sizes.to(dev))
-        assert_bytes(data, ref.data, f"grouped data, launch {rep}")
-        assert_bytes(scale, to_blocked_grouped(ref.scale, sizes, "m"), f"grouped scale, launch {rep}")
-        data, scale = junk((m, k), torch.float8_e4m3fn), junk(mxfp8_cuda.row_scale_shape(m, k, "blocked"))
-        dt, st = junk((k, m), torch.float8_e4m3fn), junk(mxfp8_cuda.col_scale_shape(m, k, "blocked"))
-        mxfp8_cuda.quantize_fused_into(xd, data, scale, dt, st, "blocked", "blocked")
-        assert_bytes(data, ref.data, f"fused data, launch {rep}")
-        assert_bytes(scale, to_blocked(ref.scale), f"fused scale, launch {rep}")
-        assert_bytes(dt, reft.data, f"fused data_t, launch {rep}")
-        assert_bytes(st, to_blocked(reft.scale), f"fused scale_t, launch {rep}")
-        assert len(counters) == 4 and all(n.startswith("mx_quant_dyn<") for n in names), names
-        assert all(c.cpu().tolist() == [0, 0] for c in counters)
-        names.clear()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_dynamic_schedule_two_streams(monkeypatch):
-    """Two streams quantizing at the same time under the dynamic schedule: each stream has its own counter (a shared
-    one would hand tiles of one launch to the other's CTAs), and both outputs, prefilled with 0xAB, are the
-    reference's bytes. (The two launches overlap only as far as the GPU runs them side by side.)"""
-    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")
-    names = record_launches(monkeypatch)
-    xs = [make_input(4096, 7168, torch.bfloat16, seed=s) for s in (81, 82)]
-    refs = [quantize_torch(x, -1) for x in xs]
-    xds = [x.cuda() for x in xs]
-    streams = [torch.cuda.Stream() for _ in xs]
-    assert mxfp8_cuda._sched_counter(torch.device("cuda")) is mxfp8_cuda._sched_counter(torch.device("cuda"))
-    outs = [[], []]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for _ in range(4):
-        for i, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                data = torch.full((4096, 7168), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-                scale = torch.full(
-                    mxfp8_cuda.row_scale_shape(4096, 7168, "blocked"), 0xAB, dtype=torch.uint8, device="cuda"
-                )
-                mxfp8_cuda.quantize_rowwise_into(xds[i], data, scale, "blocked")
-                outs[i].append((data, scale))
-    assert names == ["mx_quant_dyn<1,2,0>"] * 8, names
-    counters = []
-    for s in streams:
-        with torch.cuda.stream(s):
-            counters.append(mxfp8_cuda._sched_counter(torch.device("cuda")))
-    assert counters[0] is not counters[1]
-    torch.cuda.synchronize()
-    for i in range(2):
-        for data, scale in outs[i]:
-            assert_bytes(data, refs[i].data, f"stream {i} data")
-            assert_bytes(scale, to_blocked(refs[i].scale), f"stream {i} scale")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# column-wise, fused, axis=0
-# ------------------------------------------------------------------------------------------------------------
-
-COL_SMALL = [(32, 32), (96, 160), (160, 128), (288, 544)]
-COL_BIG = [(2048, 2048), (288, 2080), (4096 + 32, 7168)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["plain", "blocked"])
-def test_colwise(dev, dtype, layout):
-    for i, (m, k) in enumerate(_shapes(dev, COL_SMALL, COL_BIG)):
-        x = make_input(m, k, dtype, seed=10 + i)
-        reft = quantize_torch(x.t().contiguous(), -1)  # == quantize_torch(x, 0) transposed
-        data_t, scale_t = mxfp8_cuda.quantize_colwise(x.to(dev), layout)
-        assert_bytes(data_t, reft.data, f"data_t {m}x{k}")
-        want = reft.scale if layout == "plain" else to_blocked(reft.scale)
-        assert_bytes(scale_t, want, f"scale_t {m}x{k} {layout}")
 
 
 def record_launches(monkeypatch, plans: list | None = None) -> list[str]:
@@ -374,57 +183,63 @@ def record_launches(monkeypatch, plans: list | None = None) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("dtype,pipe", [(torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.bfloat16, "3")])
-def test_colwise_large_input_pipe(dev, dtype, pipe, monkeypatch):
-    """Column-only modes of 16-bit inputs launch mx_quant<.., 4> (one CTA per tile on the cp.async path) when the
-    input has at least ONE_MIN_TILES_PER_SM tiles per SM: with the threshold at 0 every shape here takes it; bytes
-    equal to the reference for plain, blocked and axis 0. At 1 tile per SM a 1-tile input stays on the kernel's auto
-    pipe (0). pipe "3": the same under MOE_EP_QUANT_PIPE=3 (persistent, which auto no longer takes for these)."""
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
-    monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 0)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rowwise(dev, dtype, monkeypatch):
+    """quantize(x, -1): row-wise bytes and plain scales == the reference, on 64-row tiles of 128 threads for 16-bit
+    inputs (pipe 5) and 128-row tiles of 256 threads for fp32 (pipe 0); n-D inputs flatten to rows."""
     plans: list = []
     names = record_launches(monkeypatch, plans)
-    for i, (m, k) in enumerate(_shapes(dev, COL_SMALL, COL_BIG)):
-        x = make_input(m, k, dtype, seed=30 + i)
-        reft = quantize_torch(x.t().contiguous(), -1)
-        for layout in ("plain", "blocked"):
-            data_t, scale_t = mxfp8_cuda.quantize_colwise(x.to(dev), layout)
-            assert_bytes(data_t, reft.data, f"data_t {m}x{k}")
-            assert_bytes(scale_t, reft.scale if layout == "plain" else to_blocked(reft.scale), f"scale {m}x{k}")
-        got = mxfp8_cuda.quantize(x.to(dev), 0)
-        ref = quantize_torch(x, 0)
-        assert_bytes(got.data, ref.data, f"axis 0 data {m}x{k}")
-        assert_bytes(got.scale, ref.scale, f"axis 0 scale {m}x{k}")
-    if pipe == "3":
-        # persistent: at most 3 CTAs per SM, which the pipe-4 grid (one CTA per tile) exceeds on 288x544 (15 tiles)
-        # under the emulator's 2 SMs and on 4128x7168 (1848 tiles) on an H200
-        slots = quant_plan.PIPE3_CTAS_PER_SM * quant_plan.sm_count(dev)  # the emulator: 2 SMs
-        assert names and all(not n.endswith(",4>") and g <= slots for n, g, _ in plans), plans
-        return
-    assert names and all(n.endswith(",4>") for n in names), names
-    monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 1)
-    names.clear()
-    mxfp8_cuda.quantize_colwise(make_input(32, 32, dtype).to(dev), "plain")
-    assert names == [f"mx_quant<{quant_plan.IN[dtype]},0,1>"]
+    for i, (m, k) in enumerate(_shapes(dev, ROW_SMALL, ROW_BIG)):
+        x = make_input(m, k, dtype, seed=i)
+        ref = quantize_torch(x, -1)
+        got = mxfp8_cuda.quantize(x.to(dev), 1)
+        assert got.axis == 1
+        assert_bytes(got.data, ref.data, f"data {m}x{k}")
+        assert_bytes(got.scale, ref.scale, f"scale {m}x{k}")
+    x = make_input(2 * 50, 64, dtype, seed=99).reshape(2, 50, 64)
+    got, ref = mxfp8_cuda.quantize(x.to(dev), 2), quantize_torch(x, 2)
+    assert_bytes(got.data, ref.data, "3-D data")
+    assert_bytes(got.scale, ref.scale, "3-D scale")
+    # the launcher's CTA size must be the kernel's (the emulator checks it; the GPU rejects a larger one)
+    assert set(names) == {f"mx_quant<{quant_plan.IN[dtype]},1,0>"}
+    # 300 x 544 (5 column tiles), worked by hand: 5 row tiles of 64 (25 CTAs of 128 threads); fp32: 3 of 128 rows
+    # (15 CTAs of 256 threads)
+    want = (15, 256) if dtype == torch.float32 else (25, 128)
+    assert plans[ROW_SMALL.index((300, 544))][1:] == want, plans
+
+
+COL_SMALL = [(32, 32), (96, 160), (160, 128), (288, 544)]
+COL_BIG = [(2048, 2048), (288, 2080), (4096 + 32, 7168)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("row_layout", ["plain", "blocked"])
-@pytest.mark.parametrize("col_layout", ["plain", "blocked"])
-def test_fused(dev, dtype, row_layout, col_layout):
-    for i, (m, k) in enumerate(_shapes(dev, COL_SMALL, COL_BIG[:1])):
-        x = make_input(m, k, dtype, seed=20 + i)
-        ref, reft = quantize_torch(x, -1), quantize_torch(x.t().contiguous(), -1)
-        data, scale, data_t, scale_t = mxfp8_cuda.quantize_fused(x.to(dev), row_layout, col_layout)
-        assert_bytes(data, ref.data, f"data {m}x{k}")
-        assert_bytes(scale, ref.scale if row_layout == "plain" else to_blocked(ref.scale), f"scale {m}x{k}")
-        assert_bytes(data_t, reft.data, f"data_t {m}x{k}")
-        assert_bytes(scale_t, reft.scale if col_layout == "plain" else to_blocked(reft.scale), f"scale_t {m}x{k}")
+@pytest.mark.parametrize("many_tiles", [False, True], ids=["pipe0", "pipe4"])
+def test_colwise(dev, dtype, many_tiles, monkeypatch):
+    """quantize(x, 0): column-wise bytes in x's layout and [M/32, K] scales == the reference. 16-bit inputs of at
+    least ONE_MIN_TILES_PER_SM tiles per SM launch mx_quant<.., 4> (one tile per CTA on the cp.async path): with
+    the threshold at 0 every shape takes it; at its default none of these shapes does on the emulator's 2 SMs, and
+    only 4128 x 7168 (1848 tiles) would on a GPU of fewer than 77 SMs."""
+    if many_tiles:
+        monkeypatch.setattr(quant_plan, "ONE_MIN_TILES_PER_SM", 0)
+    names = record_launches(monkeypatch)
+    shapes = _shapes(dev, COL_SMALL, COL_BIG)
+    for i, (m, k) in enumerate(shapes):
+        x = make_input(m, k, dtype, seed=10 + i)
+        ref = quantize_torch(x, 0)
+        got = mxfp8_cuda.quantize(x.to(dev), 0)
+        assert got.axis == 0
+        assert_bytes(got.data, ref.data, f"data {m}x{k}")
+        assert_bytes(got.scale, ref.scale, f"scale {m}x{k}")
+    i = quant_plan.IN[dtype]
+    pipe4 = many_tiles and dtype != torch.float32  # fp32 has no cp.async path
+    if pipe4 or not _big(dev):
+        assert names == [f"mx_quant<{i},0,3" + (",4>" if pipe4 else ">")] * len(shapes), names
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_entry_point(dev, dtype):
-    """mxfp8_cuda.quantize (what moe_ep.mxfp8.quantize calls for CUDA tensors): MXFP8Tensor, plain scales."""
+    """mxfp8_cuda.quantize (what moe_ep.mxfp8.quantize calls for CUDA tensors): MXFP8Tensor, plain scales; middle
+    axes and axis 0 with rows of a size not a multiple of 16 bytes go to the reference."""
     cases = [
         ((64, 24), 0),
         ((96, 160), 0),
@@ -453,25 +268,12 @@ def test_quantize_entry_point(dev, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_weights(dev, dtype):
-    shapes = [(3, 200, 96), (2, 128, 32), (4, 1, 64), (1, 300, 544)]
-    shapes += [(1, 300, 2080), (8, 2048, 7168)] if _big(dev) else []
-    for i, (e, n, k) in enumerate(shapes):
-        w = make_input(e * n, k, dtype, seed=40 + i).reshape(e, n, k)
-        ref = quantize_torch(w, -1)
-        data, scale = mxfp8_cuda.quantize_weights(w.to(dev))
-        assert_bytes(data, ref.data, f"data {e}x{n}x{k}")
-        assert_bytes(scale, to_blocked(ref.scale), f"scale {e}x{n}x{k}")
-
-
-@pytest.mark.parametrize("dtype,pipe", [(d, "auto") for d in DTYPES] + [(torch.bfloat16, "3")])
-def test_weights_fused(dev, dtype, pipe, monkeypatch):
-    """quantize_weights_fused: per expert, W row-wise (the bytes of quantize_weights) and W^T quantized along N (the
-    bytes of quantize_weights on the transposed copy) from one fused pass; N and K not multiples of 128. One launch
-    for all experts: one CTA per tile under auto (pipe 4); with MOE_EP_QUANT_PIPE=3, on the emulator (2 SMs) the
-    last two shapes share a persistent grid smaller than one expert's tiles between the experts (3 x 15 tiles, then
-    8 x 8 tiles with fewer CTAs than experts)."""
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", pipe)
+def test_weights_fused(dev, dtype, monkeypatch):
+    """quantize_weights_fused: per expert, W row-wise with blocked scales and W^T quantized along N, from one fused
+    pass, == the reference of W and of the transposed copy; N and K not multiples of 128. One launch for all
+    experts, one CTA per tile (grid.y = expert)."""
+    plans: list = []
+    record_launches(monkeypatch, plans)
     shapes = [(3, 160, 96), (2, 32, 288), (1, 288, 64), (3, 384, 544), (8, 256, 512)]
     shapes += [(4, 2048, 7168), (32, 1536, 2048)] if _big(dev) else []
     for i, (e, n, k) in enumerate(shapes):
@@ -483,6 +285,8 @@ def test_weights_fused(dev, dtype, pipe, monkeypatch):
         assert_bytes(scale, to_blocked(ref.scale), f"scale {what}")
         assert_bytes(data_t, ref_t.data, f"data_t {what}")
         assert_bytes(scale_t, to_blocked(ref_t.scale), f"scale_t {what}")
+        tiles = quant_plan.cdiv(n, 128) * quant_plan.cdiv(k, 128)
+        assert plans[-1] == (f"mx_quant_batch<{quant_plan.IN[dtype]}>", (tiles, e), 256), plans[-1]
     with pytest.raises(ValueError, match="multiple of 32"):
         mxfp8_cuda.quantize_weights_fused(make_input(2 * 48, 64, dtype, seed=1).reshape(2, 48, 64).to(dev))
 
@@ -515,57 +319,49 @@ def test_dequantize(dev, out_dtype, axis):
 
 
 def test_errors(dev):
-    x = torch.zeros(64, 64, dtype=torch.bfloat16, device=dev)
-    with pytest.raises(TypeError):
-        mxfp8_cuda.quantize_rowwise(torch.zeros(64, 64, dtype=torch.int32, device=dev))
+    """The launchers' argument checks name the argument and the problem."""
+    w = torch.zeros(2, 64, 64, dtype=torch.bfloat16, device=dev)
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        mxfp8_cuda.quantize_weights_fused(w.to(torch.int32))
+    with pytest.raises(TypeError, match="bf16/fp16/fp32"):
+        mxfp8_cuda.quantize(torch.zeros(64, 64, dtype=torch.int32, device=dev), 1)
     with pytest.raises(ValueError, match="multiple of 32"):
-        mxfp8_cuda.quantize_rowwise(torch.zeros(64, 40, dtype=torch.bfloat16, device=dev))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        mxfp8_cuda.quantize_colwise(torch.zeros(40, 64, dtype=torch.bfloat16, device=dev))
+        mxfp8_cuda.quantize_weights_fused(torch.zeros(2, 64, 40, dtype=torch.bfloat16, device=dev))
     with pytest.raises(ValueError, match="contiguous"):
-        mxfp8_cuda.quantize_rowwise(torch.zeros(64, 128, dtype=torch.bfloat16, device=dev)[:, :64])
+        mxfp8_cuda.quantize_weights_fused(torch.zeros(2, 64, 128, dtype=torch.bfloat16, device=dev)[:, :, :64])
     with pytest.raises(ValueError, match="aligned"):
-        mxfp8_cuda.quantize_rowwise(torch.zeros(64 * 64 + 4, dtype=torch.bfloat16, device=dev)[4:].view(64, 64))
-    with pytest.raises(ValueError, match="2-D"):
-        mxfp8_cuda.quantize_rowwise(torch.zeros(2, 64, 64, dtype=torch.bfloat16, device=dev))
-    with pytest.raises(ValueError, match="group_sizes"):
-        mxfp8_cuda.quantize_rowwise(x, "grouped")
+        flat = torch.zeros(2 * 64 * 64 + 4, dtype=torch.bfloat16, device=dev)
+        mxfp8_cuda.quantize_weights_fused(flat[4:].view(2, 64, 64))
+    with pytest.raises(ValueError, match="3-D"):
+        mxfp8_cuda.quantize_weights_fused(w[0])
+    data, data_t = (torch.empty(2, 64, 64, dtype=torch.float8_e4m3fn, device=dev) for _ in range(2))
+    scale, scale_t = (torch.empty(2, 512, dtype=torch.uint8, device=dev) for _ in range(2))
+    with pytest.raises(ValueError, match="scale: expected shape"):
+        mxfp8_cuda.quantize_weights_fused_into(w, data, scale[:, :256], data_t, scale_t)
+    with pytest.raises(TypeError, match="data_t: expected dtype"):
+        mxfp8_cuda.quantize_weights_fused_into(w, data, scale, data_t.view(torch.uint8), scale_t)
+    with pytest.raises(TypeError, match="expected dtype"):
+        mxfp8_cuda.quantize_weights_fused_into(w, data, scale, data_t, scale_t.view(torch.int8))
     with pytest.raises(TypeError):
-        mxfp8_cuda.quantize_rowwise(x, "grouped", torch.zeros(2, dtype=torch.int64, device=dev))
-    with pytest.raises(ValueError, match="scale_layout"):
-        mxfp8_cuda.quantize_rowwise(x, "swizzled")
-    data = torch.empty(64, 64, dtype=torch.float8_e4m3fn, device=dev)
-    with pytest.raises(ValueError, match="shape"):
-        mxfp8_cuda.quantize_rowwise_into(x, data, torch.empty(64, 3, dtype=torch.uint8, device=dev), "plain")
-    with pytest.raises(TypeError, match="dtype"):
-        mxfp8_cuda.quantize_rowwise_into(x, data, torch.empty(64, 2, dtype=torch.int8, device=dev), "plain")
-    with pytest.raises(TypeError, match="dtype"):
-        mxfp8_cuda.quantize_rowwise_into(
-            x, data.view(torch.uint8), torch.empty(64, 2, dtype=torch.uint8, device=dev), "plain"
-        )
-    with pytest.raises(TypeError):
-        mxfp8_cuda.dequantize(MXFP8Tensor(data, torch.zeros(64, 2, dtype=torch.uint8, device=dev), 1), torch.int32)
+        mxfp8_cuda.dequantize(MXFP8Tensor(data[0], torch.zeros(64, 2, dtype=torch.uint8, device=dev), 1), torch.int32)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_device_mismatch_and_cpu_input():
-    x = torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(2, 64, 64, dtype=torch.bfloat16, device="cuda")
+    data, data_t = (torch.empty(2, 64, 64, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2))
+    scale, scale_t = (torch.empty(2, 512, dtype=torch.uint8, device="cuda") for _ in range(2))
     with pytest.raises(ValueError, match="device"):
-        mxfp8_cuda.quantize_rowwise(x, "grouped", torch.tensor([64], dtype=torch.int32))
+        mxfp8_cuda.quantize_weights_fused_into(w, data.cpu(), scale, data_t, scale_t)
     with pytest.raises(ValueError, match="device"):
-        mxfp8_cuda.quantize_rowwise_into(
-            x,
-            torch.empty(64, 64, dtype=torch.float8_e4m3fn),
-            torch.empty(64, 2, dtype=torch.uint8, device="cuda"),
-            "plain",
-        )
+        mxfp8_cuda.quantize_grouped_dual(w[0], torch.tensor([64], dtype=torch.int32))
     with pytest.raises(ValueError, match="CUDA"):
-        mxfp8_cuda.quantize_rowwise(x.cpu())
+        mxfp8_cuda.quantize_weights_fused(w.cpu())
 
 
 # ------------------------------------------------------------------------------------------------------------
-# GPU only: public API routing, streams, software conversion switch
+# GPU only: public API routing, streams
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -588,26 +384,14 @@ def test_public_api_on_cuda(dtype):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_side_stream():
     x = make_input(4096, 2048, torch.bfloat16, seed=61)
-    ref = quantize_torch(x, -1)
+    ref, ref0 = quantize_torch(x, -1), quantize_torch(x, 0)
     xd = x.cuda()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        data, scale = mxfp8_cuda.quantize_rowwise(xd, "blocked")
+        got, got0 = mxfp8_cuda.quantize(xd, 1), mxfp8_cuda.quantize(xd, 0)
     s.synchronize()
-    assert_bytes(data, ref.data, "data on a side stream")
-    assert_bytes(scale, to_blocked(ref.scale), "scale on a side stream")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_soft_conversion_switch(monkeypatch):
-    """MOE_EP_MXFP8_SOFT_CVT=1 (software e4m3 rounding) gives the same bytes as the hardware cvt."""
-    x = make_input(1000, 2080, torch.float32, seed=62)
-    ref, reft = quantize_torch(x, -1), quantize_torch(x[:992].t().contiguous(), -1)
-    monkeypatch.setenv("MOE_EP_MXFP8_SOFT_CVT", "1")
-    data, scale = mxfp8_cuda.quantize_rowwise(x.cuda(), "blocked")
-    assert_bytes(data, ref.data, "soft-cvt data")
-    assert_bytes(scale, to_blocked(ref.scale), "soft-cvt scale")
-    data_t, _ = mxfp8_cuda.quantize_colwise(x[:992].cuda(), "plain")
-    assert_bytes(data_t, reft.data, "soft-cvt colwise data")
+    assert_bytes(got.data, ref.data, "data on a side stream")
+    assert_bytes(got.scale, ref.scale, "scale on a side stream")
+    assert_bytes(got0.data, ref0.data, "axis 0 data on a side stream")
+    assert_bytes(got0.scale, ref0.scale, "axis 0 scale on a side stream")

@@ -1,6 +1,6 @@
 """Grouped GEMM operands from one read (moe_ep.mxfp8.cuda.quantize_grouped_dual): row-wise MXFP8 with per-group
-blocked scales plus the per-group column-wise operand, of x itself (mx_quant_dual, or mx_quant's shared-memory
-transpose) and of the SwiGLU forward / backward (mx_swiglu_dual, or mx_quant): bytes == the reference's bytes.
+blocked scales plus the per-group column-wise operand, of x itself (mx_quant_dual for bf16, mx_quant for fp32) and
+of the SwiGLU forward / backward (mx_swiglu_dual, or mx_quant where that does not run): bytes == the reference's.
 
 Runs on the two backends of tests/test_quant_cuda.py (``cuda``, and ``emu``: the kernel source run on the CPU by
 the emulator of tests/quant_emu.py). The emulator's SwiGLU uses the host ``expf``, which may differ from
@@ -15,6 +15,7 @@ import torch
 
 from moe_ep.experts.operands import colwise_prep_rows, colwise_prep_rows_used
 from moe_ep.mxfp8 import cuda as mxfp8_cuda
+from moe_ep.mxfp8 import grouped_blocked_size
 from moe_ep.mxfp8 import plan as quant_plan
 from tests.test_quant_cuda import HAS_CUDA, _big, backend_dev, record_launches  # noqa: F401  (backend_dev: the ``dev`` fixture)
 
@@ -74,46 +75,38 @@ def _check_dual(got, want, sizes, exact: bool = True):
         _frac_ok(name, a, b, exact)
 
 
-# bf16 runs through both grouped-dual kernels (MOE_EP_QUANT_DUAL): the register-tiled mx_quant_dual (default)
-# and mx_quant's shared-memory transpose, on its auto pipe (3) and on pipe 4 (one CTA per tile, each scanning the
-# group table; "smem4"); fp32 has only the shared-memory kernel (the switch does not apply to it).
-DUAL_IMPLS = [
-    pytest.param(torch.bfloat16, "reg", id="bf16-reg"),
-    pytest.param(torch.bfloat16, "smem", id="bf16-smem"),
-    pytest.param(torch.bfloat16, "smem4", id="bf16-smem-pipe4"),
-    pytest.param(torch.float32, "reg", id="fp32"),
-]
+# bf16 runs mx_quant_dual (register-tiled), fp32 mx_quant (the tile staged in shared memory)
+DUAL_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 
 
-def _set_impl(monkeypatch, impl: str) -> None:
-    """MOE_EP_QUANT_DUAL (and, for "smem4", MOE_EP_QUANT_PIPE=4) of a DUAL_IMPLS entry."""
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", impl.removesuffix("4"))
-    if impl == "smem4":
-        monkeypatch.setenv("MOE_EP_QUANT_PIPE", "4")
+def _dual_kernel(dtype: torch.dtype, colwise: str) -> str:
+    """Kernel name prefix the grouped dual of ``dtype`` launches."""
+    cs = 5 if colwise == "bf16" else 4
+    return f"mx_quant_dual<1,{cs}," if dtype == torch.bfloat16 else f"mx_quant<0,3,{cs}>"
 
 
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
-@pytest.mark.parametrize("dtype,impl", DUAL_IMPLS)
-def test_grouped_dual_matches_reference(dev, sizes, dtype, impl, monkeypatch):
+@pytest.mark.parametrize("dtype", DUAL_DTYPES)
+def test_grouped_dual_matches_reference(dev, sizes, dtype, monkeypatch):
     from moe_ep.experts.reference import quantize_grouped_dual_torch
 
-    _set_impl(monkeypatch, impl)
     m, k = sum(sizes), 160
     x = _dual_input(m, k, dtype, seed=len(sizes) + m)
     st = torch.tensor(sizes, dtype=torch.int32)
+    names = record_launches(monkeypatch)
     got = mxfp8_cuda.quantize_grouped_dual(x.to(dev), st.to(dev))
+    assert len(names) == 1 and names[0].startswith(_dual_kernel(dtype, "mxfp8")), names
     _check_dual(got, quantize_grouped_dual_torch(x, st), sizes)
 
 
 @pytest.mark.parametrize("sizes", DUAL_SIZES)
-@pytest.mark.parametrize("dtype,impl", DUAL_IMPLS)
-def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype, impl, monkeypatch):
+@pytest.mark.parametrize("dtype", DUAL_DTYPES)
+def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype, monkeypatch):
     """colwise="bf16": the row-wise pair as with MXFP8 column output, and the column operand written as the
     prepared bf16 layout (64-row group blocks, zero padding rows) == prepare_colwise_bf16_torch of the reference's
     MXFP8 column operand; nothing written past the last group's block."""
     from moe_ep.experts.reference import quantize_grouped_dual_torch
 
-    _set_impl(monkeypatch, impl)
     m, k = sum(sizes), 160
     x = _dual_input(m, k, dtype, seed=len(sizes) + m)
     if m >= 64:  # whole 32-row column blocks whose dequantized values fall below bf16's smallest normal: rounded once
@@ -127,7 +120,9 @@ def test_grouped_dual_prepared_matches_reference(dev, sizes, dtype, impl, monkey
     data = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty_like(want[1], device=dev)
     prep = torch.full(want[2].shape, float("nan"), dtype=torch.bfloat16, device=dev)  # sentinel past the groups
+    names = record_launches(monkeypatch)
     mxfp8_cuda.quantize_grouped_dual_into(x.to(dev), st.to(dev), data, scale, prep, None, colwise="bf16")
+    assert len(names) == 1 and names[0].startswith(_dual_kernel(dtype, "bf16")), names
     _check_dual((data, scale, prep, None), want, sizes)
     assert torch.isnan(prep[colwise_prep_rows_used(sizes) :]).all(), "written past the last group's 64-row block"
 
@@ -159,17 +154,17 @@ def _extreme_dual_input(m: int, k: int, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("stages", ["2", "3", "4", "5", "6"])
+@pytest.mark.parametrize("stages", quant_plan.DUAL_STAGES)
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
 def test_grouped_dual_extreme_and_persistent(dev, colwise, stages, monkeypatch):
-    """bf16 grouped dual (the register-tiled kernel, each cp.async depth) on extreme blocks, K % 128 = 32, with
-    enough tiles that every persistent CTA runs several (GPU: 1284 tiles over at most 396 CTAs; emulator: 33 tiles
-    over at most 6), bytes == the reference. The emulator copies cp.async data at once: only the GPU run checks
-    the stage ring's waits."""
+    """bf16 grouped dual (the register-tiled kernel at each cp.async depth it runs: 2 and 4 by tiles per SM, 3 where
+    4 stages do not fit next to a large group table; forced here) on extreme blocks, K % 128 = 32, with enough tiles
+    that every persistent CTA runs several (GPU: 1284 tiles over at most 396 CTAs; emulator: 33 tiles over at most
+    6), bytes == the reference. The emulator copies cp.async data at once: only the GPU run checks the stage ring's
+    waits."""
     from moe_ep.experts.reference import quantize_grouped_dual_torch
 
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", stages)
+    monkeypatch.setattr(quant_plan, "dual_stages", lambda tiles, device: stages)
     if _big(dev):
         sizes, k = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 1440
     else:
@@ -188,7 +183,6 @@ def test_grouped_dual_k224(dev, colwise, monkeypatch):
     """K = 224: the last column tile holds 96 of 128 columns (3 of 4 scale columns), with a trailing empty group."""
     from moe_ep.experts.reference import quantize_grouped_dual_torch
 
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
     sizes = [3, 0, 70, 129, 0]
     x = _extreme_dual_input(sum(sizes), 224, seed=9)
     st = torch.tensor(sizes, dtype=torch.int32)
@@ -203,7 +197,7 @@ def _dual_into_sentinel(x, sizes, m, colwise, swiglu=False, dh=None):
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     st = torch.tensor(sizes, dtype=torch.int32, device=dev)
     data = torch.full((m, k), 0x55, dtype=torch.uint8, device=dev)
-    scale = torch.full(mxfp8_cuda.row_scale_shape(m, k, "grouped", g), 0x33, dtype=torch.uint8, device=dev)
+    scale = torch.full((grouped_blocked_size(m, g, k // 32, "m"),), 0x33, dtype=torch.uint8, device=dev)
     if colwise == "bf16":
         data_c, scale_c = torch.full((colwise_prep_rows(m, g), 2 * k), 0x12, dtype=torch.uint8, device=dev), None
     else:
@@ -218,18 +212,18 @@ def _dual_into_sentinel(x, sizes, m, colwise, swiglu=False, dh=None):
 
 
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
-def test_grouped_dual_sizes_not_summing_to_m(dev, colwise):
+def test_grouped_dual_sizes_not_summing_to_m(dev, colwise, monkeypatch):
     """Group sizes summing to less than M (rows past the groups untouched) or more (clamped at M): the register-
-    tiled kernel writes exactly the bytes mx_quant's transpose writes, sentinels included (the reference needs
-    sum == M, so the two kernels are compared with each other)."""
+    tiled kernel on bf16 x writes exactly the bytes mx_quant writes for the same values in fp32, sentinels included
+    (the reference needs sum == M, so the two kernels are compared with each other)."""
     sizes = [40, 0, 90, 7]
     x = _extreme_dual_input(160, 96, seed=11).to(dev)
+    names = record_launches(monkeypatch)
     for m in (sum(sizes) - 20, sum(sizes) + 23):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("MOE_EP_QUANT_DUAL", "reg")
-            got = _dual_into_sentinel(x, sizes, m, colwise)
-            mp.setenv("MOE_EP_QUANT_DUAL", "smem")
-            want = _dual_into_sentinel(x, sizes, m, colwise)
+        got = _dual_into_sentinel(x, sizes, m, colwise)
+        want = _dual_into_sentinel(x.float(), sizes, m, colwise)
+        assert names[-2].startswith(_dual_kernel(torch.bfloat16, colwise)), names
+        assert names[-1] == _dual_kernel(torch.float32, colwise), names
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), f"M = {m}, output {i}: {int((a != b).sum())} bytes differ"
 
@@ -240,7 +234,7 @@ def test_grouped_dual_prepared_bad_input():
     x = torch.zeros(64, 96, dtype=torch.bfloat16, device="cuda")
     st = torch.tensor([64], dtype=torch.int32, device="cuda")
     data = torch.empty(64, 96, dtype=torch.float8_e4m3fn, device="cuda")
-    scale = torch.empty(mxfp8_cuda.row_scale_shape(64, 96, "grouped", 1), dtype=torch.uint8, device="cuda")
+    scale = torch.empty(grouped_blocked_size(64, 1, 3, "m"), dtype=torch.uint8, device="cuda")
     prep = torch.empty(128, 96, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="colwise must be"):
         mxfp8_cuda.quantize_grouped_dual(x, st, colwise="fp8")
@@ -333,10 +327,12 @@ def test_swiglu_bwd_dual_matches_reference(dev, sizes, dh_dtype):
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
 @pytest.mark.parametrize("mode", ["forward2", "forward3", "backward"])
 def test_swiglu_reg_matches_mx_quant(dev, mode, colwise, monkeypatch):
-    """mx_swiglu_dual (each depth) writes exactly mx_quant's bytes, sentinels included: extreme blocks in a and dh
-    (subnormals, near-overflow values whose products overflow to Inf, NaN/Inf, zeros), empty groups, group sizes
-    summing to M, to less (rows past the groups untouched) and to more (clamped at M), several tiles per CTA, and
-    (forward) a partial last column tile. Kernel against kernel, so the emulator is exact too (same host expf)."""
+    """mx_swiglu_dual (each depth it runs: the forward takes 2 where 3 do not fit next to the group table; forced
+    here) writes exactly the bytes of mx_quant, which runs where mx_swiglu_dual does not fit (forced here) and for an
+    fp32 dh, sentinels included: extreme blocks in a and dh (subnormals, near-overflow values whose products
+    overflow to Inf, NaN/Inf, zeros), empty groups, group sizes summing to M, to less (rows past the groups
+    untouched) and to more (clamped at M), several tiles per CTA, and (forward) a partial last column tile. Kernel
+    against kernel, so the emulator is exact too (same host expf)."""
     bwd = mode == "backward"
     if _big(dev):  # 4 (backward) / 5 (forward) column tiles of h x 106-107 row tiles over 132 CTAs
         sizes, f = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 512 if bwd else 608
@@ -345,20 +341,25 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, colwise, monkeypatch):
     n = sum(sizes)
     a = _extreme_dual_input(n + 23, 2 * f, seed=21).to(dev)
     dh = _extreme_dual_input(n + 23, f, seed=22).to(dev) if bwd else None
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "2" if mode == "forward2" else "auto")
+    if mode == "forward2":
+        monkeypatch.setattr(quant_plan, "SWIGLU_STAGES", {False: 2, True: 2})
     cs = 5 if colwise == "bf16" else 4
     want_name = f"mx_swiglu_dual<{int(bwd)},{cs},{3 if mode == 'forward3' else 2}>"
+    names = record_launches(monkeypatch)
     for m in (n, n - 20, n + 23):
+        got = _dual_into_sentinel(a, sizes, m, colwise, swiglu=not bwd, dh=dh)
+        assert names[-1] == want_name, names
+        wants = []
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("MOE_EP_QUANT_DUAL", "reg")
-            names = record_launches(mp)
-            got = _dual_into_sentinel(a, sizes, m, colwise, swiglu=not bwd, dh=dh)
-            assert names == [want_name]
-            mp.setenv("MOE_EP_QUANT_DUAL", "smem")
-            want = _dual_into_sentinel(a, sizes, m, colwise, swiglu=not bwd, dh=dh)
-            assert names[-1].startswith(f"mx_quant<{5 if bwd else 3},3,{cs}")
-        for i, (x, y) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(x, y), f"M = {m}, output {i}: {int((x != y).sum())} bytes differ"
+            mp.setattr(quant_plan, "swiglu_plan", lambda *args: None)  # as where mx_swiglu_dual does not fit
+            wants.append(_dual_into_sentinel(a, sizes, m, colwise, swiglu=not bwd, dh=dh))
+        assert names[-1] == f"mx_quant<{5 if bwd else 3},3,{cs}>", names
+        if bwd:  # an fp32 dh of the same values
+            wants.append(_dual_into_sentinel(a, sizes, m, colwise, dh=dh.float()))
+            assert names[-1] == f"mx_quant<4,3,{cs}>", names
+        for want in wants:
+            for i, (x, y) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(x, y), f"M = {m}, output {i}: {int((x != y).sum())} bytes differ"
 
 
 @pytest.mark.parametrize("colwise", ["mxfp8", "bf16"])
@@ -368,7 +369,6 @@ def test_swiglu_reg_matches_reference(dev, bwd, colwise, monkeypatch):
     the GPU (F = 128 backward, one h tile; F = 224 forward, a partial second one), extreme blocks, empty groups."""
     from moe_ep.experts.reference import quantize_grouped_dual_torch
 
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
     sizes, f = [3, 0, 70, 129, 0, 40], 128 if bwd else 224
     m = sum(sizes)
     a = _extreme_dual_input(m, 2 * f, seed=31).to(dev)
@@ -384,8 +384,6 @@ def test_swiglu_reg_matches_reference(dev, bwd, colwise, monkeypatch):
 def test_swiglu_kernel_plan(monkeypatch):
     """Which SwiGLU kernel runs, its depth, grid and shared memory (hand-worked, 132 SMs; no launch)."""
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
-    monkeypatch.delenv("MOE_EP_QUANT_DUAL", raising=False)
-    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES", raising=False)
     grouped, gnt, gprep = quant_plan.RS["grouped"], quant_plan.CS["grouped_nt"], quant_plan.CS["grouped_prep"]
     fwd, bwd16, bwd32 = quant_plan.IN_SWIGLU, quant_plan.IN_SWIGLU_BWD16, quant_plan.IN_SWIGLU_BWD
     a = torch.empty(32768, 4096, dtype=torch.bfloat16)  # dsv3: F = 2048, 32 groups, 256 + 32 row tiles
@@ -398,18 +396,22 @@ def test_swiglu_kernel_plan(monkeypatch):
     assert plan == ("mx_swiglu_dual<1,4,2>", 132, 528 + 2 * 98304 + 2048, 288, 32, 256)
     # few tiles: one CTA per tile of h
     assert quant_plan.swiglu_plan(False, 256, 6, 2, torch.device("cpu")) == (3, 6, 48 + 3 * 65536 + 1024)
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "2")
-    assert quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)[:3] == (
+    # 2200 groups: 3 forward stages no longer fit next to the table (35216 + 196608 + 1024 > 232448), 2 do
+    assert quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 2200, 2456, fwd)[:3] == (
         "mx_swiglu_dual<0,4,2>",
         132,
-        528 + 2 * 65536 + 1024,
+        16 * 2201 + 2 * 65536 + 1024,
     )
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "x")
-    with pytest.raises(ValueError, match="MOE_EP_QUANT_DUAL_STAGES"):
-        quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)
-    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
-    # 2200 groups: 3 forward stages no longer fit next to the table (35216 + 196608 + 1024 > 232448), 2 do
-    assert quant_plan.swiglu_plan(False, 2048, 5000, 2200, torch.device("cpu"))[0] == 2
+    # 6300 groups: not even 2 forward stages (100816 + 131072 + 1024 > 232320): mx_quant, one CTA per fp32 tile
+    # with the tile staged in shared memory (64 KB), the fixed area and the table
+    assert quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 6300, 6556, fwd) == (
+        "mx_quant<3,3,4>",
+        6556 * 16,
+        65536 + 3584 + 16 * 6301,
+        6556,
+        16,
+        256,
+    )
     # The 128 bytes of static shared memory (the group scan's partials) count against the 227 KiB too: 2170 groups
     # forward, 16 * 2171 + 3 * 65536 + 1024 = 232368 bytes, would pass a dynamic-only check (232448) but not
     # 232448 - 128, so 2 stages; 2106 groups backward, 16 * 2107 + 2 * 98304 + 2048 = 232368: mx_quant.
@@ -422,8 +424,6 @@ def test_swiglu_kernel_plan(monkeypatch):
     a96 = torch.empty(1000, 192, dtype=torch.bfloat16)
     assert quant_plan.quant_plan(a96, 1000, 192, grouped, gnt, 4, 12, bwd16)[0].startswith("mx_quant<5,3,4")
     assert quant_plan.quant_plan(a, 32768, 4096, grouped, gnt, 32, 288, bwd32)[0].startswith("mx_quant<4,3,4")
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")
-    assert quant_plan.quant_plan(a, 32768, 2048, grouped, gnt, 32, 288, fwd)[0].startswith("mx_quant<3,3,4")
 
 
 @pytest.mark.gpu

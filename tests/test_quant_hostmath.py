@@ -3,8 +3,8 @@
 The same ``__host__ __device__`` functions run inside kernels/quantize.cu; here they are compiled with g++ (or
 c++) and fed blocks on which the reference (moe_ep.mxfp8.quantize_torch) is the specification. Skips when no
 C++ compiler is found. The device's e4m3 conversion is the hardware ``cvt.rn.satfinite.e4m3x2.f32``; the host
-build uses the software conversion (``mx_f32_to_e4m3_soft``), which the GPU tests can select with
-MOE_EP_MXFP8_SOFT_CVT=1.
+build uses the software conversion (``mx_f32_to_e4m3_soft``), which the CPU emulator of the kernels
+(tests/quant_emu.py) runs too. The launch plans of moe_ep.mxfp8.plan are checked here as well (hand-worked).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from moe_ep.mxfp8 import E4M3_MAX, quantize_torch
+from moe_ep.mxfp8 import plan as quant_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_emu import CXX, KERNELS, PIPE_CASES, build_emulator, emulator  # noqa: E402
+from quant_emu import CXX, KERNELS, build_emulator, emulator, pipe_cases  # noqa: E402
 
 HARNESS = r"""
 #include <stdio.h>
@@ -232,188 +233,62 @@ def test_e4m3_decode(harness, tmp_path):
 
 
 def test_emulator_builds(tmp_path):
-    """The emulator compiles and reports the kernel's own choice: bf16 row-only plain scales run pipe 5 under auto
-    (kernels/quantize.cu QuantCfg), blocked ones pipe 4, fp32 pipe 0."""
+    """The emulator compiles and reports the kernel's own pipe (kernels/quantize.cu QuantCfg): 16-bit row-only plain
+    scales 5, the fused blocked mode of mx_quant_batch and column-only on request 4, fp32 and column-only 0."""
     so = build_emulator(tmp_path)
-    assert (so.emu_pipe(1, 1, 0, -1), so.emu_pipe(1, 2, 0, -1), so.emu_pipe(0, 2, 0, -1)) == (5, 4, 0)
-
-
-def test_dynamic_schedule_choice(monkeypatch):
-    """MOE_EP_QUANT_SCHED: which mx_quant launches take the dynamic tile schedule (hand-worked, 396 CTA slots), and
-    the kernel quant_plan names for them."""
-    from moe_ep.mxfp8 import plan as quant_plan
-
-    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
-    monkeypatch.delenv("MOE_EP_QUANT_SCHED", raising=False)
-    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
-    ds = quant_plan.dynamic_schedule
-    assert ds("mx_quant<1,2,0>", 396, 14336)  # 32768 x 7168: 36.2 tiles per CTA
-    assert ds("mx_quant<1,2,0>", 396, 7168)  # 16384 x 7168: 18.1
-    assert ds("mx_quant<1,2,0>", 396, 12 * 396)
-    assert not ds("mx_quant<1,2,0>", 396, 12 * 396 - 1)
-    assert not ds("mx_quant<1,2,0>", 396, 4096)  # 32768 x 2048: 10.3
-    assert not ds("mx_quant<1,3,0>", 396, 2560)  # grouped rows, 16384 x 2048 + 32 groups: 6.5
-    assert ds("mx_quant<2,3,0>", 396, 8960)  # grouped rows (pipe 3, 396 CTAs), 16384 x 7168 + 32 groups: 22.6
-    assert ds("mx_quant<1,2,2>", 396, 2048)  # fused: from 4 per CTA
-    assert not ds("mx_quant<1,2,2>", 396, 4 * 396 - 1)
-    assert not ds("mx_quant<1,0,2>", 396, 16384)  # column-only (MOE_EP_QUANT_PIPE=3): no mx_quant_dyn instantiation
-    assert not ds("mx_quant<1,0,2>", 4096, 4096)  # one CTA per tile (pipe 0): nothing to hand out
-    assert not ds("mx_quant<0,2,0>", 396, 100000)  # fp32: no mx_quant_dyn instantiation
-    assert not ds("mx_quant<1,3,4>", 264, 100000)  # grouped dual on mx_quant (MOE_EP_QUANT_DUAL=smem): none either
-    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "dynamic")
-    assert ds("mx_quant<1,2,0>", 396, 2048)
-    assert not ds("mx_quant<1,0,2>", 4096, 4096)
-    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "static")
-    assert not ds("mx_quant<1,2,0>", 396, 14336)
-    monkeypatch.setenv("MOE_EP_QUANT_SCHED", "steal")
-    with pytest.raises(ValueError, match="MOE_EP_QUANT_SCHED"):
-        ds("mx_quant<1,2,0>", 396, 14336)
-    monkeypatch.delenv("MOE_EP_QUANT_SCHED")
-    x = torch.empty(0, dtype=torch.bfloat16)
-    blocked, uniform = quant_plan.RS["blocked"], quant_plan.RS["uniform"]
-    plan = quant_plan.quant_plan
-    # auto: row-only blocked and fused take pipe 4 (one CTA per tile, one 32 KB stage: 3584 + 32768 + 128 bytes of
-    # shared memory; row plain: pipe 5, 64-row tiles), so no schedule to choose
-    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:3] == ("mx_quant<1,2,0>", 14336, 36480)
-    assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[:2] == ("mx_quant<1,2,2>", 2048)
-    # grouped rows and 3-D weight scales stay persistent (pipe 3): 16384 x 7168 in 32 groups, (128 + 32) x 56 tiles;
-    # 64 experts x [2048, 7168] = 57344 tiles on 396 CTAs
-    grouped = quant_plan.RS["grouped"]
-    assert plan(x, 16384, 7168, grouped, 0, 32, 160, None)[:2] == ("mx_quant_dyn<1,3,0>", 396)
-    assert plan(x, 16384, 2048, grouped, 0, 32, 160, None)[:2] == ("mx_quant<1,3,0>", 396)
-    assert plan(x, 64 * 2048, 7168, uniform, 0, 0, 64 * 16, None)[:2] == ("mx_quant_dyn<1,4,0>", 396)
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "3")  # two stages: 3584 + 2 * 32768 + 128
-    assert plan(x, 32768, 7168, blocked, 0, 0, None, None)[:3] == ("mx_quant_dyn<1,2,0>", 396, 69248)
-    assert plan(x, 16384, 2048, blocked, 0, 0, None, None)[:2] == ("mx_quant<1,2,0>", 396)
-    assert plan(x, 16384, 2048, blocked, blocked, 0, None, None)[0] == "mx_quant_dyn<1,2,2>"
-    monkeypatch.delenv("MOE_EP_QUANT_PIPE")
-    # the weights' batched launch keeps the static order (its problems share no counter)
-    assert quant_plan.batch_plan(torch.empty(0, dtype=torch.bfloat16), 4, 8192, 5120)[0] == "mx_quant_batch<1>"
+    got = [so.emu_pipe(*c) for c in ((1, 1, 0, -1), (1, 2, 2, -1), (2, 0, 3, 4), (1, 0, 3, -1), (0, 1, 0, -1))]
+    assert got == [5, 4, 4, 0, 0]
 
 
 def test_kernel_pipe_matches_host(tmp_path):
     """quant_plan.effective_pipe (grid, shared memory and CTA size are sized from it) == the pipe kernels/quantize.cu's
-    QuantCfg compiles, for every input code, row / column mode and requested pipe."""
-    from moe_ep.mxfp8 import plan as quant_plan
-
+    QuantCfg compiles, for every mx_quant / mx_quant_batch instantiation the launchers can name."""
     so = emulator(tmp_path)
     bad = []
-    for i, r, c, q in PIPE_CASES:
+    for i, r, c, q in pipe_cases():
         es = 4 if i in (0, 3, 4, 5) else 2  # fp32 and the SwiGLU codes stage fp32 (quant_plan.quant_plan)
         want, got = quant_plan.effective_pipe(es, r, c, q), so.emu_pipe(i, r, c, q)
         if want != got:
             bad.append(((i, r, c, q), want, got))
-    assert not bad, f"{len(bad)} of {len(PIPE_CASES)} differ, e.g. (IN, RS, CS, pipe), host, kernel: {bad[:5]}"
+    assert not bad, f"(IN, RS, CS, pipe), host, kernel: {bad}"
 
 
-def test_pipe5_plan(monkeypatch):
-    """Pipe 5 (64-row tiles of 128 threads): 16-bit row plain under auto, row plain / blocked under
-    MOE_EP_QUANT_PIPE=5, every other mode as pipe 4 (hand-worked plans)."""
-    from moe_ep.mxfp8 import plan as quant_plan
-
+def test_quant_plan(monkeypatch):
+    """mx_quant's plans on a 132-SM GPU (hand-worked): kernel, grid (one CTA per tile), shared memory, row and
+    column tiles, CTA size; the pipe-4 choice of column-only inputs; mx_quant_batch's grid."""
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
-    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
-    plain, blocked, col = quant_plan.RS["plain"], quant_plan.RS["blocked"], quant_plan.CS["blocked"]
-    x = torch.empty(0, dtype=torch.bfloat16)
+    plain, nt = quant_plan.RS["plain"], quant_plan.CS["nt"]
+    x, fixed = torch.empty(0, dtype=torch.bfloat16), quant_plan.SMEM_FIXED
     stage5, stage4 = 64 * 256 + 128, 128 * 256 + 128  # one 64- or 128-row bf16 stage on 128 bytes
-    # [300, 544] plain under auto: ceil(300 / 64) = 5 row tiles x 5 column tiles, 128 threads
-    assert quant_plan.quant_plan(x, 300, 544, plain, 0, 0, None, None) == (
-        "mx_quant<1,1,0>",
-        25,
-        quant_plan.SMEM_FIXED + stage5,
-        5,
-        5,
-        128,
-    )
-    # blocked stays on pipe 4 under auto; under 5 it takes both halves of its 3 scale tiles (6 row tiles)
-    assert quant_plan.quant_plan(x, 300, 544, blocked, 0, 0, None, None)[1:] == (
-        15,
-        quant_plan.SMEM_FIXED + stage4,
-        3,
-        5,
-        256,
-    )
-    assert quant_plan.quant_plan(x.float(), 300, 544, plain, 0, 0, None, None)[1:] == (
-        15,
-        quant_plan.SMEM_FIXED,
-        3,
-        5,
-        256,
-    )  # fp32: pipe 0, no stage
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "5")
-    assert quant_plan.quant_plan(x, 300, 544, blocked, 0, 0, None, None)[1:] == (
-        30,
-        quant_plan.SMEM_FIXED + stage5,
-        6,
-        5,
-        128,
-    )
-    # fused and column-only run pipe 4's kernels (one 128-row tile per CTA of 256 threads)
-    assert quant_plan.quant_plan(x, 16384, 2048, blocked, col, 0, None, None)[1:] == (
-        2048,
-        quant_plan.SMEM_FIXED + stage4,
-        128,
-        16,
-        256,
-    )
-    assert quant_plan.effective_pipe(2, 0, col, 5) == 4
-    assert quant_plan.effective_pipe(2, quant_plan.RS["grouped"], 0, 5) == 4
-    assert quant_plan.effective_pipe(4, plain, 0, 5) == 0  # fp32: no cp.async path
-    assert quant_plan.quant_ctas(4096, 2, blocked, 0, torch.device("cpu"), 5) == 4096  # one CTA per 64-row tile
-
-
-def test_quant_grid_full_and_balanced(monkeypatch):
-    """MOE_EP_QUANT_GRID: the persistent grid of the row-wise kernels on a 132-SM GPU (hand-worked numbers)."""
-    from moe_ep.mxfp8 import plan as quant_plan
-
-    monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
-    monkeypatch.delenv("MOE_EP_QUANT_PIPE", raising=False)
-    dev = torch.device("cpu")
-    blocked, grouped = quant_plan.RS["blocked"], quant_plan.RS["grouped"]
-    monkeypatch.delenv("MOE_EP_QUANT_GRID", raising=False)
-    # blocked bf16 and fused: pipe 4, one CTA per tile; on pipe 3 (grouped rows' auto), 3 CTAs per SM = 396 slots;
-    # pipe 2: 2 per SM = 264
-    col, fused = quant_plan.CS["blocked"], (blocked, quant_plan.CS["blocked"])
-    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 2048
-    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev, 3) == 396
-    assert quant_plan.quant_ctas(100, 2, blocked, 0, dev, 3) == 100
-    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 396
-    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev, 2) == 264
-    assert quant_plan.quant_ctas(2048, 2, 0, col, dev) == 2048  # column-only: pipe 0
-    assert quant_plan.quant_ctas(2048, 2, *fused, dev) == 2048  # fused: pipe 4
-    assert quant_plan.quant_ctas(2048, 2, *fused, dev, 3) == 396
-    assert quant_plan.quant_ctas(2048, 4, *fused, dev) == 2048  # fp32: pipe 0
-    assert quant_plan.effective_pipe(4, blocked, 0, 4) == 0  # fp32: no cp.async path
-    # column-only bf16 under auto: pipe 4 from 24 * 132 = 3168 tiles, else the kernel's auto (0)
-    assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 4  # [131072, 2048]
-    assert quant_plan.requested_pipe(2, 0, col, 3168, dev) == 4  # the boundary: exactly 24 tiles per SM
-    assert quant_plan.requested_pipe(2, 0, col, 3167, dev) == -1
-    assert quant_plan.requested_pipe(2, 0, col, 2048, dev) == -1  # [16384, 2048]: the kernel's auto, pipe 0
-    assert quant_plan.quant_ctas(16384, 2, 0, col, dev, 4) == 16384
-    assert quant_plan.requested_pipe(2, grouped, 0, 16128, dev) == -1  # grouped rows: the kernel's auto, pipe 3
-    assert quant_plan.requested_pipe(4, 0, col, 16384, dev) == -1  # fp32: no pipe 4
-    assert quant_plan.requested_pipe(2, *fused, 16384, dev) == -1  # fused: already 4 by the kernel's auto
-    assert quant_plan.requested_pipe(2, quant_plan.RS["uniform"], 0, 16384, dev) == -1  # 3-D weights: pipe 3
-    monkeypatch.setenv("MOE_EP_QUANT_PIPE", "0")
-    assert quant_plan.requested_pipe(2, 0, col, 16384, dev) == 0  # an explicit switch wins
-    monkeypatch.delenv("MOE_EP_QUANT_PIPE")
-    monkeypatch.setenv("MOE_EP_QUANT_GRID", "balanced")
-    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev, 3) == 342  # ceil(2048 / 6): 6 tiles per CTA
-    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev) == 342  # pipe 3: ceil(2048 / 6)
-    assert quant_plan.quant_ctas(2048, 2, grouped, 0, dev, 2) == 256  # pipe 2: ceil(2048 / 8)
-    assert quant_plan.quant_ctas(2048, 2, blocked, 0, dev) == 2048  # pipe 4 has no persistent grid to balance
+    plan = quant_plan.quant_plan
+    # [300, 544] row-wise plain: pipe 5, ceil(300 / 64) = 5 row tiles x 5 column tiles, 128 threads
+    assert plan(x, 300, 544, plain, 0, 0, None, None) == ("mx_quant<1,1,0>", 25, fixed + stage5, 5, 5, 128)
+    assert plan(x.half(), 300, 544, plain, 0, 0, None, None)[0] == "mx_quant<2,1,0>"
+    # fp32: pipe 0, 128-row tiles of 256 threads, no stage
+    assert plan(x.float(), 300, 544, plain, 0, 0, None, None) == ("mx_quant<0,1,0>", 15, fixed, 3, 5, 256)
+    # column-only: pipe 0 (the tile staged in shared memory) below 24 tiles per SM (3168), pipe 4 from there
+    assert plan(x, 16384, 2048, 0, nt, 0, None, None) == ("mx_quant<1,0,3>", 2048, 32768 + fixed, 128, 16, 256)
+    assert plan(x, 131072, 2048, 0, nt, 0, None, None) == ("mx_quant<1,0,3,4>", 16384, fixed + stage4, 1024, 16, 256)
+    assert plan(x, 128 * 198, 2048, 0, nt, 0, None, None)[:2] == ("mx_quant<1,0,3,4>", 3168)  # exactly 24 per SM
+    assert plan(x, 128 * 198 - 32, 2048, 0, nt, 0, None, None)[:2] == ("mx_quant<1,0,3,4>", 3168)
+    assert plan(x, 128 * 197, 2048, 0, nt, 0, None, None)[:2] == ("mx_quant<1,0,3>", 3152)
+    assert plan(x.float(), 131072, 2048, 0, nt, 0, None, None)[:3] == ("mx_quant<0,0,3>", 16384, 65536 + fixed)
+    assert plan(x, 0, 2048, 0, nt, 0, None, None) is None
+    # the weights: the fused blocked mode over 4 experts of [8192, 5120], one CTA per tile (pipe 4; fp32: 0)
+    w = torch.empty(0, dtype=torch.bfloat16)
+    assert quant_plan.batch_plan(w, 4, 8192, 5120) == ("mx_quant_batch<1>", (2560, 4), fixed + stage4, 64, 40)
+    assert quant_plan.batch_plan(w.float(), 4, 8192, 5120)[:3] == ("mx_quant_batch<0>", (2560, 4), 65536 + fixed)
+    assert quant_plan.batch_plan(w, 0, 8192, 5120) is None
+    with pytest.raises(ValueError, match="grid.y"):
+        quant_plan.batch_plan(w, 65536, 32, 32)
 
 
 def test_dual_kernel_plan(monkeypatch):
     """Which grouped-dual kernel a bf16 input gets, its depth, grid and shared memory (hand-worked, 132 SMs)."""
-    from moe_ep.mxfp8 import plan as quant_plan
-
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
-    monkeypatch.delenv("MOE_EP_QUANT_DUAL", raising=False)
-    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES", raising=False)
     dev = torch.device("cpu")
     grouped, gnt, gprep = quant_plan.RS["grouped"], quant_plan.CS["grouped_nt"], quant_plan.CS["grouped_prep"]
-    # auto depth: 4 stages from 32 tiles per SM (4224 on 132 SMs), else 2
+    # depth: 4 stages from 32 tiles per SM (4224 on 132 SMs), else 2
     assert [quant_plan.dual_stages(t, dev) for t in (16128, 4224, 4223, 2560)] == [4, 4, 2, 2]
     # [32768, 7168] in 32 groups: (256 + 32) row tiles x 56 column tiles; 4 stages, one CTA per SM;
     # shared memory = 4 stages of 32 KB + two 512-byte row-scale tiles + group table 16 * 33
@@ -427,24 +302,24 @@ def test_dual_kernel_plan(monkeypatch):
         396,
         528 + 2 * 32768 + 1024,
     )
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "3")
-    assert quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[:2] == ("mx_quant_dual<1,4,3>", 264)
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "7")
-    with pytest.raises(ValueError, match="MOE_EP_QUANT_DUAL_STAGES"):
-        quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)
-    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
     # many groups: the table takes shared memory; 700 groups leave room for 2 CTAs per SM, not 3
     assert quant_plan.dual_plan(2560, 700, dev) == (2, 264, 16 * 701 + 2 * 32768 + 1024)
-    # 2500 groups at 6 stages would exceed 227 KiB per CTA: the depth comes down to 5
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL_STAGES", "6")
-    assert quant_plan.dual_plan(100000, 2500, dev) == (5, 132, 16 * 2501 + 5 * 32768 + 1024)
-    # static shared memory (128 bytes) counts too: 2168 groups at 6 stages need 232336 dynamic bytes, under 227 KiB
-    # (232448) but over 232448 - 128
-    assert quant_plan.dual_plan(100000, 2168, dev)[0] == 5
-    assert quant_plan.dual_plan(100000, 2167, dev)[0] == 6
-    monkeypatch.delenv("MOE_EP_QUANT_DUAL_STAGES")
-    assert quant_plan.dual_plan(2560, 20000, dev) is None  # not even 2 stages: the launcher takes mx_quant
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "smem")  # the shared-memory transpose of mx_quant
-    assert quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<1,3,4")
-    monkeypatch.setenv("MOE_EP_QUANT_DUAL", "reg")
-    assert quant_plan.quant_plan(x.float(), 16384, 2048, grouped, gnt, 32, 160, None)[0].startswith("mx_quant<0,3,4")
+    # 7000 groups: 4 stages would exceed 227 KiB per CTA (112016 + 131072 + 1024), 3 fit: one CTA per SM
+    assert quant_plan.dual_plan(100000, 7000, dev) == (3, 132, 16 * 7001 + 3 * 32768 + 1024)
+    # static shared memory (128 bytes) counts too: 6264 groups at 4 stages need 232336 dynamic bytes, under 227 KiB
+    # (232448) but over 232448 - 128; 6263 groups need exactly 232320
+    assert quant_plan.dual_plan(100000, 6263, dev)[0] == 4
+    assert quant_plan.dual_plan(100000, 6264, dev)[0] == 3
+    # not even 2 stages next to the table: no kernel can take it
+    assert quant_plan.dual_plan(2560, 20000, dev) is None
+    with pytest.raises(ValueError, match="20000 groups"):
+        quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 20000, 20128, None)
+    # fp32 runs mx_quant (pipe 0, the tile staged in shared memory) whatever the group count
+    assert quant_plan.quant_plan(x.float(), 16384, 2048, grouped, gnt, 32, 160, None) == (
+        "mx_quant<0,3,4>",
+        2560,
+        65536 + 3584 + 528,
+        160,
+        16,
+        256,
+    )

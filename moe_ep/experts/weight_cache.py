@@ -35,11 +35,11 @@ class WeightQuantCache:
 
     Example:
         cache = WeightQuantCache()
-        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights)   # quantizes
-        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights)   # cached
+        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights_fused)  # quantizes
+        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights_fused)  # cached
         with torch.no_grad():
             w13.add_(1.0)                                           # optimizer step: version moves
-        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights)   # quantizes again
+        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights_fused)  # quantizes again
     """
 
     def __init__(self) -> None:

@@ -60,10 +60,3 @@ def check_groups(group_sizes: torch.Tensor | None, device: torch.device) -> torc
     if group_sizes.device != device:
         raise ValueError(f"group_sizes must be on the device of x, {device} (no host sync), got {group_sizes.device}")
     return group_sizes.contiguous()
-
-
-def check_colwise(x: torch.Tensor, what: str) -> None:
-    """:func:`check_input` for a 2-D column-wise input, whose M must also be a multiple of 32."""
-    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] % BLOCK:
-        raise ValueError(f"{what}: M = {x.shape[0]} is not a multiple of {BLOCK} (column-wise blocks run along M)")
-    check_input(x, 2, what)
