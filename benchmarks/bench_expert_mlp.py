@@ -10,11 +10,11 @@ Per shape (M expert-sorted rows of hidden H, E experts of FFN width F; random un
           hence prepares, again for the backward).
   bf16    the same step in bf16 with ``torch._grouped_mm`` (6 GEMMs; the wgrads take dY^T as a transposed view, no
           copy), SwiGLU forward/backward compiled with ``torch.compile`` (one fused elementwise kernel each).
-It first checks ours against the reference recipe (``moe_ep.experts.reference.expert_mlp_fwd/bwd``,
-quantize=True): the gap must be at most 1/10 of the recipe's own error against quantize=False
-(tests/test_expert_mlp_cuda.py explains the bound). Then it times with CUDA events (median of --reps per round, --rounds rounds in bench_gemm.round_order) and
-reports ms, tokens/s (M / step time), TFLOP/s (:func:`flops`), % of the H100/H200 dense bf16 peak (989 TFLOP/s)
-and the ratio bf16 / ours per round (median; > 1: ours faster). Exits 1 when a shape's check fails.
+It first checks ours against the reference recipe (``moe_ep.experts.reference.expert_mlp_fwd/bwd``, quantize=True):
+the gap must be at most 1/10 of the recipe's own error against quantize=False (tests/test_expert_mlp_cuda.py explains
+the bound). Then it times with CUDA events (median of --reps per round, --rounds rounds in bench_gemm.round_order) and
+reports ms, tokens/s (M / step time), TFLOP/s (:func:`flops`), % of the H100/H200 dense bf16 peak (989 TFLOP/s) and
+the ratio bf16 / ours per round (median; > 1: ours faster). Exits 1 when a shape's check fails.
 
 Usage: python benchmarks/bench_expert_mlp.py [--shapes dsv3,small] [--rounds 3] [--reps 10] [--json PATH]
 """
