@@ -266,7 +266,7 @@ def _weight_operands(w: torch.Tensor) -> WeightOperands:
         # One fused launch over all experts (mx_quant_batch) writes both quantizations with blocked scales: the
         # column-wise output of W[e] [N, K] is W[e]^T [K, N] quantized along N, i.e. the dgrad operand. (Two
         # row-wise passes over W and a transposed copy, as above, took 14.2 ms for dsv3's W13 + W2:
-        # benchmarks/NOTES.md, "The expert MLP".)
+        # docs/performance.md, "Expert MLP".)
         from ..mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
 
         wd, ws, wtd, wts = mxfp8_cuda.quantize_weights_fused(w.contiguous())
