@@ -222,9 +222,10 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
     const int* __restrict__ info, int recv_cap, unsigned char* __restrict__ out, float* __restrict__ dtw,
     const int* __restrict__ send_row_of, const int* __restrict__ tok_dst, const int* __restrict__ topk, int T, int H,
     int K, int L, int W, int me, const ep_u64* __restrict__ peers_g, long long comb_off, long long cmeta_off,
-    long long rflag_off, int send_warps, int pieces, ep_u64 epoch, int* err, int* herr, unsigned* ctr,
+    long long rflag_off, int send_warps, int pieces, ep_u64* epoch_ctr, int* err, int* herr, unsigned* ctr,
     long long timeout_ns) {
     const EpCtl c{err, herr, ctr, timeout_ns};
+    const ep_u64 epoch = ep_epoch(epoch_ctr);
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1], rbase[EP_MAX_RANKS];
     int R;
@@ -264,5 +265,5 @@ __global__ void __launch_bounds__(COMB_THREADS) ep_combine(
         __syncwarp();
         comb_recv_token<YT, BWD>(t, sr, out, dtw, send_row_of, topk, comb, cmeta, H, K, L, W, lane);
     }
-    ep_grid_signal(c, 3, peers, F_COMB_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV);
+    ep_grid_signal(c, 3, peers, F_COMB_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV, epoch_ctr);
 }

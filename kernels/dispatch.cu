@@ -213,8 +213,9 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch(
     const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
     const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int T, int H, int K, int L, int W, int me,
     const ep_u64* __restrict__ peers_g, long long data_off, long long scale_off, long long meta_off, int row_bytes,
-    int meta, ep_u64 epoch, int* err, int* herr, unsigned* ctr, long long timeout_ns) {
+    int meta, ep_u64* epoch_ctr, int* err, int* herr, unsigned* ctr, long long timeout_ns) {
     const EpCtl c{err, herr, ctr, timeout_ns};
+    const ep_u64 epoch = ep_epoch(epoch_ctr);
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
     __syncthreads();
@@ -265,11 +266,12 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     const int* __restrict__ info, int H, int K, int L, int recv_cap, int expand_cap, int zero_pad,
     int* __restrict__ recv_pos, unsigned char* __restrict__ out, unsigned char* __restrict__ unused_scale,
     float* __restrict__ w_out, int* __restrict__ exp_row, int* __restrict__ exp_slot,
-    const unsigned char* __restrict__ y, const float* __restrict__ w_in, float* __restrict__ dw, ep_u64 epoch,
+    const unsigned char* __restrict__ y, const float* __restrict__ w_in, float* __restrict__ dw, ep_u64* epoch_ctr,
     int* err, int* herr, unsigned* ctr, long long timeout_ns) {
     // unused_scale: no mode writes scales here (the MXFP8 expansion is ep_dispatch_mx's); the parameter keeps the
     // argument layout that moe_ep/transport/cuda.py passes (a null pointer)
     const EpCtl c{err, herr, ctr, timeout_ns};
+    const ep_u64 epoch = ep_epoch(epoch_ctr);
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
     __syncthreads();
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
             for (long long b = 16 * lane; b < rb; b += 512) ep_st16(out + n * rb + b, make_uint4(0, 0, 0, 0));
         }
     }
-    ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch);
+    ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, -1, -1, epoch_ctr);
 }
 
 // ---- fused MXFP8 dispatch (the fast path, dispatch_fwd_mxfp8) ------------------------------------------------------
@@ -427,9 +429,10 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     const ep_u64* __restrict__ peers_g, long long data_off, long long scale_off, long long meta_off,
     long long rflag_off, const int* __restrict__ info, int recv_cap, int expand_cap, int* __restrict__ recv_pos,
     unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale, float* __restrict__ w_out,
-    int* __restrict__ exp_row, int* __restrict__ exp_slot, int send_warps, int pieces, ep_u64 epoch, int* err,
+    int* __restrict__ exp_row, int* __restrict__ exp_slot, int send_warps, int pieces, ep_u64* epoch_ctr, int* err,
     int* herr, unsigned* ctr, long long timeout_ns) {
     const EpCtl c{err, herr, ctr, timeout_ns};
+    const ep_u64 epoch = ep_epoch(epoch_ctr);
     __shared__ ep_u64 peers[EP_MAX_RANKS];
     __shared__ int roff[EP_MAX_RANKS + 1];
     if (threadIdx.x < W) peers[threadIdx.x] = peers_g[threadIdx.x];
@@ -488,5 +491,5 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
             if (exp_slot) exp_slot[n] = -1;
         }
     }
-    ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV);
+    ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV, epoch_ctr);
 }

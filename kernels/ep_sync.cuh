@@ -5,8 +5,12 @@
 // Every rank owns one NVSHMEM symmetric region; `peers[r]` is the address of rank r's region as seen from this
 // GPU (nvshmem_ptr; peers[me] is the local address). The first bytes of the region are flag words:
 //   flags[kind * EP_MAX_RANKS + src]   (u64, written by rank `src` into this rank's region with st.release.sys)
-// Each transport phase uses a monotonically increasing epoch u (a host counter that every rank advances in the
-// same order; no device-side reset is ever needed):
+// Each transport phase (layout, dispatch, combine) uses a monotonically increasing epoch u, every rank advancing it
+// in the same order; no device-side reset of a flag is ever needed. The count of completed uses of each phase lives
+// in device memory (`epoch_ctr`, one u64 per phase, never in a launch argument): every kernel of a use reads
+// u = *epoch_ctr + 1 at its start, and the kernel that ends the use (the one that signals *_FREE) stores u from its
+// last CTA, after every CTA has read it. So a captured CUDA graph replays any number of times, interleaved with eager
+// calls, and each replay takes the next epoch.
 //   *_READY[src] = u   rank src finished writing its rows for use u into this rank's buffer
 //   *_FREE[dst]  = u   rank dst finished reading what this rank wrote for use u (its buffer may be reused)
 // A sender of use u waits FREE[r] >= u-1 for every receiver r; a receiver waits READY[s] >= u for every sender s.
@@ -79,6 +83,9 @@ __device__ __forceinline__ ep_u64* ep_flag(ep_u64 base, int kind, int src) {
     return reinterpret_cast<ep_u64*>(base) + kind * EP_MAX_RANKS + src;
 }
 
+// The epoch of the use that this kernel belongs to (see the top of this file).
+__device__ __forceinline__ ep_u64 ep_epoch(const ep_u64* epoch_ctr) { return *(const volatile ep_u64*)epoch_ctr + 1; }
+
 // Spin until *flag >= target; on timeout record a fatal error and return false. Returns at once (false) when a
 // fatal error is already set, so one lost peer does not make every later wait time out in turn.
 __device__ bool ep_wait(const EpCtl& c, const ep_u64* flag, ep_u64 target, int kind, int peer, int me) {
@@ -111,8 +118,9 @@ __device__ __forceinline__ void ep_signal_all(const ep_u64* peers, int kind, int
 // Grid-wide completion: every CTA fences its stores and counts itself in; the last CTA resets the counter (the
 // next kernel sees it by stream order) and signals every peer. reset_a / reset_b (>= 0): further counters (work
 // tickets of the fused kernels) the last CTA zeroes -- every CTA has taken its last ticket before counting in.
+// advance (kernels that end a use): the phase's epoch counter, set to val -- every CTA has read it by then.
 __device__ void ep_grid_signal(const EpCtl& c, int ctr_idx, const ep_u64* peers, int kind, int me, int W,
-                               ep_u64 val, int reset_a = -1, int reset_b = -1) {
+                               ep_u64 val, int reset_a = -1, int reset_b = -1, ep_u64* advance = nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
@@ -121,6 +129,7 @@ __device__ void ep_grid_signal(const EpCtl& c, int ctr_idx, const ep_u64* peers,
             atomicExch(c.ctr + ctr_idx, 0u);
             if (reset_a >= 0) atomicExch(c.ctr + reset_a, 0u);
             if (reset_b >= 0) atomicExch(c.ctr + reset_b, 0u);
+            if (advance != nullptr) *(volatile ep_u64*)advance = val;
             __threadfence_system();
             ep_signal_all(peers, kind, me, W, val);
         }

@@ -97,10 +97,11 @@ __device__ __forceinline__ void layout_count_warp(const EpCtl& c, const int* __r
 
 extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS)
 ep_layout_count(const int* __restrict__ topk, int T, int K, int E, int W, int me, const ep_u64* __restrict__ peers,
-                long long cnt_off, ep_u64 epoch, int* __restrict__ part, int* err, int* herr, unsigned* ctr,
+                long long cnt_off, ep_u64* epoch_ctr, int* __restrict__ part, int* err, int* herr, unsigned* ctr,
                 long long timeout_ns) {
     extern __shared__ int smem[];
     const EpCtl c{err, herr, ctr, timeout_ns};
+    const ep_u64 epoch = ep_epoch(epoch_ctr);
     const int L = E / W;
     const int RW = W + E;  // one count row
     int* hist = smem;                      // [LAYOUT_WARPS][E]
@@ -168,12 +169,13 @@ ep_layout_count(const int* __restrict__ topk, int T, int K, int E, int W, int me
 
 extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS)
 ep_layout_place(const int* __restrict__ topk, int T, int K, int E, int W, int me, const ep_u64* __restrict__ peers,
-                long long cnt_off, ep_u64 epoch, int recv_cap, int expand_cap, const int* __restrict__ part,
+                long long cnt_off, ep_u64* epoch_ctr, int recv_cap, int expand_cap, const int* __restrict__ part,
                 int* __restrict__ tok_dst, int* __restrict__ send_row_of, int* __restrict__ slot_pos,
                 int* __restrict__ counts, int* __restrict__ info, int* __restrict__ group_sizes, int* err, int* herr,
                 unsigned* ctr, long long timeout_ns) {
     extern __shared__ int smem[];
     const EpCtl c{err, herr, ctr, timeout_ns};
+    const ep_u64 epoch = ep_epoch(epoch_ctr);
     const int L = E / W;
     const int RW = W + E;
     int* hist = smem;                     // [LAYOUT_WARPS][E]  first rank of each warp's entries per expert
@@ -234,7 +236,7 @@ ep_layout_place(const int* __restrict__ topk, int T, int K, int E, int W, int me
     if (tid < W * W) sm[tid / W][tid % W] = cin[(tid / W) * RW + tid % W];
     if (b == 0)
         for (int i = tid; i < W * RW; i += blockDim.x) counts[i] = cin[i];
-    ep_grid_signal(c, CTR_LAYOUT_PLACE, peers, F_LAYOUT_FREE, me, W, epoch);  // every CTA has read its part
+    ep_grid_signal(c, CTR_LAYOUT_PLACE, peers, F_LAYOUT_FREE, me, W, epoch, -1, -1, epoch_ctr);  // all read their part
 
     // ---- C: offsets ---------------------------------------------------------------------------------------------
     if (tid < W) {

@@ -31,7 +31,6 @@ Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import _cuda
@@ -149,28 +148,25 @@ def _send_args(x: torch.Tensor, tw: torch.Tensor | None, h: CudaEPHandle) -> tup
     )
 
 
-def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> int:
-    """Launch ep_dispatch (rows of x to every destination rank, with the routing metadata when topk_w is given);
-    returns the DISP epoch that :func:`_expand` waits for."""
+def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantize: bool) -> None:
+    """Launch ep_dispatch (rows of x to every destination rank, with the routing metadata when topk_w is given); the
+    :func:`_expand` that follows ends the same DISP use."""
     rt = h.runtime
     es = x.element_size()
     tw = _send_prep(x, topk_w, h, quantize)
-    u = rt.next_epoch("disp")
     name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
     args = (
         *_send_args(x, tw, h),
         _i32(x.shape[1] * es),
         _i32(1 if tw is not None else 0),
-        np.uint64(u),
+        rt.epoch_ptr("disp"),
         *rt.ctl_args(),
     )
     _cuda.launch(_fn("dispatch.cu", name, _DISPATCH_NAMES), _grid(h.num_tokens, rt), _THREADS, args, device=x.device)
-    return u
 
 
 def _expand(
     h: CudaEPHandle,
-    u: int,
     mode: int,
     quantize: bool,
     hid: int,
@@ -180,8 +176,8 @@ def _expand(
     w_in=None,
     dw=None,
 ) -> None:
-    """Launch ep_expand<mode> for the rows of epoch ``u`` into ``out`` ([expand_capacity, hid], its dtype; rows past
-    the device count N zeroed)."""
+    """Launch ep_expand<mode>: the rows of the DISP use that :func:`_send` started, into ``out`` ([expand_capacity,
+    hid], its dtype; rows past the device count N zeroed); it ends that use."""
     rt = h.runtime
     name = f"ep_expand<{mode},{int(quantize)},{_DT[out.dtype]}>"
     fwd = mode != MODE_BWD
@@ -208,7 +204,7 @@ def _expand(
         _p(y),
         _p(w_in),
         _p(dw),
-        np.uint64(u),
+        rt.epoch_ptr("disp"),
         *rt.ctl_args(),
     )
     grid = _grid(max(h.recv_capacity, h.expand_capacity), rt)
@@ -225,10 +221,10 @@ def dispatch_fwd(
     """
     handle.runtime.raise_pending()
     x = _check_rows(x, "x")
-    u = _send(x, topk_w, handle, quantize)
+    _send(x, topk_w, handle, quantize)
     out = torch.empty(handle.expand_capacity, x.shape[1], dtype=x.dtype, device=x.device)
     w_out = torch.empty(handle.expand_capacity, dtype=torch.float32, device=x.device)
-    _expand(handle, u, MODE_VAL, quantize, x.shape[1], out, w_out=w_out)
+    _expand(handle, MODE_VAL, quantize, x.shape[1], out, w_out=w_out)
     return out, w_out
 
 
@@ -258,7 +254,6 @@ def _dispatch_mx(
     by the runtime's schedule."""
     rt = h.runtime
     tw = _send_prep(x, topk_w, h, True)
-    u = rt.next_epoch("disp")
     args = (
         *_send_args(x, tw, h),
         _i64(rt.region("disp_flag")),
@@ -273,7 +268,7 @@ def _dispatch_mx(
         _p(h.expand_slot),
         _i32(rt.schedule.dispatch_send_warps),
         _i32(rt.schedule.pieces("dispatch", x.shape[1])),
-        np.uint64(u),
+        rt.epoch_ptr("disp"),
         *rt.ctl_args(),
     )
     grid = _fused_grid(max(h.num_tokens, h.recv_capacity), rt)
@@ -289,10 +284,10 @@ def combine_bwd(
     handle.runtime.raise_pending()
     y = _check_rows(y, "y", None)
     dy = _check_rows(dy.to(y.dtype), "dy", y.shape[1])
-    u = _send(dy, None, handle, quantize)
+    _send(dy, None, handle, quantize)
     out = torch.empty_like(y)
     dw = torch.empty(handle.expand_capacity, dtype=torch.float32, device=y.device)
-    _expand(handle, u, MODE_BWD, quantize, y.shape[1], out, y=y, w_in=w.to(torch.float32).contiguous(), dw=dw)
+    _expand(handle, MODE_BWD, quantize, y.shape[1], out, y=y, w_in=w.to(torch.float32).contiguous(), dw=dw)
     return out, dw
 
 
@@ -308,7 +303,6 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
         )
     wv = wv.to(torch.float32).contiguous()
     yt, b = _DT[rows.dtype], int(bwd)
-    u = rt.next_epoch("comb")
     hid = rows.shape[1]
     out = torch.empty(h.num_tokens, hid, dtype=rows.dtype, device=rows.device)
     dtw = torch.empty(h.num_tokens, h.top_k, dtype=torch.float32, device=rows.device) if bwd else None
@@ -335,7 +329,7 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
         _i64(rt.region("comb_flag")),
         _i32(rt.schedule.combine_send_warps),
         _i32(rt.schedule.pieces("combine", hid)),
-        np.uint64(u),
+        rt.epoch_ptr("comb"),
         *rt.ctl_args(),
     )
     grid = _fused_grid(max(h.recv_capacity, h.num_tokens), rt)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .. import _cuda
@@ -153,7 +152,6 @@ def build_layout(
     counts = torch.empty(w, w + num_experts, dtype=torch.int32, device=dev)
     info = torch.zeros(_I_GSTART + 2 * (lcl + 1), dtype=torch.int32, device=dev)
     group_sizes = torch.empty(lcl, dtype=torch.int32, device=dev)
-    u = rt.next_epoch("layout")
     # both kernels use the same grid (the token split decides the deterministic order); part: per-CTA counts
     nb = max(1, min(-(-t // _LAYOUT_TOKENS_PER_CTA), rt.num_sms))
     rw = w + num_experts
@@ -167,7 +165,7 @@ def build_layout(
         _i32(me),
         _p(rt.peers),
         _i64(rt.region("counts")),
-        np.uint64(u),
+        rt.epoch_ptr("layout"),
     )
     _cuda.launch(
         _fn("layout.cu", "ep_layout_count"),

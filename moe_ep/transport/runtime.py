@@ -53,6 +53,7 @@ _ALIGN = 256
 
 ERR_INVALID_EXPERT, ERR_RECV_OVERFLOW, ERR_EXPAND_OVERFLOW, ERR_TIMEOUT = 1, 2, 3, 4
 DEFAULT_TIMEOUT_S = 60.0
+_EPOCH_INDEX = {"layout": 0, "disp": 1, "comb": 2}
 _FLAG_NAMES = ("LAYOUT_READY", "LAYOUT_FREE", "DISP_READY", "DISP_FREE", "COMB_READY", "COMB_FREE")
 
 _state: dict = {"nvshmem": False, "runtimes": {}, "atexit": False}
@@ -179,6 +180,7 @@ class EPRuntime:
         self._symmetric = False
         self.err = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.ctr = torch.zeros(8, dtype=torch.int32, device=self.device)
+        self.epochs = torch.zeros(len(_EPOCH_INDEX), dtype=torch.int64, device=self.device)  # completed uses per phase
         self.herr = torch.zeros(8, dtype=torch.int32, pin_memory=True)  # host-mapped (UVA): kernels store here
         self._herr_np = self.herr.numpy()
         self.cfg: RuntimeConfig | None = None
@@ -245,7 +247,7 @@ class EPRuntime:
             dist.barrier()  # every region is zeroed before any peer writes a flag into it
         self.offsets = offs
         self.cfg = cfg
-        self.epochs = {"layout": 0, "disp": 0, "comb": 0}
+        self.epochs.zero_()
         self.ctr.zero_()
 
     def _free(self) -> None:
@@ -265,9 +267,11 @@ class EPRuntime:
         self._free()
         self._allocate(new)
 
-    def next_epoch(self, kind: str) -> int:
-        self.epochs[kind] += 1
-        return self.epochs[kind]
+    def epoch_ptr(self, kind: str) -> np.uint64:
+        """Device address of the completed-use count of phase ``kind`` ("layout", "disp" or "comb"): the kernels read
+        their epoch there and the kernel that ends a use advances it (kernels/ep_sync.cuh), so no launch argument
+        carries an epoch and a captured CUDA graph replays correctly."""
+        return np.uint64(self.epochs.data_ptr() + 8 * _EPOCH_INDEX[kind])
 
     def region(self, name: str) -> int:
         return self.offsets[name]
