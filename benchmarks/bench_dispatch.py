@@ -310,8 +310,6 @@ def main() -> int:
     p.add_argument("--no-spawn", action="store_true", help="skip instead of re-launching under torchrun")
     p.add_argument(
         "--schedules",
-        "--sweep",
-        dest="schedules",
         default="",
         help="other schedules of the fused kernels timed per case against the same baselines, ';'-separated, each "
         "the defaults with some fields replaced, e.g. 'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' "

@@ -16,7 +16,7 @@
 //   MODE_BWD  combine-backward: v = values of the received dy row (rounded to OT, as the reference), then
 //             out[n] = OT(v * w_in[n]) and dw[n] = sum_h v * y[n] (fp32; warp-order sum).
 //   MODE_VAL records recv_pos[i][j] = n (used by combine); MODE_BWD reads it (no metadata is sent).
-//   Rows n in [N, expand_cap) of the small outputs are zeroed, the data rows too when zero_pad. The last CTA
+//   Rows n in [N, expand_cap) of every output are zeroed (data rows included). The last CTA
 //   signals DISP_FREE(u).
 // ep_dispatch_mx<IN> (below): the MXFP8 forward dispatch, send and expansion in one kernel.
 #include "common.cuh"
@@ -253,9 +253,9 @@ __device__ __forceinline__ int expand_slot(int i, int lane, const int* meta, int
     if (loc < 0 || loc >= L || pos < 0 || pos >= expand_cap) pos = -1;
     recv_pos[(long long)i * K + lane] = pos;
     if (pos >= 0) {
-        if (w_out) w_out[pos] = wt;
-        if (exp_row) exp_row[pos] = i;
-        if (exp_slot) exp_slot[pos] = lane;
+        w_out[pos] = wt;
+        exp_row[pos] = i;
+        exp_slot[pos] = lane;
     }
     return pos;
 }
@@ -263,13 +263,11 @@ __device__ __forceinline__ int expand_slot(int i, int lane, const int* meta, int
 template <int MODE, int QUANT, int OT>
 __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     const ep_u64* __restrict__ peers_g, int me, int W, long long data_off, long long scale_off, long long meta_off,
-    const int* __restrict__ info, int H, int K, int L, int recv_cap, int expand_cap, int zero_pad,
-    int* __restrict__ recv_pos, unsigned char* __restrict__ out, unsigned char* __restrict__ unused_scale,
+    const int* __restrict__ info, int H, int K, int L, int recv_cap, int expand_cap,
+    int* __restrict__ recv_pos, unsigned char* __restrict__ out,
     float* __restrict__ w_out, int* __restrict__ exp_row, int* __restrict__ exp_slot,
     const unsigned char* __restrict__ y, const float* __restrict__ w_in, float* __restrict__ dw, ep_u64* epoch_ctr,
     int* err, int* herr, unsigned* ctr, long long timeout_ns) {
-    // unused_scale: no mode writes scales here (the MXFP8 expansion is ep_dispatch_mx's); the parameter keeps the
-    // argument layout that moe_ep/transport/cuda.py passes (a null pointer)
     const EpCtl c{err, herr, ctr, timeout_ns};
     const ep_u64 epoch = ep_epoch(epoch_ctr);
     __shared__ ep_u64 peers[EP_MAX_RANKS];
@@ -332,21 +330,19 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
             }
         }
     }
-    // rows past the expanded count: small outputs always, data rows when zero_pad
+    // rows past the expanded count
     for (long long n = N + gwarp; n < expand_cap; n += nwarps) {
         if (lane == 0) {
             if (MODE == MODE_BWD) {
                 dw[n] = 0.f;
             } else {
-                if (w_out) w_out[n] = 0.f;
-                if (exp_row) exp_row[n] = -1;
-                if (exp_slot) exp_slot[n] = -1;
+                w_out[n] = 0.f;
+                exp_row[n] = -1;
+                exp_slot[n] = -1;
             }
         }
-        if (zero_pad) {
-            const long long rb = (long long)H * ob;
-            for (long long b = 16 * lane; b < rb; b += 512) ep_st16(out + n * rb + b, make_uint4(0, 0, 0, 0));
-        }
+        const long long rb = (long long)H * ob;
+        for (long long b = 16 * lane; b < rb; b += 512) ep_st16(out + n * rb + b, make_uint4(0, 0, 0, 0));
     }
     ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, -1, -1, epoch_ctr);
 }
@@ -486,9 +482,9 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     const int nwarps = gridDim.x * (DISP_THREADS / 32);
     for (long long n = N + gwarp; n < expand_cap; n += nwarps) {
         if (lane == 0) {
-            if (w_out) w_out[n] = 0.f;
-            if (exp_row) exp_row[n] = -1;
-            if (exp_slot) exp_slot[n] = -1;
+            w_out[n] = 0.f;
+            exp_row[n] = -1;
+            exp_slot[n] = -1;
         }
     }
     ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV, epoch_ctr);

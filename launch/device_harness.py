@@ -87,10 +87,9 @@ def _steps(args, out: Path, ngpu: int) -> list[tuple[str, list[str], dict, int, 
     elif ngpu == 2:  # both ep_nvshmem entries are named ep_nvshmem_2: keep one
         names: set[str] = set()
         steps = [s for s in steps if not (s[0] in names or names.add(s[0]))]
-    extra: dict[str, list[str]] = {}  # per-benchmark extra arguments (e.g. {"bench_gemm": ["--rounds", "5"]})
     for bench in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         js = out / f"{bench.stem}.json"
-        cmd = [py, str(bench.relative_to(ROOT)), "--json", str(js), *extra.get(bench.stem, [])]
+        cmd = [py, str(bench.relative_to(ROOT)), "--json", str(js)]
         steps.append((bench.stem, cmd, {}, 1200, js))
     return steps
 

@@ -1,7 +1,7 @@
 """Train a small MoE transformer with FSDP2 + expert parallelism on bytes of the Python standard library.
 
     torchrun --nproc-per-node=N launch/train.py [--ep N] [--steps S] [--preset tiny|small]
-             [--backend auto|reference|cuda] [--no-quantize] [--log-json PATH] ...
+             [--backend auto|reference] [--no-quantize] [--log-json PATH] ...
 
 With GPUs: nccl, one GPU per rank, bf16 parameters (fp32 gradient reduction), preset "small". Without: the
 same command runs over gloo on CPU in fp32 with preset "tiny". The text is the running interpreter's own
@@ -84,7 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: world size)")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--backend", choices=["auto", "reference", "cuda"], default="auto", help="MoE backend")
+    p.add_argument(
+        "--backend", choices=["auto", "reference"], default="auto", help="MoE backend (the CUDA layer is not built yet)"
+    )
     p.add_argument("--no-quantize", action="store_true", help="bf16/fp32 dispatch and GEMMs (no MXFP8)")
     p.add_argument("--log-json", type=str, default=None, help="write the JSON log here (rank 0)")
     p.add_argument("--log-every", type=int, default=None, help="steps between host syncs / log lines")

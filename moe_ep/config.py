@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -21,7 +22,9 @@ class MoEConfig:
     aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e).
     quantize:            MXFP8 at the dispatch payload, the SwiGLU output, the dy payload and the grouped-GEMM
                          operands (the recipe); False gives the pure-bf16 baseline of the same module.
-    backend:             "auto" (CUDA kernels when on GPU and available, else reference), "reference", "cuda".
+    backend:             "auto" or "reference": the reference path (pure PyTorch); "cuda" raises
+                         NotImplementedError until the fast layer is built.
+    init_std:            standard deviation of the normal initialization of the router and expert weights.
     """
 
     hidden: int
@@ -38,8 +41,15 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k", "max_tokens_per_rank"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {v!r}")
+        for name, low in (("aux_loss_coef", 0.0), ("init_std", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low:
+                raise ValueError(f"MoEConfig.{name} must be a finite number >= {low}, got {v!r}")
+        for name in ("renormalize", "quantize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         if self.quantize and (self.hidden % 32 or self.ffn_hidden % 32):

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .config import MoEConfig
 from .experts.reference import expert_mlp
 from .router import Router
-from .transport import EPHandle, combine, dispatch
+from .transport import combine, dispatch
 
 
 class Experts(nn.Module):
@@ -25,7 +25,7 @@ class Experts(nn.Module):
         return expert_mlp(x, self.w13, self.w2, group_sizes, quantize)
 
 
-def _resolve_backend(requested: str, device: torch.device) -> str:
+def _resolve_backend(requested: str) -> str:
     """The backend that runs: ``"auto"`` and ``"reference"`` give the reference path today; ``"cuda"`` raises."""
     if requested in ("auto", "reference"):
         # The fast layer (fused quantize+dispatch, MXFP8 grouped GEMMs, combine wired into this module) is not
@@ -87,7 +87,7 @@ class MoE(nn.Module):
             raise ValueError(f"x has hidden size {x.shape[-1]}, the layer expects {cfg.hidden}")
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
-        _resolve_backend(cfg.backend, x.device)
+        _resolve_backend(cfg.backend)
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)
         if x2.shape[0] > cfg.max_tokens_per_rank:
@@ -100,11 +100,3 @@ class MoE(nn.Module):
         out = self.experts(rows, handle.group_sizes_host, cfg.quantize)
         y = combine(out, w, handle, cfg.quantize)
         return y.reshape(shape), r.aux_loss * cfg.aux_loss_coef
-
-    def forward_with_handle(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
-        """Like forward on x: [T, H], also returning the dispatch handle (for tests and inspection)."""
-        cfg = self.cfg
-        r = self.router(x)
-        rows, w, handle = dispatch(x, r.topk_idx, r.topk_w, cfg.num_experts, self.ep_group, cfg.quantize)
-        y = combine(self.experts(rows, handle.group_sizes_host, cfg.quantize), w, handle, cfg.quantize)
-        return y, r.aux_loss * cfg.aux_loss_coef, handle

@@ -41,6 +41,10 @@ def test_cuda_backend_says_it_is_not_built():
         (dict(hidden=48), "multiples of 32"),
         (dict(top_k=9), "exceeds num_experts"),
         (dict(num_experts=0), "positive int"),
+        (dict(hidden=True), "positive int"),
+        (dict(aux_loss_coef=-1.0), "aux_loss_coef"),
+        (dict(init_std=float("nan")), "init_std"),
+        (dict(quantize=1), "quantize must be a bool"),
         (dict(backend="tpu"), "backend"),
     ],
 )

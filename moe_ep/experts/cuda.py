@@ -1,7 +1,7 @@
-"""SwiGLU expert MLP on the CUDA kernels: the MXFP8 recipe of ``moe_ep.gemm.expert_mlp(quantize=True)``, fast path.
+"""SwiGLU expert MLP on the CUDA kernels: the MXFP8 recipe of ``moe_ep.experts.reference.expert_mlp(quantize=True)``.
 
-The reference with the same math is :func:`moe_ep.gemm.expert_mlp` (``expert_mlp_fwd`` / ``expert_mlp_bwd``); this
-module chains the kernels that the issues built, with group sizes on the GPU and no host synchronization:
+The reference with the same math is :func:`moe_ep.experts.reference.expert_mlp` (``expert_mlp_fwd`` /
+``expert_mlp_bwd``); this module chains the kernels, with group sizes on the GPU and no host synchronization:
 
   forward   xq, xs, xc = quantize_grouped_dual(x, colwise="bf16")      x row-wise (fprop), x prepared column-wise
             a  = grouped_mm_fprop(xq, W13)                              [M, 2F] bf16
@@ -14,11 +14,11 @@ module chains the kernels that the issues built, with group sizes on the GPU and
             dx  = grouped_mm_dgrad(aq, W13^T)                           [M, H] bf16
             dW13 = grouped_wgrad_prepared_out(ac, xc)                   [E, 2F, H]
 
-The weights' four operands (e4m3 both ways and the prepared bf16 copies, :func:`gemm_operands.weight_operands`) come
-from a ``WeightQuantCache`` when one is given: computed once per weight version, shared by micro-batches and by the
-backward. Saved for the backward: ``a`` (bf16 [M, 2F], as the reference saves it) and the two prepared column-wise
-operands ``xc`` (bf16 [~M, H]) and ``hc`` (bf16 [~M, F]) instead of ``x``: 2 bytes per element each, kept so that
-the backward does not quantize x and h a second time.
+The weights' four operands (e4m3 both ways and the prepared bf16 copies,
+:func:`moe_ep.experts.operands.weight_operands`) come from a ``WeightQuantCache`` when one is given: computed once per
+weight version, shared by micro-batches and by the backward. Saved for the backward: ``a`` (bf16 [M, 2F], as the
+reference saves it) and the two prepared column-wise operands ``xc`` (bf16 [~M, H]) and ``hc`` (bf16 [~M, F]) instead
+of ``x``: 2 bytes per element each, kept so that the backward does not quantize x and h a second time.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def expert_mlp_cuda(
     ``WeightQuantCache`` (the weights' MXFP8 operands once per weight version; without one, the backward quantizes
     the weights again rather than holding their operands, ~6 bytes per weight element, from forward to backward)
     -> [M, H] bf16.
-    The reference is ``moe_ep.gemm.expert_mlp(x, w13, w2, sizes, quantize=True)`` (the same recipe; results equal
-    up to fp32 summation order, which can move an intermediate across an e4m3 rounding boundary).
+    The reference is ``moe_ep.experts.reference.expert_mlp(x, w13, w2, sizes, quantize=True)`` (the same recipe;
+    results equal up to fp32 summation order, which can move an intermediate across an e4m3 rounding boundary).
     """
     _check(x, w13, w2, group_sizes)
     return _ExpertMLPCuda.apply(x.contiguous(), w13, w2, group_sizes, cache)

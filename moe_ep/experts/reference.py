@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import mxfp8
+from .operands import colwise_operand_ref, prepare_colwise_bf16_torch
 
 
 def _fq(t: torch.Tensor, axis: int, on: bool) -> torch.Tensor:
@@ -114,8 +115,6 @@ def quantize_grouped_dual_torch(
     operand bf16 [64 (ceil(M/64) + G), K] (rows past the last group's 64-row block are zero here; the kernel
     leaves them unwritten).
     """
-    from .operands import colwise_operand_ref, prepare_colwise_bf16_torch  # noqa: PLC0415  (no CuPy import)
-
     if colwise not in ("mxfp8", "bf16"):
         raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")
 

@@ -1,7 +1,28 @@
-"""Token transport between EP ranks: layout, dispatch, combine (reference over torch.distributed)."""
+"""Token transport between EP ranks: layout, dispatch, combine.
 
-from .autograd import combine, dispatch
+One interface (:class:`Transport`) with two implementations: :data:`REFERENCE` (pure PyTorch over
+``torch.distributed.all_to_all_single``, the specification) and :data:`CUDA` (NVSHMEM kernels, one node). Use either
+through :func:`dispatch` / :func:`combine` (``transport=``); the CUDA runtime is created first with
+``moe_ep.transport.cuda.init_runtime``. GPU packages are imported lazily.
+"""
+
+from .autograd import Transport, combine, dispatch
+from .cuda import CUDA, CudaTransport
 from .handle import EPHandle
-from .reference import RecvBuffers, build_layout, dispatch_send
+from .reference import REFERENCE, RecvBuffers, ReferenceTransport, build_layout, dispatch_send
+from .schedule import TransportSchedule
 
-__all__ = ["EPHandle", "RecvBuffers", "build_layout", "combine", "dispatch", "dispatch_send"]
+__all__ = [
+    "CUDA",
+    "REFERENCE",
+    "CudaTransport",
+    "EPHandle",
+    "RecvBuffers",
+    "ReferenceTransport",
+    "Transport",
+    "TransportSchedule",
+    "build_layout",
+    "combine",
+    "dispatch",
+    "dispatch_send",
+]

@@ -17,15 +17,20 @@ from typing import Any, Protocol
 import torch
 
 from .. import mxfp8
-from .handle import EPHandle
-from .reference import REFERENCE, build_layout
+from .reference import REFERENCE
 
 
 class Transport(Protocol):
-    """The four passes a transport implements; :class:`_Dispatch` / :class:`_Combine` add autograd around them.
+    """A transport: its layout and the four passes; :class:`_Dispatch` / :class:`_Combine` add autograd around them.
 
     ``handle`` is the transport's own handle type (:class:`EPHandle` or the CUDA transport's ``CudaEPHandle``).
+    Implementations: :data:`moe_ep.transport.reference.REFERENCE` (torch.distributed) and
+    :data:`moe_ep.transport.cuda.CUDA` (NVSHMEM kernels).
     """
+
+    def build_layout(self, topk_idx: torch.Tensor, num_experts: int, group: Any, **options: Any) -> Any:
+        """topk_idx: [T, top_k] global expert ids -> the handle of this routing (collective over ``group``)."""
+        ...
 
     def dispatch_fwd(
         self, x: torch.Tensor, topk_w: torch.Tensor, handle: Any, quantize: bool
@@ -107,29 +112,31 @@ def dispatch(
     num_experts: int,
     group=None,
     quantize: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
+    transport: Transport = REFERENCE,
+    **layout_options: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Send tokens to the ranks owning their experts and expand them into expert-sorted rows.
 
     x: [T, H] bf16/fp32; topk_idx: [T, top_k] int32/int64 global expert ids; topk_w: [T, top_k] float;
-    group: the EP process group (None: single process owns every expert).
+    group: the EP process group (None: single process owns every expert); transport: REFERENCE (default) or
+    ``moe_ep.transport.cuda.CUDA``; layout_options go to its ``build_layout`` (CUDA: ``expand_capacity``).
     Returns (rows [N, H] x.dtype, row weights [N] fp32, handle); rows of local expert e are
-    ``rows[off[e]:off[e+1]]`` with ``off = cumsum(handle.group_sizes)``. Differentiable in x and topk_w.
+    ``rows[off[e]:off[e+1]]`` with ``off = cumsum(handle.group_sizes)`` (the CUDA transport returns
+    ``expand_capacity`` rows, zero past N). Differentiable in x and topk_w.
     """
     check_dispatch_inputs(x, topk_idx, topk_w, quantize)
-    handle = build_layout(topk_idx, num_experts, group)
-    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, REFERENCE)
+    handle = transport.build_layout(topk_idx, num_experts, group, **layout_options)
+    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, transport)
     return rows, w, handle
 
 
-def combine(y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize: bool = True) -> torch.Tensor:
+def combine(
+    y: torch.Tensor, w: torch.Tensor, handle: Any, quantize: bool = True, transport: Transport = REFERENCE
+) -> torch.Tensor:
     """Weight expert outputs and return them to their source tokens.
 
     y: [N, H] expert outputs (expert-sorted rows of ``handle``); w: [N] fp32 row weights -> [T, H] y.dtype.
     Backward quantizes dy to MXFP8 before sending it (``quantize``). Differentiable in y and w.
+    ``transport`` must be the one that made ``handle``; it checks the shapes.
     """
-    if y.dim() != 2 or y.shape[0] != handle.num_expanded or w.shape != (handle.num_expanded,):
-        raise ValueError(
-            f"combine expects y [{handle.num_expanded}, H] and w [{handle.num_expanded}], "
-            f"got {tuple(y.shape)} and {tuple(w.shape)}"
-        )
-    return _Combine.apply(y, w, handle, quantize, REFERENCE)
+    return _Combine.apply(y, w, handle, quantize, transport)

@@ -36,7 +36,6 @@ import torch
 from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
 from . import runtime as _runtime
-from .autograd import _Combine, _Dispatch, check_dispatch_inputs
 from .layout import _I_R, CudaEPHandle, _check_capacity, _fn, _i32, _i64, _p, build_layout
 from .reference import RecvBuffers
 from .runtime import EPRuntime
@@ -194,10 +193,8 @@ def _expand(
         _i32(h.num_local_experts),
         _i32(h.recv_capacity),
         _i32(h.expand_capacity),
-        _i32(1),  # zero_pad
         _p(h.recv_pos),
         _p(out),
-        _p(None),  # unused_scale
         _p(w_out),
         _p(h.expand_row if fwd else None),
         _p(h.expand_slot if fwd else None),
@@ -353,31 +350,6 @@ def dispatch_bwd(
     return _combine(_check_rows(grad_rows.to(dtype), "grad_rows"), grad_w, handle, True)
 
 
-# ----------------------------------------------------------------------------------------------------- autograd
-# The autograd Functions are moe_ep.transport.autograd's (_Dispatch / _Combine), called with CUDA as the transport.
-
-
-def dispatch(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    num_experts: int,
-    group=None,
-    quantize: bool = True,
-    expand_capacity: int | None = None,
-):
-    """:func:`moe_ep.transport.autograd.dispatch` on the CUDA transport -> (rows [Ncap, H], weights [Ncap], handle)."""
-    check_dispatch_inputs(x, topk_idx, topk_w, quantize)
-    handle = build_layout(topk_idx, num_experts, group, expand_capacity=expand_capacity)
-    rows, w = _Dispatch.apply(x, topk_w, handle, quantize, CUDA)
-    return rows, w, handle
-
-
-def combine(y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize: bool = True) -> torch.Tensor:
-    """:func:`moe_ep.transport.autograd.combine` on the CUDA transport: y [Ncap, H], w [Ncap] -> [T, H] y.dtype."""
-    return _Combine.apply(y, w, handle, quantize, CUDA)
-
-
 def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):
     """Views of what this rank received in the last :func:`dispatch_fwd` (valid until the next dispatch): the
     reference's RecvBuffers contract (data [R, H], scale [R, H//32] or None, local [R, K] int64, weight [R, K]
@@ -403,8 +375,10 @@ def _views(rt, r, hid, k, quantize, dtype, cls):
 
 
 class CudaTransport:
-    """The NVSHMEM transport as a :class:`~.autograd.Transport` (handles are :class:`CudaEPHandle`)."""
+    """The NVSHMEM transport as a :class:`~.autograd.Transport` (handles are :class:`CudaEPHandle`); use it through
+    ``moe_ep.transport.dispatch(..., transport=CUDA, expand_capacity=...)`` / ``combine(..., transport=CUDA)``."""
 
+    build_layout = staticmethod(build_layout)
     dispatch_fwd = staticmethod(dispatch_fwd)
     dispatch_bwd = staticmethod(dispatch_bwd)
     combine_fwd = staticmethod(combine_fwd)

@@ -210,6 +210,11 @@ def dispatch_bwd(
 
 def combine_fwd(y: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> torch.Tensor:
     """y: [N, H] expert outputs, w: [N] fp32 -> [T, H] y.dtype (fp32 sums, y.dtype on the wire)."""
+    if y.dim() != 2 or y.shape[0] != handle.num_expanded or w.shape != (handle.num_expanded,):
+        raise ValueError(
+            f"combine expects y [{handle.num_expanded}, H] and w [{handle.num_expanded}], "
+            f"got {tuple(y.shape)} and {tuple(w.shape)}"
+        )
     per_row = slot_reduce(y.to(torch.float32) * w[:, None], handle, handle.num_recv).to(y.dtype)
     back = _all_to_all(per_row, handle.recv_splits, handle.send_splits, handle.group)
     return rank_reduce(back, handle).to(y.dtype)
@@ -227,6 +232,7 @@ def combine_bwd(
 class ReferenceTransport:
     """The reference transport (``torch.distributed.all_to_all_single``) as a :class:`~.autograd.Transport`."""
 
+    build_layout = staticmethod(build_layout)
     dispatch_fwd = staticmethod(dispatch_fwd)
     dispatch_bwd = staticmethod(dispatch_bwd)
     combine_fwd = staticmethod(combine_fwd)

@@ -246,12 +246,9 @@ def case_autograd(case, counts, e, k, h, dtype, sync_debug=True):
     def run(fast: bool):
         xx = x.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
-        if fast:
-            rows, rw, handle = ct.dispatch(xx, idx, ww, e, GROUP, True)
-            out = ct.combine(rows * 2.0, rw, handle, True)
-        else:
-            rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True)
-            out = ops.combine(rows * 2.0, rw, handle, True)
+        tr = ct.CUDA if fast else ref.REFERENCE
+        rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True, transport=tr)
+        out = ops.combine(rows * 2.0, rw, handle, True, transport=tr)
         (out.float() * g).sum().backward()
         return out.detach(), xx.grad, ww.grad
 
@@ -288,9 +285,9 @@ def case_graph(e=16, k=4, h=256):
     g = torch.randn(sets[0][0].shape[0], h, generator=gen).to(DEV)
 
     def fwd_bwd(xx, idx, ww):
-        rows, rw, handle = ct.dispatch(xx, idx, ww, e, GROUP, True)
+        rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True, transport=ct.CUDA)
         mx = ct.dispatch_fwd_mxfp8(xx.detach(), ww.detach(), handle)  # the fused kernel on the same layout
-        out = ct.combine(rows * 2.0, rw, handle, True)
+        out = ops.combine(rows * 2.0, rw, handle, True, transport=ct.CUDA)
         (out.float() * g).sum().backward()
         return (out, *mx, handle.group_sizes)
 
