@@ -18,6 +18,10 @@ class MoEConfig:
     top_k:               experts per token.
     max_tokens_per_rank: the most tokens one rank may pass to forward; sizes the receive buffers
                          (a token is sent at most once per destination rank).
+    capacity_factor:     None: dropless (every routed slot is computed). c > 0: each rank keeps at most
+                         ceil(c * tokens * top_k) expanded rows (tokens: this rank's tokens in the call); the slots
+                         past it in the expanded order (local expert, source rank, source token) are dropped: they
+                         contribute zero to the output and get zero gradient. ``MoE.num_dropped`` counts them.
     renormalize:         renormalize the top-k gate weights to sum to 1.
     aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e).
     quantize:            MXFP8 at the dispatch payload, the SwiGLU output, the dy payload and the grouped-GEMM
@@ -32,6 +36,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     max_tokens_per_rank: int = 4096
+    capacity_factor: float | None = None
     renormalize: bool = True
     aux_loss_coef: float = 1e-2
     quantize: bool = True
@@ -47,6 +52,9 @@ class MoEConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low:
                 raise ValueError(f"MoEConfig.{name} must be a finite number >= {low}, got {v!r}")
+        c = self.capacity_factor
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
+            raise ValueError(f"MoEConfig.capacity_factor must be None (dropless) or a finite number > 0, got {c!r}")
         for name in ("renormalize", "quantize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")

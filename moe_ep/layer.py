@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,7 +45,9 @@ class MoE(nn.Module):
     cfg: MoEConfig; mesh: a ("dp", "ep") DeviceMesh from :func:`moe_ep.init_ep`, or None for one process
     owning every expert. This rank owns global experts [ep_rank * E_local, (ep_rank + 1) * E_local).
     forward(x: [..., H] bf16/fp32) -> (y: same shape and dtype, aux_loss: scalar fp32, already weighted by
-    cfg.aux_loss_coef). Nothing is kept on the module between calls: the dispatch handle lives in autograd.
+    cfg.aux_loss_coef). Nothing the next call or the backward reads is kept on the module: the dispatch handle lives
+    in autograd. ``num_dropped`` (int) is a statistic of the last forward for logs: the slots this rank dropped at
+    its capacity (``cfg.capacity_factor``; always 0 when dropless).
     """
 
     def __init__(self, cfg: MoEConfig, mesh: DeviceMesh | None = None, device=None, dtype=None, seed: int = 0) -> None:
@@ -62,6 +66,7 @@ class MoE(nn.Module):
         self.num_local_experts = cfg.num_experts // self.ep_size
         self.router = Router(cfg.hidden, cfg.num_experts, cfg.top_k, cfg.renormalize, device=device, dtype=dtype)
         self.experts = Experts(self.num_local_experts, cfg.hidden, cfg.ffn_hidden, device=device, dtype=dtype)
+        self.num_dropped = 0
         self.reset_parameters(seed)
 
     @property
@@ -96,7 +101,9 @@ class MoE(nn.Module):
                 "receive buffers); raise it in MoEConfig"
             )
         r = self.router(x2)
-        rows, w, handle = dispatch(x2, r.topk_idx, r.topk_w, cfg.num_experts, self.ep_group, cfg.quantize)
+        cap = None if cfg.capacity_factor is None else math.ceil(cfg.capacity_factor * x2.shape[0] * cfg.top_k)
+        rows, w, handle = dispatch(x2, r.topk_idx, r.topk_w, cfg.num_experts, self.ep_group, cfg.quantize, capacity=cap)
+        self.num_dropped = handle.num_dropped
         out = self.experts(rows, handle.group_sizes_host, cfg.quantize)
         y = combine(out, w, handle, cfg.quantize)
         return y.reshape(shape), r.aux_loss * cfg.aux_loss_coef

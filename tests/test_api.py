@@ -45,6 +45,8 @@ def test_cuda_backend_says_it_is_not_built():
         (dict(aux_loss_coef=-1.0), "aux_loss_coef"),
         (dict(init_std=float("nan")), "init_std"),
         (dict(quantize=1), "quantize must be a bool"),
+        (dict(capacity_factor=0.0), "capacity_factor"),
+        (dict(capacity_factor=float("inf")), "capacity_factor"),
         (dict(backend="tpu"), "backend"),
     ],
 )

@@ -26,6 +26,7 @@ class EPHandle:
       expand_slot: [N] int64, top-k slot of each expanded row.
       group_sizes: [num_local_experts] int32, expanded rows per local expert (device).
       group_sizes_host: the same as host ints (reference backend only).
+      num_dropped: slots routed to this rank's experts past its capacity (not expanded; 0 when dropless).
     """
 
     num_tokens: int
@@ -44,6 +45,7 @@ class EPHandle:
     group_sizes: torch.Tensor
     group_sizes_host: list[int]
     group: dist.ProcessGroup | None = None
+    num_dropped: int = 0
 
     @property
     def num_recv(self) -> int:

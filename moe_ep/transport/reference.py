@@ -37,10 +37,13 @@ def _all_to_all(t: torch.Tensor, send_splits: list[int], recv_splits: list[int],
     return out.view(t.dtype).reshape(-1, *tail)
 
 
-def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None) -> EPHandle:
+def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None, capacity: int | None = None) -> EPHandle:
     """Routing layout: which rows go where, and the expert-sorted expansion on the receiver.
 
     topk_idx: [T, top_k] int (global expert ids, distinct per token) -> EPHandle.
+    capacity: the most expanded rows this rank keeps (None: dropless). The slots past it in the expanded order
+    (local expert, then source rank, then source token) are dropped: they are not expanded, so they contribute zero
+    to the output and get zero gradient; ``handle.num_dropped`` counts them.
 
     Example (ep_size 2, 2 local experts each, T=2, top_k=2): topk_idx [[0, 3], [1, 0]] ->
     token 0 goes to ranks 0 and 1, token 1 to rank 0 only; send_token [0, 1, 0], send_splits [2, 1];
@@ -74,7 +77,7 @@ def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None) -> EPHand
     # (local expert | -1) of each slot, for each sent row; it travels with the row.
     local = torch.where(topk_rank[token_of_row] == rank_of_row[:, None], idx[token_of_row] % num_local, -1)
     recv_local = _all_to_all(local, send_splits, recv_splits, group)
-    expand_row, expand_slot, group_sizes = expand_layout(recv_local, num_local)
+    expand_row, expand_slot, group_sizes, num_dropped = expand_layout(recv_local, num_local, capacity)
     return EPHandle(
         num_tokens=num_tokens,
         top_k=top_k,
@@ -92,17 +95,23 @@ def build_layout(topk_idx: torch.Tensor, num_experts: int, group=None) -> EPHand
         group_sizes=group_sizes.to(torch.int32),
         group_sizes_host=group_sizes.tolist(),  # NOTE: host sync (reference expert loop)
         group=group,
+        num_dropped=num_dropped,
     )
 
 
-def expand_layout(recv_local: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert-sorted expansion of received rows.
+def expand_layout(
+    recv_local: torch.Tensor, num_local: int, capacity: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Expert-sorted expansion of received rows, the first ``capacity`` kept (None: all).
 
     recv_local: [R, top_k] int64 local expert per slot (-1: not for this rank) ->
-    (expand_row [N] int64, expand_slot [N] int64, group_sizes [num_local] int64).
+    (expand_row [N] int64, expand_slot [N] int64, group_sizes [num_local] int64, dropped slots: int).
 
-    Example: recv_local [[1, -1], [0, 1]] -> rows [1, 0, 1], slots [0, 0, 1], group_sizes [1, 2].
+    Example: recv_local [[1, -1], [0, 1]] -> rows [1, 0, 1], slots [0, 0, 1], group_sizes [1, 2], 0 dropped;
+    with capacity 2 -> rows [1, 0], slots [0, 0], group_sizes [1, 1], 1 dropped (row 1's slot 1, the last).
     """
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise ValueError(f"capacity must be a non-negative int or None, got {capacity!r}")
     rows, top_k = recv_local.shape
     flat = recv_local.reshape(-1)
     valid = (flat >= 0).nonzero(as_tuple=True)[0]
@@ -110,8 +119,12 @@ def expand_layout(recv_local: torch.Tensor, num_local: int) -> tuple[torch.Tenso
     key = flat[valid] * (rows * top_k) + valid
     order = torch.argsort(key)
     pos = valid[order]
-    group_sizes = torch.bincount(flat[valid], minlength=num_local)
-    return pos // top_k, pos % top_k, group_sizes
+    dropped = 0
+    if capacity is not None and pos.numel() > capacity:
+        dropped = pos.numel() - capacity
+        pos = pos[:capacity]
+    group_sizes = torch.bincount(flat[pos], minlength=num_local)
+    return pos // top_k, pos % top_k, group_sizes, dropped
 
 
 @dataclass
