@@ -4,14 +4,10 @@ For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgra
 kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median of --reps;
 --rounds interleaved rounds, TFLOP/s from the median round, ratio = median over rounds of the same round's torch
 bf16 time over ours) and reports TFLOP/s (2*M*N*K / time) for:
-  mxfp8         our kernels (moe_ep.experts.gemm): fprop/dgrad with the bf16 weight prepared once, outside the
-                timing (see "prepare_weight" for that pass); wgrad with bf16 output, its per-call operand
-                preparation included in its time and also timed alone: "prepare_colwise_ms"
-  mxfp8_f32     wgrad with the launcher's default fp32 output
-  mxfp8_prepared  wgrad on operands the quantizer wrote already prepared, quantize_grouped_dual(colwise="bf16"): no
-                preparation pass, the quantizer's extra cost is in "colwise_producer_ms"
-  mxfp8_prepared+q  mxfp8_prepared charged with that extra cost: the wgrad path of the training step, the
-                quantizer's share included
+  mxfp8         our fprop / dgrad kernels (moe_ep.experts.gemm) with the bf16 weight prepared once, outside the
+                timing (see "prepare_weight" for that pass)
+  mxfp8_prepared  our wgrad (bf16 output) on the operands as the quantizer writes them, already prepared
+                (quantize_grouped_dual); the quantizer's time for dY and X is in "colwise_producer_ms"
                 Our kernels are checked first; if the check fails (or raises) the script stops (--keep-going: the
                 failure is reported and they are not timed).
   bf16          torch._grouped_mm on bf16 operands (offs = cumsum int32) -- the reference point for ratios
@@ -188,38 +184,27 @@ def run_shape(name, m, k, n, g, args, out_rows):
             "torch_ref_ms": time_ms(lambda wd_=wd_, ws_=ws_: gemm_cuda.prepare_weight_bf16_torch(wd_, ws_), 1, 3),
         }
     res["prepare_weight"] = prep
-    res["prepare_colwise_ms"] = {  # the wgrad's per-call pass over each operand (included in its timing)
-        "dy": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz), 3, 10),
-        "x": time_ms(lambda: gemm_cuda.prepare_colwise_bf16(xc, xcs, sz), 3, 10),
-        "pair": time_ms(lambda: gemm_cuda.prepare_colwise_bf16_pair(dyc, dycs, xc, xcs, sz), 3, 10),  # what wgrad runs
-    }
     print(f"[{name}] prepare_weight: {prep}")
     ours["fprop"][IMPL] = lambda: gemm_cuda.grouped_mm_fprop(xq.data, xs, wq.data, ws, sz, w_prepared=wprep)
     ours["dgrad"][IMPL] = lambda: gemm_cuda.grouped_mm_dgrad(dyq.data, dys, wtq.data, wts, sz, wt_prepared=wtprep)
-    # bf16 output, like the torch baselines
-    ours["wgrad"][IMPL] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz, torch.bfloat16)
-    # the launcher's default: fp32 output (prepare passes included, as in every wgrad call)
-    ours["wgrad"]["mxfp8_f32"] = lambda: gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
-    # the operands as the quantizer writes them with colwise="bf16" (already in the GEMM's prepared layout): the GEMM
-    # alone. The quantizer's cost with either column output is timed below ("colwise_producer_ms"), so the whole
-    # backward path (producer + preparation + GEMM against producer + GEMM) can be compared from the same run.
-    dyp = mxfp8_cuda.quantize_grouped_dual(dy, sz, colwise="bf16")[2]
-    xp = mxfp8_cuda.quantize_grouped_dual(x, sz, colwise="bf16")[2]
+    # wgrad: the operands as the quantizer writes them (already in the GEMM's prepared layout), bf16 output like the
+    # torch baselines: the GEMM alone. The quantizer's time is reported below ("colwise_producer_ms").
+    dyp = mxfp8_cuda.quantize_grouped_dual(dy, sz)[2]
+    xp = mxfp8_cuda.quantize_grouped_dual(x, sz)[2]
     used = gemm_cuda.colwise_prep_rows_used(sizes)
-    res["prepared_operands_match_prep_kernel"] = bool(
-        torch.equal(dyp[:used], gemm_cuda.prepare_colwise_bf16(dyc, dycs, sz)[:used])
-        and torch.equal(xp[:used], gemm_cuda.prepare_colwise_bf16(xc, xcs, sz)[:used])
+    res["prepared_operands_match_reference"] = bool(
+        torch.equal(dyp[:used], gemm_cuda.prepare_colwise_bf16_torch(dyc, dycs, sizes)[:used])
+        and torch.equal(xp[:used], gemm_cuda.prepare_colwise_bf16_torch(xc, xcs, sizes)[:used])
     )
     ours["wgrad"]["mxfp8_prepared"] = lambda: gemm_cuda.grouped_wgrad_prepared_out(
         dyp, xp, sz, torch.empty(g, n, k, dtype=torch.bfloat16, device=dev), m
     )
-    res["colwise_producer_ms"] = {  # quantize_grouped_dual of dY and of X, each column output format
-        f"{who}_{fmt}": time_ms(lambda t=t, fmt=fmt: mxfp8_cuda.quantize_grouped_dual(t, sz, colwise=fmt), 3, 10)
+    res["colwise_producer_ms"] = {  # quantize_grouped_dual of dY and of X (both operands, prepared column output)
+        f"{who}_bf16": time_ms(lambda t=t: mxfp8_cuda.quantize_grouped_dual(t, sz), 3, 10)
         for who, t in (("dy", dy), ("x", x))
-        for fmt in ("mxfp8", "bf16")
     }
     print(
-        f"[{name}] prepared operands match the preparation kernel: {res['prepared_operands_match_prep_kernel']}; "
+        f"[{name}] prepared operands match the reference: {res['prepared_operands_match_reference']}; "
         f"producer ms {res['colwise_producer_ms']}"
     )
 
@@ -248,17 +233,14 @@ def run_shape(name, m, k, n, g, args, out_rows):
             fin = bool(torch.isfinite(o_f).all() and torch.isfinite(o_d).all())
             errs["finite"] = 0.0 if fin else float("inf")
             del o_f, o_d
-            # wgrad (fp32 output)
+            # wgrad on the prepared operands (fp32 output)
             dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
             xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
-            o_w = gemm_cuda.grouped_mm_wgrad(dyc, dycs, xc, xcs, sz)
+            o_w = gemm_cuda.grouped_wgrad_prepared_out(dyp, xp, sz, torch.empty(g, n, k, device=dev), m)
             for gi in pick[:2]:
                 r = slice(starts[gi], starts[gi] + sizes[gi])
                 errs[f"wgrad_g{gi}"] = rel_err(o_w[gi], dcf[r].t() @ xcf[r])
-            o_p = torch.empty_like(o_w)  # the prepared-operand path: the same GEMM on the same bytes
-            gemm_cuda.grouped_wgrad_prepared_out(dyp, xp, sz, o_p, m)
-            errs["wgrad_prepared_vs_wgrad"] = 0.0 if torch.equal(o_p, o_w) else float("inf")
-            del o_p, o_w, dcf, xcf
+            del o_w, dcf, xcf
             bad = {kk: v for kk, v in errs.items() if not v <= limit[kk.split("_")[0]]}
         except Exception as e:  # noqa: BLE001  (reported like a failed check)
             bad = {"exception": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -327,17 +309,6 @@ def run_shape(name, m, k, n, g, args, out_rows):
                 ms = statistics.median(rounds[impl])
                 vres[impl] = {"ms": ms, "tflops": flops / ms / 1e9, "ms_rounds": rounds[impl]}
         ref = rounds.get("bf16") if "tflops" in vres.get("bf16", {}) else None
-        prepared = vres.get("mxfp8_prepared", {})
-        if var == "wgrad" and "ms_rounds" in prepared and "colwise_producer_ms" in res:
-            # The prepared operands are not free: the quantizer writes 2 bytes per element instead of 1 + 1/32.
-            # Charge the GEMM with that difference of the producer's time (both operands; timed alone above, not
-            # interleaved), so this row compares the whole Hopper wgrad path with torch bf16 on bf16 operands.
-            p = res["colwise_producer_ms"]
-            extra = p["dy_bf16"] - p["dy_mxfp8"] + p["x_bf16"] - p["x_mxfp8"]
-            charged = [t + extra for t in prepared["ms_rounds"]]
-            ms = statistics.median(charged)
-            vres["mxfp8_prepared+q"] = {"ms": ms, "tflops": flops / ms / 1e9, "ms_rounds": charged}
-            vres["mxfp8_prepared+q"]["producer_extra_ms"] = extra
         for v in vres.values():
             if ref and "tflops" in v:
                 v["ratio_vs_bf16"] = paired_ratio(ref, v["ms_rounds"])
@@ -380,7 +351,7 @@ def main() -> None:
         result["shapes"][name] = run_shape(name, m, k, n, g, args, rows)
         torch.cuda.empty_cache()
 
-    cols = [IMPL, "mxfp8_f32", "mxfp8_prepared", "mxfp8_prepared+q"]
+    cols = [IMPL, "mxfp8_prepared"]
     cols += ["bf16", "deq+bf16", "fp8_rowwise"]
     print(f"\n{result['device']}  torch {result['torch']}  (TFLOP/s, ratio vs torch bf16)")
     print(f"{'shape':<10} {'var':<6} " + " ".join(f"{c:>18}" for c in cols))

@@ -6,8 +6,9 @@ Variants (each the launcher the product calls, with its automatic kernel choice)
   row_plain       ``quantize(x, -1)``: row-wise, plain scales (``moe_ep.mxfp8.quantize`` on CUDA)
   col_nt          ``quantize(x, 0)``: column-wise in x's layout, plain scales
   weights_fused   ``quantize_weights_fused`` of x as 8 experts' weights: both GEMM operands of each
-  grouped_dual, swiglu_dual, swiglu_bwd_dual (and ``_prep``: the wgrad's prepared bf16 column operand)
-                  ``quantize_grouped_dual`` in 32 groups (the expert MLP's four quantization passes)
+  grouped_dual_prep, swiglu_dual_prep, swiglu_bwd_dual_prep
+                  ``quantize_grouped_dual`` in 32 groups (the expert MLP's four quantization passes: row-wise MXFP8
+                  and the wgrad's prepared bf16 column operand; bf16 inputs whatever --dtype)
 
 For every (variant, M, K): checks the kernel's bytes against the CPU reference on a slice of rows, then times
 kernel and the ``torch.compile``-d reference in the same process with CUDA events (median of ``--reps``; the L2
@@ -140,15 +141,8 @@ def _ref_weights_fused(x):
 
 REFS = {"row_plain": _ref_row_plain, "col_nt": _ref_col_nt, "weights_fused": _ref_weights_fused}
 
-# both grouped GEMM operands from one read; "_prep": the column operand written as the wgrad's prepared bf16
-DUAL = (
-    "grouped_dual",
-    "swiglu_dual",
-    "swiglu_bwd_dual",
-    "grouped_dual_prep",
-    "swiglu_dual_prep",
-    "swiglu_bwd_dual_prep",
-)
+# both grouped GEMM operands from one read, the column operand written as the wgrad's prepared bf16 ("_prep")
+DUAL = ("grouped_dual_prep", "swiglu_dual_prep", "swiglu_bwd_dual_prep")
 VARIANTS = ("row_plain", "col_nt", "weights_fused", *DUAL)
 
 
@@ -179,12 +173,10 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
         xs, kw, kh = _dual_args(variant, xs)
         sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
         got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), **kw)
-        want = quantize_grouped_dual_torch(xs, sizes, **kw)  # SwiGLU on the GPU: torch's CUDA ops, as the kernel
-        if kw.get("colwise") == "bf16":  # the prepared operand: its used rows (finite input: no NaN payloads)
-            used = colwise_prep_rows_used(sizes)
-            return all(map(_eq, got[:2], want[:2])) and _eq(got[2][:used], want[2][:used]) and got[2].shape[1] == kh
-        used = sum(-(-int(n) // 32) for n in sizes)
-        return all(map(_eq, got[:3], want[:3])) and _eq(got[3][:used], want[3][:used]) and got[3].shape[1] == kh
+        # SwiGLU on the GPU: torch's CUDA ops, as the kernel
+        want = quantize_grouped_dual_torch(xs, sizes, colwise="bf16", **kw)
+        used = colwise_prep_rows_used(sizes)  # the prepared operand: its used rows (finite input: no NaN payloads)
+        return all(map(_eq, got[:2], want[:2])) and _eq(got[2][:used], want[2][:used]) and got[2].shape[1] == kh
     raise ValueError(variant)
 
 
@@ -197,18 +189,14 @@ def _random_sizes(m: int, groups: int, dev) -> torch.Tensor:
 def _dual_args(variant: str, x: torch.Tensor) -> tuple[torch.Tensor, dict, int]:
     """(input, quantize_grouped_dual keyword arguments, quantized width) of a DUAL variant on x [M, K].
 
-    swiglu_dual: x plays a = (gate | up), h is [M, K/2]; swiglu_bwd_dual: x plays a, with a bf16 dh [M, K/2]
-    (the dgrad GEMM's default output, and what expert_mlp_cuda passes), dA is [M, K].
-    The SwiGLU variants take bf16 GEMM outputs.
-    A "_prep" suffix adds colwise="bf16".
+    grouped_dual_prep: x itself; swiglu_dual_prep: x plays a = (gate | up), h is [M, K/2]; swiglu_bwd_dual_prep:
+    x plays a, with a bf16 dh [M, K/2] (the dgrad GEMM's output, and what expert_mlp_cuda passes), dA is [M, K].
+    All take x in bf16 (the MoE path's activations and GEMM outputs).
     """
-    if variant.endswith("_prep"):
-        xin, kw, kh = _dual_args(variant.removesuffix("_prep"), x)
-        return xin, {**kw, "colwise": "bf16"}, kh
-    if variant == "grouped_dual":
-        return x, {}, x.shape[1]
     a = x.to(torch.bfloat16)
-    if variant == "swiglu_dual":
+    if variant == "grouped_dual_prep":
+        return a, {}, a.shape[1]
+    if variant == "swiglu_dual_prep":
         return a, {"apply_swiglu": True}, a.shape[1] // 2
     f = a.shape[1] // 2
     dh = (a[:, :f].float() * 0.5 - a[:, f:].float()).to(torch.bfloat16).contiguous()
@@ -223,11 +211,8 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
     if variant in DUAL:
         xin, kw, kh = _dual_args(variant, x)
         sizes = _random_sizes(m, groups, dev)
-        outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, **kw)
-        if kw.get("colwise") == "bf16":  # bf16 rows written: each group's rows up to its next multiple of 64
-            col = 2 * kh * colwise_prep_rows_used(sizes)
-        else:
-            col = m * kh + -(-m // 32) * kh
+        outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, **kw)[:3]  # (data, scale, prepared column operand)
+        col = 2 * kh * colwise_prep_rows_used(sizes)  # bf16 rows written: each group's rows up to the next 64
         nbytes = (
             sum(t.numel() * t.element_size() for t in (xin, *kw.values()) if isinstance(t, torch.Tensor))
             + m * kh

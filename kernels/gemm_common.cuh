@@ -1,7 +1,7 @@
 #pragma once
 
-// Shared pieces of the grouped MXFP8 GEMM kernels (kernels/grouped_gemm.cu, grouped_gemm_wgrad.cu) and of their
-// operand preparation (kernels/weight_prep.cu): the kernel argument list, the on-device group scan, the tile order,
+// Shared pieces of the grouped MXFP8 GEMM kernels (kernels/grouped_gemm.cu, grouped_gemm_wgrad.cu) and of the
+// weight preparation (kernels/weight_prep.cu): the kernel argument list, the on-device group scan, the tile order,
 // shared-memory access helpers, the exact e4m3 -> bf16 conversion with the block scale, the quad transpose and
 // the zero fill of output rows past the groups. moe_ep/experts/gemm.py documents the operand formats; the design is
 // in docs/design.md, section "Grouped GEMMs".
@@ -24,7 +24,7 @@ struct GroupInfo {
     long long row0;  // first data row of the group
     int rows;        // rows of the group (clamped to the tensor)
     int g;           // group index, -1: no group holds the target
-    int tile;        // the target's index inside its group (128-row tiles or padded 32-row blocks; 0 by group)
+    int tile;        // the target's index inside its group (128-row tiles; 0 by group)
     int toff;        // sum over earlier groups of ceil(n / 128): the group's first blocked scale row tile
     int boff;        // sum over earlier groups of ceil(n / 32): the group's first column-wise scale row
     int poff;        // sum over earlier groups of ceil(n / 64): the group's first 64-row chunk (wgrad operands)
@@ -34,13 +34,10 @@ struct GroupInfo {
 
 // One warp (its lanes scan 32 groups at a time). What `target` names, by `by_tile`:
 //   GM_BY_GROUP (0)  the group index;
-//   GM_BY_TILE (1)   a 128-row tile: the group whose row tiles (ceil(n / 128) per group) contain it;
-//   GM_BY_PAD32 (2)  a 32-row block of the 64-row-aligned layout of the wgrad's prepared operands (2 ceil(n / 64)
-//                    blocks per group): the group that holds it.
-// gi->tile is the target's index inside its group (tiles or blocks; 0 by group index).
+//   GM_BY_TILE (1)   a 128-row tile: the group whose row tiles (ceil(n / 128) per group) contain it.
+// gi->tile is the target's index inside its group (tiles; 0 by group index).
 #define GM_BY_GROUP 0
 #define GM_BY_TILE 1
-#define GM_BY_PAD32 2
 __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, int G, long long M, int by_tile,
                                                int target, GroupInfo* gi) {
     const int lane = threadIdx.x & 31;
@@ -72,16 +69,15 @@ __device__ __forceinline__ void gm_scan_groups(const int* __restrict__ sizes, in
         }
         const long long r_ex = crow + r - n;
         const int t_ex = ctile + t - nt, b_ex = cblk + b - nb, p_ex = cchunk + pc - np;
-        const bool hit = h < G && (by_tile == GM_BY_TILE    ? (n > 0 && target >= t_ex && target < t_ex + nt)
-                                   : by_tile == GM_BY_PAD32 ? (n > 0 && target >= 2 * p_ex && target < 2 * (p_ex + np))
-                                                            : h == target);
+        const bool hit = h < G && (by_tile == GM_BY_TILE ? (n > 0 && target >= t_ex && target < t_ex + nt)
+                                                         : h == target);
         if (hit) {
             long long avail = M - r_ex;
             avail = avail < 0 ? 0 : (avail > n ? n : avail);
             gi->row0 = r_ex;
             gi->rows = (int)avail;
             gi->g = h;
-            gi->tile = by_tile == GM_BY_TILE ? target - t_ex : (by_tile == GM_BY_PAD32 ? target - 2 * p_ex : 0);
+            gi->tile = by_tile == GM_BY_TILE ? target - t_ex : 0;
             gi->toff = t_ex;
             gi->boff = b_ex;
             gi->poff = p_ex;
@@ -205,25 +201,6 @@ __device__ __forceinline__ void cvt16(uint4 raw, unsigned s, unsigned* o) {
     scale16(o, s);
 }
 
-// Per-pair bf16x2 multipliers m[4] for 8 per-column scale bytes (MN-major operands); returns the fast-path flag.
-__device__ __forceinline__ bool pair_mults8(uint2 sv, unsigned* m) {
-    const unsigned w[2] = {sv.x, sv.y};
-    const bool fast = ((sv.x | sv.y) & 0x80808080u) == 0u;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const unsigned lo = __byte_perm(w[j], 0u, 0x4140u);  // s0 | s1 << 16
-        const unsigned hi = __byte_perm(w[j], 0u, 0x4342u);  // s2 | s3 << 16
-        if (fast) {
-            m[2 * j] = (lo + 0x00780078u) << 7;
-            m[2 * j + 1] = (hi + 0x00780078u) << 7;
-        } else {
-            m[2 * j] = mult_slow1(lo & 0xFFu) | (mult_slow1(lo >> 16) << 16);
-            m[2 * j + 1] = mult_slow1(hi & 0xFFu) | (mult_slow1(hi >> 16) << 16);
-        }
-    }
-    return fast;
-}
-
 // 4 x 4 transpose of 32-bit words inside each quad of lanes (lane c = lane % 4 holds row c: w[i] = M[c][i]; after
 // the call w[i] = M[i][c]): two xor-shuffle rounds, first the 2 x 2 blocks, then the blocks. Every lane of the
 // warp must take part. Used to turn 4-byte fragments spread over a quad into 16-byte row segments per lane.
@@ -257,13 +234,12 @@ __device__ __forceinline__ void quad_transpose4(unsigned* w) {
 // ---------------------------------------------------------------------------------------------------------
 // zero fill of output rows past the groups
 // ---------------------------------------------------------------------------------------------------------
-// Zero output rows r0 .. min(r0 + 128, M) - 1, columns n0 .. min(n0 + 128, N) - 1, by GM_ZERO_THREADS threads
-// (threadIdx.x 0 .. 255; N % 8 == 0: 16-byte bf16 / 2 x 16-byte fp32 stores of 8 elements, aligned because out
-// is 16-byte aligned and N % 8 == 0).
+// Zero output rows r0 .. min(r0 + 128, M) - 1, columns n0 .. min(n0 + 128, N) - 1 of the bf16 output, by
+// GM_ZERO_THREADS threads (threadIdx.x 0 .. 255; N % 8 == 0: 16-byte stores of 8 elements, aligned because out is
+// 16-byte aligned and N % 8 == 0).
 #define GM_ZERO_ROWS 128
 #define GM_ZERO_COLS 128
 #define GM_ZERO_THREADS 256
-template <int OUT_F32>
 __device__ __forceinline__ void zero_rows(void* out, long long r0, long long M, int N, int n0) {
     if (r0 >= M) return;
     const int nrows = (int)(M - r0 < GM_ZERO_ROWS ? M - r0 : GM_ZERO_ROWS), ncols = min(GM_ZERO_COLS, N - n0);
@@ -272,12 +248,6 @@ __device__ __forceinline__ void zero_rows(void* out, long long r0, long long M, 
         const int r = i >> 4, c = (i & 15) * 8;
         if (r >= nrows || c >= ncols) continue;
         const long long e = (r0 + r) * (long long)N + n0 + c;
-        if (OUT_F32) {
-            uint4* p = reinterpret_cast<uint4*>(static_cast<float*>(out) + e);
-            p[0] = z;
-            p[1] = z;
-        } else {
-            *reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + e) = z;
-        }
+        *reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + e) = z;
     }
 }

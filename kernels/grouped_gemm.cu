@@ -14,7 +14,7 @@
 //     128 x 256 tile; 128 fp32 accumulators per thread), warpgroup 2 the producer: its warp 8 scans the groups and
 //     its lane 0 issues the TMA loads; warps 9-11 leave at once. Registers move from the producer to the consumers
 //     (setmaxnreg, kernels/gemm_wgmma.cuh).
-//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... in gm_raster's order (GG_RASTER bands;
+//   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... in gm_raster's order (bands of GG_RASTER;
 //     (ceil(M/128) + G) * ceil(N/256) tiles, those past the groups zero-fill rows past sum(sizes) when zero_rest:
 //     there are always enough of them, since the tiles of the groups T <= sum_g (n_g / 128 + 127/128) < S/128 + G
 //     for S = sum(sizes), so ceil(M/128) + G - T > (M - S) / 128). Each warp scans the group sizes itself (its own
@@ -31,25 +31,18 @@
 //   * epilogue: a warpgroup whose 64 rows are all inside the group writes its bf16 tile into its own 32 KiB of
 //     shared memory (128-byte swizzle) and one thread issues TMA stores, which drain while the next tile runs;
 //     otherwise (rows past the group belong to another tile) masked 16-byte stores from registers after a quad
-//     transpose. fp32 output: float2 stores from registers.
+//     transpose. The output is bf16.
 // Two builds of this file (moe_ep/experts/gemm.py ring_stages picks one from K):
 //   default           4 stages, the TMA-store epilogue: 4 x 40960 ring + 65536 output tile + 4 x 512 scales +
 //                     barriers + 9 GroupInfo = 231920 B of the 232448 an H100/H200 CTA may have;
 //   -DGG_STAGES=5 -DGG_REG_EPI  (long reductions) 5 stages and the register epilogue only: a fifth stage fits only
 //                     without the output tile (5 x 40960 + 5 x 512 + barriers + GroupInfo = 207872 B).
-// Variants with the same results: -DGG_HALF_SKIP=0 (half tiles computed by both warpgroups), -DGG_RASTER=b (the
-// band of the tile order).
 
 #include "gemm_wgmma.cuh"
 
 #define GG_BM 128  // tile rows
 #define GG_BN 256  // tile columns
-#ifndef GG_RASTER  // the band of row tiles of gm_raster
-#define GG_RASTER 8
-#endif
-#ifndef GG_HALF_SKIP  // 0: half tiles computed by both warpgroups
-#define GG_HALF_SKIP 1
-#endif
+#define GG_RASTER 8  // the band of row tiles of gm_raster
 #ifndef GG_STAGES  // -DGG_STAGES=5 -DGG_REG_EPI: the long-reduction build
 #define GG_STAGES 4
 #endif
@@ -175,7 +168,6 @@ __device__ __forceinline__ void gg_drain(float* acc, unsigned* fa, unsigned* fb)
     wg_fence_regs<16>(fb);
 }
 
-template <int OUT_F32>
 __device__ __forceinline__ void gg_2d3d(const unsigned char* __restrict__ As, const int* __restrict__ sizes,
                                         void* __restrict__ out, int G, long long M, int N, int K, int zero_rest,
                                         const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmO) {
@@ -225,8 +217,8 @@ __device__ __forceinline__ void gg_2d3d(const unsigned char* __restrict__ As, co
         const int kind = __shfl_sync(0xffffffffu, gg_tile(gi, sizes, G, M, N, t, n0, mrows, arow0, r_zero), 0);
         if (kind == 0) {
             if (zero_rest) {  // threads 0-255 = GM_ZERO_THREADS: zero_rows' thread stride
-                zero_rows<OUT_F32>(out, r_zero, M, N, n0);
-                zero_rows<OUT_F32>(out, r_zero, M, N, n0 + GM_ZERO_COLS);
+                zero_rows(out, r_zero, M, N, n0);
+                zero_rows(out, r_zero, M, N, n0 + GM_ZERO_COLS);
             }
             continue;
         }
@@ -234,7 +226,7 @@ __device__ __forceinline__ void gg_2d3d(const unsigned char* __restrict__ As, co
         // A group's last tile with at most 64 rows leaves warpgroup 1 without rows. It keeps its place in the MMA
         // turns and gives its empty arrivals, so the producer and warpgroup 0 run as before, but converts, multiplies
         // and stores nothing: warpgroup 0's MMAs have the tensor cores to themselves.
-        if (GG_HALF_SKIP && __shfl_sync(0xffffffffu, mrows, 0) <= 64 * wg) {
+        if (__shfl_sync(0xffffffffu, mrows, 0) <= 64 * wg) {
             for (int s = 0; s < ksteps; ++s) {
                 // warpgroup 0 has issued M(s), so step s is in its stage; warpgroup 0 has arrived for steps up to
                 // s - 2 >= s - S, so the stage's pending empty phase is step s's, and it completes only with warpgroup
@@ -290,9 +282,7 @@ __device__ __forceinline__ void gg_2d3d(const unsigned char* __restrict__ As, co
         gg_drain(acc, f0, f1);
         wg_fence_regs<16>(f2);
         mbar_arrive_if(empty0 + 8u * (unsigned)prev, lane0);
-        if (OUT_F32)
-            epilogue_f32(acc, out, arow0, mrows, n0, N, ar0);  // direct float2 stores, no shared memory
-        else if (mrows >= 64 * (wg + 1) && GG_EPI_BYTES)  // the warpgroup's 64 rows are all in the group: TMA
+        if (mrows >= 64 * (wg + 1) && GG_EPI_BYTES)  // the warpgroup's 64 rows are all in the group: TMA
             epilogue_bf16_tma<1>(acc, sbase + GG_EPI + 32768u * (unsigned)wg, wg, arow0, n0, N, tmO);
         else  // rows past the group belong to another tile: masked stores from registers
             epilogue_bf16(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, ar0);
@@ -303,12 +293,9 @@ __device__ __forceinline__ void gg_2d3d(const unsigned char* __restrict__ As, co
 
 // GM_TMA_ARGS (A and B reached only through tmA / tmB: tmA over A [M, K] e4m3 in boxes of 128 rows x 64 bytes, tmB
 // over the prepared bf16 weight [G N, Kp] in boxes of 256 rows x 64 columns with the 128-byte swizzle), then tmO:
-// the bf16 output [M, N] in boxes of 64 rows x 64 columns with the 128-byte swizzle (unused for fp32 outputs and
-// by the GG_REG_EPI build).
+// the bf16 output [M, N] in boxes of 64 rows x 64 columns with the 128-byte swizzle (unused by the GG_REG_EPI
+// build).
 #define GG_ARGS GM_TMA_ARGS, const __grid_constant__ TmaMap tmO
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) mx_gmm_2d3d_bf16(GG_ARGS) {
-    gg_2d3d<0>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
-}
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) mx_gmm_2d3d_f32(GG_ARGS) {
-    gg_2d3d<1>(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
+    gg_2d3d(As, sizes, out, G, M, N, K, zero_rest, &tmA, &tmB, &tmO);
 }

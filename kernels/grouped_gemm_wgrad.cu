@@ -1,11 +1,11 @@
 // Grouped MXFP8 wgrad for Hopper: dW[g] = dY_g^T X_g -> [G, N, K], the reduction over each group's rows.
-// Launcher and operand formats: moe_ep/experts/gemm.py grouped_wgrad_out / grouped_wgrad_prepared_out; design:
-// docs/design.md, section "Grouped GEMMs".
+// Launcher and operand formats: moe_ep/experts/gemm.py grouped_wgrad_prepared_out; design: docs/design.md, section
+// "Grouped GEMMs".
 //
 //   * both wgrad operands are activations quantized column-wise (scales along the reduction), so neither can be
-//     prepared once like a weight; instead a per-call pass dequantizes them exactly to bf16 (kernels/weight_prep.cu
-//     mx_prepare_colwise_bf16_pair: memory-bound), or the quantizer writes that layout directly, and this GEMM
-//     then needs no conversion at all: both operands go by TMA straight into the layout wgmma reads.
+//     prepared once like a weight; instead the quantizer writes them exactly dequantized to bf16 in the layout
+//     below (moe_ep.mxfp8.cuda.quantize_grouped_dual(..., colwise="bf16")), and this GEMM needs no conversion at
+//     all: both operands go by TMA straight into the layout wgmma reads.
 //   * prepared operands: dY' [64 (ceil(M/64) + G), N], X' [same rows, K] bf16: group g at rows 64 poff_g ..
 //     (poff_g = sum_{h<g} ceil(n_h / 64)), zero padded to a multiple of 64 rows, so a group's reduction is
 //     ceil(n_g / 64) k-steps of 64 rows, 4 k16 slices each (whole steps keep every wgmma on a uniform path).

@@ -1,7 +1,8 @@
 // Register-tiled dual quantizer of kernels/quantize.cu: bf16 x [M, K] -> row-wise MXFP8 with per-group blocked
-// scales (RS_GROUPED) and the per-group column-wise operand in x's own [M, K] layout (CS_GNT, or CS_GPREP's
-// prepared bf16 values), from one read. Same arguments, tile order and group table as mx_quant's grouped modes
-// (the bytes of moe_ep.experts.reference.quantize_grouped_dual_torch); included by quantize.cu after mx_quant.
+// scales (RS_GROUPED) and the per-group column-wise operand as CS_GPREP's prepared bf16 values, from one read.
+// Same arguments, tile order and group table as mx_quant's grouped modes (the bytes of
+// moe_ep.experts.reference.quantize_grouped_dual_torch(..., colwise="bf16")); included by quantize.cu after
+// mx_quant.
 //
 // Why not mx_quant's column modes: they go through the tile staged in shared memory twice (phase 2: 32 word loads
 // per thread for the column amax; phase 3: the tile again, with the multipliers and NaN masks read back per
@@ -39,7 +40,7 @@ __device__ __forceinline__ uint2 mxd_quant_row(const float (&f)[8], float s, boo
     return q;
 }
 
-// CS_GPREP: b = the exact value of each column-wise byte o (e4m3 -> fp32, exact) times 2**E (cdeq, exact), rounded
+// b = the exact value of each column-wise byte o (e4m3 -> fp32, exact) times 2**E (cdeq, exact), rounded
 // once to bf16 as the reference's .to(bfloat16) of its fp32 dequantization; NaN blocks give bf16 NaN 0x7FC0.
 __device__ __forceinline__ void mxd_prep_row(unsigned (&b)[4], const unsigned (&o)[2], const float (&cdeq)[8],
                                              const unsigned (&cnan)[2]) {
@@ -53,20 +54,14 @@ __device__ __forceinline__ void mxd_prep_row(unsigned (&b)[4], const unsigned (&
 }
 
 // Row r = tr0 + i of the thread's block, stored: the row-wise bytes q at prq (ok: the row exists), then the
-// column-wise bytes o at pcq (CS_GNT) or, for CS_GPREP, their prepared bf16 values at output row 64 bs + r, columns
-// oc .. oc + 7 (rows nrows <= r < wrows: the zero rows up to the group's 64-row block). prq advances one row, and
-// pcq too for CS_GNT (CS_GPREP addresses through cq).
-template <int CS>
-__device__ __forceinline__ void mxd_store_row(unsigned char*& prq, unsigned char*& pcq, unsigned char* cq, uint2 q,
-                                              const unsigned (&o)[2], bool ok, bool cok, int r, int nrows, int wrows,
-                                              long long bs, int K, int oc, const float (&cdeq)[8],
-                                              const unsigned (&cnan)[2]) {
+// prepared bf16 values of the column-wise bytes o at output row 64 bs + r, columns oc .. oc + 7 (rows
+// nrows <= r < wrows: the zero rows up to the group's 64-row block). prq advances one row.
+__device__ __forceinline__ void mxd_store_row(unsigned char*& prq, unsigned char* cq, uint2 q, const unsigned (&o)[2],
+                                              bool ok, bool cok, int r, int nrows, int wrows, long long bs, int K,
+                                              int oc, const float (&cdeq)[8], const unsigned (&cnan)[2]) {
     if (ok) *reinterpret_cast<uint2*>(prq) = q;
     prq += K;
-    if (CS == CS_GNT) {
-        if (ok) *reinterpret_cast<uint2*>(pcq) = make_uint2(o[0], o[1]);
-        pcq += K;
-    } else if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
+    if (cok && r < wrows) {  // zero rows past the group up to the 64-row block
         unsigned b[4] = {0u, 0u, 0u, 0u};
         if (r < nrows) {
             mxd_prep_row(b, o, cdeq, cnan);
@@ -88,13 +83,12 @@ __device__ __forceinline__ void mxd_row_scales_to_smem(unsigned char* st, const 
 
 // A warp whose 32-row block lies past the tile's rows (32 mb >= nrows: in a group's last, partial tile, or in a zero
 // tile past the last group) has no element to quantize (the caller skips its arithmetic; warp-uniform, so the
-// shuffles stay whole-warp). What it still owes: zero row-scale bytes (the caller's) and, for CS_GPREP, the zero
-// rows that pad the group to its 64-row block, at output columns oc .. oc + 7. Such warps are common where groups
-// are small against 128 rows: 32 random groups of 16384 rows give 16 zero and 32 partial row tiles of 160.
-template <int CS>
+// shuffles stay whole-warp). What it still owes: zero row-scale bytes (the caller's) and the zero rows that pad
+// the group to its 64-row block, at output columns oc .. oc + 7. Such warps are common where groups are small
+// against 128 rows: 32 random groups of 16384 rows give 16 zero and 32 partial row tiles of 160.
 __device__ __forceinline__ void mxd_idle_warp(unsigned char* __restrict__ cq, long long bs, int K, int oc, bool cok,
                                               int nrows, int tr0, int mb) {
-    if (CS == CS_GPREP && cok && 32 * mb < ((nrows + 63) & ~63)) {
+    if (cok && 32 * mb < ((nrows + 63) & ~63)) {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
             *reinterpret_cast<uint4*>(cq + ((64 * bs + tr0 + i) * K + oc) * 2) = make_uint4(0u, 0u, 0u, 0u);
@@ -102,7 +96,7 @@ __device__ __forceinline__ void mxd_idle_warp(unsigned char* __restrict__ cq, lo
 }
 
 // A tile of the grouped row order: row tile, column tile, first row and rows (0: a zero tile past the last group;
-// rows clamped at M), and its first BR-row block (grouped_tile).
+// rows clamped at M), and its first 64-row block (grouped_tile).
 struct MxdCoord {
     int rt, ct, nrows;
     long long row0, bs;
@@ -111,7 +105,6 @@ struct MxdCoord {
 // The tiles T = first + j * step (j = 0, 1, ...) of an n_row_tiles x ctiles grid (column tile fastest), in
 // increasing order: the row tile, the column tile and the group advance incrementally (no division and no binary
 // search per tile).
-template <int BR>
 struct MxdCursor {
     const int* tstart;
     const long long* rstart;
@@ -127,7 +120,7 @@ struct MxdCursor {
         c.rt = rt;
         c.ct = ct;
         while (g < G && tstart[g + 1] <= rt) ++g;  // largest g with tstart[g] <= rt
-        grouped_tile<BR>(tstart, rstart, bstart, G, g, rt, c.row0, c.nrows, c.bs);
+        grouped_tile(tstart, rstart, bstart, G, g, rt, c.row0, c.nrows, c.bs);
         c.nrows = (int)max(0LL, min((long long)c.nrows, M - c.row0));
         rt += step_rt;
         ct += step_ct;
@@ -182,10 +175,8 @@ template <int IN, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     mx_quant_dual(MX_QUANT_PARAMS) {
     static_assert(IN == IN_BF16, "the register-tiled dual quantizer reads bf16");
-    static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in x's layout");
+    static_assert(CS == CS_GPREP, "per-group column blocks as the wgrad's prepared bf16 operand");
     static_assert(S >= 2 && S <= 4, "cp.async stages of 32 KB (moe_ep/mxfp8/plan.py dual_plan)");
-    constexpr int BR = CS == CS_GPREP ? 64 : 32;  // rows per unit of the table's third prefix sum
-    (void)group_rows;
     (void)x2;
     MX_DYN_SMEM(smem);
     // S cp.async stages, two 512-byte row-scale tiles, then the group table (16 (G + 1) bytes). The stages come
@@ -202,9 +193,9 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     const int tr0 = 32 * mb + 8 * (lane >> 3);           // first tile row of this thread
     const int tc0 = 64 * (warp >> 2) + 8 * (lane & 7);   // first tile column
     const int total = n_row_tiles * ctiles;
-    grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
+    grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
 
-    MxdCursor<BR> cursor(g_tstart, g_rstart, g_bstart, G, M, ctiles, (int)blockIdx.x, (int)gridDim.x);
+    MxdCursor cursor(g_tstart, g_rstart, g_bstart, G, M, ctiles, (int)blockIdx.x, (int)gridDim.x);
     // The thread's 8 chunks of tile c into a stage; rows past the group or chunks past K are zero-filled (no
     // global read; the source address is then x itself, always valid).
     auto issue = [&](unsigned char* stage, const MxdCoord& c) {
@@ -228,7 +219,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
         unsigned rsb[2] = {0u, 0u};  // the 8 rows' scale bytes (0 past the group or past K: tile padding)
 
         if (32 * mb >= nrows) {  // no row of the warp's 32-row block is in the tile (mxd_idle_warp)
-            mxd_idle_warp<CS>(cq, bs, K, col0 + tc0, cok, nrows, tr0, mb);
+            mxd_idle_warp(cq, bs, K, col0 + tc0, cok, nrows, tr0, mb);
         } else {
             // ---- amax keys: rows (packed u16x2: rows 2j / 2j + 1) and word columns (columns 2c / 2c + 1) ----
             uint4 v[8];
@@ -259,9 +250,9 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
                 ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 16));
             }
 
-            // ---- column blocks: multipliers 2**-E, NaN byte masks, scale bytes (CS_GNT) / 2**E (CS_GPREP) ----
+            // ---- column blocks: multipliers 2**-E, NaN byte masks, 2**E ----
             float cmul[8], cdeq[8];
-            unsigned cnan[2] = {0u, 0u}, csb[2] = {0u, 0u};
+            unsigned cnan[2] = {0u, 0u};
 #pragma unroll
             for (int c = 0; c < 8; ++c) {
                 const unsigned k = c & 1 ? ckey[c >> 1] >> 16 : ckey[c >> 1] & 0xFFFFu;
@@ -270,17 +261,13 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
                 cmul[c] = bad ? 0.0f : __uint_as_float((262u - t) << 23);
                 cdeq[c] = t > 8u ? __uint_as_float((t - 8u) << 23) : __uint_as_float(1u << 22);  // 2**-127: subnormal
                 cnan[c >> 2] |= (bad ? 0xFFu : 0u) << (8 * (c & 3));
-                csb[c >> 2] |= (bad ? MX_SCALE_NAN : t - 8u) << (8 * (c & 3));
             }
-            if (CS == CS_GNT && cok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
-                *reinterpret_cast<uint2*>(cs + (bs + mb) * K + col0 + tc0) = make_uint2(csb[0], csb[1]);
 
-            // ---- per row: row-wise bytes, column-wise bytes (or their prepared bf16 values) ----
+            // ---- per row: row-wise bytes, the column-wise bytes' prepared bf16 values ----
             const long long off0 = (row0 + tr0) * K + col0 + tc0;
             const int nr = cok ? nrows - tr0 : 0;  // rows i < nr of this thread exist
             unsigned char* prq = rq + off0;
-            unsigned char* pcq = cq + off0;
-            const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;  // CS_GPREP: zero rows to a 64-row block
+            const int wrows = (nrows + 63) & ~63;  // zero rows up to the group's 64-row block
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const int r = tr0 + i;
@@ -296,7 +283,7 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
                 for (int e = 0; e < 8; ++e) f[e] = word_elem<IN_BF16>(vw[e >> 1], e & 1);
                 unsigned o[2];
                 const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
-                mxd_store_row<CS>(prq, pcq, cq, q, o, ok, cok, r, nrows, wrows, bs, K, col0 + tc0, cdeq, cnan);
+                mxd_store_row(prq, cq, q, o, ok, cok, r, nrows, wrows, bs, K, col0 + tc0, cdeq, cnan);
             }
         }
 

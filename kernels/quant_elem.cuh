@@ -58,21 +58,15 @@ __device__ __forceinline__ float mx_swiglu_dg(float g, float u, float dh, float 
 }
 __device__ __forceinline__ float mx_swiglu_du(float g, float dh, float sig) { return mx_mul(dh, mx_mul(g, sig)); }
 
-// Chunk of 4 dA values at column c (c % 4 == 0) of row ``ar`` (a, 2F bf16) / ``dr`` (dh, F values of DHB bytes:
-// 4 = fp32, 2 = bf16, widened exactly, so a bf16 dh gives the same dA as dh.float()).
-template <int DHB>
+// Chunk of 4 dA values at column c (c % 4 == 0) of row ``ar`` (a, 2F bf16) / ``dr`` (dh, F bf16 values, widened
+// exactly, so dA is that of dh.float()).
 __device__ __forceinline__ uint4 swiglu_bwd4(const unsigned char* ar, const unsigned char* dr, int c, int F) {
     const bool gate = c < F;
     const int cf = gate ? c : c - F;
     const uint2 gv = ld_nc8(ar + cf * 2LL);
     const uint2 uv = gate ? ld_nc8(ar + (F + cf) * 2LL) : make_uint2(0u, 0u);
-    uint4 dv;
-    if (DHB == 4) {
-        dv = ld_nc16(dr + cf * 4LL);
-    } else {
-        const uint2 d16 = ld_nc8(dr + cf * 2LL);
-        dv = make_uint4(d16.x << 16, d16.x & 0xFFFF0000u, d16.y << 16, d16.y & 0xFFFF0000u);
-    }
+    const uint2 d16 = ld_nc8(dr + cf * 2LL);
+    const uint4 dv = make_uint4(d16.x << 16, d16.x & 0xFFFF0000u, d16.y << 16, d16.y & 0xFFFF0000u);
     const unsigned gw[2] = {gv.x, gv.y}, uw[2] = {uv.x, uv.y}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
     unsigned o[4];
 #pragma unroll
@@ -156,7 +150,7 @@ __device__ __forceinline__ unsigned mx_pack16x2(float lo, float hi) {
 // Element c (0 or 1) of a 32-bit word of 16-bit values, or the word itself for fp32, as fp32 (exact).
 // Inputs whose staged 32-bit words are fp32 values (fp32 itself, and SwiGLU's h computed at load time).
 template <int IN> __host__ __device__ constexpr bool mx_w32() {
-    return IN == IN_F32 || IN == IN_SWIGLU || IN == IN_SWIGLU_BWD || IN == IN_SWIGLU_BWD16;
+    return IN == IN_F32 || IN == IN_SWIGLU || IN == IN_SWIGLU_BWD16;
 }
 
 template <int IN>
@@ -181,7 +175,6 @@ template <> struct Key<IN_BF16> {
     static __device__ __forceinline__ float to_float(unsigned k) { return __uint_as_float(k << 16); }
 };
 template <> struct Key<IN_SWIGLU> : Key<IN_F32> {};
-template <> struct Key<IN_SWIGLU_BWD> : Key<IN_F32> {};
 template <> struct Key<IN_SWIGLU_BWD16> : Key<IN_F32> {};
 template <> struct Key<IN_F16> {
     static constexpr unsigned BAD = 0x7C00u;

@@ -3,12 +3,12 @@
 // Included by quantize.cu only (after TILE and NTHREADS are defined).
 #pragma once
 
-// Grouped row layouts: per-CTA table of the groups' first output tile, first row and first BR-row block
-// (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/BR); entry G = the totals), built once per CTA by a
-// block-wide scan of the device-resident group sizes; a tile then finds its group by binary search (mx_quant's
-// grouped_lookup) or by walking the table with its tiles (MxdCursor, kernels/quant_dual.cuh). Negative
-// sizes count as 0. BR = 32: the per-group column-scale rows; 64: the wgrad's prepared operand (64-row blocks).
-template <int BR>
+// Grouped row layouts: per-CTA table of the groups' first output tile, first row and first 64-row block of the
+// wgrad's prepared operand (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/64); entry G = the totals),
+// built once per CTA by a block-wide scan of the device-resident group sizes; a tile then finds its group by
+// binary search (mx_quant's grouped_lookup) or by walking the table with its tiles (MxdCursor,
+// kernels/quant_dual.cuh). Negative sizes count as 0.
+#define MX_PREP_ROWS 64  // rows of a block of the prepared operand (the table's third prefix sum)
 __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, int G, int* tstart,
                                               long long* rstart, int* bstart) {
     __shared__ int s_wt[NTHREADS / 32], s_wb[NTHREADS / 32];
@@ -19,7 +19,7 @@ __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, in
     for (int base = 0; base < G; base += NTHREADS) {
         const int g = base + tid;
         const int n = g < G ? max(gsizes[g], 0) : 0;
-        const int t = (n + TILE - 1) / TILE, b = (n + BR - 1) / BR;
+        const int t = (n + TILE - 1) / TILE, b = (n + MX_PREP_ROWS - 1) / MX_PREP_ROWS;
         long long in = n;
         int it = t, ib = b;
 #pragma unroll
@@ -71,8 +71,7 @@ __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, in
 }
 
 // Output tile T of group g (the largest g with tstart[g] <= T; g = G: past the last group): its first row, rows
-// and first BR-row block, as grouped_lookup below returns them.
-template <int BR>
+// and first 64-row block, as grouped_lookup below returns them.
 __device__ __forceinline__ void grouped_tile(const int* tstart, const long long* rstart, const int* bstart, int G,
                                              int g, int T, long long& row0, int& nrows, long long& bs) {
     if (g >= G) {
@@ -83,13 +82,12 @@ __device__ __forceinline__ void grouped_tile(const int* tstart, const long long*
     }
     const int lt = T - tstart[g];
     row0 = rstart[g] + (long long)lt * TILE;
-    bs = bstart[g] + (long long)(TILE / BR) * lt;
+    bs = bstart[g] + (long long)(TILE / MX_PREP_ROWS) * lt;
     nrows = (int)min((long long)TILE, rstart[g + 1] - row0);
 }
 
 // Rows [row0, row0 + nrows) of output tile T under the table above (nrows = 0: a zero tile past the last group)
-// and the index of its first BR-row block, counted per group and continued across groups (bs).
-template <int BR>
+// and the index of its first 64-row block, counted per group and continued across groups (bs).
 __device__ __forceinline__ void grouped_lookup(const int* tstart, const long long* rstart, const int* bstart,
                                                int G, int T, long long& row0, int& nrows, long long& bs) {
     int lo = 0, hi = G;  // largest g in [0, G] with tstart[g] <= T
@@ -98,7 +96,7 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
         if (tstart[mid] <= T) lo = mid;
         else hi = mid - 1;
     }
-    grouped_tile<BR>(tstart, rstart, bstart, G, lo, T, row0, nrows, bs);
+    grouped_tile(tstart, rstart, bstart, G, lo, T, row0, nrows, bs);
 }
 
 // cp.async stages (mx_quant's pipes 4 and 5, mx_quant_dual, mx_swiglu_dual): a tile's bytes arrive in shared

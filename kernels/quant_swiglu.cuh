@@ -1,10 +1,9 @@
 // Register-tiled SwiGLU quantizers of kernels/quantize.cu: the forward h = silu(gate) * up and the backward
 // dA = swiglu_bwd(a, dh) of moe_ep.experts.reference, each computed in fp32 exactly as mx_quant's IN_SWIGLU /
 // IN_SWIGLU_BWD16 (quant_elem.cuh) and quantized both ways in one pass: row-wise MXFP8 with per-group blocked scales
-// (RS_GROUPED) and the per-group column-wise operand in the output's [M, K] layout (CS_GNT, or CS_GPREP's
-// prepared bf16 values). Same arguments, group table and bytes as mx_quant<IN_SWIGLU | IN_SWIGLU_BWD16,
-// RS_GROUPED, CS>, which runs where this kernel does not fit (moe_ep/mxfp8/plan.py swiglu_plan); included by
-// quantize.cu after quant_dual.cuh.
+// (RS_GROUPED) and the per-group column-wise operand as CS_GPREP's prepared bf16 values. Same arguments, group
+// table and bytes as mx_quant<IN_SWIGLU | IN_SWIGLU_BWD16, RS_GROUPED, CS_GPREP>, which runs where this kernel does
+// not fit (moe_ep/mxfp8/plan.py swiglu_plan); included by quantize.cu after quant_dual.cuh.
 //
 // Why a second kernel: mx_quant stages SwiGLU's fp32 results in shared memory (64 KB a tile, one tile per CTA at
 // a time, no prefetch) and transposes them there for the column blocks, and its backward tiles are dA's: the gate
@@ -92,15 +91,13 @@ __global__ void mx_swiglu_div_check(const unsigned short* __restrict__ in, unsig
 // already reduced over the 4 lanes of each 1x32 / 32x1 block. cok: the columns exist (not past F); nr: rows i < nr
 // exist (0 when !cok); the warp's 32-row column block exists (idle warps do not get here: mxd_idle_warp). The row
 // scale bytes go to the 512-byte shared cuBLAS tile st (0 for rows past the group or columns past K).
-template <int CS, class Vals>
+template <class Vals>
 __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8], const unsigned (&ckey)[8],
                                          long long row0, int nrows, long long bs, int K, int oc, bool cok, int nr,
-                                         int tr0, int mb, int lane, int warp,
-                                         unsigned char* __restrict__ rq, unsigned char* __restrict__ cq,
-                                         unsigned char* __restrict__ cs,
-                                         unsigned char* st) {
+                                         int tr0, int mb, int lane, int warp, unsigned char* __restrict__ rq,
+                                         unsigned char* __restrict__ cq, unsigned char* st) {
     float cmul[8], cdeq[8];
-    unsigned cnan[2] = {0u, 0u}, csb[2] = {0u, 0u};
+    unsigned cnan[2] = {0u, 0u};
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
         const bool bad = ckey[c] >= Key<IN_F32>::BAD;
@@ -108,15 +105,11 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
         cmul[c] = bad ? 0.0f : mx_exp2i(-e);
         cdeq[c] = mx_exp2i(e);
         cnan[c >> 2] |= (bad ? 0xFFu : 0u) << (8 * (c & 3));
-        csb[c >> 2] |= (bad ? MX_SCALE_NAN : (unsigned)(e + 127)) << (8 * (c & 3));
     }
-    if (CS == CS_GNT && cok && lane < 8)  // lanes 0-7 hold the warp's 64 column scales (rg = 0)
-        *reinterpret_cast<uint2*>(cs + (bs + mb) * K + oc) = make_uint2(csb[0], csb[1]);
 
     const long long off0 = (row0 + tr0) * K + oc;
     unsigned char* prq = rq + off0;
-    unsigned char* pcq = cq + off0;
-    const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;  // CS_GPREP: zero rows to a 64-row block
+    const int wrows = (nrows + 63) & ~63;  // zero rows up to the group's 64-row block
     unsigned rsb[2] = {0u, 0u};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -130,7 +123,7 @@ __device__ __forceinline__ void swd_emit(Vals&& vals, const unsigned (&rkey)[8],
         vals(i, f);
         unsigned o[2];
         const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
-        mxd_store_row<CS>(prq, pcq, cq, q, o, ok, cok, r, nrows, wrows, bs, K, oc, cdeq, cnan);
+        mxd_store_row(prq, cq, q, o, ok, cok, r, nrows, wrows, bs, K, oc, cdeq, cnan);
     }
     mxd_row_scales_to_smem(st, rsb, tr0, mb, warp, lane);
 }
@@ -153,13 +146,11 @@ __device__ __forceinline__ void swd_reduce_keys(unsigned (&rkey)[8], unsigned (&
 template <int BWD, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, 1)
     mx_swiglu_dual(MX_QUANT_PARAMS) {
-    static_assert(CS == CS_GNT || CS == CS_GPREP, "per-group column blocks in the output's layout");
+    static_assert(CS == CS_GPREP, "per-group column blocks as the wgrad's prepared bf16 operand");
     static_assert(S >= 2 && S <= 3, "cp.async stages of 64 KB (forward) / 96 KB (backward)");
     static_assert(!BWD || S == 2, "3 backward stages (288 KB) do not fit one SM");
     constexpr int NS = BWD ? 3 : 2;             // input streams: gate, up (, dh)
     constexpr int SB = NS * SWD_STREAM_BYTES;   // bytes of a stage
-    constexpr int BR = CS == CS_GPREP ? 64 : 32;
-    (void)group_rows;
     MX_DYN_SMEM(smem);
     // Stages first, on 128 bytes (as mx_quant_dual's: kernels/quant_dual.cuh), then the row-scale tiles and the
     // group table.
@@ -176,8 +167,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     const int F = BWD ? K / 2 : K;
     const int htiles = BWD ? ctiles / 2 : ctiles;  // column tiles of h
     const int total = n_row_tiles * htiles;
-    grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
-    MxdCursor<BR> cursor(g_tstart, g_rstart, g_bstart, G, M, htiles, (int)blockIdx.x, (int)gridDim.x);
+    grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
+    MxdCursor cursor(g_tstart, g_rstart, g_bstart, G, M, htiles, (int)blockIdx.x, (int)gridDim.x);
 
     // The thread's 8 chunks of each stream; rows past the group or chunks past F are zero-filled (the source
     // address is then x itself, always valid). Zero inputs give h = 0 and dA = 0, the reference's block padding.
@@ -215,10 +206,10 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         };
         if (32 * mb >= tc.nrows) {  // no row of the warp's 32-row block is in the tile (mxd_idle_warp)
             const unsigned zero[2] = {0u, 0u};
-            mxd_idle_warp<CS>(cq, tc.bs, K, col0 + tc0, cok, tc.nrows, tr0, mb);
+            mxd_idle_warp(cq, tc.bs, K, col0 + tc0, cok, tc.nrows, tr0, mb);
             mxd_row_scales_to_smem(st, zero, tr0, mb, warp, lane);
             if (BWD) {
-                mxd_idle_warp<CS>(cq, tc.bs, K, F + col0 + tc0, cok, tc.nrows, tr0, mb);
+                mxd_idle_warp(cq, tc.bs, K, F + col0 + tc0, cok, tc.nrows, tr0, mb);
                 mxd_row_scales_to_smem(st + 512, zero, tr0, mb, warp, lane);
             }
         } else {
@@ -260,8 +251,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) f[e] = h[i][e];
                 };
-                swd_emit<CS>(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, tr0, mb, lane,
-                             warp, rq, cq, cs, st);
+                swd_emit(vals, rkey, ckey, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, tr0, mb, lane, warp,
+                         rq, cq, st);
             } else {
                 // sigmoid(g) stays in registers (64), dA is recomputed from it at each use (6 and 2 fp32 operations):
                 // keeping both halves of dA (128 registers) spilled.
@@ -305,10 +296,10 @@ __global__ void __launch_bounds__(NTHREADS, 1)
                 }
                 swd_reduce_keys(rg, cg);
                 swd_reduce_keys(ru, cu);
-                swd_emit<CS>(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, tr0, mb, lane,
-                             warp, rq, cq, cs, st);
-                swd_emit<CS>(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, tr0, mb, lane,
-                             warp, rq, cq, cs, st + 512);
+                swd_emit(gate, rg, cg, tc.row0, tc.nrows, tc.bs, K, col0 + tc0, cok, nr, tr0, mb, lane, warp, rq,
+                         cq, st);
+                swd_emit(up, ru, cu, tc.row0, tc.nrows, tc.bs, K, F + col0 + tc0, cok, nr, tr0, mb, lane, warp, rq,
+                         cq, st + 512);
             }
         }
         __syncthreads();  // the scale tiles are complete; the other parity is refilled only after the next barrier

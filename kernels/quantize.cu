@@ -12,13 +12,13 @@
 //            block: it reduces the 32x1 block. CS_BLOCKED quantizes it and stores 32 e4m3 bytes of the TRANSPOSED
 //            output xt [K, M] (4 lanes write 128 contiguous bytes of a row of xt) and one blocked scale tile (K rows
 //            x M/32 columns: 128 x 4 per CTA again); the other column modes keep the block's multiplier for phase 3.
-//   phase 3  (CS_NT, CS_GNT, CS_GPREP) re-read the staged tile and write column-wise data in x's own [M, K] layout
+//   phase 3  (CS_NT, CS_GPREP) re-read the staged tile and write column-wise data in x's own [M, K] layout
 //            (CS_GPREP: as the exact bf16 value of each quantized element, in the wgrad kernel's prepared layout).
 // Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
-// Kernels (moe_ep/mxfp8/plan.py chooses): mx_quant (quantize(x, axis) and the grouped dual of inputs staged as
-// fp32 words), mx_quant_batch (the fused blocked mode over a batch of experts' weights), mx_quant_dual
+// Kernels (moe_ep/mxfp8/plan.py chooses): mx_quant (quantize(x, axis), and the SwiGLU grouped dual where
+// mx_swiglu_dual does not run), mx_quant_batch (the fused blocked mode over a batch of experts' weights), mx_quant_dual
 // (kernels/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual (kernels/quant_swiglu.cuh: SwiGLU
 // forward / backward + grouped dual), mx_dequant (kernels/quant_dequant.cuh).
 #include "common.cuh"
@@ -27,8 +27,9 @@
 #define IN_BF16 1
 #define IN_F16 2
 #define IN_SWIGLU 3   // bf16 a [M, 2K] = (gate | up); the quantized values are h = silu(gate) * up in fp32 ([M, K])
-#define IN_SWIGLU_BWD 4  // bf16 a [M, K] = (gate | up) and fp32 dh [M, K/2] (x2); quantizes dA = swiglu_bwd(a, dh)
-#define IN_SWIGLU_BWD16 5  // IN_SWIGLU_BWD with a bf16 dh (the dgrad GEMM's default output): no fp32 copy
+// 4: no longer used (the SwiGLU backward with an fp32 dh)
+#define IN_SWIGLU_BWD16 5  // bf16 a [M, K] = (gate | up) and bf16 dh [M, K/2] (x2, the dgrad GEMM's output);
+                           // quantizes dA = swiglu_bwd(a, dh)
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
@@ -38,13 +39,12 @@
 #define CS_NONE 0     // no column-wise output
 #define CS_BLOCKED 2  // data xt [K, M], scale to_blocked([K, M/32]) (mx_quant_batch)
 #define CS_NT 3       // data [M, K] (x's layout), scale [M/32, K]  (quantize(x, axis=0))
-#define CS_GNT 4      // CS_NT per row group (RS_GROUPED only): 32-row blocks restart at each group's first row,
-                      // block j of group g is scale row sum_{h<g} ceil(n_h/32) + j of [ceil(M/32) + G, K]
-#define CS_GPREP 5    // CS_GNT's blocks, written dequantized: bf16 [64 (ceil(M/64) + G), K], group g from row
-                      // 64 sum_{h<g} ceil(n_h/64), zero rows up to its next multiple of 64, no column scales: the
-                      // operand prepare_colwise_bf16 makes of CS_GNT's output (same bytes except a NaN block's
-                      // payload: 0x7FC0 here and in the torch reference, 0x7FFF from the CUDA preparation kernel),
-                      // so the wgrad GEMM needs no preparation pass
+// 4: no longer used (the MXFP8 per-group column-wise output)
+#define CS_GPREP 5    // per row group (RS_GROUPED only): 32-row blocks that restart at each group's first row,
+                      // written dequantized: bf16 [64 (ceil(M/64) + G), K], group g from row 64 sum_{h<g}
+                      // ceil(n_h/64), zero rows up to its next multiple of 64, no column scales: the wgrad GEMM's
+                      // prepared operand (moe_ep.experts.operands.prepare_colwise_bf16_torch), so it needs no
+                      // preparation pass
 
 #define TILE 128
 #define NTHREADS 256
@@ -81,7 +81,8 @@
 template <int IN, int RS, int CS, int PREQ = -1> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     static_assert(PREQ == -1 || (PREQ == 4 && RS == RS_NONE), "pipe 4 on request: column-only modes");
-    static_assert(ES == 4 || RS != RS_GROUPED, "16-bit grouped dual runs mx_quant_dual");
+    static_assert(RS != RS_GROUPED || ((IN == IN_SWIGLU || IN == IN_SWIGLU_BWD16) && CS == CS_GPREP),
+                  "grouped dual: bf16 x runs mx_quant_dual; here only the SwiGLU inputs, prepared column output");
     static constexpr bool HALF = ES == 2 && CS == CS_NONE && RS == RS_PLAIN;  // pipe 5
     static constexpr bool CPA = ES == 2 && (HALF || PREQ == 4 || (RS == RS_BLOCKED && CS == CS_BLOCKED));  // 4, 5
     static constexpr int NT = HALF ? NTHREADS / 2 : NTHREADS;  // threads per CTA
@@ -95,14 +96,14 @@ template <int IN, int RS, int CS, int PREQ = -1> struct QuantCfg {
 // x: [M, K] (IN element type). Grid: 1-D over the n_row_tiles * ctiles tiles (column tile fastest), one tile per
 // CTA; QuantCfg::NT threads on QuantCfg::ROWS-row tiles.
 // rq: [M, K] e4m3 (RS != NONE); rs: row scales per RS; cq/cs: column-wise outputs per CS.
-// RS_GROUPED: gsizes [G] int32. x2: SwiGLU backward's dh. group_rows: unused (kept so that the parameters keep
-// their offsets).
+// RS_GROUPED: gsizes [G] int32. x2: SwiGLU backward's dh.
 // The kernels mx_quant and mx_quant_batch (below) are this body with their pointers.
-// The kernels' common parameters (mx_quant, mx_quant_batch, mx_quant_dual, mx_swiglu_dual: one launcher).
+// The kernels' common parameters (mx_quant, mx_quant_batch, mx_quant_dual, mx_swiglu_dual: one launcher). G comes
+// after n_row_tiles and ctiles so that these two share an 8-byte slot (one 64-bit constant load).
 #define MX_QUANT_PARAMS                                                                                              \
     const unsigned char *__restrict__ x, long long M, int K, unsigned char *__restrict__ rq,                          \
         unsigned char *__restrict__ rs, unsigned char *__restrict__ cq, unsigned char *__restrict__ cs,              \
-        const int *__restrict__ gsizes, int G, long long group_rows, int n_row_tiles, int ctiles,                    \
+        const int *__restrict__ gsizes, int n_row_tiles, int ctiles, int G,                                          \
         const unsigned char *__restrict__ x2
 
 template <int IN, int RS, int CS, int PREQ>
@@ -130,8 +131,8 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     unsigned* tile = reinterpret_cast<unsigned*>(smem);
     unsigned char* stile = smem + (STAGED ? TILE * WPR * 4 : 0);         // 512 B row-scale tile (RTILE)
     unsigned char* ctile = stile + 512;                                  // 512 B col-scale tile
-    float* smul = reinterpret_cast<float*>(ctile + 512);                 // [4][128] col multipliers (CS_NT)
-    unsigned char* sbad = ctile + 512 + 4 * 4 * TILE;                    // [4][128] NaN-block masks (CS_NT)
+    float* smul = reinterpret_cast<float*>(ctile + 512);                 // [4][128] col multipliers (phase 3)
+    unsigned char* sbad = ctile + 512 + 4 * 4 * TILE;                    // [4][128] NaN-block masks (phase 3)
     float* sdeq = reinterpret_cast<float*>(stile + MX_SMEM_FIXED);       // [4][128] 2**E (CS_GPREP)
     constexpr int FIXED = MX_SMEM_FIXED + (CS == CS_GPREP ? MX_SMEM_GPREP : 0);
     long long* g_rstart = reinterpret_cast<long long*>(stile + FIXED);  // [G + 1] (RS_GROUPED)
@@ -142,26 +143,24 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
         smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 127) & ~127LL);
-    static_assert((CS != CS_GNT && CS != CS_GPREP) || RS == RS_GROUPED,
-                  "per-group column blocks follow the grouped row tiles");
-    constexpr bool GCOL = CS == CS_GNT || CS == CS_GPREP;  // per-group column blocks, in x's row order
-    constexpr int BR = CS == CS_GPREP ? 64 : 32;             // rows per unit of the table's third prefix sum
+    static_assert(CS != CS_GPREP || RS == RS_GROUPED, "per-group column blocks follow the grouped row tiles");
+    constexpr bool GCOL = CS == CS_GPREP;  // per-group column blocks, in x's row order
 
     MX_CHECK_THREADS(NT);
     const int tid = threadIdx.x, lane = tid & 31;
     const int C = K / 32;
     const int total = n_row_tiles * ctiles;
-    if (RS == RS_GROUPED) grouped_table<BR>(gsizes, G, g_tstart, g_rstart, g_bstart);
+    if (RS == RS_GROUPED) grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
 
     // Tile T -> (row tile, column tile, first row, rows).
-    // bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GNT: per-group block numbering;
-    // CS_GPREP: first 64-row block of the tile in the prepared layout).
+    // bs: first scale row of the tile's column blocks (CS_NT: row0 / 32; CS_GPREP: first 64-row block of the
+    // tile in the prepared layout).
     auto coords = [&](int T, int& rt, int& ct, long long& row0, int& nrows, long long& bs) {
         rt = (int)((unsigned)T / (unsigned)ctiles);
         ct = (int)((unsigned)T % (unsigned)ctiles);
         bs = 0;
         if (RS == RS_GROUPED) {
-            grouped_lookup<BR>(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
+            grouped_lookup(g_tstart, g_rstart, g_bstart, G, rt, row0, nrows, bs);
             nrows = (int)max(0LL, min((long long)nrows, M - row0));
         } else {
             row0 = (long long)rt * ROWS;
@@ -193,10 +192,9 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         for (int j = 0; j < PER; ++j) {
             const int r = (p * PER + j) * RPM + r0, cc = cc0;
             const bool ok = r < nrows && col0 + cc * VEC < K;
-            if (IN == IN_SWIGLU_BWD || IN == IN_SWIGLU_BWD16) {  // a: row stride K bf16; dh (x2): K/2 values
-                constexpr int DHB = IN == IN_SWIGLU_BWD ? 4 : 2;
-                v[j] = ok ? swiglu_bwd4<DHB>(x + (row0 + r) * (2LL * K), x2 + (row0 + r) * (K / 2LL * DHB),
-                                             col0 + cc * VEC, K >> 1)
+            if (IN == IN_SWIGLU_BWD16) {  // a: row stride K bf16; dh (x2): K/2 bf16 values
+                v[j] = ok ? swiglu_bwd4(x + (row0 + r) * (2LL * K), x2 + (row0 + r) * (K / 2LL * 2), col0 + cc * VEC,
+                                        K >> 1)
                           : make_uint4(0u, 0u, 0u, 0u);
             } else if (IN == IN_SWIGLU) {  // row stride 2K bf16; gate at column c, up at K + c
                 const unsigned char* rp = x + (row0 + r) * (4LL * K) + (col0 + cc * VEC) * 2;
@@ -325,7 +323,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
         if (CS == CS_BLOCKED || CS == CS_NT || GCOL) __syncthreads();
     }
 
-    // ---------------- phase 3 (CS_NT, CS_GNT, CS_GPREP): column-wise data in x's layout ----------------
+    // ---------------- phase 3 (CS_NT, CS_GPREP): column-wise data in x's layout ----------------
     if (CS == CS_NT || GCOL) {
         // CS_GPREP also writes the zero rows that pad the tile to whole 64-row blocks (the GEMM reads them).
         const int wrows = CS == CS_GPREP ? (nrows + 63) & ~63 : nrows;
@@ -426,7 +424,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
 template <int IN, int RS, int CS, int PREQ = -1>
 __global__ void __launch_bounds__(QuantCfg<IN, RS, CS, PREQ>::NT, QuantCfg<IN, RS, CS, PREQ>::MINB)
     mx_quant(MX_QUANT_PARAMS) {
-    mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, G, group_rows, n_row_tiles, ctiles, x2);
+    mx_quant_body<IN, RS, CS, PREQ>(x, M, K, rq, rs, cq, cs, gsizes, n_row_tiles, ctiles, G, x2);
 }
 
 // The fused blocked mode (rq + rs blocked, cq = x^T + cs blocked) over a batch of gridDim.y equal [M, K] problems
@@ -441,8 +439,8 @@ __global__ void __launch_bounds__(NTHREADS, QuantCfg<IN, RS_BLOCKED, CS_BLOCKED>
     // rs (blocked [M, K/32]) and cs (blocked [K, M/32]) have the same size: ceil(M/128) x ceil(K/128) tiles of
     // 512 bytes either way, since M and K are multiples of 32
     const long long sb = b * ((M + TILE - 1) / TILE) * ((K + TILE - 1) / TILE) * 512;
-    mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, -1>(x + mk * ES, M, K, rq + mk, rs + sb, cq + mk, cs + sb, gsizes, G,
-                                                  group_rows, n_row_tiles, ctiles, x2);
+    mx_quant_body<IN, RS_BLOCKED, CS_BLOCKED, -1>(x + mk * ES, M, K, rq + mk, rs + sb, cq + mk, cs + sb, gsizes,
+                                                  n_row_tiles, ctiles, G, x2);
 }
 
 #include "quant_dequant.cuh"

@@ -1,9 +1,9 @@
 """CPU models of the arithmetic the grouped GEMM kernels share (kernels/gemm_common.cuh), no GPU needed.
 
 Bit-level models of the exact e4m3 -> bf16 conversion with the block scale (``e4m3x2_bits``, ``cvt_words_1s`` for
-one scale byte per 16 bytes, ``pair_mults8`` / ``cvt_words_ps`` for per-column scales), of bf16 rounding and
-multiplication, and of the group scan (``scan_groups``: gm_scan_groups with shfl_up semantics) and the tile order
-(``raster``: gm_raster), plus float64 references of the grouped products (``mm64``, ``wgrad64``).
+one scale byte per 16 bytes), of bf16 rounding and multiplication, and of the group scan (``scan_groups``:
+gm_scan_groups with shfl_up semantics) and the tile order (``raster``: gm_raster), plus float64 references of the
+grouped products (``mm64``, ``wgrad64``).
 """
 
 from __future__ import annotations
@@ -74,34 +74,10 @@ def cvt_words_1s(words, s):
     return [hmul2(hmul2(x, 0x7B807B80), m) for x in o]
 
 
-def pair_mults8(sv):
-    fast = ((sv[0] | sv[1]) & 0x80808080) == 0
-    m = []
-    for w in sv:
-        lo, hi = byte_perm(w, 0, 0x4140), byte_perm(w, 0, 0x4342)
-        if fast:
-            m += [((lo + 0x00780078) << 7) & 0xFFFFFFFF, ((hi + 0x00780078) << 7) & 0xFFFFFFFF]
-        else:
-            m += [
-                mult_slow1(lo & 0xFF) | (mult_slow1(lo >> 16) << 16),
-                mult_slow1(hi & 0xFF) | (mult_slow1(hi >> 16) << 16),
-            ]
-    return m, fast
-
-
-def cvt_words_ps(words, m, fast):
-    o = []
-    for w in words:
-        o += [e4m3x2_bits(w, E4M3X2_LO), e4m3x2_bits(w, E4M3X2_HI)]
-    if fast:
-        return [hmul2(x, mm) for x, mm in zip(o, m, strict=True)]
-    return [hmul2(hmul2(x, 0x7B807B80), mm) for x, mm in zip(o, m, strict=True)]
-
-
 # ---------------------------------------------------------------------------------------------- group scan
 def scan_groups(sizes, g_count, m_total, by_tile, target):
     """gm_scan_groups (one warp): 32 groups per iteration, inclusive shfl_up scans, totals from lane 31.
-    by_tile: 0 group index, 1 128-row tile, 2 padded 32-row block (GM_BY_PAD32: 2 ceil(n / 64) blocks per group)."""
+    by_tile: 0 group index, 1 128-row tile."""
     gi = {"g": -1}
     crow = ctile = cblk = cpad = 0
     for base in range(0, g_count, 32):
@@ -125,8 +101,6 @@ def scan_groups(sizes, g_count, m_total, by_tile, target):
             p_ex = cpad + pc[ln] - npc[ln]
             if by_tile == 1:
                 hit = h < g_count and n[ln] > 0 and t_ex <= target < t_ex + nt[ln]
-            elif by_tile == 2:
-                hit = h < g_count and n[ln] > 0 and 2 * p_ex <= target < 2 * (p_ex + npc[ln])
             else:
                 hit = h < g_count and h == target
             if hit:
@@ -136,7 +110,7 @@ def scan_groups(sizes, g_count, m_total, by_tile, target):
                     "row0": r_ex,
                     "rows": avail,
                     "g": h,
-                    "tile": target - t_ex if by_tile == 1 else (target - 2 * p_ex if by_tile == 2 else 0),
+                    "tile": target - t_ex if by_tile == 1 else 0,
                     "toff": t_ex,
                     "boff": b_ex,
                     "poff": p_ex,

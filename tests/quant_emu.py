@@ -96,7 +96,7 @@ template <class F> static void run_grid(int grid, F f, int grid_y = 1, int threa
 }
 
 typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, unsigned char*, unsigned char*,
-                        unsigned char*, const int*, int, long long, int, int, const unsigned char*);
+                        unsigned char*, const int*, int, int, int, const unsigned char*);
 typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*, long long, int);
 
 // Shared memory past the launch's dynamic size is filled with a canary before the grid runs and checked after it:
@@ -104,8 +104,7 @@ typedef void (*DeqFn)(const unsigned char*, const unsigned char*, unsigned char*
 extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, int threads, long long smem,
                          const unsigned char* x,
                          long long M, int K, unsigned char* rq, unsigned char* rsp, unsigned char* cq,
-                         unsigned char* csp, const int* g, int G, long long group_rows, int nrt, int ctiles,
-                         const unsigned char* x2) {
+                         unsigned char* csp, const int* g, int nrt, int ctiles, int G, const unsigned char* x2) {
     QuantFn fn = nullptr;
     QUANT_TABLE
     if (!fn) return 1;
@@ -113,7 +112,7 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, i
     if (threads < 32 || threads > 256 || threads % 32) return 4;
     memset(g_smem, 0xA5, sizeof(g_smem));
     g_bad_threads = false;
-    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, G, group_rows, nrt, ctiles, x2); }, grid_y, threads);
+    run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, nrt, ctiles, G, x2); }, grid_y, threads);
     if (g_bad_threads) return 5;
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
@@ -194,7 +193,7 @@ def build_emulator(workdir: Path):
     )
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    so.emu_quant.argtypes = [i, i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, ll, i, i, p]
+    so.emu_quant.argtypes = [i, i, i, i, i, i, i, ll, p, ll, i, p, p, p, p, p, i, i, i, p]
     so.emu_dequant.argtypes = [i, i, i, p, p, p, ll, i]
     so.emu_pipe.argtypes = [i, i, i, i]
     return so

@@ -24,12 +24,10 @@ from gemm_emu import (  # noqa: E402
     E4M3X2_LO,
     bf16_to_f,
     cvt_words_1s,
-    cvt_words_ps,
     e4m3x2_bits,
     e4m3x2_bits_placed,
     f_to_bf16,
     mm64,
-    pair_mults8,
     raster,
     scan_groups,
     wgrad64,
@@ -65,24 +63,6 @@ def test_sign_extended_pair_form_equals_the_bit_placement():
             pair = lo | hi << 8
             assert e4m3x2_bits(pair, E4M3X2_LO) == e4m3x2_bits_placed(pair, 0x1404), (hex(lo), hex(hi))
             assert e4m3x2_bits(pair << 16 | 0x5AA5, E4M3X2_HI) == e4m3x2_bits_placed(pair << 16 | 0x5AA5, 0x3424)
-
-
-def test_pair_multipliers_match_scalar_path():
-    rng = np.random.default_rng(0)
-    for fast_only in (True, False):
-        for _ in range(20):
-            hi = 128 if fast_only else 255
-            s = rng.integers(0, hi, size=8).tolist()
-            sv = [s[0] | s[1] << 8 | s[2] << 16 | s[3] << 24, s[4] | s[5] << 8 | s[6] << 16 | s[7] << 24]
-            m, fast = pair_mults8(sv)
-            assert fast == all(v < 128 for v in s)
-            w = [0x4C3A2B1C, 0xB5C4D3E2]
-            got = cvt_words_ps(w, m, fast)
-            bytes_ = [(w[i // 4] >> (8 * (i % 4))) & 0xFF for i in range(8)]
-            for e in range(8):
-                h = (got[e // 2] >> (16 * (e % 2))) & 0xFFFF
-                ref = cvt_words_1s([bytes_[e], 0, 0, 0], s[e])[0] & 0xFFFF
-                assert h == ref, (e, s[e])
 
 
 def test_scan_groups_matches_tile_offsets():

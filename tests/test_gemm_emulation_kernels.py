@@ -20,7 +20,7 @@ import torch
 
 from moe_ep import mxfp8
 from moe_ep.experts import gemm as gemm_cuda
-from tests.gemm_emu import cvt_words_1s, scan_groups
+from tests.gemm_emu import cvt_words_1s
 
 
 def shfl_xor(vals: list, mask: int) -> list:
@@ -185,64 +185,17 @@ def test_ring_stages_rule():
 
 # ------------------------------------------------------------------------- wgrad: prepared operands, k-steps
 def test_prepare_colwise_bf16_worked_example():
-    """Docstring example: sizes [40, 0, 8] -> group 0 at rows 0-39 (40-63 zero), group 2 at rows 64-71 (72-127
-    zero); each row is the exact dequantization of its source row."""
+    """Docstring example of prepare_colwise_bf16_torch (the reference of the quantizer's prepared wgrad operand):
+    sizes [40, 0, 8] -> group 0 at rows 0-39 (40-63 zero), group 2 at rows 64-71 (72-127 zero); each row is the
+    exact dequantization of its source row."""
     sizes = [40, 0, 8]
     x = torch.randn(48, 16)
     data, scale = gemm_cuda.colwise_operand_ref(x, sizes)
-    out = gemm_cuda.prepare_colwise_bf16(data, scale, torch.tensor(sizes, dtype=torch.int32))
+    out = gemm_cuda.prepare_colwise_bf16_torch(data, scale, torch.tensor(sizes, dtype=torch.int32))
     deq = gemm_cuda.colwise_dequantize_ref(data, scale, sizes)
     assert out.shape == (gemm_cuda.colwise_prep_rows(48, 3), 16) == (64 * (1 + 3), 16)
     assert torch.equal(out[:40].float(), deq[:40]) and torch.equal(out[64:72].float(), deq[40:48])
     assert (out[40:64] == 0).all() and (out[72:] == 0).all()
-
-
-def test_prepare_colwise_bf16_pair_writes_given_outputs_and_checks_shapes():
-    """The pair API on the CPU (the CUDA launch is tested on the GPU): given out_a / out_b are filled with each
-    operand's reference preparation and returned; a row mismatch is an error."""
-    sizes = [40, 0, 8]
-    sz = torch.tensor(sizes, dtype=torch.int32)
-    (a, a_s), (b, b_s) = (gemm_cuda.colwise_operand_ref(torch.randn(48, c), sizes) for c in (16, 24))
-    rows = gemm_cuda.colwise_prep_rows(48, 3)
-    oa, ob = (torch.full((rows, c), float("nan"), dtype=torch.bfloat16) for c in (16, 24))
-    pa, pb = gemm_cuda.prepare_colwise_bf16_pair(a, a_s, b, b_s, sz, out_a=oa, out_b=ob)
-    assert pa.data_ptr() == oa.data_ptr() and pb.data_ptr() == ob.data_ptr()
-    assert torch.equal(oa, gemm_cuda.prepare_colwise_bf16_torch(a, a_s, sizes))
-    assert torch.equal(ob, gemm_cuda.prepare_colwise_bf16_torch(b, b_s, sizes))
-    with pytest.raises(ValueError, match="expected a"):
-        gemm_cuda.prepare_colwise_bf16_pair(a, a_s, b[:40], b_s, sz)
-
-
-def block_group_model(sizes: list[int], m_total: int, pb: int) -> tuple[int, int, int]:
-    """colwise_block_group (kernels/weight_prep.cu): gm_scan_groups by padded 32-row block (the CPU model of the
-    scan, mode 2), then the block's first data row, valid rows and scale row -> (row0 or -1, rows, srow)."""
-    gi = scan_groups(sizes, len(sizes), m_total, 2, pb)
-    if gi["g"] < 0:
-        return (-1, 0, 0)
-    j = gi["tile"]
-    return (gi["row0"] + 32 * j, max(0, min(32, gi["rows"] - 32 * j)), gi["boff"] + j)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_block_group_scan_matches_direct_indexing(seed):
-    """Every padded 32-row block maps to the right data rows and scale row, or is a zero block (70 groups: 3
-    scan chunks, empty groups, sizes summing past M: rows past M are dropped, as the kernels clamp them)."""
-    gen = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(0, 100, (70,), generator=gen)
-    sizes[torch.randperm(70, generator=gen)[:20]] = 0
-    sizes = sizes.tolist()
-    m_total = sum(sizes) - 50 * (seed % 2)
-    expect, start, blk, pad = {}, 0, 0, 0
-    for n in sizes:
-        nb = (n + 31) // 32
-        for j in range(2 * ((n + 63) // 64)):
-            first = start + 32 * j
-            rows = max(0, min(32, n - 32 * j, m_total - first)) if j < nb else 0
-            expect[pad + j] = (first, rows, blk + j)
-        start, blk, pad = start + n, blk + nb, pad + 2 * ((n + 63) // 64)
-    assert 32 * pad <= gemm_cuda.colwise_prep_rows(m_total, len(sizes)) or m_total < sum(sizes)
-    for pb in range(pad + 3):
-        assert block_group_model(sizes, m_total, pb) == expect.get(pb, (-1, 0, 0)), pb
 
 
 @pytest.mark.parametrize("rows", [0, 1, 63, 64, 65, 128, 130])

@@ -1,6 +1,6 @@
-"""GPU tests of the operand preparation kernels (kernels/weight_prep.cu): the bf16 weight preparation, the wgrad
-column-wise preparation (one operand and both in one launch), weight_operands on the GPU against the CPU, and the
-wgrad on operands the quantizer wrote already prepared (``quantize_grouped_dual(..., colwise="bf16")``).
+"""GPU tests of the operand preparation: the bf16 weight preparation kernel (kernels/weight_prep.cu),
+weight_operands on the GPU against the CPU, and the wgrad on operands the quantizer wrote already prepared
+(``quantize_grouped_dual``).
 
 Bytes are compared exactly with the torch references; outputs are followed by NaN guards that must stay
 untouched (the guard helpers and the data generator are those of tests/test_gemm_cuda.py).
@@ -43,71 +43,6 @@ def test_weight_prep_kernel_matches_reference(g, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [0, 0, 0], [1, 2, 3, 4097], [31, 32, 33]])
-def test_colwise_prep_kernel_matches_reference(sizes):
-    """kernels/weight_prep.cu mx_prepare_colwise_bf16 == prepare_colwise_bf16_torch on every row a group owns
-    (its 64-row chunks, padding zeros included); NaN-scale blocks NaN in the same places; nothing past out."""
-    _skip_without_gpu()
-    from tests.test_gemm_emulation_kernels import assert_same_bf16  # noqa: PLC0415
-
-    gen = torch.Generator(device="cuda").manual_seed(len(sizes) + sum(sizes))
-    m, c = sum(sizes) + 7, 264
-    data, scale = gemm_cuda.colwise_operand_ref(_varied(m, c, gen)[: sum(sizes)], sizes)
-    data = torch.cat([data, data.new_zeros(7, c)])
-    if scale.shape[0]:
-        scale[0, :16] = 0xFF  # a NaN block
-    rows, prows = gemm_cuda.colwise_scale_rows(m, len(sizes)), gemm_cuda.colwise_prep_rows(m, len(sizes))
-    scale = torch.cat([scale, scale.new_zeros(rows - scale.shape[0], c)])
-    ref = gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes)
-    buf = torch.full((prows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = buf[: prows * c].view(prows, c)
-    sz = _sizes_t(sizes)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        gemm_cuda.prepare_colwise_bf16(_guarded(data, 0x7F), _guarded(scale, 0xFF), sz, out=out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    used = gemm_cuda.colwise_prep_rows_used(sizes)
-    assert_same_bf16(out[:used].cpu(), ref[:used])
-    assert torch.isnan(buf[prows * c :]).all(), "written past the end of out"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [0, 0, 0], [31, 32, 33]])
-def test_colwise_prep_pair_kernel_matches_reference(sizes):
-    """mx_prepare_colwise_bf16_pair (both wgrad operands in one launch, widths 264 and 1032: two 1024-column chunks)
-    == prepare_colwise_bf16_torch of each, on every row a group owns; nothing written past either output."""
-    _skip_without_gpu()
-    from tests.test_gemm_emulation_kernels import assert_same_bf16  # noqa: PLC0415
-
-    gen = torch.Generator(device="cuda").manual_seed(7 + sum(sizes))
-    m, g = sum(sizes) + 7, len(sizes)
-    rows, prows = gemm_cuda.colwise_scale_rows(m, g), gemm_cuda.colwise_prep_rows(m, g)
-    ops, refs, bufs, outs = [], [], [], []
-    for c in (264, 1032):
-        data, scale = gemm_cuda.colwise_operand_ref(_varied(m, c, gen)[: sum(sizes)], sizes)
-        data = torch.cat([data, data.new_zeros(7, c)])
-        scale = torch.cat([scale, scale.new_zeros(rows - scale.shape[0], c)])
-        ops += [_guarded(data, 0x7F), _guarded(scale, 0xFF)]
-        refs.append(gemm_cuda.prepare_colwise_bf16_torch(data.cpu(), scale.cpu(), sizes))
-        bufs.append(torch.full((prows * c + 64,), float("nan"), dtype=torch.bfloat16, device="cuda"))
-        outs.append(bufs[-1][: prows * c].view(prows, c))
-    sz = _sizes_t(sizes)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = gemm_cuda.prepare_colwise_bf16_pair(*ops, sz, out_a=outs[0], out_b=outs[1])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    used = gemm_cuda.colwise_prep_rows_used(sizes)
-    for out, ref, buf, c, res in zip(outs, refs, bufs, (264, 1032), got, strict=True):
-        assert res.data_ptr() == out.data_ptr()
-        assert_same_bf16(out[:used].cpu(), ref[:used])
-        assert torch.isnan(buf[prows * c :]).all(), "written past the end of out"
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype", [((3, 160, 96), torch.float32), ((2, 32, 288), torch.bfloat16)])
 def test_weight_operands_on_gpu_match_cpu(shape, dtype):
     """weight_operands on CUDA (one fused row + column quantization per expert, preparation kernels) == on CPU (two
@@ -127,11 +62,12 @@ def test_weight_operands_on_gpu_match_cpu(shape, dtype):
 @pytest.mark.parametrize("sizes", [[0, 5, 300, 0, 1000, 33], [64], [31, 32, 33], [0, 0, 4096, 0]])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_wgrad_from_prepared_quantizer_output(sizes, out_dtype):
-    """dW from the quantizer's prepared operands (colwise="bf16", no preparation pass) == dW from its MXFP8 operands
-    (grouped_wgrad_out: preparation kernel, then the same GEMM) bit for bit: both feed the GEMM the same bytes, and
-    the kernel is deterministic. Against the reference: the fp32 bound of tests/test_gemm_cuda._assert_close (2x the
+    """dW from the quantizer's prepared operands (no preparation pass) == dW from the reference's prepared operands
+    (``quantize_grouped_dual_torch(..., colwise="bf16")``) bit for bit: both feed the GEMM the same bytes, and the
+    kernel is deterministic. Against the reference: the fp32 bound of tests/test_gemm_cuda._assert_close (2x the
     fp32 reference's own error plus the accumulation-order term). No host sync; nothing written past out."""
     _skip_without_gpu()
+    from moe_ep.experts.reference import quantize_grouped_dual_torch  # noqa: PLC0415
     from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
 
     gen = torch.Generator(device="cuda").manual_seed(3 + sum(sizes))
@@ -139,19 +75,20 @@ def test_wgrad_from_prepared_quantizer_output(sizes, out_dtype):
     dy, x = _varied(m, n, gen).bfloat16(), _varied(m, k, gen).bfloat16()
     sz = _sizes_t(sizes)
     out, guard = _guarded_out((g, n, k), out_dtype)
+    ra = quantize_grouped_dual_torch(dy, sz.cpu(), colwise="bf16")[2]
+    rb = quantize_grouped_dual_torch(x, sz.cpu(), colwise="bf16")[2]
+    via_ref = torch.empty(g, n, k, dtype=out_dtype, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
-        qa = mxfp8_cuda.quantize_grouped_dual(dy, sz, colwise="bf16")
-        qb = mxfp8_cuda.quantize_grouped_dual(x, sz, colwise="bf16")
+        qa = mxfp8_cuda.quantize_grouped_dual(dy, sz)
+        qb = mxfp8_cuda.quantize_grouped_dual(x, sz)
         gemm_cuda.grouped_wgrad_prepared_out(qa[2], qb[2], sz, out, m)
-        ma = mxfp8_cuda.quantize_grouped_dual(dy, sz)
-        mb = mxfp8_cuda.quantize_grouped_dual(x, sz)
-        via_prep = gemm_cuda.grouped_mm_wgrad(ma[2], ma[3], mb[2], mb[3], sz, out_dtype=out_dtype)
+        gemm_cuda.grouped_wgrad_prepared_out(ra, rb, sz, via_ref, m)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isnan(guard.float()).all(), "written past the end of out"
-    assert torch.equal(out.view(torch.uint8), via_prep.view(torch.uint8))
+    assert torch.equal(out.view(torch.uint8), via_ref.view(torch.uint8))
     a_, b_ = qa[2].double(), qb[2].double()
     ref64 = gemm_cuda.grouped_wgrad_prepared_torch(a_, b_, sizes, m, torch.float64)
     ref32 = gemm_cuda.grouped_wgrad_prepared_torch(qa[2], qb[2], sizes, m)

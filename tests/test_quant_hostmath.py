@@ -287,14 +287,14 @@ def test_dual_kernel_plan(monkeypatch):
     """Which grouped-dual kernel a bf16 input gets, its depth, grid and shared memory (hand-worked, 132 SMs)."""
     monkeypatch.setattr(quant_plan, "sm_count", lambda d: 132)
     dev = torch.device("cpu")
-    grouped, gnt, gprep = quant_plan.RS["grouped"], quant_plan.CS["grouped_nt"], quant_plan.CS["grouped_prep"]
+    grouped, gprep = quant_plan.RS["grouped"], quant_plan.CS["grouped_prep"]
     # depth: 4 stages from 32 tiles per SM (4224 on 132 SMs), else 2
     assert [quant_plan.dual_stages(t, dev) for t in (16128, 4224, 4223, 2560)] == [4, 4, 2, 2]
     # [32768, 7168] in 32 groups: (256 + 32) row tiles x 56 column tiles; 4 stages, one CTA per SM;
     # shared memory = 4 stages of 32 KB + two 512-byte row-scale tiles + group table 16 * 33
     x = torch.empty(32768, 7168, dtype=torch.bfloat16)
-    plan = quant_plan.quant_plan(x, 32768, 7168, grouped, gnt, 32, 288, None)
-    assert plan == ("mx_quant_dual<1,4,4>", 132, 528 + 4 * 32768 + 1024, 288, 56, 256)
+    plan = quant_plan.quant_plan(x, 32768, 7168, grouped, gprep, 32, 288, None)
+    assert plan == ("mx_quant_dual<1,5,4>", 132, 528 + 4 * 32768 + 1024, 288, 56, 256)
     # [16384, 2048]: 160 x 16 = 2560 tiles -> 2 stages, 3 CTAs per SM
     x = torch.empty(16384, 2048, dtype=torch.bfloat16)
     assert quant_plan.quant_plan(x, 16384, 2048, grouped, gprep, 32, 160, None)[:3] == (
@@ -313,13 +313,7 @@ def test_dual_kernel_plan(monkeypatch):
     # not even 2 stages next to the table: no kernel can take it
     assert quant_plan.dual_plan(2560, 20000, dev) is None
     with pytest.raises(ValueError, match="20000 groups"):
-        quant_plan.quant_plan(x, 16384, 2048, grouped, gnt, 20000, 20128, None)
-    # fp32 runs mx_quant (pipe 0, the tile staged in shared memory) whatever the group count
-    assert quant_plan.quant_plan(x.float(), 16384, 2048, grouped, gnt, 32, 160, None) == (
-        "mx_quant<0,3,4>",
-        2560,
-        65536 + 3584 + 528,
-        160,
-        16,
-        256,
-    )
+        quant_plan.quant_plan(x, 16384, 2048, grouped, gprep, 20000, 20128, None)
+    # fp32 x: no grouped-dual kernel (the MoE path quantizes bf16 activations)
+    with pytest.raises(ValueError, match="grouped dual takes"):
+        quant_plan.quant_plan(x.float(), 16384, 2048, grouped, gprep, 32, 160, None)

@@ -2,9 +2,9 @@
 ``kernels/grouped_gemm_wgrad.cu`` (wgrad). Design: docs/design.md, section "Grouped GEMMs".
 
 The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``,
-``fake_quantize_grouped_cols``): the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is
-exact in bf16 except below 2**-133) on bf16 tensor cores with fp32 accumulation, so results equal the reference up
-to fp32 summation order.
+``fake_quantize_grouped_cols``; :func:`grouped_wgrad_prepared_torch` for the wgrad's prepared operands): the
+kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16 except below 2**-133) on
+bf16 tensor cores with fp32 accumulation, so results equal the reference up to fp32 summation order.
 
 Operand formats (all tensors CUDA, contiguous, 16-byte aligned; ``G`` groups; ``group_sizes`` int32 [G] on the
 device, never read on the host; rows are NOT padded; a group's rows are contiguous and groups follow each other):
@@ -19,26 +19,21 @@ fprop  ``grouped_mm_fprop``: out[M, N] = X_g @ W[g]^T for the rows of each group
              (exact bf16, k permuted inside each 64-block, ``k_permutation``); computed once per weight version
              (``weight_operands`` with a ``WeightQuantCache``) and passed in; without it every call prepares it (one
              memory-bound pass and a transient bf16 copy of the weight)
-    out      bf16 (default) or fp32 [M, N]. Rows past sum(sizes) (the only rows outside every group: groups are
+    out      bf16 [M, N]. Rows past sum(sizes) (the only rows outside every group: groups are
              contiguous from row 0) are zero-filled by the kernel when the wrapper allocates ``out`` (or when
              ``zero_rest=True``); a caller-given ``out`` keeps them untouched by default.
 dgrad  ``grouped_mm_dgrad``: the same kernel with the transposed weight copy: dX[M, K] = dY_g @ W[g]
     dy       float8_e4m3fn [M, N] row-wise (blocks along N), dy_scale as x_scale with N for K
     wt       float8_e4m3fn [G, K, N] = W^T per expert quantized along N (= quantize(W, axis=-2) transposed),
     wt_scale uint8 [G, blocked_size(K, N/32)]; wt_prepared bf16 [G, K, ceil(N/64) * 64] as w_prepared
-wgrad  ``grouped_mm_wgrad``: dW[g] = dY_g^T @ X_g, [G, N, K], reduction over each group's rows
-    dy       float8_e4m3fn [M, N] in dY's own layout, quantized COLUMN-wise in 32x1 blocks that restart at each
-             group's first row (a group's last block may be short: zero padded), i.e. ``fake_quantize_grouped_cols``
-    dy_scale uint8 [>= ceil(M/32) + G, N] ("grouped column-wise plain" layout): block j of group g (rows
-             start_g + 32 j ..) is scale row ``sum_{h<g} ceil(n_h/32) + j``; other rows are ignored
-    x        float8_e4m3fn [M, K], x_scale uint8 [>= ceil(M/32) + G, K]: the same for X
-    out      fp32 (default) or bf16 [G, N, K]; empty groups get zeros.
-    (This layout keeps the producers' row-major data, needs no transpose and no alignment of group starts;
-    the 16 scales of 16 consecutive columns are contiguous. ``colwise_operand_ref`` builds it.)
-    Each call first dequantizes both operands exactly to bf16 (``prepare_colwise_bf16_pair``: bf16
-    [64 (ceil(M/64) + G), N / K], group g at row 64 sum_{h<g} ceil(n_h/64), zero rows up to its next multiple of 64;
-    the two copies live for the call). ``grouped_wgrad_prepared_out`` takes both operands already in that layout,
-    as ``mxfp8_cuda.quantize_grouped_dual(..., colwise="bf16")`` writes them: the same GEMM without the pass.
+wgrad  ``grouped_wgrad_prepared_out``: dW[g] = dY_g^T @ X_g, [G, N, K], reduction over each group's rows
+    a_prep   bf16 [64 (ceil(M/64) + G), N]: dY quantized COLUMN-wise in 32x1 blocks that restart at each group's
+             first row (a group's last block may be short: zero padded), i.e. ``fake_quantize_grouped_cols``, and
+             stored exactly dequantized with group g at row 64 sum_{h<g} ceil(n_h/64) and zero rows up to its next
+             multiple of 64, as ``mxfp8_cuda.quantize_grouped_dual`` writes it (``prepare_colwise_bf16_torch`` of
+             ``colwise_operand_ref``'s MXFP8 pair is its reference)
+    b_prep   bf16 [same rows, K]: the same for X
+    out      fp32 or bf16 [G, N, K]; empty groups get zeros.
 
 Kernels. fprop and dgrad run one persistent, warp-specialized kernel (grid = min(tiles, SMs), 384 threads: a
 producer warp issues TMA loads into a ring of shared-memory stages, two consumer warpgroups dequantize the
@@ -53,8 +48,8 @@ Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are
 Everything runs on torch's current stream with no host synchronization.
 
 The operand side lives in ``moe_ep/experts/operands.py`` and is re-exported here: the bf16 preparation of weights
-(``prepare_weight_bf16``, ``weight_operands``) and of wgrad activations (``prepare_colwise_bf16``), and the
-``*_ref`` pure-PyTorch converters from plain tensors to these formats (tests, benchmarks; host group sizes).
+(``prepare_weight_bf16``, ``weight_operands``), and the ``*_ref`` / ``*_torch`` pure-PyTorch converters from plain
+tensors to these formats (tests, benchmarks; host group sizes).
 """
 
 from __future__ import annotations
@@ -77,8 +72,6 @@ from .operands import (  # the operand side, re-exported: gemm.<name> is the pub
     colwise_prep_rows_used,
     colwise_scale_rows,
     k_permutation,
-    prepare_colwise_bf16,
-    prepare_colwise_bf16_pair,
     prepare_colwise_bf16_torch,
     prepare_weight_bf16,
     prepare_weight_bf16_torch,
@@ -98,13 +91,9 @@ __all__ = [  # this module's API, with the operand side re-exported from operand
     "grouped_mm_2d3d_out",
     "grouped_mm_dgrad",
     "grouped_mm_fprop",
-    "grouped_mm_wgrad",
-    "grouped_wgrad_out",
     "grouped_wgrad_prepared_out",
     "grouped_wgrad_prepared_torch",
     "k_permutation",
-    "prepare_colwise_bf16",
-    "prepare_colwise_bf16_pair",
     "prepare_colwise_bf16_torch",
     "prepare_weight_bf16",
     "prepare_weight_bf16_torch",
@@ -125,7 +114,7 @@ _DEEP_OPTIONS = ("-DGG_STAGES=5", "-DGG_REG_EPI")
 _DEEP_SMEM_BYTES = 207872  # 5 x 40960 + 0 + 5 x 512 + 80 + 9 x 48
 _DEEP_K = 3072  # reductions from this length on run the deep build
 _WGRAD_SMEM_BYTES = 229872  # 4 x 49152 + 32768 + 64 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
-_OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the wgrad's outputs (fprop / dgrad: bf16 only)
 
 
 def ring_stages(k: int) -> int:
@@ -151,7 +140,7 @@ def _check_common(a, a_scale, b, b_scale, group_sizes, out) -> None:
         (torch.float8_e4m3fn,),
         (torch.uint8,),
         (torch.int32,),
-        tuple(_OUT_SUFFIX),
+        (torch.bfloat16,),
     )
     for (name, t), dts in zip(named, want, strict=True):
         _check_dtype(name, t, dts)
@@ -251,7 +240,7 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
 
     a: e4m3 [M, K]; a_scale: u8 per-group blocked along M (>= (ceil(M/128)+G) * ceil(K/128) * 512 bytes);
     b: e4m3 [G, N, K]; b_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32 [G] (device);
-    out: bf16/fp32 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
+    out: bf16 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
     ``zero_rest`` (by the kernel, no extra pass), else left untouched. Returns ``out``.
     b_prepared: bf16 [G, N, ceil(K/64) * 64] = ``prepare_weight_bf16(b, b_scale)`` computed once per weight
     version; without it the launcher prepares it on every call (one memory-bound pass over the weight).
@@ -298,26 +287,26 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     options, smem = (_DEEP_OPTIONS, _DEEP_SMEM_BYTES) if deep else ((), _GEMM_SMEM_BYTES)
     # A [M, K] e4m3 in boxes of 128 rows x 64 bytes; the prepared B [G N, Kp] bf16 in boxes of 256 rows x 64
     # columns with the 128-byte swizzle; the bf16 output [M, N] in boxes of 64 x 64 with the 128-byte swizzle for the
-    # TMA-store epilogue (fp32 outputs and the deep build store from registers: the map is then a placeholder)
+    # TMA-store epilogue (the deep build stores from registers: the map is then a placeholder)
     a_map = _tma_map_2d(a, m, k, 128, 64)
     b_map = _tma_map_2d(b_prepared, g * n, kp, 256, 64, elem_bytes=2, swizzle128=True)
-    o_map = _tma_map_2d(out, m, n, 64, 64, 2, True) if out.dtype == torch.bfloat16 and not deep else a_map
+    o_map = a_map if deep else _tma_map_2d(out, m, n, 64, 64, 2, True)
     grid = min(grid, torch.cuda.get_device_properties(out.device).multi_processor_count)  # persistent CTAs
-    kernel = f"mx_gmm_2d3d_{_OUT_SUFFIX[out.dtype]}"
     tensors = (a, a_scale, b, b_scale, group_sizes, out)
-    _launch(kernel, _GEMM_FILE, grid, smem, tensors, g, m, n, k, zero_rest, (a_map, b_map, o_map), options)
+    _launch("mx_gmm_2d3d_bf16", _GEMM_FILE, grid, smem, tensors, g, m, n, k, zero_rest, (a_map, b_map, o_map), options)
     return out
 
 
 def grouped_mm_fprop(
     x, x_scale, w, w_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, out=None, w_prepared=None
 ):
-    """Forward grouped GEMM: x e4m3 [M, K] (+ grouped blocked scales) x w e4m3 [G, N, K] -> [M, N] out_dtype.
+    """Forward grouped GEMM: x e4m3 [M, K] (+ grouped blocked scales) x w e4m3 [G, N, K] -> [M, N] bf16.
 
     x_scale: u8 [>= (ceil(M/128)+G) * ceil(K/128) * 512]; w_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32
     [G] (device); w_prepared: bf16 [G, N, ceil(K/64) * 64] (``prepare_weight_bf16``; prepared per call when None);
-    out: bf16/fp32 [M, N]. Without ``out``, every row of the result is defined: rows past sum(group_sizes) are zero
-    (written by the kernel). A given ``out`` keeps those rows as they were.
+    out_dtype: bf16 (the only output the kernel writes); out: bf16 [M, N]. Without ``out``, every row of the result
+    is defined: rows past sum(group_sizes) are zero (written by the kernel). A given ``out`` keeps those rows as
+    they were.
     """
     alloc = out is None
     if alloc:
@@ -331,8 +320,8 @@ def grouped_mm_dgrad(
     """Input-gradient grouped GEMM: dy e4m3 [M, N] x wt e4m3 [G, K, N] (W^T, quantized along N) -> [M, K].
 
     dy_scale: u8 [>= (ceil(M/128)+G) * ceil(N/128) * 512]; wt_scale: u8 [G, blocked_size(K, N/32)]; group_sizes:
-    int32 [G] (device); wt_prepared: bf16 [G, K, ceil(N/64) * 64] (prepared per call when None); out: bf16/fp32
-    [M, K].
+    int32 [G] (device); wt_prepared: bf16 [G, K, ceil(N/64) * 64] (prepared per call when None); out_dtype: bf16;
+    out: bf16 [M, K].
 
     Rows past sum(group_sizes) as in :func:`grouped_mm_fprop` (zero without ``out``, untouched with it).
     """
@@ -342,36 +331,8 @@ def grouped_mm_dgrad(
     return grouped_mm_2d3d_out(dy, dy_scale, wt, wt_scale, group_sizes, out, zero_rest=alloc, b_prepared=wt_prepared)
 
 
-def grouped_wgrad_out(a, a_scale, b, b_scale, group_sizes, out):
-    """out[g] = dequant(a)[rows of g]^T @ dequant(b)[rows of g] (groups along the reduction).
-
-    a: e4m3 [M, N]; b: e4m3 [M, K], both quantized column-wise per group (``colwise_operand_ref``);
-    a_scale: u8 [>= ceil(M/32)+G, N]; b_scale: u8 [>= ceil(M/32)+G, K]; group_sizes int32 [G] (device);
-    out: fp32/bf16 [G, N, K] (every element written; zeros for empty groups). Returns ``out``.
-    """
-    _check_common(a, a_scale, b, b_scale, group_sizes, out)
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
-        raise ValueError(f"expected a [M, N] and b [M, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    m, n = a.shape
-    k = b.shape[1]
-    g = group_sizes.numel()
-    if n % 8 or k % 8:
-        raise ValueError(f"wgrad needs N and K multiples of 8, got N={n}, K={k}")
-    rows = colwise_scale_rows(m, g)
-    for name, s, cols in (("a_scale", a_scale, n), ("b_scale", b_scale, k)):
-        if s.dim() != 2 or s.shape[1] != cols or s.shape[0] < rows:
-            raise ValueError(f"{name} must be [>= ceil(M/32) + G = {rows}, {cols}], got {tuple(s.shape)}")
-    if tuple(out.shape) != (g, n, k):
-        raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
-    if not (g and n and k):
-        return out
-    ap, bp = prepare_colwise_bf16_pair(a, a_scale, b, b_scale, group_sizes)  # [64 (ceil(M/64) + G), N / K] bf16
-    _launch_wgrad_prepared(ap, bp, group_sizes, out, m)
-    return out
-
-
 def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
-    """The wgrad kernel on prepared operands, checked by the callers: ap bf16 [R, N], bp bf16 [R, K] with
+    """The wgrad kernel on prepared operands, checked by grouped_wgrad_prepared_out: ap bf16 [R, N], bp bf16 [R, K] with
     R = 64 (ceil(M/64) + G), group_sizes int32 [G], out fp32/bf16 [G, N, K]; m = M."""
     g, n, k = out.shape
     tiles = g * _cdiv(n, _BM) * _cdiv(k, _BN)
@@ -416,15 +377,13 @@ def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out
 def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):
     """wgrad from operands already in the prepared layout: out[g] = a_prep[rows of g]^T @ b_prep[rows of g].
 
-    a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K], as ``prepare_colwise_bf16`` makes them or
-    as ``mxfp8_cuda.quantize_grouped_dual(..., colwise="bf16")`` writes them straight from the quantizer (group g
+    a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K], as ``prepare_colwise_bf16_torch`` makes them or
+    as ``mxfp8_cuda.quantize_grouped_dual`` writes them straight from the quantizer (group g
     at rows 64 poff_g .., zero rows up to its next multiple of 64); group_sizes int32 [G] (device); num_rows: M,
     the data rows the groups cover (a host int known without a sync: the quantizer's input rows);
     out: fp32/bf16 [G, N, K], every element written (zeros for empty groups). Returns ``out``. The sizes must sum
     to at most num_rows (not checked: that would need a host sync); a num_rows that is wrong but gives the same
     row count passes the shape check, and the kernel then clamps the groups to it.
-    Why: :func:`grouped_wgrad_out` prepares both operands on every call (one memory-bound pass and a launch, which
-    the quantizer saves by writing the prepared layout itself).
     """
     for name, t, dts in (
         ("a_prep", a_prep, (torch.bfloat16,)),
@@ -450,15 +409,3 @@ def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):
         raise ValueError(f"out must be [{g}, {n}, {k}], got {tuple(out.shape)}")
     _launch_wgrad_prepared(a_prep, b_prep, group_sizes, out, num_rows)
     return out
-
-
-def grouped_mm_wgrad(dy, dy_scale, x, x_scale, group_sizes, out_dtype: torch.dtype = torch.float32, out=None):
-    """Weight-gradient grouped GEMM: dW[g] = dY_g^T @ X_g -> [G, N, K] out_dtype (fp32 by default).
-
-    dy: e4m3 [M, N], x: e4m3 [M, K], both quantized column-wise per group (``colwise_operand_ref``); dy_scale: u8
-    [>= ceil(M/32)+G, N]; x_scale: u8 [>= ceil(M/32)+G, K]; group_sizes: int32 [G] (device); out: fp32/bf16
-    [G, N, K] (allocated when None). See :func:`grouped_wgrad_out`.
-    """
-    if out is None:
-        out = torch.empty(group_sizes.numel(), dy.shape[1], x.shape[1], dtype=out_dtype, device=dy.device)
-    return grouped_wgrad_out(dy, dy_scale, x, x_scale, group_sizes, out)

@@ -1,6 +1,8 @@
-"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 operands the
-kernels read (weights once per version, wgrad activations per call), the weight-operand bundle with its cache, and
-the pure-PyTorch converters from plain tensors to the kernels' formats (tests, benchmarks).
+"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 weight operand
+the fprop / dgrad kernel reads (once per weight version), the weight-operand bundle with its cache, and the
+pure-PyTorch converters from plain tensors to the kernels' formats (references, tests, benchmarks). The wgrad's
+prepared activation operands come from the quantizer (``moe_ep.mxfp8.cuda.quantize_grouped_dual``);
+:func:`prepare_colwise_bf16_torch` is their reference.
 
 The formats themselves are documented in ``moe_ep/experts/gemm.py``; every public name here is also reachable as
 ``moe_ep.experts.gemm.<name>``.
@@ -137,8 +139,14 @@ def colwise_prep_rows_used(group_sizes) -> int:
 
 
 def prepare_colwise_bf16_torch(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
-    """Reference of :func:`prepare_colwise_bf16` (host group sizes): rows past the groups are zero here (the
-    kernel leaves them unwritten; nothing reads them)."""
+    """A wgrad operand in the grouped column-wise MXFP8 format (data e4m3 [M, C], scale u8 [>= ceil(M/32) + G, C]:
+    ``colwise_operand_ref``) as exact bf16 with every group on a 64-row boundary -> bf16 [64 (ceil(M/64) + G), C]
+    where group g is rows 64 poff_g .. (poff_g = sum_{h<g} ceil(n_h/64)), zero padded to a multiple of 64 rows: the
+    reference of the prepared column operand ``mxfp8_cuda.quantize_grouped_dual`` writes (host group sizes; rows
+    past the groups are zero here, the kernels leave them unwritten and nothing reads them).
+
+    Example: sizes [40, 0, 8] -> group 0 at rows 0-39 (rows 40-63 zero), group 2 at rows 64-71 (72-127 zero).
+    """
     sizes = _host_sizes(group_sizes)
     m, c = data.shape
     out = torch.zeros(colwise_prep_rows(m, len(sizes)), c, dtype=torch.bfloat16, device=data.device)
@@ -149,96 +157,6 @@ def prepare_colwise_bf16_torch(data: torch.Tensor, scale: torch.Tensor, group_si
         start += rows
         poff += 64 * _cdiv(rows, 64)
     return out
-
-
-def _colwise_prep_out(name: str, data: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor, out):
-    """Checks one wgrad operand (``name``: its role in error messages) and returns its preparation output."""
-    _check_dtype(f"{name} data", data, (torch.float8_e4m3fn,))
-    _check_dtype(f"{name} scale", scale, (torch.uint8,))
-    _check_dtype("group_sizes", group_sizes, (torch.int32,))
-    m, c = data.shape
-    g = group_sizes.numel()
-    rows, prows = colwise_scale_rows(m, g), colwise_prep_rows(m, g)
-    if c % 8 or scale.dim() != 2 or scale.shape[1] != c or scale.shape[0] < rows:
-        raise ValueError(
-            f"expected {name} data [M, C] (C % 8 == 0) and scale [>= {rows}, C], got {tuple(data.shape)}, "
-            f"{tuple(scale.shape)}"
-        )
-    if out is None:
-        out = torch.empty(prows, c, dtype=torch.bfloat16, device=data.device)
-    if tuple(out.shape) != (prows, c) or out.dtype != torch.bfloat16:
-        raise ValueError(f"{name} out must be [{prows}, {c}] bf16, got {tuple(out.shape)} {out.dtype}")
-    for what, t in (("data", data), ("scale", scale), ("group_sizes", group_sizes), ("out", out)):
-        _check_memory(f"{name} {what}", t, data.device)
-    return out
-
-
-def prepare_colwise_bf16(data: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor, out=None) -> torch.Tensor:
-    """A wgrad operand (grouped column-wise MXFP8, see the module docstring) as exact bf16 with every group on a
-    64-row boundary: data e4m3 [M, C], scale u8 [>= ceil(M/32) + G, C], group_sizes int32 [G] (device)
-    -> bf16 [64 (ceil(M/64) + G), C] where group g is rows 64 poff_g .. (poff_g = sum_{h<g} ceil(n_h/64)), zero
-    padded to a multiple of 64 rows.
-
-    Example: sizes [40, 0, 8] -> group 0 at rows 0-39 (rows 40-63 zero), group 2 at rows 64-71 (72-127 zero).
-    CUDA: one memory-bound kernel (``kernels/weight_prep.cu``), no host sync; rows past the groups are left
-    unwritten. Other devices: :func:`prepare_colwise_bf16_torch`.
-    """
-    if data.device.type != "cuda":
-        ref = prepare_colwise_bf16_torch(data, scale, group_sizes)
-        return ref if out is None else out.copy_(ref)
-    out = _colwise_prep_out("operand", data, scale, group_sizes, out)
-    m, c = data.shape
-    g = group_sizes.numel()
-    if g == 0 or c == 0:
-        return out
-    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
-
-    fn = _cuda.get_function(_PREP_FILE, "mx_prepare_colwise_bf16", device=data.device.index)
-    args = (_cuda.ptr(data), _cuda.ptr(scale), _cuda.ptr(group_sizes), _cuda.ptr(out), _cuda.i32(g))
-    nblocks = colwise_prep_rows(m, g) // 32  # one warp per (padded 32-row block, 1024 columns), 8 per CTA
-    args += (_cuda.i64(m), _cuda.i32(c), _cuda.i32(nblocks))
-    _cuda.launch(fn, _cdiv(nblocks * _cdiv(c, 1024), 8), 256, args, device=data.device)
-    return out
-
-
-def prepare_colwise_bf16_pair(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    group_sizes: torch.Tensor,
-    out_a: torch.Tensor | None = None,
-    out_b: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`prepare_colwise_bf16` of both wgrad operands in one launch (CUDA; the same bytes as two calls).
-
-    a: e4m3 [M, N], b: e4m3 [M, K] with their scales (the same rows and groups) -> (bf16 [P, N], bf16 [P, K]),
-    P = 64 (ceil(M/64) + G), written into out_a / out_b when given. Why one launch: each of two separate launches
-    pays its own ramp and tail.
-    """
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
-        raise ValueError(f"expected a [M, N] and b [M, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.device.type != "cuda":
-        return prepare_colwise_bf16(a, a_scale, group_sizes, out_a), prepare_colwise_bf16(
-            b, b_scale, group_sizes, out_b
-        )
-    ap = _colwise_prep_out("a", a, a_scale, group_sizes, out_a)
-    bp = _colwise_prep_out("b", b, b_scale, group_sizes, out_b)
-    m, n = a.shape
-    k = b.shape[1]
-    g = group_sizes.numel()
-    if g == 0 or n == 0 or k == 0:
-        return prepare_colwise_bf16(a, a_scale, group_sizes, ap), prepare_colwise_bf16(b, b_scale, group_sizes, bp)
-    from .. import _cuda  # noqa: PLC0415
-
-    nblocks = colwise_prep_rows(m, g) // 32
-    warps_a, warps_b = nblocks * _cdiv(n, 1024), nblocks * _cdiv(k, 1024)
-    fn = _cuda.get_function(_PREP_FILE, "mx_prepare_colwise_bf16_pair", device=a.device.index)
-    args = (_cuda.ptr(a), _cuda.ptr(a_scale), _cuda.ptr(ap), _cuda.i32(n), _cuda.i32(warps_a))
-    args += (_cuda.ptr(b), _cuda.ptr(b_scale), _cuda.ptr(bp), _cuda.i32(k))
-    args += (_cuda.ptr(group_sizes), _cuda.i32(g), _cuda.i64(m), _cuda.i32(nblocks))
-    _cuda.launch(fn, _cdiv(warps_a + warps_b, 8), 256, args, device=a.device)
-    return ap, bp
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ Every function produces the same bytes as the reference in :mod:`moe_ep.mxfp8` (
 Entry points:
   * :func:`quantize` / :func:`dequantize`: what ``moe_ep.mxfp8.quantize`` / ``dequantize`` run for CUDA tensors
     (MXFP8Tensor, plain scales, axis = last or 0).
-  * :func:`quantize_grouped_dual`: both MXFP8 operands of a grouped GEMM input (row-wise with per-group blocked
-    scales, and the per-group column-wise operand), of x itself or of the SwiGLU forward / backward.
+  * :func:`quantize_grouped_dual`: both operands of a grouped GEMM input (row-wise MXFP8 with per-group blocked
+    scales, and the per-group column-wise operand already prepared for the wgrad kernel as bf16), of x itself or of
+    the SwiGLU forward / backward.
   * :func:`quantize_weights_fused`: both MXFP8 operands of 3-D expert weights ``w: [E, N, K]``.
 :mod:`moe_ep.mxfp8.plan` decides kernel, grid and shared memory.
 """
@@ -42,8 +43,7 @@ def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, n_row_tiles, ctiles, 
     """The argument tuple of mx_quant, mx_quant_batch, mx_quant_dual and mx_swiglu_dual (kernels/quantize.cu
     MX_QUANT_PARAMS); the pointers as kernel pointer arguments (``_cuda.ptr`` or ``np.uint64``)."""
     i32, i64 = _cuda.i32, _cuda.i64
-    # i64(0): the kernels' unused group_rows
-    return (x, i64(m), i32(k), rq, rs, cq, cs, gsizes, i32(n_groups), i64(0), i32(n_row_tiles), i32(ctiles), x2)
+    return (x, i64(m), i32(k), rq, rs, cq, cs, gsizes, i32(n_row_tiles), i32(ctiles), i32(n_groups), x2)
 
 
 def _launch_quant(
@@ -77,46 +77,31 @@ def _launch_quant(
 # ------------------------------------------------------------------------------------------------------------
 
 
-def grouped_colwise_scale_rows(m: int, num_groups: int) -> int:
-    """Rows of the per-group column-wise scale array: ``ceil(M/32) + G`` (a static bound, no host sync)."""
-    return qp.cdiv(m, BLOCK) + num_groups
-
-
 def quantize_grouped_dual_into(
     x: torch.Tensor,
     group_sizes: torch.Tensor,
     data: torch.Tensor,
     scale: torch.Tensor,
     data_c: torch.Tensor,
-    scale_c: torch.Tensor | None,
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
-    colwise: str = "mxfp8",
 ) -> None:
-    """Both MXFP8 operands of a grouped GEMM input from one read of ``x`` (or of SwiGLU's input).
+    """Both operands of a grouped GEMM input from one read of ``x`` (or of SwiGLU's input).
 
-    x: [M, K] bf16/fp32, or with ``apply_swiglu=True`` a: [M, 2K] bf16 = (gate | up), quantizing
+    x: [M, K] bf16, or with ``apply_swiglu=True`` a: [M, 2K] bf16 = (gate | up), quantizing
         ``h = silu(gate) * up`` computed in fp32 exactly as ``moe_ep.experts.reference.swiglu``; or with ``swiglu_dh``
-        (dh: [M, F] fp32 or bf16, the gradient of h; bf16 is read as is and widened exactly, so no fp32 copy of
-        the dgrad output is needed) a: [M, 2F] bf16, quantizing ``dA = swiglu_bwd(a, dh)`` [M, 2F] (K = 2F)
-        computed exactly as ``moe_ep.experts.reference.swiglu_bwd``.
+        (dh: [M, F] bf16, the gradient of h, the dgrad GEMM's output; widened exactly) a: [M, 2F] bf16, quantizing
+        ``dA = swiglu_bwd(a, dh)`` [M, 2F] (K = 2F) computed exactly as ``moe_ep.experts.reference.swiglu_bwd``.
     group_sizes: [G] int32 on x's device (rows of each group, in order; not read on the host).
     data: [M, K] e4m3, row-wise (1x32 along K); scale: u8 [grouped_blocked_size(M, G, K//32, "m")] (fprop/dgrad).
-    data_c: [M, K] e4m3, column-wise in 32-row blocks that restart at each group's first row (a group's last block
-        is zero padded); scale_c: u8 [ceil(M/32) + G, K], block j of group g at row sum_{h<g} ceil(n_h/32) + j
-        (the wgrad operand format of :mod:`moe_ep.experts.gemm`). Rows past sum(group_sizes) and unused scale rows
-        are not written.
-    colwise="bf16" writes the column-wise operand already prepared for the Hopper wgrad kernel instead:
-        data_c: bf16 [64 (ceil(M/64) + G), K], the exact value of every quantized element, group g from row
-        64 sum_{h<g} ceil(n_h/64) and zero rows up to its next multiple of 64; scale_c must be None. These are the
-        bytes ``moe_ep.experts.operands.prepare_colwise_bf16`` makes of the MXFP8 pair, except a NaN block's
-        payload (bf16 0x7FC0 here, as in ``prepare_colwise_bf16_torch``; 0x7FFF from the CUDA preparation kernel);
-        rows past the last group's block are not written. Why: the wgrad operands are transient in the backward pass,
-        so writing 2 bytes here replaces the preparation pass (read 1 + 1/32, write 2 bytes per element, plus a
-        launch) that :func:`moe_ep.experts.gemm.grouped_wgrad_out` runs otherwise.
+    data_c: bf16 [64 (ceil(M/64) + G), K], the column-wise operand (32-row blocks that restart at each group's
+        first row, a group's last block zero padded) already prepared for the Hopper wgrad kernel: the exact value
+        of every quantized element, group g from row 64 sum_{h<g} ceil(n_h/64) and zero rows up to its next
+        multiple of 64 (NaN blocks: bf16 0x7FC0), the bytes of ``moe_ep.experts.operands.prepare_colwise_bf16_torch``
+        of the MXFP8 column-wise pair. Rows past sum(group_sizes) and past the last group's block are not written.
+        Why: the wgrad operands are transient in the backward pass, so writing 2 bytes here saves a preparation
+        pass over an MXFP8 copy (read 1 + 1/32, write 2 bytes per element, plus a launch).
     """
-    if colwise not in ("mxfp8", "bf16"):
-        raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")
     if swiglu_dh is not None:
         if apply_swiglu:
             raise ValueError("apply_swiglu and swiglu_dh are exclusive (forward vs backward)")
@@ -126,8 +111,8 @@ def quantize_grouped_dual_into(
         m, k = x.shape
         if k % (2 * BLOCK):
             raise ValueError(f"swiglu backward: a must be [M, 2F] with F % {BLOCK} == 0, got {tuple(x.shape)}")
-        if not isinstance(swiglu_dh, torch.Tensor) or swiglu_dh.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"swiglu backward: dh must be fp32 or bf16, got {getattr(swiglu_dh, 'dtype', None)}")
+        if not isinstance(swiglu_dh, torch.Tensor) or swiglu_dh.dtype != torch.bfloat16:
+            raise TypeError(f"swiglu backward: dh must be bf16, got {getattr(swiglu_dh, 'dtype', None)}")
         check_out(swiglu_dh, "dh", (m, k // 2), swiglu_dh.dtype, x.device)
     elif apply_swiglu:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
@@ -138,43 +123,33 @@ def quantize_grouped_dual_into(
         m, k = x.shape[0], x.shape[1] // 2
     else:
         check_input(x, 2, "quantize_grouped_dual")
-        if x.dtype == torch.float16:  # not instantiated (no fp16 producer in the MoE path)
-            raise TypeError("quantize_grouped_dual: input must be bf16 or fp32, got torch.float16")
+        if x.dtype != torch.bfloat16:  # the MoE path's activations are bf16 (mx_quant_dual reads bf16 only)
+            raise TypeError(f"quantize_grouped_dual: input must be bf16, got {x.dtype}")
         m, k = x.shape
     group_sizes = check_groups(group_sizes, x.device)
     g = group_sizes.numel()
     check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
     check_out(scale, "scale", (grouped_blocked_size(m, g, k // BLOCK, "m"),), torch.uint8, x.device)
-    if colwise == "bf16":
-        if scale_c is not None:
-            raise ValueError("colwise='bf16' has no column scales: pass scale_c=None")
-        check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
+    check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
+    if swiglu_dh is not None:
+        in_code = qp.IN_SWIGLU_BWD16
     else:
-        check_out(data_c, "data_c", (m, k), torch.float8_e4m3fn, x.device)
-        check_out(scale_c, "scale_c", (grouped_colwise_scale_rows(m, g), k), torch.uint8, x.device)
+        in_code = qp.IN_SWIGLU if apply_swiglu else None
     _launch_quant(
         x,
         m,
         k,
         qp.RS["grouped"],
-        qp.CS["grouped_prep" if colwise == "bf16" else "grouped_nt"],
+        qp.CS["grouped_prep"],
         rq=data,
         rs=scale,
         cq=data_c,
-        cs=scale_c,
         gsizes=group_sizes,
         n_groups=g,
         n_row_tiles=qp.cdiv(m, qp.TILE) + g,
-        in_code=_swiglu_code(apply_swiglu, swiglu_dh),
+        in_code=in_code,
         x2=swiglu_dh,
     )
-
-
-def _swiglu_code(apply_swiglu: bool, swiglu_dh: torch.Tensor | None) -> int | None:
-    """mx_quant's IN code for the SwiGLU variants (None: the input's own dtype)."""
-    if swiglu_dh is not None:
-        return qp.IN_SWIGLU_BWD if swiglu_dh.dtype == torch.float32 else qp.IN_SWIGLU_BWD16
-    return qp.IN_SWIGLU if apply_swiglu else None
 
 
 def quantize_grouped_dual(
@@ -182,28 +157,25 @@ def quantize_grouped_dual(
     group_sizes: torch.Tensor,
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
-    colwise: str = "mxfp8",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, scale_c)`` (``scale_c``
-    is None with ``colwise="bf16"``).
+    colwise: str = "bf16",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, None)``.
 
-    The reference with the same signature is :func:`moe_ep.experts.reference.quantize_grouped_dual_torch`.
+    ``colwise`` must be "bf16" (the prepared column operand; the MXFP8 column-wise output was removed, no default
+    path used it); the trailing None stands for the column scales the prepared operand does not have. The
+    reference with the same signature is :func:`moe_ep.experts.reference.quantize_grouped_dual_torch`.
     """
-    if colwise not in ("mxfp8", "bf16"):
-        raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")
+    if colwise != "bf16":
+        raise ValueError(f"colwise must be 'bf16' (the wgrad's prepared operand), got {colwise!r}")
     m = x.shape[0]
     k = x.shape[1] // 2 if apply_swiglu else x.shape[1]
     g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
     dev = x.device
     data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty(grouped_blocked_size(m, g, k // BLOCK, "m"), dtype=torch.uint8, device=dev)
-    if colwise == "bf16":
-        data_c, scale_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev), None
-    else:
-        data_c = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
-        scale_c = torch.empty((grouped_colwise_scale_rows(m, g), k), dtype=torch.uint8, device=dev)
-    quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, scale_c, apply_swiglu, swiglu_dh, colwise)
-    return data, scale, data_c, scale_c
+    data_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev)
+    quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, apply_swiglu, swiglu_dh)
+    return data, scale, data_c, None
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Launch plans of the quantization kernels in ``kernels/quantize.cu``: which kernel a call takes, its grid and its
 shared memory (host arithmetic only; :mod:`moe_ep.mxfp8.cuda` launches what this module decides).
 
-Kernels: ``mx_quant`` (``quantize(x, axis)``'s row-wise and column-wise modes, and the grouped dual of the inputs
-staged as fp32 words), ``mx_quant_batch`` (3-D weights, both operands), ``mx_quant_dual`` (bf16 grouped dual,
-kernels/quant_dual.cuh), ``mx_swiglu_dual`` (SwiGLU forward / backward, kernels/quant_swiglu.cuh), ``mx_dequant``.
+Kernels: ``mx_quant`` (``quantize(x, axis)``'s row-wise and column-wise modes, and the SwiGLU grouped dual where
+``mx_swiglu_dual`` does not run), ``mx_quant_batch`` (3-D weights, both operands), ``mx_quant_dual`` (bf16 grouped
+dual, kernels/quant_dual.cuh), ``mx_swiglu_dual`` (SwiGLU forward / backward, kernels/quant_swiglu.cuh),
+``mx_dequant``. The grouped duals write the column-wise operand as the wgrad's prepared bf16 (CS "grouped_prep").
 The mode codes (IN, RS, CS) are kernels/quantize.cu's. :func:`sm_count` is the one place that asks the device
 (the CPU emulator of tests/quant_emu.py replaces it). Why each choice: docs/performance.md, "Quantization".
 """
@@ -17,22 +18,21 @@ from .. import _cuda
 TILE = 128
 IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3}
-CS = {"none": 0, "blocked": 2, "nt": 3, "grouped_nt": 4, "grouped_prep": 5}
-IN_SWIGLU, IN_SWIGLU_BWD, IN_SWIGLU_BWD16 = 3, 4, 5
+CS = {"none": 0, "blocked": 2, "nt": 3, "grouped_prep": 5}
+IN_SWIGLU, IN_SWIGLU_BWD16 = 3, 5  # SwiGLU forward (bf16 a), backward (bf16 a and bf16 dh)
 
 QUANT_COMBOS = (
     [(i, RS["plain"], 0) for i in range(3)]  # quantize(x, -1): row-wise, plain scales
     + [(i, 0, CS["nt"]) for i in range(3)]  # quantize(x, 0): column-wise in x's layout
-    # grouped row-wise + per-group column-wise (MXFP8, or 5: the wgrad's prepared bf16 operand) of the inputs the
-    # register-tiled kernels do not take: fp32 x, the SwiGLU forward (IN 3) where mx_swiglu_dual does not fit, its
-    # backward (IN 4 / 5: fp32 / bf16 dh) with an fp32 dh or F % 128 != 0
-    + [(i, RS["grouped"], c) for c in (CS["grouped_nt"], CS["grouped_prep"]) for i in (0, 3, 4, 5)]
+    # grouped row-wise + the wgrad's prepared column operand of the SwiGLU inputs where mx_swiglu_dual does not run:
+    # the forward (IN 3) where it does not fit next to the group table, the backward (IN 5) also for F % 128 != 0
+    + [(i, RS["grouped"], CS["grouped_prep"]) for i in (IN_SWIGLU, IN_SWIGLU_BWD16)]
 )
 # column-only modes of 16-bit inputs, also compiled with pipe 4 (one tile per CTA on the cp.async path; chosen at
 # launch for inputs of many tiles: requested_pipe)
 ONE_COMBOS = [(i, 0, CS["nt"]) for i in (1, 2)]
-# the register-tiled dual quantizer (kernels/quant_dual.cuh): bf16, grouped rows + per-group columns in x's layout
-DUAL_CS = (CS["grouped_nt"], CS["grouped_prep"])
+# the register-tiled dual quantizers (kernels/quant_dual.cuh, quant_swiglu.cuh): grouped rows + the prepared columns
+DUAL_CS = (CS["grouped_prep"],)
 DUAL_STAGES = (2, 3, 4)  # cp.async stages of 32 KB (dual_plan); CTAs per SM: 3, 2, 1
 SWIGLU_STAGES = {False: 3, True: 2}  # mx_swiglu_dual's depth (forward, backward) before it must fit (swiglu_plan)
 NAMES = (
@@ -170,7 +170,7 @@ def quant_plan(
     """(kernel name, grid, shared memory, row tiles, column tiles, threads per CTA) of a quantization launch
     (mx_quant, mx_quant_dual or mx_swiglu_dual); None: nothing to do. Pipe 5's row tiles are 64 rows.
     x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width. Grouped modes: rs_mode RS["grouped"]
-    with a per-group column mode (DUAL_CS)."""
+    with cs_mode CS["grouped_prep"], for bf16 x (in_code None) and the SwiGLU codes."""
     ctiles = cdiv(k, TILE)
     if n_row_tiles is None:
         n_row_tiles = cdiv(m, TILE)
@@ -187,14 +187,16 @@ def quant_plan(
             )
         st, grid, smem = plan
         return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles, THREADS
-    if grouped and in_code in (IN_SWIGLU, IN_SWIGLU_BWD16):
+    if grouped and in_code not in (IN_SWIGLU, IN_SWIGLU_BWD16):
+        raise ValueError(f"the grouped dual takes bf16 x or the SwiGLU inputs, got input code {in_code}")
+    if grouped:
         bwd = in_code == IN_SWIGLU_BWD16
         plan = swiglu_plan(bwd, k, tiles // 2 if bwd else tiles, n_groups, x.device)
         if plan is not None:
             st, grid, smem = plan
             return f"mx_swiglu_dual<{int(bwd)},{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles, THREADS
     # bytes of a staged element: the SwiGLU inputs stage their fp32 results
-    es = 4 if in_code in (0, IN_SWIGLU, IN_SWIGLU_BWD, IN_SWIGLU_BWD16) else x.element_size()
+    es = 4 if in_code in (0, IN_SWIGLU, IN_SWIGLU_BWD16) else x.element_size()
     req = requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
     eff = effective_pipe(es, rs_mode, cs_mode, req)
     threads = THREADS
