@@ -78,8 +78,7 @@ def expert_mlp_cuda_bwd(
     m = a.shape[0]
     w13o, w2o = weight_operands(w13, cache), weight_operands(w2, cache)
     dq, ds, dc, _ = mxfp8_cuda.quantize_grouped_dual(dout, group_sizes, colwise="bf16")
-    # bf16 dh: the reference rounds dh to x.dtype, and quantize_grouped_dual then runs mx_swiglu_dual's backward
-    # (it reads a bf16 dh only; an fp32 one falls back to mx_quant at about half the speed)
+    # bf16 dh: the reference rounds dh to x.dtype, and mx_swiglu_dual's backward reads a bf16 dh
     dh = gemm_cuda.grouped_mm_dgrad(
         dq, ds, w2o.wt, w2o.wt_scale, group_sizes, out_dtype=torch.bfloat16, wt_prepared=w2o.wt_prepared
     )
