@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_ep.experts import gemm as gemm_cuda
+from moe_ep.experts.reference import grouped_wgrad_prepared_torch
 from tests.test_gemm_cuda import _assert_close, _guarded, _guarded_out, _sizes_t, _skip_without_gpu, _varied
 
 
@@ -90,9 +91,9 @@ def test_wgrad_from_prepared_quantizer_output(sizes, out_dtype):
     assert torch.isnan(guard.float()).all(), "written past the end of out"
     assert torch.equal(out.view(torch.uint8), via_ref.view(torch.uint8))
     a_, b_ = qa[2].double(), qb[2].double()
-    ref64 = gemm_cuda.grouped_wgrad_prepared_torch(a_, b_, sizes, m, torch.float64)
-    ref32 = gemm_cuda.grouped_wgrad_prepared_torch(qa[2], qb[2], sizes, m)
-    abs_sum = gemm_cuda.grouped_wgrad_prepared_torch(a_.abs(), b_.abs(), sizes, m, torch.float64)
+    ref64 = grouped_wgrad_prepared_torch(a_, b_, sizes, m, torch.float64)
+    ref32 = grouped_wgrad_prepared_torch(qa[2], qb[2], sizes, m)
+    abs_sum = grouped_wgrad_prepared_torch(a_.abs(), b_.abs(), sizes, m, torch.float64)
     _assert_close(out, ref64, ref32, abs_sum, out_dtype, f"prepared wgrad {sizes}", max(sizes))
 
 

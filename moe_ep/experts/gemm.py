@@ -2,9 +2,10 @@
 ``kernels/grouped_gemm_wgrad.cu`` (wgrad). Design: docs/design.md, section "Grouped GEMMs".
 
 The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``,
-``fake_quantize_grouped_cols``; :func:`grouped_wgrad_prepared_torch` for the wgrad's prepared operands): the
-kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16 except below 2**-133) on
-bf16 tensor cores with fp32 accumulation, so results equal the reference up to fp32 summation order.
+``fake_quantize_grouped_cols``; :func:`~moe_ep.experts.reference.grouped_wgrad_prepared_torch` for the wgrad's
+prepared operands): the kernels multiply the exactly dequantized MXFP8 operands (e4m3 * 2**(s-127) is exact in bf16
+except below 2**-133) on bf16 tensor cores with fp32 accumulation, so results equal the reference up to fp32 summation
+order.
 
 Operand formats (all tensors CUDA, contiguous, 16-byte aligned; ``G`` groups; ``group_sizes`` int32 [G] on the
 device, never read on the host; rows are NOT padded; a group's rows are contiguous and groups follow each other):
@@ -65,7 +66,6 @@ from .operands import (  # the operand side, re-exported: gemm.<name> is the pub
     _cdiv,
     _check_dtype,
     _check_memory,
-    _host_sizes,
     colwise_dequantize_ref,
     colwise_operand_ref,
     colwise_prep_rows,
@@ -92,7 +92,6 @@ __all__ = [  # this module's API, with the operand side re-exported from operand
     "grouped_mm_dgrad",
     "grouped_mm_fprop",
     "grouped_wgrad_prepared_out",
-    "grouped_wgrad_prepared_torch",
     "k_permutation",
     "prepare_colwise_bf16_torch",
     "prepare_weight_bf16",
@@ -350,28 +349,6 @@ def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:
     tensors = (ap, ap, bp, bp, group_sizes, out)
     kernel = f"mx_gmm_wgrad_{_OUT_SUFFIX[out.dtype]}"
     _launch(kernel, _WGRAD_FILE, grid, _WGRAD_SMEM_BYTES, tensors, g, m, n, k, False, maps)
-
-
-def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out_dtype=torch.float32):
-    """Reference of :func:`grouped_wgrad_prepared_out` (host group sizes; same arguments but ``out``).
-
-    a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K] -> [G, N, K] out_dtype: group g is rows
-    64 poff_g .. + n_g of both (poff_g = sum_{h<g} ceil(n_h/64)), reduced in fp32 (fp64 operands: in fp64);
-    sizes sum to at most num_rows (M), as the kernel's contract.
-
-    Example: sizes [40, 0, 8] -> out[0] from rows 0-39, out[1] = 0, out[2] from rows 64-71.
-    """
-    sizes = _host_sizes(group_sizes)
-    if sum(sizes) > num_rows:
-        raise ValueError(f"group sizes sum to {sum(sizes)}, more than M = {num_rows}")
-    acc = torch.promote_types(a_prep.dtype, torch.float32)  # fp64 operands (tests' exact reference) stay fp64
-    out = torch.zeros(len(sizes), a_prep.shape[1], b_prep.shape[1], dtype=acc, device=a_prep.device)
-    poff = 0
-    for gi, rows in enumerate(sizes):
-        if rows:
-            out[gi] = a_prep[poff : poff + rows].to(acc).t() @ b_prep[poff : poff + rows].to(acc)
-        poff += 64 * _cdiv(rows, 64)
-    return out.to(out_dtype)
 
 
 def grouped_wgrad_prepared_out(a_prep, b_prep, group_sizes, out, num_rows: int):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import mxfp8
-from .operands import colwise_operand_ref, prepare_colwise_bf16_torch
+from .operands import _cdiv, _host_sizes, colwise_operand_ref, prepare_colwise_bf16_torch
 
 
 def _fq(t: torch.Tensor, axis: int, on: bool) -> torch.Tensor:
@@ -99,7 +99,7 @@ def quantize_grouped_dual_torch(
     group_sizes: torch.Tensor,
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
-    colwise: str = "mxfp8",
+    colwise: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reference of :func:`moe_ep.mxfp8.cuda.quantize_grouped_dual` (same signature, same bytes).
 
@@ -200,3 +200,26 @@ def expert_mlp(
     if sum(group_sizes) != x.shape[0]:
         raise ValueError(f"group sizes sum to {sum(group_sizes)}, x has {x.shape[0]} rows")
     return _ExpertMLP.apply(x, w13, w2, list(group_sizes), quantize)
+
+
+def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out_dtype=torch.float32):
+    """Reference of :func:`moe_ep.experts.gemm.grouped_wgrad_prepared_out` (host group sizes; its arguments but
+    ``out``).
+
+    a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K] -> [G, N, K] out_dtype: group g is rows
+    64 poff_g .. + n_g of both (poff_g = sum_{h<g} ceil(n_h/64)), reduced in fp32 (fp64 operands: in fp64);
+    sizes sum to at most num_rows (M), as the kernel's contract.
+
+    Example: sizes [40, 0, 8] -> out[0] from rows 0-39, out[1] = 0, out[2] from rows 64-71.
+    """
+    sizes = _host_sizes(group_sizes)
+    if sum(sizes) > num_rows:
+        raise ValueError(f"group sizes sum to {sum(sizes)}, more than M = {num_rows}")
+    acc = torch.promote_types(a_prep.dtype, torch.float32)  # fp64 operands (tests' exact reference) stay fp64
+    out = torch.zeros(len(sizes), a_prep.shape[1], b_prep.shape[1], dtype=acc, device=a_prep.device)
+    poff = 0
+    for gi, rows in enumerate(sizes):
+        if rows:
+            out[gi] = a_prep[poff : poff + rows].to(acc).t() @ b_prep[poff : poff + rows].to(acc)
+        poff += 64 * _cdiv(rows, 64)
+    return out.to(out_dtype)

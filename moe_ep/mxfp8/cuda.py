@@ -230,8 +230,9 @@ def quantize_weights_fused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 # ------------------------------------------------------------------------------------------------------------
 
 
-def quantize(x: torch.Tensor, axis: int) -> MXFP8Tensor:
-    """MXFP8Tensor of ``x`` along ``axis`` (non-negative; arguments already checked by moe_ep.mxfp8.quantize).
+def quantize(x: torch.Tensor, axis: int = -1) -> MXFP8Tensor:
+    """MXFP8Tensor of ``x`` along ``axis`` (the signature of ``moe_ep.mxfp8.reference.quantize_torch``; arguments
+    already checked by moe_ep.mxfp8.quantize; a negative axis counts from the end).
 
     axis == x.dim() - 1: row-wise kernel on ``x.reshape(-1, K)``. axis == 0 (x at least 2-D): column-wise
     kernel writing data in x's layout, scale [M // 32, *x.shape[1:]]. Other axes, and axis 0 with a row size
@@ -239,6 +240,7 @@ def quantize(x: torch.Tensor, axis: int) -> MXFP8Tensor:
     """
     if x.dtype not in qp.IN:
         raise TypeError(f"quantize supports bf16/fp16/fp32 inputs, got {x.dtype}")
+    axis = axis % x.dim() if x.dim() else axis
     x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()
