@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 BACKENDS = ("auto", "reference", "cuda")
 
@@ -19,9 +20,11 @@ class MoEConfig:
     max_tokens_per_rank: the most tokens one rank may pass to forward; sizes the receive buffers
                          (a token is sent at most once per destination rank).
     capacity_factor:     None: dropless (every routed slot is computed). c > 0: each rank keeps at most
-                         ceil(c * tokens * top_k) expanded rows (tokens: this rank's tokens in the call); the slots
-                         past it in the expanded order (local expert, source rank, source token) are dropped: they
-                         contribute zero to the output and get zero gradient. ``MoE.num_dropped`` counts them.
+                         ``capacity_rows(tokens)`` = ceil(c * tokens * top_k) expanded rows (tokens: this rank's
+                         tokens in the call); the slots past it in the expanded order (local expert, source rank,
+                         source token) are dropped: they contribute zero to the output and get zero gradient.
+                         ``MoE.num_dropped`` counts them. The order is expert-major, so the drops fall on the rank's
+                         highest-numbered local experts that have slots, whichever expert is overloaded.
     renormalize:         renormalize the top-k gate weights to sum to 1.
     aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e).
     quantize:            MXFP8 at the dispatch payload, the SwiGLU output, the dy payload and the grouped-GEMM
@@ -66,3 +69,13 @@ class MoEConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def capacity_rows(self, num_tokens: int) -> int | None:
+        """Expanded rows one rank keeps for ``num_tokens`` tokens: ceil(capacity_factor * num_tokens * top_k), in exact
+        arithmetic on the factor's decimal value (0.1 * 3 * 10 is 3, not 4); None when dropless.
+
+        Example: capacity_factor 0.5, 13 tokens, top_k 2 -> 13.
+        """
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(Fraction(str(self.capacity_factor)) * num_tokens * self.top_k)

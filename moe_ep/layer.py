@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -101,7 +99,7 @@ class MoE(nn.Module):
                 "receive buffers); raise it in MoEConfig"
             )
         r = self.router(x2)
-        cap = None if cfg.capacity_factor is None else math.ceil(cfg.capacity_factor * x2.shape[0] * cfg.top_k)
+        cap = cfg.capacity_rows(x2.shape[0])
         rows, w, handle = dispatch(x2, r.topk_idx, r.topk_w, cfg.num_experts, self.ep_group, cfg.quantize, capacity=cap)
         self.num_dropped = handle.num_dropped
         out = self.experts(rows, handle.group_sizes_host, cfg.quantize)

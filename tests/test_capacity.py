@@ -7,8 +7,6 @@ EP and in the oracle, so only the order of the fp32 top-k / rank sums differs (r
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,6 +37,15 @@ def test_expand_layout_capacity_table(capacity, rows, slots, sizes, dropped):
     # recv_local [[1, -1], [0, 1]]: expanded order (expert 0: row 1 slot 0), (expert 1: row 0 slot 0, row 1 slot 1)
     got = expand_layout(torch.tensor([[1, -1], [0, 1]]), 2, capacity)
     assert got[0].tolist() == rows and got[1].tolist() == slots and got[2].tolist() == sizes and got[3] == dropped
+
+
+@pytest.mark.parametrize(
+    "c,tokens,top_k,rows", [(0.1, 3, 10, 3), (0.5, 13, 2, 13), (1.25, 7, 8, 70), (0.3, 6, 4, 8), (None, 5, 2, None)]
+)
+def test_capacity_rows_exact(c, tokens, top_k, rows):
+    # 0.1 * 3 * 10 is 3.0000000000000004 in floats: a float ceil would keep 4 rows
+    cfg = MoEConfig(hidden=H, ffn_hidden=F, num_experts=16, top_k=top_k, capacity_factor=c)
+    assert cfg.capacity_rows(tokens) == rows
 
 
 def test_expand_layout_rejects_bad_capacity():
@@ -83,7 +90,8 @@ def _pipeline(rank: int, world: int) -> None:
         w13 = torch.randn(num_experts, 2 * F, H, generator=gen) * 0.1
         w2 = torch.randn(num_experts, H, F, generator=gen) * 0.1
         dys = [torch.randn(n, H, generator=gen) for n in counts]
-        caps = [math.ceil(c * n * top_k) for n in counts]
+        ccfg = MoEConfig(hidden=H, ffn_hidden=F, num_experts=num_experts, top_k=top_k, capacity_factor=c)
+        caps = [ccfg.capacity_rows(n) for n in counts]
         keep = capacity_keep([r[0] for r in routes], num_experts, world, caps)
         nl = num_experts // world
         mine = slice(rank * nl, (rank + 1) * nl)
@@ -137,7 +145,7 @@ def _layer(rank: int, world: int) -> None:
 
     dx = torch.cat(xs).clone().requires_grad_()
     routes = [route(t @ dense.router.weight.t(), top_k, cfg.renormalize) for t in dx.split(counts)]
-    caps = [math.ceil(c * n * top_k) for n in counts]
+    caps = [cfg.capacity_rows(n) for n in counts]
     keep = capacity_keep([r.topk_idx for r in routes], 8, world, caps)
     idx = torch.cat([r.topk_idx for r in routes])
     yd = dense_moe(

@@ -239,7 +239,8 @@ def _scales(shape, gen):
 def test_raw_codes(subnormal_a):
     """Every finite e4m3 code (subnormals included) and scales on both conversion paths (< 128 and >= 128).
 
-    The reference reads the scale bytes as the kernel must: 2**(s - 127) for every s != 0xFF (DESIGN section 3).
+    The reference reads the scale bytes as the kernel must: 2**(s - 127) for every s != 0xFF (docs/design.md,
+    "MXFP8 format").
     """
     _skip_without_gpu()
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -269,7 +270,8 @@ def test_raw_codes(subnormal_a):
 
 @pytest.mark.gpu
 def test_nan_scales_propagate():
-    """Scale byte 0xFF means NaN (DESIGN section 3): it reaches exactly the outputs whose sums contain it."""
+    """Scale byte 0xFF means NaN (docs/design.md, "MXFP8 format"): it reaches exactly the outputs whose sums contain
+    it."""
     _skip_without_gpu()
     gen = torch.Generator(device="cuda").manual_seed(8)
     sizes, k, n = [70, 0, 200], 128, 64

@@ -35,7 +35,7 @@ def oracle_e4m3(v: float) -> int:
 
 
 def oracle_block(vals: np.ndarray) -> tuple[int, list[int]]:
-    """vals: 32 float32 -> (scale byte, 32 element bytes) following DESIGN section 3 literally."""
+    """vals: 32 float32 -> (scale byte, 32 element bytes) following docs/design.md ("MXFP8 format") literally."""
     if not np.all(np.isfinite(vals)):
         return 0xFF, [0x7F] * 32
     amax = np.float32(np.max(np.abs(vals)))

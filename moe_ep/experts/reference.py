@@ -103,20 +103,20 @@ def quantize_grouped_dual_torch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reference of :func:`moe_ep.mxfp8.cuda.quantize_grouped_dual` (same signature, same bytes).
 
-    x: [M, K] float (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32; or a: [M, 2F]
-    bf16 with swiglu_dh [M, F] fp32 or bf16, quantizing ``swiglu_bwd(a, dh)`` [M, 2F] fp32);
-    group_sizes: [G] int32 (read on the host: this is the specification, not the fast path), summing to M.
-    Returns (data [M, K] e4m3 row-wise, scale u8 ``to_blocked_grouped`` along M, data_c [M, K] e4m3 in per-group
-    32-row column blocks, scale_c u8 [ceil(M/32) + G, K] with unused rows zero).
+    x: [M, K] bf16 (or a: [M, 2K] bf16 with apply_swiglu, quantizing ``swiglu(a)`` [M, K] fp32; or a: [M, 2F]
+    bf16 with swiglu_dh [M, F] bf16, quantizing ``swiglu_bwd(a, dh)`` [M, 2F] fp32); group_sizes: [G] int32 (read
+    on the host: this is the specification, not the fast path), summing to M; colwise: "bf16" (the only layout).
+    Returns (data [M, K] e4m3 row-wise, scale u8 ``to_blocked_grouped`` along M, the prepared wgrad operand bf16
+    [64 (ceil(M/64) + G), K], None): the column operand is the values quantized in per-group 32-row column blocks
+    (``colwise_operand_ref``), exactly dequantized into the prepared layout (``prepare_colwise_bf16_torch``; group
+    g at row 64 * sum_{h<g} ceil(n_h/64); rows past the last group's 64-row block are zero here, the kernel leaves
+    them unwritten).
 
-    Example: sizes [40, 8] (M = 48): scale_c has ceil(48/32) + 2 = 4 rows; rows 0-1 are group 0's blocks (data
-    rows 0-31, and 32-39 padded with 24 zero rows), row 2 is group 1's block (rows 40-47), row 3 is unused.
-    colwise="bf16": (data, scale, ``prepare_colwise_bf16_torch(data_c, scale_c, sizes)``, None), the prepared wgrad
-    operand bf16 [64 (ceil(M/64) + G), K] (rows past the last group's 64-row block are zero here; the kernel
-    leaves them unwritten).
+    Example: sizes [40, 8] (M = 48): group 0's column blocks cover rows 0-31 and 32-39 (padded with 24 zero rows
+    for its scale); its prepared rows are 0-39, group 1's are 64-71.
     """
-    if colwise not in ("mxfp8", "bf16"):
-        raise ValueError(f"colwise must be 'mxfp8' or 'bf16', got {colwise!r}")
+    if colwise != "bf16":
+        raise ValueError(f"colwise must be 'bf16' (the prepared wgrad operand), got {colwise!r}")
 
     h = swiglu_bwd(x, swiglu_dh) if swiglu_dh is not None else swiglu(x) if apply_swiglu else x
     sizes = group_sizes.to(device="cpu", dtype=torch.int32)
@@ -125,9 +125,7 @@ def quantize_grouped_dual_torch(
     q = mxfp8.quantize_torch(h, -1)
     scale = mxfp8.to_blocked_grouped(q.scale, sizes, "m")
     data_c, scale_c = colwise_operand_ref(h, [int(v) for v in sizes])
-    if colwise == "bf16":
-        return q.data, scale, prepare_colwise_bf16_torch(data_c, scale_c, [int(v) for v in sizes]), None
-    return q.data, scale, data_c, scale_c
+    return q.data, scale, prepare_colwise_bf16_torch(data_c, scale_c, [int(v) for v in sizes]), None
 
 
 def expert_mlp_fwd(

@@ -218,9 +218,11 @@ def dispatch_fwd(
     """
     handle.runtime.raise_pending()
     x = _check_rows(x, "x")
-    _send(x, topk_w, handle, quantize)
+    # every allocation before the use starts: a failure between _send and _expand would leave this rank's epoch
+    # behind its peers'
     out = torch.empty(handle.expand_capacity, x.shape[1], dtype=x.dtype, device=x.device)
     w_out = torch.empty(handle.expand_capacity, dtype=torch.float32, device=x.device)
+    _send(x, topk_w, handle, quantize)
     _expand(handle, MODE_VAL, quantize, x.shape[1], out, w_out=w_out)
     return out, w_out
 
@@ -281,10 +283,11 @@ def combine_bwd(
     handle.runtime.raise_pending()
     y = _check_rows(y, "y", None)
     dy = _check_rows(dy.to(y.dtype), "dy", y.shape[1])
-    _send(dy, None, handle, quantize)
-    out = torch.empty_like(y)
+    out = torch.empty_like(y)  # allocations before the use starts (see dispatch_fwd)
     dw = torch.empty(handle.expand_capacity, dtype=torch.float32, device=y.device)
-    _expand(handle, MODE_BWD, quantize, y.shape[1], out, y=y, w_in=w.to(torch.float32).contiguous(), dw=dw)
+    w_in = w.to(torch.float32).contiguous()
+    _send(dy, None, handle, quantize)
+    _expand(handle, MODE_BWD, quantize, y.shape[1], out, y=y, w_in=w_in, dw=dw)
     return out, dw
 
 
@@ -351,7 +354,8 @@ def dispatch_bwd(
 
 
 def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):
-    """Views of what this rank received in the last :func:`dispatch_fwd` (valid until the next dispatch): the
+    """Views of what this rank received in the last :func:`dispatch_fwd` (valid until any rank starts the next
+    dispatch use: once the expand signals DISP_FREE, a peer may overwrite them): the
     reference's RecvBuffers contract (data [R, H], scale [R, H//32] or None, local [R, K] int64, weight [R, K]
     fp32). Host sync (reads R): tests only."""
     rt = handle.runtime

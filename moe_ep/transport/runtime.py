@@ -258,7 +258,8 @@ class EPRuntime:
     def ensure(self, cfg: RuntimeConfig) -> None:
         """Grow the buffers to cover ``cfg`` (collective: every rank must call it with the same config).
 
-        Growing synchronizes the device (once, outside the steady state) and resets the epochs.
+        Growing synchronizes the device (once, outside the steady state) and resets the epochs; CUDA graphs
+        captured before a growth hold the old buffers' addresses and must be captured again.
         """
         if self.cfg is not None and self.cfg.covers(cfg):
             return
