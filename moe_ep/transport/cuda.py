@@ -35,55 +35,16 @@ import torch
 
 from .. import _cuda
 from ..mxfp8 import grouped_blocked_size
-from . import runtime as _runtime
-from .layout import _I_R, CudaEPHandle, _check_capacity, _fn, _i32, _i64, _p, build_layout
+from .kernels import COMBINE_NAMES, DISPATCH_NAMES, MODE_BWD, MODE_VAL, fn, i32, i64, p
+from .layout import _I_R, CudaEPHandle, _check_capacity, build_layout
 from .reference import RecvBuffers
-from .runtime import EPRuntime
-from .schedule import CTA_WARPS, TransportSchedule
+from .runtime import EPRuntime, init_runtime  # noqa: F401  (init_runtime: the transport's entry point, re-exported)
+from .schedule import CTA_WARPS
 
 _THREADS = 32 * CTA_WARPS  # the fused kernels' CTA (the schedule's warp counts are checked against it)
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-MODE_VAL, MODE_BWD = 1, 2  # ep_expand's MODE (kernels/dispatch.cu)
-# every instantiation a launcher below uses: ep_dispatch<IN, QUANT> (IN: 0 fp32 / 1 bf16; QUANT = 0 sends raw rows
-# of any dtype), ep_expand<MODE, QUANT, OT>, ep_dispatch_mx<IN>, ep_combine<YT, BWD>
-_DISPATCH_NAMES = (
-    ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>")
-    + tuple(f"ep_expand<{m},{q},{o}>" for m in (MODE_VAL, MODE_BWD) for q in (0, 1) for o in (0, 1))
-    + ("ep_dispatch_mx<0>", "ep_dispatch_mx<1>")
-)
-_COMBINE_NAMES = tuple(f"ep_combine<{y},{b}>" for y in (0, 1) for b in (0, 1))
 # CTAs per SM of the fused kernels (their register counts at 512 threads let 2 fit)
 _FUSED_CTAS_PER_SM = 2
-
-
-def precompile() -> None:
-    """Compile (or load from CuPy's cache) every transport kernel on this rank. :func:`init_runtime`
-    calls it before its barrier, so compile-time skew between ranks never eats into a spin-wait timeout."""
-    _fn("layout.cu", "ep_layout_count")  # build_layout's kernels (layout.py)
-    _fn("layout.cu", "ep_layout_place")
-    for n in _DISPATCH_NAMES:
-        _fn("dispatch.cu", n, _DISPATCH_NAMES)
-    for n in _COMBINE_NAMES:
-        _fn("combine.cu", n, _COMBINE_NAMES)
-
-
-def init_runtime(
-    group,
-    max_tokens_per_rank: int,
-    hidden: int,
-    top_k: int,
-    num_experts: int,
-    wire_bytes: int = 2,
-    *,
-    schedule: TransportSchedule | None = None,
-    timeout_s: float | None = None,
-) -> EPRuntime:
-    """:func:`moe_ep.transport.runtime.init_runtime` (same arguments) after :func:`precompile` (collective when
-    ep_size > 1): the runtime's closing barrier then finds every rank with its kernels compiled."""
-    precompile()
-    return _runtime.init_runtime(
-        group, max_tokens_per_rank, hidden, top_k, num_experts, wire_bytes, schedule=schedule, timeout_s=timeout_s
-    )
 
 
 def _grid(work_rows: int, rt: EPRuntime, per_cta: int = _THREADS // 32) -> int:
@@ -129,21 +90,21 @@ def _send_args(x: torch.Tensor, tw: torch.Tensor | None, h: CudaEPHandle) -> tup
     """The kernel arguments that ep_dispatch and ep_dispatch_mx share (their first 15 parameters, dispatch.cu)."""
     rt = h.runtime
     return (
-        _p(x),
-        _p(tw),
-        _p(h.topk_idx),
-        _p(h.tok_dst),
-        _p(h.slot_pos),
-        _i32(h.num_tokens),
-        _i32(x.shape[1]),
-        _i32(h.top_k),
-        _i32(h.num_local_experts),
-        _i32(h.ep_size),
-        _i32(rt.rank),
-        _p(rt.peers),
-        _i64(rt.region("disp_data")),
-        _i64(rt.region("disp_scale")),
-        _i64(rt.region("disp_meta")),
+        p(x),
+        p(tw),
+        p(h.topk_idx),
+        p(h.tok_dst),
+        p(h.slot_pos),
+        i32(h.num_tokens),
+        i32(x.shape[1]),
+        i32(h.top_k),
+        i32(h.num_local_experts),
+        i32(h.ep_size),
+        i32(rt.rank),
+        p(rt.peers),
+        i64(rt.region("disp_data")),
+        i64(rt.region("disp_scale")),
+        i64(rt.region("disp_meta")),
     )
 
 
@@ -156,12 +117,12 @@ def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantiz
     name = f"ep_dispatch<{_DT[x.dtype]},1>" if quantize else "ep_dispatch<0,0>"
     args = (
         *_send_args(x, tw, h),
-        _i32(x.shape[1] * es),
-        _i32(1 if tw is not None else 0),
+        i32(x.shape[1] * es),
+        i32(1 if tw is not None else 0),
         rt.epoch_ptr("disp"),
         *rt.ctl_args(),
     )
-    _cuda.launch(_fn("dispatch.cu", name, _DISPATCH_NAMES), _grid(h.num_tokens, rt), _THREADS, args, device=x.device)
+    _cuda.launch(fn("dispatch.cu", name, DISPATCH_NAMES), _grid(h.num_tokens, rt), _THREADS, args, device=x.device)
 
 
 def _expand(
@@ -181,31 +142,31 @@ def _expand(
     name = f"ep_expand<{mode},{int(quantize)},{_DT[out.dtype]}>"
     fwd = mode != MODE_BWD
     args = (
-        _p(rt.peers),
-        _i32(rt.rank),
-        _i32(h.ep_size),
-        _i64(rt.region("disp_data")),
-        _i64(rt.region("disp_scale")),
-        _i64(rt.region("disp_meta")),
-        _p(h.info),
-        _i32(hid),
-        _i32(h.top_k),
-        _i32(h.num_local_experts),
-        _i32(h.recv_capacity),
-        _i32(h.expand_capacity),
-        _p(h.recv_pos),
-        _p(out),
-        _p(w_out),
-        _p(h.expand_row if fwd else None),
-        _p(h.expand_slot if fwd else None),
-        _p(y),
-        _p(w_in),
-        _p(dw),
+        p(rt.peers),
+        i32(rt.rank),
+        i32(h.ep_size),
+        i64(rt.region("disp_data")),
+        i64(rt.region("disp_scale")),
+        i64(rt.region("disp_meta")),
+        p(h.info),
+        i32(hid),
+        i32(h.top_k),
+        i32(h.num_local_experts),
+        i32(h.recv_capacity),
+        i32(h.expand_capacity),
+        p(h.recv_pos),
+        p(out),
+        p(w_out),
+        p(h.expand_row if fwd else None),
+        p(h.expand_slot if fwd else None),
+        p(y),
+        p(w_in),
+        p(dw),
         rt.epoch_ptr("disp"),
         *rt.ctl_args(),
     )
     grid = _grid(max(h.recv_capacity, h.expand_capacity), rt)
-    _cuda.launch(_fn("dispatch.cu", name, _DISPATCH_NAMES), grid, _THREADS, args, device=out.device)
+    _cuda.launch(fn("dispatch.cu", name, DISPATCH_NAMES), grid, _THREADS, args, device=out.device)
 
 
 def dispatch_fwd(
@@ -255,24 +216,24 @@ def _dispatch_mx(
     tw = _send_prep(x, topk_w, h, True)
     args = (
         *_send_args(x, tw, h),
-        _i64(rt.region("disp_flag")),
-        _p(h.info),
-        _i32(h.recv_capacity),
-        _i32(h.expand_capacity),
-        _p(h.recv_pos),
-        _p(data),
-        _p(scale),
-        _p(w_out),
-        _p(h.expand_row),
-        _p(h.expand_slot),
-        _i32(rt.schedule.dispatch_send_warps),
-        _i32(rt.schedule.pieces("dispatch", x.shape[1])),
+        i64(rt.region("disp_flag")),
+        p(h.info),
+        i32(h.recv_capacity),
+        i32(h.expand_capacity),
+        p(h.recv_pos),
+        p(data),
+        p(scale),
+        p(w_out),
+        p(h.expand_row),
+        p(h.expand_slot),
+        i32(rt.schedule.dispatch_send_warps),
+        i32(rt.schedule.pieces("dispatch", x.shape[1])),
         rt.epoch_ptr("disp"),
         *rt.ctl_args(),
     )
     grid = _fused_grid(max(h.num_tokens, h.recv_capacity), rt)
     _cuda.launch(
-        _fn("dispatch.cu", f"ep_dispatch_mx<{_DT[x.dtype]}>", _DISPATCH_NAMES), grid, _THREADS, args, device=x.device
+        fn("dispatch.cu", f"ep_dispatch_mx<{_DT[x.dtype]}>", DISPATCH_NAMES), grid, _THREADS, args, device=x.device
     )
 
 
@@ -307,33 +268,33 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
     out = torch.empty(h.num_tokens, hid, dtype=rows.dtype, device=rows.device)
     dtw = torch.empty(h.num_tokens, h.top_k, dtype=torch.float32, device=rows.device) if bwd else None
     args = (
-        _p(rows),
-        _p(wv),
-        _p(h.recv_pos),
-        _p(h.info),
-        _i32(h.recv_capacity),
-        _p(out),
-        _p(dtw),
-        _p(h.send_row_of),
-        _p(h.tok_dst),
-        _p(h.topk_idx),
-        _i32(h.num_tokens),
-        _i32(hid),
-        _i32(h.top_k),
-        _i32(h.num_local_experts),
-        _i32(h.ep_size),
-        _i32(rt.rank),
-        _p(rt.peers),
-        _i64(rt.region("comb_data")),
-        _i64(rt.region("comb_meta")),
-        _i64(rt.region("comb_flag")),
-        _i32(rt.schedule.combine_send_warps),
-        _i32(rt.schedule.pieces("combine", hid)),
+        p(rows),
+        p(wv),
+        p(h.recv_pos),
+        p(h.info),
+        i32(h.recv_capacity),
+        p(out),
+        p(dtw),
+        p(h.send_row_of),
+        p(h.tok_dst),
+        p(h.topk_idx),
+        i32(h.num_tokens),
+        i32(hid),
+        i32(h.top_k),
+        i32(h.num_local_experts),
+        i32(h.ep_size),
+        i32(rt.rank),
+        p(rt.peers),
+        i64(rt.region("comb_data")),
+        i64(rt.region("comb_meta")),
+        i64(rt.region("comb_flag")),
+        i32(rt.schedule.combine_send_warps),
+        i32(rt.schedule.pieces("combine", hid)),
         rt.epoch_ptr("comb"),
         *rt.ctl_args(),
     )
     grid = _fused_grid(max(h.recv_capacity, h.num_tokens), rt)
-    _cuda.launch(_fn("combine.cu", f"ep_combine<{yt},{b}>", _COMBINE_NAMES), grid, _THREADS, args, device=rows.device)
+    _cuda.launch(fn("combine.cu", f"ep_combine<{yt},{b}>", COMBINE_NAMES), grid, _THREADS, args, device=rows.device)
     return out, dtw
 
 

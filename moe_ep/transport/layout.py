@@ -1,5 +1,5 @@
 """Routing layout of the CUDA transport (kernels/layout.cu): the device-resident :class:`CudaEPHandle` and
-:func:`build_layout`, plus the launch helpers the transport shares. See :mod:`moe_ep.transport.cuda` for the
+:func:`build_layout`. See :mod:`moe_ep.transport.cuda` for the
 contracts; everything here stays on the GPU (no host sync except the handle's documented host helpers).
 """
 
@@ -10,18 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import _cuda
+from .kernels import fn, i32, i64, p
 from .runtime import EPRuntime, get_runtime
 
 _LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
 _LAYOUT_TOKENS_PER_CTA = 128
 _I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/layout.cu)
-
-
-_fn = _cuda.get_function  # (src, kernel, name_expressions)
-
-
-# kernel-argument converters of the transport modules (short names: the launch argument lists are long)
-_p, _i32, _i64 = _cuda.ptr, _cuda.i32, _cuda.i64
 
 
 @dataclass
@@ -157,39 +151,39 @@ def build_layout(
     rw = w + num_experts
     part = torch.empty(nb * rw, dtype=torch.int32, device=dev)
     head = (
-        _p(idx),
-        _i32(t),
-        _i32(k),
-        _i32(num_experts),
-        _i32(w),
-        _i32(me),
-        _p(rt.peers),
-        _i64(rt.region("counts")),
+        p(idx),
+        i32(t),
+        i32(k),
+        i32(num_experts),
+        i32(w),
+        i32(me),
+        p(rt.peers),
+        i64(rt.region("counts")),
         rt.epoch_ptr("layout"),
     )
     _cuda.launch(
-        _fn("layout.cu", "ep_layout_count"),
+        fn("layout.cu", "ep_layout_count"),
         nb,
         _LAYOUT_WARPS * 32,
-        (*head, _p(part), *rt.ctl_args()),
+        (*head, p(part), *rt.ctl_args()),
         shared_mem=(_LAYOUT_WARPS * num_experts + rw) * 4,
         device=dev,
     )
     args = (
         *head,
-        _i32(recv_cap),
-        _i32(ncap),
-        _p(part),
-        _p(tok_dst),
-        _p(send_row_of),
-        _p(slot_pos),
-        _p(counts),
-        _p(info),
-        _p(group_sizes),
+        i32(recv_cap),
+        i32(ncap),
+        p(part),
+        p(tok_dst),
+        p(send_row_of),
+        p(slot_pos),
+        p(counts),
+        p(info),
+        p(group_sizes),
         *rt.ctl_args(),
     )
     _cuda.launch(
-        _fn("layout.cu", "ep_layout_place"),
+        fn("layout.cu", "ep_layout_place"),
         nb,
         _LAYOUT_WARPS * 32,
         args,

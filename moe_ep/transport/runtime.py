@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from .schedule import MAX_PIECES, TransportSchedule, agree
 
 F_NUM = 6
@@ -366,6 +367,7 @@ def init_runtime(
     cfg = RuntimeConfig(int(max_tokens_per_rank), int(hidden), int(top_k), int(num_experts), int(wire_bytes))
     rt = _state["runtimes"].get(_key(group))
     if rt is None:
+        kernels.precompile()  # before the barrier that ends the runtime's creation
         rt = EPRuntime(group, cfg, schedule, timeout)  # ends with a barrier when ep_size > 1
         _state["runtimes"][_key(group)] = rt
     else:
