@@ -140,8 +140,9 @@ def raster(t: int, m_tiles: int, n_tiles: int, band: int = GM_RASTER) -> tuple[i
 
 # ---------------------------------------------------------------------------------------------- reference helpers
 def mm64(a, b, sizes):
-    """grouped_mm_torch in float64 (the reference accumulates in fp32, which cancellation makes inexact)."""
-    out, start = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64), 0
+    """grouped_mm_torch in float64 on a's device (the reference accumulates in fp32, which cancellation makes
+    inexact): a [M, K], b [G, N, K], sizes G host ints -> [M, N] float64."""
+    out, start = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device), 0
     for g, n in enumerate(sizes):
         out[start : start + n] = a[start : start + n].double() @ b[g].double().t()
         start += n
@@ -149,7 +150,8 @@ def mm64(a, b, sizes):
 
 
 def wgrad64(a, b, sizes):
-    out, start = torch.zeros(len(sizes), a.shape[1], b.shape[1], dtype=torch.float64), 0
+    """grouped_wgrad_torch in float64 on a's device: a [M, N], b [M, K], sizes G host ints -> [G, N, K] float64."""
+    out, start = torch.zeros(len(sizes), a.shape[1], b.shape[1], dtype=torch.float64, device=a.device), 0
     for g, n in enumerate(sizes):
         out[g] = a[start : start + n].double().t() @ b[start : start + n].double()
         start += n

@@ -26,6 +26,7 @@ import torch
 
 from moe_ep import mxfp8
 from moe_ep.experts import gemm as gemm_cuda
+from tests.gemm_emu import mm64
 
 CUDA = torch.cuda.is_available()
 
@@ -77,14 +78,6 @@ def _wgrad_prepared(ad, asc, bd, bsc, sizes, m, out):
         return gemm_cuda.grouped_wgrad_prepared_out(ap, bp, sizes_t, out, m)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-def _mm64(a, b, sizes):
-    out, start = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device), 0
-    for g, n in enumerate(sizes):
-        out[start : start + n] = a[start : start + n].double() @ b[g].double().t()
-        start += n
-    return out
 
 
 def _tc_steps(red: int) -> int:
@@ -170,8 +163,8 @@ def test_2d3d_matches_reference(case, kind):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    ref64 = _mm64(xq, wq, sizes)
-    abs_sum = _mm64(xq.abs(), wq.abs(), sizes)
+    ref64 = mm64(xq, wq, sizes)
+    abs_sum = mm64(xq.abs(), wq.abs(), sizes)
     _assert_close(out[:s], ref64, None, abs_sum, out_dtype, f"{kind} case {case}", k)
     assert torch.isnan(out[s:].float()).all(), "rows outside every group were written (given out)"
     assert torch.isnan(guard.float()).all(), "written past the end of out"
@@ -253,7 +246,7 @@ def test_raw_codes(subnormal_a):
     a_bl = _guarded(mxfp8.to_blocked_grouped(a_s, torch.tensor(sizes), "m"), 0xFF)
     b_bl = _guarded(mxfp8.to_blocked(b_s).contiguous(), 0xFF)
     out = gemm_cuda.grouped_mm_fprop(_guarded(a, 0x7F), a_bl, _guarded(b, 0x7F), b_bl, _sizes_t(sizes))
-    ref64, asum = _mm64(aq, bq, sizes), _mm64(aq.abs(), bq.abs(), sizes)
+    ref64, asum = mm64(aq, bq, sizes), mm64(aq.abs(), bq.abs(), sizes)
     _assert_close(out, ref64, None, asum, torch.bfloat16, "raw codes fprop", k)
     # the same through wgrad (column-wise scales, one per 32-row block of each group and column)
     ad, bd = _codes((m, n), gen, subnormal_a), _codes((m, k), gen)
@@ -293,11 +286,11 @@ def test_nan_scales_propagate():
     assert torch.equal(torch.isnan(out), nan)
     aq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(a, a_s, 1), torch.float32)
     bq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(b, b_s, 2), torch.float32)
-    ref64 = _mm64(aq, bq, sizes)
+    ref64 = mm64(aq, bq, sizes)
     assert torch.equal(torch.isnan(ref64), nan)  # the reference agrees on what 0xFF means
     ok = ~nan
     err = (out.double() - ref64)[ok].abs()
-    bound = 2.0**-22 * (_tc_steps(k) + 1) * _mm64(aq.abs(), bq.abs(), sizes)[ok] + 2.0**-8 * ref64[ok].abs()
+    bound = 2.0**-22 * (_tc_steps(k) + 1) * mm64(aq.abs(), bq.abs(), sizes)[ok] + 2.0**-8 * ref64[ok].abs()
     assert (err <= bound).all()
 
 
@@ -334,7 +327,7 @@ def test_side_stream_and_default_outputs():
     xq = mxfp8.dequantize_torch(mxfp8.quantize_torch(x[:s_rows], -1), torch.float32)
     wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -1), torch.float32)
     _assert_close(
-        ref[:s_rows], _mm64(xq, wq, sizes), None, _mm64(xq.abs(), wq.abs(), sizes), torch.bfloat16, "default output", k
+        ref[:s_rows], mm64(xq, wq, sizes), None, mm64(xq.abs(), wq.abs(), sizes), torch.bfloat16, "default output", k
     )
 
 
@@ -380,17 +373,15 @@ def test_large_uneven_groups():
     torch.cuda.synchronize()
 
     xf, wf = mxfp8.dequantize_torch(xq, torch.float32)[:s], mxfp8.dequantize_torch(wq, torch.float32)
-    _assert_close(
-        o_f[:s], _mm64(xf, wf, sizes), None, _mm64(xf.abs(), wf.abs(), sizes), torch.bfloat16, "large fprop", k
-    )
+    _assert_close(o_f[:s], mm64(xf, wf, sizes), None, mm64(xf.abs(), wf.abs(), sizes), torch.bfloat16, "large fprop", k)
     assert (o_f[s:] == 0).all(), "rows past the groups of a default output must be zero"
     del xf, wf
     dyf, wtf = mxfp8.dequantize_torch(dyq, torch.float32)[:s], mxfp8.dequantize_torch(wtq, torch.float32)
     _assert_close(
         dgrad_out[:s],
-        _mm64(dyf, wtf, sizes),
+        mm64(dyf, wtf, sizes),
         None,
-        _mm64(dyf.abs(), wtf.abs(), sizes),
+        mm64(dyf.abs(), wtf.abs(), sizes),
         torch.bfloat16,
         "large dgrad",
         n,
@@ -435,7 +426,7 @@ def test_many_tiles_per_cta(k):
     torch.cuda.synchronize()
     xq = mxfp8.dequantize_torch(mxfp8.quantize_torch(x[:s], -1), torch.float32)
     wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -1), torch.float32)
-    _assert_close(o1[:s], _mm64(xq, wq, sizes), None, _mm64(xq.abs(), wq.abs(), sizes), torch.bfloat16, "fprop", k)
+    _assert_close(o1[:s], mm64(xq, wq, sizes), None, mm64(xq.abs(), wq.abs(), sizes), torch.bfloat16, "fprop", k)
     assert (o1[s:] == 0).all(), "rows past the groups must be zero"
     assert torch.equal(o1, o2), "not deterministic"
 
@@ -465,7 +456,7 @@ def test_half_tiles(k):
     torch.cuda.synchronize()
     xq = mxfp8.dequantize_torch(mxfp8.quantize_torch(x, -1), torch.float32)
     wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -1), torch.float32)
-    _assert_close(out, _mm64(xq, wq, sizes), None, _mm64(xq.abs(), wq.abs(), sizes), out_dtype, "half tiles", k)
+    _assert_close(out, mm64(xq, wq, sizes), None, mm64(xq.abs(), wq.abs(), sizes), out_dtype, "half tiles", k)
     assert torch.isnan(guard.float()).all(), "written past the end of out"
     assert torch.equal(out, again), "not deterministic"
 

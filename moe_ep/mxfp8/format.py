@@ -135,37 +135,27 @@ def to_blocked_grouped(scale: torch.Tensor, group_sizes: torch.Tensor, groups_al
     rows, cols = scale.shape
     if (sizes < 0).any():
         raise ValueError("group sizes must be non-negative")
-    if groups_along == "m":
-        if int(sizes.sum()) != rows:
-            raise ValueError(f"group sizes sum to {int(sizes.sum())}, but scale has {rows} rows")
-        offs = group_tile_offsets(sizes).tolist()
-        tiles_per_row = _ceil_div(cols, 4)
-        out = scale.new_zeros(grouped_blocked_size(rows, g, cols, "m"))
-        start = 0
-        for gi in range(g):
-            n = int(sizes[gi])
-            if n:
-                blk = _tile_2d(scale[start : start + n])
-                base = offs[gi] * tiles_per_row * 512
-                out[base : base + blk.numel()] = blk
-            start += n
-        return out
-    if groups_along == "k":
-        if int(sizes.sum()) != cols:
-            raise ValueError(f"group sizes sum to {int(sizes.sum())}, but scale has {cols} columns")
-        offs = group_tile_offsets(sizes, 4).tolist()
-        row_tiles = _ceil_div(rows, 128)
-        out = scale.new_zeros(grouped_blocked_size(cols, g, rows, "k"))
-        start = 0
-        for gi in range(g):
-            n = int(sizes[gi])
-            if n:
-                blk = _tile_2d(scale[:, start : start + n])
-                base = row_tiles * offs[gi] * 512
-                out[base : base + blk.numel()] = blk
-            start += n
-        return out
-    raise ValueError(f"groups_along must be 'm' or 'k', got {groups_along!r}")
+    if groups_along not in ("m", "k"):
+        raise ValueError(f"groups_along must be 'm' or 'k', got {groups_along!r}")
+    along_m = groups_along == "m"
+    total, other = (rows, cols) if along_m else (cols, rows)
+    if int(sizes.sum()) != total:
+        what = "rows" if along_m else "columns"
+        raise ValueError(f"group sizes sum to {int(sizes.sum())}, but scale has {total} {what}")
+    offs = group_tile_offsets(sizes, 128 if along_m else 4).tolist()
+    # bytes from one group tile to the next: a 128-row tile spans ceil(C/4) 512-byte tiles (m); a 4-column tile
+    # spans ceil(R/128) of them (k)
+    tile_stride = 512 * (_ceil_div(cols, 4) if along_m else _ceil_div(rows, 128))
+    out = scale.new_zeros(grouped_blocked_size(total, g, other, groups_along))
+    start = 0
+    for gi in range(g):
+        n = int(sizes[gi])
+        if n:
+            blk = _tile_2d(scale[start : start + n] if along_m else scale[:, start : start + n])
+            base = offs[gi] * tile_stride
+            out[base : base + blk.numel()] = blk
+        start += n
+    return out
 
 
 def colwise_prep_rows(m: int, num_groups: int) -> int:
