@@ -9,6 +9,11 @@ from fractions import Fraction
 BACKENDS = ("auto", "reference", "cuda")
 
 
+def _finite(v: object) -> bool:
+    """A finite int or float (bools excluded)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 @dataclass
 class MoEConfig:
     """Configuration of one expert-parallel MoE layer.
@@ -51,12 +56,11 @@ class MoEConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {v!r}")
-        for name, low in (("aux_loss_coef", 0.0), ("init_std", 0.0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low:
-                raise ValueError(f"MoEConfig.{name} must be a finite number >= {low}, got {v!r}")
+        for name in ("aux_loss_coef", "init_std"):
+            if not _finite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"MoEConfig.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         c = self.capacity_factor
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
+        if c is not None and (not _finite(c) or c <= 0):
             raise ValueError(f"MoEConfig.capacity_factor must be None (dropless) or a finite number > 0, got {c!r}")
         for name in ("renormalize", "quantize"):
             if not isinstance(getattr(self, name), bool):

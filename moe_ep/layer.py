@@ -25,12 +25,11 @@ class Experts(nn.Module):
         return expert_mlp(x, self.w13, self.w2, group_sizes, quantize)
 
 
-def _resolve_backend(requested: str) -> str:
-    """The backend that runs: ``"auto"`` and ``"reference"`` give the reference path today; ``"cuda"`` raises."""
+def _check_backend(requested: str) -> None:
+    """``"auto"`` and ``"reference"`` run the reference path; ``"cuda"`` raises until the fast layer (fused
+    quantize+dispatch, MXFP8 grouped GEMMs, combine wired into this module) is built."""
     if requested in ("auto", "reference"):
-        # The fast layer (fused quantize+dispatch, MXFP8 grouped GEMMs, combine wired into this module) is not
-        # built yet, so auto means the reference on every device.
-        return "reference"
+        return
     raise NotImplementedError(
         "backend='cuda' is not built yet: the MoE layer runs only the reference path (backend='reference' or "
         "'auto'); the CUDA kernels are usable on their own (moe_ep.transport.cuda, moe_ep.experts.cuda)"
@@ -90,7 +89,7 @@ class MoE(nn.Module):
             raise ValueError(f"x has hidden size {x.shape[-1]}, the layer expects {cfg.hidden}")
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
-        _resolve_backend(cfg.backend)
+        _check_backend(cfg.backend)
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)
         if x2.shape[0] > cfg.max_tokens_per_rank:
