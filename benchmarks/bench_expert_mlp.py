@@ -1,7 +1,8 @@
 """Benchmark one expert-MLP training step (forward + backward) on the MXFP8 CUDA path against bf16 torch.
 
 Per shape (M expert-sorted rows of hidden H, E experts of FFN width F; random uneven group sizes, fixed seed):
-  mxfp8   ``moe_ep.experts.cuda``'s ``expert_mlp_cuda_fwd`` + ``expert_mlp_cuda_bwd`` with the weights' MXFP8
+  mxfp8   x quantized (``quantize_grouped_dual``), then ``moe_ep.experts.cuda``'s ``expert_mlp_mx_fwd`` +
+          ``expert_mlp_mx_bwd`` (the layer's expert path, which gets x already quantized) with the weights' MXFP8
           operands cached (what every micro-batch after the first of an optimizer step pays); the per-step weight
           quantization and preparation (``weight_operands`` of W13 and W2) is timed alone as ``weight_prep_ms``.
           ``step_with_weight_prep_ratio``: bf16 step / (ours + weight_prep_ms), the ratio of a step whose weights
@@ -35,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep.experts import reference as gemm  # noqa: E402
-from moe_ep.experts.cuda import expert_mlp_cuda_bwd, expert_mlp_cuda_fwd  # noqa: E402
+from moe_ep.experts.cuda import expert_mlp_mx_bwd, expert_mlp_mx_fwd  # noqa: E402
 from moe_ep.experts.operands import weight_operands  # noqa: E402
 from moe_ep.experts.weight_cache import WeightQuantCache  # noqa: E402
+from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
 
 SHAPES = {  # name: (M rows, H hidden, F ffn, E experts): the GEMMs of bench_gemm's shapes
     "dsv3": (32768, 7168, 2048, 32),  # GEMM1 = dsv3_up (N = 2F = 4096), GEMM2 = dsv3_down
@@ -51,6 +53,20 @@ def flops(m: int, h: int, f: int) -> float:
     """One step's GEMM flops: the forward's M x H x 2F and M x F x H multiply-adds are 3 M H F (6 M H F flops);
     the backward's two dgrads and two wgrads twice that; 18 M H F flops in all."""
     return 18.0 * m * h * f
+
+
+def expert_mlp_cuda_fwd(x, w13, w2, sz, cache):
+    """x bf16 [M, H] -> (out, saved): x quantized row-wise, then the layer's MXFP8 expert forward."""
+    w13o, w2o = weight_operands(w13, cache), weight_operands(w2, cache)
+    xq, xs = mxfp8_cuda.quantize_grouped_dual(x, sz)[:2]
+    out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, sz)
+    return out, (xq, xs, a)
+
+
+def expert_mlp_cuda_bwd(dout, saved, w13, w2, sz, cache):
+    """-> (dx, dw13, dw2) of the layer's MXFP8 expert backward."""
+    xq, xs, a = saved
+    return expert_mlp_mx_bwd(dout, xq, xs, a, w13, w2, weight_operands(w13, cache), weight_operands(w2, cache), sz)
 
 
 def run_shape(name: str, rounds: int, reps: int) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 BACKENDS = ("auto", "reference", "cuda")
+TRANSPORTS = ("nvshmem", "nccl")
 
 
 def _finite(v: object) -> bool:
@@ -34,8 +35,13 @@ class MoEConfig:
     aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e).
     quantize:            MXFP8 at the dispatch payload, the SwiGLU output, the dy payload and the grouped-GEMM
                          operands (the recipe); False gives the pure-bf16 baseline of the same module.
-    backend:             "auto" or "reference": the reference path (pure PyTorch); "cuda" raises
-                         NotImplementedError until the fast layer is built.
+    backend:             "reference": the pure-PyTorch path (the specification). "cuda": the fast layer (CuPy kernels,
+                         NVSHMEM or NCCL transport; needs ``moe_ep[gpu]``, a GPU and torch.distributed). "auto":
+                         "cuda" when x is on a GPU, CuPy and nvshmem4py import and torch.distributed is
+                         initialized, else "reference".
+    transport:           the cuda backend's all-to-all. "nvshmem": one node, NVLink stores from the kernels, no host
+                         sync when ``capacity_factor`` is set (CUDA-graph capturable). "nccl": torch.distributed
+                         all_to_all (works across nodes) with MXFP8 payloads and host-synced split sizes.
     init_std:            standard deviation of the normal initialization of the router and expert weights.
     """
 
@@ -49,6 +55,7 @@ class MoEConfig:
     aux_loss_coef: float = 1e-2
     quantize: bool = True
     backend: str = "auto"
+    transport: str = "nvshmem"
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -73,6 +80,8 @@ class MoEConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
     def capacity_rows(self, num_tokens: int) -> int | None:
         """Expanded rows one rank keeps for ``num_tokens`` tokens: ceil(capacity_factor * num_tokens * top_k), in exact

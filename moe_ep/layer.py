@@ -6,34 +6,58 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import profiling
 from .config import MoEConfig
 from .experts.reference import expert_mlp
+from .experts.weight_cache import WeightQuantCache
 from .router import Router
 from .transport import combine, dispatch
 
 
 class Experts(nn.Module):
-    """This rank's experts. w13: [E_local, 2F, H] (gate rows, then up rows); w2: [E_local, H, F]."""
+    """This rank's experts. w13: [E_local, 2F, H] (gate rows, then up rows); w2: [E_local, H, F].
+
+    ``weight_cache``: the MXFP8 operands of w13 / w2 the cuda backend's GEMMs read, recomputed only when a weight
+    changes (an optimizer step or an FSDP2 all-gather bumps its version); ``weight_cache.clear()`` forces it.
+    """
 
     def __init__(self, num_local: int, hidden: int, ffn_hidden: int, device=None, dtype=None) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * ffn_hidden, hidden, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden, device=device, dtype=dtype))
+        self.weight_cache = WeightQuantCache()
 
     def forward(self, x: torch.Tensor, group_sizes: list[int], quantize: bool) -> torch.Tensor:
-        """x: [N, H] expert-sorted rows, group_sizes: E_local host ints -> [N, H] x.dtype."""
+        """x: [N, H] expert-sorted rows, group_sizes: E_local host ints -> [N, H] x.dtype (reference math)."""
         return expert_mlp(x, self.w13, self.w2, group_sizes, quantize)
 
 
-def _check_backend(requested: str) -> None:
-    """``"auto"`` and ``"reference"`` run the reference path; ``"cuda"`` raises until the fast layer (fused
-    quantize+dispatch, MXFP8 grouped GEMMs, combine wired into this module) is built."""
-    if requested in ("auto", "reference"):
-        return
-    raise NotImplementedError(
-        "backend='cuda' is not built yet: the MoE layer runs only the reference path (backend='reference' or "
-        "'auto'); the CUDA kernels are usable on their own (moe_ep.transport.cuda, moe_ep.experts.cuda)"
-    )
+def routed_experts(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    experts: Experts,
+    cfg: MoEConfig,
+    group=None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """Dispatch -> experts -> combine for a routing the caller gives (the layer without its router).
+
+    x: [T, H] bf16 (fp32 too on the reference backend); topk_idx: [T, K] int32/int64 global expert ids; topk_w:
+    [T, K] float; experts: this rank's :class:`Experts`; group: the EP process group (None: one process owns every
+    expert); backend: "reference" / "cuda" (None: resolve ``cfg.backend`` for x) -> (y [T, H] x.dtype, slots this
+    rank dropped at its capacity: int on the reference backend and the nccl transport, a 0-dim int32 CUDA tensor on
+    nvshmem (reading it is a host sync)). Differentiable in x, topk_w, experts.w13, experts.w2.
+    """
+    from .layer_cuda import resolve_backend, routed_experts_cuda  # noqa: PLC0415  (GPU packages load lazily)
+
+    backend = backend or resolve_backend(cfg, x)
+    if backend == "cuda":
+        return routed_experts_cuda(x, topk_idx, topk_w, experts.w13, experts.w2, experts.weight_cache, cfg, group)
+    cap = cfg.capacity_rows(x.shape[0])
+    rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, cfg.quantize, capacity=cap)
+    out = experts(rows, handle.group_sizes_host, cfg.quantize)
+    return combine(out, w, handle, cfg.quantize), handle.num_dropped
 
 
 class MoE(nn.Module):
@@ -43,8 +67,11 @@ class MoE(nn.Module):
     owning every expert. This rank owns global experts [ep_rank * E_local, (ep_rank + 1) * E_local).
     forward(x: [..., H] bf16/fp32) -> (y: same shape and dtype, aux_loss: scalar fp32, already weighted by
     cfg.aux_loss_coef). Nothing the next call or the backward reads is kept on the module: the dispatch handle lives
-    in autograd. ``num_dropped`` (int) is a statistic of the last forward for logs: the slots this rank dropped at
-    its capacity (``cfg.capacity_factor``; always 0 when dropless).
+    in autograd (``experts.weight_cache`` is a cache keyed by the weights' versions). ``num_dropped`` (int) is a
+    statistic of the last forward for logs: the slots this rank dropped at its capacity (``cfg.capacity_factor``;
+    always 0 when dropless); on the cuda backend reading it is a host sync.
+    Backends (``cfg.backend``, resolved per call): see :class:`MoEConfig`; the cuda backend is
+    :mod:`moe_ep.layer_cuda`.
     """
 
     def __init__(self, cfg: MoEConfig, mesh: DeviceMesh | None = None, device=None, dtype=None, seed: int = 0) -> None:
@@ -63,8 +90,13 @@ class MoE(nn.Module):
         self.num_local_experts = cfg.num_experts // self.ep_size
         self.router = Router(cfg.hidden, cfg.num_experts, cfg.top_k, cfg.renormalize, device=device, dtype=dtype)
         self.experts = Experts(self.num_local_experts, cfg.hidden, cfg.ffn_hidden, device=device, dtype=dtype)
-        self.num_dropped = 0
+        self._num_dropped: torch.Tensor | int = 0
         self.reset_parameters(seed)
+
+    @property
+    def num_dropped(self) -> int:
+        """Slots this rank dropped at its capacity in the last forward (log statistic)."""
+        return int(self._num_dropped)  # NOTE: host sync on the cuda backend (a device counter); logs only
 
     @property
     def first_expert(self) -> int:
@@ -89,7 +121,9 @@ class MoE(nn.Module):
             raise ValueError(f"x has hidden size {x.shape[-1]}, the layer expects {cfg.hidden}")
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
-        _check_backend(cfg.backend)
+        from .layer_cuda import resolve_backend  # noqa: PLC0415  (GPU packages load lazily)
+
+        backend = resolve_backend(cfg, x)
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)
         if x2.shape[0] > cfg.max_tokens_per_rank:
@@ -98,9 +132,7 @@ class MoE(nn.Module):
                 "receive buffers); raise it in MoEConfig"
             )
         r = self.router(x2)
-        cap = cfg.capacity_rows(x2.shape[0])
-        rows, w, handle = dispatch(x2, r.topk_idx, r.topk_w, cfg.num_experts, self.ep_group, cfg.quantize, capacity=cap)
-        self.num_dropped = handle.num_dropped
-        out = self.experts(rows, handle.group_sizes_host, cfg.quantize)
-        y = combine(out, w, handle, cfg.quantize)
-        return y.reshape(shape), r.aux_loss * cfg.aux_loss_coef
+        profiling.mark("router")
+        xe = x2.to(torch.bfloat16) if backend == "cuda" else x2  # the cuda backend computes in bf16
+        y, self._num_dropped = routed_experts(xe, r.topk_idx, r.topk_w, self.experts, cfg, self.ep_group, backend)
+        return y.to(x.dtype).reshape(shape), r.aux_loss * cfg.aux_loss_coef

@@ -1,93 +1,155 @@
 """SwiGLU expert MLP on the CUDA kernels: the MXFP8 recipe of ``moe_ep.experts.reference.expert_mlp(quantize=True)``.
 
 The reference with the same math is :func:`moe_ep.experts.reference.expert_mlp` (``expert_mlp_fwd`` /
-``expert_mlp_bwd``); this module chains the kernels, with group sizes on the GPU and no host synchronization:
+``expert_mlp_bwd``). The functions here start from the MXFP8 rows themselves (e4m3 + per-group blocked scales, as the
+fused dispatch writes them), keep group sizes on the GPU and never synchronize with the host:
 
-  forward   xq, xs, xc = quantize_grouped_dual(x, colwise="bf16")      x row-wise (fprop), x prepared column-wise
-            a  = grouped_mm_fprop(xq, W13)                              [M, 2F] bf16
-            hq, hs, hc = quantize_grouped_dual(a, apply_swiglu=True)    h = swiglu(a), both operands in one pass
-            out = grouped_mm_fprop(hq, W2)                              [M, H] bf16
+  forward   a  = fprop(xq, W13)                                        [M, 2F] bf16
+            hq, hs = quantize_grouped_dual(a, apply_swiglu=True)       h = swiglu(a), quantized row-wise
+            out = fprop(hq, W2)                                        [M, H] bf16
   backward  dq, ds, dc = quantize_grouped_dual(dout)
-            dh  = grouped_mm_dgrad(dq, W2^T)                            [M, F] bf16 (as the reference rounds it)
-            dW2 = grouped_wgrad_prepared_out(dc, hc)                    [E, H, F]
-            aq, as, ac = quantize_grouped_dual(a, swiglu_dh=dh)         dA = swiglu_bwd(a, dh), both operands
-            dx  = grouped_mm_dgrad(aq, W13^T)                           [M, H] bf16
-            dW13 = grouped_wgrad_prepared_out(ac, xc)                   [E, 2F, H]
+            dh  = dgrad(dq, W2^T)                                      [M, F] bf16 (as the reference rounds it)
+            hc  = quantize_grouped_dual(a, apply_swiglu=True)[2]       h column-wise, recomputed from a
+            dW2 = wgrad(dc, hc)                                        [E, H, F]
+            aq, as, ac = quantize_grouped_dual(a, swiglu_dh=dh)        dA = swiglu_bwd(a, dh), both operands
+            dx  = dgrad(aq, W13^T)                                     [M, H] bf16
+            xc  = quantize_grouped_dual(dequantize(xq, xs))[2]         x column-wise, from the saved MXFP8 rows
+            dW13 = wgrad(ac, xc)                                       [E, 2F, H]
 
-The weights' four operands (e4m3 both ways and the prepared bf16 copies,
-:func:`moe_ep.experts.operands.weight_operands`) come from a ``WeightQuantCache`` when one is given: computed once per
-weight version, shared by micro-batches and by the backward. Saved for the backward: ``a`` (bf16 [M, 2F], as the
-reference saves it) and the two prepared column-wise operands ``xc`` (bf16 [~M, H]) and ``hc`` (bf16 [~M, F]) instead
-of ``x``: 2 bytes per element each, kept so that the backward does not quantize x and h a second time.
+Saved for the backward: the MXFP8 rows ``xq`` / ``xs`` (1 byte + 1/32 per element: the dispatch payload itself) and
+``a`` (bf16 [M, 2F], as the reference saves it); the column-wise operands of x and h are rebuilt in the backward
+(one memory-bound pass each) instead of holding 2-byte copies from forward to backward.
+
+The expert GEMMs are reached only through :data:`GEMMS` (an :class:`ExpertGemms`): the seam where another
+architecture's kernels plug in (on Blackwell, ``torch._scaled_grouped_mm`` with MXFP8 operands) without touching
+the layer. Weights' operands (:func:`moe_ep.experts.operands.weight_operands`) come from a ``WeightQuantCache`` when
+one is given: computed once per weight version, shared by micro-batches and by the backward.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from .. import profiling
+from ..mxfp8 import MXFP8Tensor
 from ..mxfp8 import cuda as mxfp8_cuda
+from ..mxfp8.format import from_blocked_grouped
 from . import gemm as gemm_cuda
-from .operands import weight_operands
+from .operands import WeightOperands, weight_operands
 from .weight_cache import WeightQuantCache
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_sizes: torch.Tensor) -> None:
+class ExpertGemms(Protocol):
+    """The expert GEMMs of one architecture (group sizes int32 [G] on the device, never read on the host)."""
+
+    def prepare(self, w: torch.Tensor, cache: WeightQuantCache | None) -> WeightOperands:
+        """w [G, N, K] -> its fprop and dgrad operands (once per weight version with a cache)."""
+        ...
+
+    def fprop(self, xq: torch.Tensor, xs: torch.Tensor, w: WeightOperands, gs: torch.Tensor) -> torch.Tensor:
+        """xq e4m3 [M, K] + grouped blocked scales -> [M, N] bf16 (rows past the groups zero)."""
+        ...
+
+    def dgrad(self, dq: torch.Tensor, ds: torch.Tensor, w: WeightOperands, gs: torch.Tensor) -> torch.Tensor:
+        """dq e4m3 [M, N] + grouped blocked scales -> [M, K] bf16 (rows past the groups zero)."""
+        ...
+
+    def wgrad(self, a_prep: torch.Tensor, b_prep: torch.Tensor, gs: torch.Tensor, out: torch.Tensor, m: int):
+        """Prepared column-wise operands [64 (ceil(M/64) + G), N] / [.., K] bf16 -> out [G, N, K]."""
+        ...
+
+
+class HopperGemms:
+    """sm_90a: exact MXFP8 grouped GEMMs on bf16 tensor cores (``moe_ep.experts.gemm``)."""
+
+    def prepare(self, w, cache):
+        return weight_operands(w, cache)
+
+    def fprop(self, xq, xs, w, gs):
+        return gemm_cuda.grouped_mm_fprop(xq, xs, w.w, w.w_scale, gs, w_prepared=w.w_prepared)
+
+    def dgrad(self, dq, ds, w, gs):
+        return gemm_cuda.grouped_mm_dgrad(dq, ds, w.wt, w.wt_scale, gs, wt_prepared=w.wt_prepared)
+
+    def wgrad(self, a_prep, b_prep, gs, out, m):
+        return gemm_cuda.grouped_wgrad_prepared_out(a_prep, b_prep, gs, out, m)
+
+
+GEMMS: ExpertGemms = HopperGemms()
+
+
+def _check(m_cols: int, w13: torch.Tensor, w2: torch.Tensor, group_sizes: torch.Tensor, dev: torch.device) -> None:
     e, f2, hdim = w13.shape if w13.dim() == 3 else (0, 0, 0)
-    if x.dim() != 2 or x.shape[1] != hdim or w2.shape != (e, hdim, f2 // 2):
+    if m_cols != hdim or w2.shape != (e, hdim, f2 // 2):
         raise ValueError(
-            f"expert_mlp_cuda shapes: x {tuple(x.shape)} (want [M, H]), w13 {tuple(w13.shape)} (want [E, 2F, H]), "
+            f"expert MLP shapes: rows of {m_cols} columns (want H), w13 {tuple(w13.shape)} (want [E, 2F, H]), "
             f"w2 {tuple(w2.shape)} (want [E, H, F])"
         )
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"expert_mlp_cuda: x must be bf16, got {x.dtype}")
     if hdim % 32 or f2 % 64:
-        raise ValueError(f"expert_mlp_cuda: H ({hdim}) and F ({f2 // 2}) must be multiples of 32 (MXFP8 blocks)")
+        raise ValueError(f"expert MLP: H ({hdim}) and F ({f2 // 2}) must be multiples of 32 (MXFP8 blocks)")
     if not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int32 or group_sizes.shape != (e,):
         raise TypeError(f"group_sizes must be an int32 [E={e}] tensor, got {getattr(group_sizes, 'dtype', None)}")
-    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("group_sizes", group_sizes)):
-        if t.device != x.device or x.device.type != "cuda":
-            raise ValueError(f"expert_mlp_cuda: {name} must be a CUDA tensor on x's device, got {t.device}")
+    for name, t in (("w13", w13), ("w2", w2), ("group_sizes", group_sizes)):
+        if t.device != dev or dev.type != "cuda":
+            raise ValueError(f"expert MLP: {name} must be a CUDA tensor on the rows' device {dev}, got {t.device}")
 
 
-def expert_mlp_cuda_fwd(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_sizes: torch.Tensor, cache=None
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """x: [M, H] bf16 expert-sorted (sum(group_sizes) == M, not checked: that needs a host sync), w13: [E, 2F, H],
-    w2: [E, H, F] (bf16/fp32), group_sizes: int32 [E] on the GPU -> (out [M, H] bf16, saved = (a [M, 2F] bf16,
-    xc bf16 [64 (ceil(M/64) + E), H], hc bf16 [same rows, F])) for :func:`expert_mlp_cuda_bwd`."""
-    w13o, w2o = weight_operands(w13, cache), weight_operands(w2, cache)
-    xq, xs, xc, _ = mxfp8_cuda.quantize_grouped_dual(x, group_sizes, colwise="bf16")
-    a = gemm_cuda.grouped_mm_fprop(xq, xs, w13o.w, w13o.w_scale, group_sizes, w_prepared=w13o.w_prepared)
-    hq, hs, hc, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True, colwise="bf16")
-    out = gemm_cuda.grouped_mm_fprop(hq, hs, w2o.w, w2o.w_scale, group_sizes, w_prepared=w2o.w_prepared)
-    return out, (a, xc, hc)
+def expert_mlp_mx_fwd(
+    xq: torch.Tensor, xs: torch.Tensor, w13o: WeightOperands, w2o: WeightOperands, group_sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """xq: e4m3 [M, H] expert-sorted rows, xs: u8 [grouped_blocked_size(M, E, H // 32, "m")] their per-group blocked
+    scales, w13o / w2o: the weights' operands, group_sizes: int32 [E] (device) -> (out [M, H] bf16, a [M, 2F] bf16,
+    saved for :func:`expert_mlp_mx_bwd`). Rows past sum(group_sizes) of both are zero."""
+    a = GEMMS.fprop(xq, xs, w13o, group_sizes)
+    profiling.mark("gemm1")
+    hq, hs, _, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True)
+    profiling.mark("swiglu_quant")
+    out = GEMMS.fprop(hq, hs, w2o, group_sizes)
+    profiling.mark("gemm2")
+    return out, a
 
 
-def expert_mlp_cuda_bwd(
+def expert_mlp_mx_bwd(
     dout: torch.Tensor,
-    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    a: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    w13o: WeightOperands,
+    w2o: WeightOperands,
     group_sizes: torch.Tensor,
-    cache=None,
     need_dx: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """dout: [M, H] bf16, saved: from :func:`expert_mlp_cuda_fwd` -> (dx [M, H] bf16 or None without ``need_dx``,
-    dw13 [E, 2F, H] w13.dtype, dw2 [E, H, F] w2.dtype)."""
-    a, xc, hc = saved
-    m = a.shape[0]
-    w13o, w2o = weight_operands(w13, cache), weight_operands(w2, cache)
-    dq, ds, dc, _ = mxfp8_cuda.quantize_grouped_dual(dout, group_sizes, colwise="bf16")
+    """dout: [M, H] bf16 (rows past the groups are not read), xq / xs / a: from the forward, w13 [E, 2F, H] / w2
+    [E, H, F]: the weights (for the gradients' dtype) -> (dx [M, H] bf16 or None without ``need_dx``, dw13 [E, 2F, H]
+    w13.dtype, dw2 [E, H, F] w2.dtype)."""
+    m, hdim = xq.shape
+    dq, ds, dc, _ = mxfp8_cuda.quantize_grouped_dual(dout, group_sizes)
+    profiling.mark("quant_dy")
     # bf16 dh: the reference rounds dh to x.dtype, and mx_swiglu_dual's backward reads a bf16 dh
-    dh = gemm_cuda.grouped_mm_dgrad(
-        dq, ds, w2o.wt, w2o.wt_scale, group_sizes, out_dtype=torch.bfloat16, wt_prepared=w2o.wt_prepared
-    )
-    dw2 = gemm_cuda.grouped_wgrad_prepared_out(dc, hc, group_sizes, _wgrad_out(w2), m)
-    aq, as_, ac, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, swiglu_dh=dh, colwise="bf16")
-    dx = None
-    if need_dx:
-        dx = gemm_cuda.grouped_mm_dgrad(aq, as_, w13o.wt, w13o.wt_scale, group_sizes, wt_prepared=w13o.wt_prepared)
-    dw13 = gemm_cuda.grouped_wgrad_prepared_out(ac, xc, group_sizes, _wgrad_out(w13), m)
+    dh = GEMMS.dgrad(dq, ds, w2o, group_sizes)
+    profiling.mark("dgrad2")
+    hc = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True)[2]
+    dw2 = GEMMS.wgrad(dc, hc, group_sizes, _wgrad_out(w2), m)
+    del dc, hc
+    profiling.mark("wgrad2")
+    aq, as_, ac, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, swiglu_dh=dh)
+    profiling.mark("swiglu_bwd_quant")
+    dx = GEMMS.dgrad(aq, as_, w13o, group_sizes) if need_dx else None
+    del aq, as_
+    profiling.mark("dgrad1")
+    # x column-wise from the saved MXFP8 rows: the reference quantizes the (dequantized) received rows again
+    # along the other axis, so dequantizing the saved bytes gives exactly its input
+    plain = from_blocked_grouped(xs, group_sizes, m, hdim // 32)
+    x_rows = mxfp8_cuda.dequantize(MXFP8Tensor(xq, plain, 1), torch.bfloat16)
+    xc = mxfp8_cuda.quantize_grouped_dual(x_rows, group_sizes)[2]
+    del x_rows, plain
+    profiling.mark("x_colwise")
+    dw13 = GEMMS.wgrad(ac, xc, group_sizes, _wgrad_out(w13), m)
+    profiling.mark("wgrad1")
     return dx, dw13.to(w13.dtype), dw2.to(w2.dtype)
 
 
@@ -101,16 +163,19 @@ def _wgrad_out(w: torch.Tensor) -> torch.Tensor:
 class _ExpertMLPCuda(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, group_sizes, cache):
-        out, saved = expert_mlp_cuda_fwd(x, w13, w2, group_sizes, cache)
-        ctx.save_for_backward(*saved, w13, w2, group_sizes)
+        w13o, w2o = GEMMS.prepare(w13, cache), GEMMS.prepare(w2, cache)
+        xq, xs, _, _ = mxfp8_cuda.quantize_grouped_dual(x, group_sizes)
+        out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, group_sizes)
+        ctx.save_for_backward(xq, xs, a, w13, w2, group_sizes)
         ctx.cache = cache
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        a, xc, hc, w13, w2, group_sizes = ctx.saved_tensors
-        dx, dw13, dw2 = expert_mlp_cuda_bwd(
-            dout.contiguous(), (a, xc, hc), w13, w2, group_sizes, ctx.cache, need_dx=ctx.needs_input_grad[0]
+        xq, xs, a, w13, w2, group_sizes = ctx.saved_tensors
+        w13o, w2o = GEMMS.prepare(w13, ctx.cache), GEMMS.prepare(w2, ctx.cache)
+        dx, dw13, dw2 = expert_mlp_mx_bwd(
+            dout.contiguous(), xq, xs, a, w13, w2, w13o, w2o, group_sizes, need_dx=ctx.needs_input_grad[0]
         )
         return dx, dw13, dw2, None, None
 
@@ -122,15 +187,35 @@ def expert_mlp_cuda(
     group_sizes: torch.Tensor,
     cache: WeightQuantCache | None = None,
 ) -> torch.Tensor:
-    """SwiGLU expert MLP over expert-sorted rows on the MXFP8 CUDA kernels (Hopper), differentiable in x, w13, w2.
+    """SwiGLU expert MLP over expert-sorted bf16 rows on the MXFP8 CUDA kernels (Hopper), differentiable in x, w13, w2.
 
     x: [M, H] bf16 CUDA (groups contiguous from row 0; sum(group_sizes) must equal M), w13: [E, 2F, H] (gate rows
     then up rows), w2: [E, H, F], group_sizes: int32 [E] on x's device (never read on the host), cache: a
-    ``WeightQuantCache`` (the weights' MXFP8 operands once per weight version; without one, the backward quantizes
-    the weights again rather than holding their operands, ~6 bytes per weight element, from forward to backward)
-    -> [M, H] bf16.
+    ``WeightQuantCache`` (the weights' operands once per weight version; without one the backward prepares the
+    weights again rather than holding their operands from forward to backward) -> [M, H] bf16.
     The reference is ``moe_ep.experts.reference.expert_mlp(x, w13, w2, sizes, quantize=True)`` (the same recipe;
     results equal up to fp32 summation order, which can move an intermediate across an e4m3 rounding boundary).
     """
-    _check(x, w13, w2, group_sizes)
+    if x.dim() != 2:
+        raise ValueError(f"expert_mlp_cuda: x must be [M, H], got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"expert_mlp_cuda: x must be bf16, got {x.dtype}")
+    _check(x.shape[1], w13, w2, group_sizes, x.device)
     return _ExpertMLPCuda.apply(x.contiguous(), w13, w2, group_sizes, cache)
+
+
+# ------------------------------------------------------------------------------------------------ the bf16 path
+def expert_mlp_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """The bf16 baseline experts: ``torch._grouped_mm`` SwiGLU with autograd (the strongest straightforward bf16
+    implementation; torchtitan's).
+
+    x: [M, H] bf16 expert-sorted rows, w13: [E, 2F, H], w2: [E, H, F] (cast to bf16 if needed, differentiably),
+    group_sizes: int32 [E] (device) -> [M, H] bf16. Rows past sum(group_sizes) are unspecified (no group reads or
+    writes them; the transport never reads them back).
+    """
+    offs = torch.cumsum(group_sizes, 0, dtype=torch.int32)
+    w13b, w2b = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    a = torch._grouped_mm(x, w13b.transpose(-2, -1), offs=offs)
+    gate, up = a.chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up
+    return torch._grouped_mm(h, w2b.transpose(-2, -1), offs=offs)

@@ -158,6 +158,32 @@ def to_blocked_grouped(scale: torch.Tensor, group_sizes: torch.Tensor, groups_al
     return out
 
 
+def from_blocked_grouped(blocked: torch.Tensor, group_sizes: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``to_blocked_grouped(scale, sizes, "m")`` on the scales' device, without a host sync.
+
+    blocked: u8 [>= grouped_blocked_size(rows, G, cols, "m")]; group_sizes: [G] int (device; rows of each group,
+    summing to at most ``rows``) -> plain scales u8 [rows, cols]; rows past sum(group_sizes) are 0.
+
+    Example: sizes [2, 1], cols 1: row 0 from byte 0, row 1 from byte 16, row 2 (group 1, fresh tile) from 512.
+    """
+    dev = blocked.device
+    gs = group_sizes.to(device=dev, dtype=torch.int64)
+    out_shape = (rows, cols)
+    if gs.numel() == 0 or rows == 0 or cols == 0:
+        return torch.zeros(out_shape, dtype=torch.uint8, device=dev)
+    ends = torch.cumsum(gs, 0)
+    r = torch.arange(rows, device=dev)
+    g = torch.searchsorted(ends, r, right=True).clamp_(max=gs.numel() - 1)
+    j = r - (ends[g] - gs[g])  # row inside its group
+    tile = group_tile_offsets(gs)[g] + j // 128
+    c = torch.arange(cols, device=dev)
+    row_part = tile * (_ceil_div(cols, 4) * 512) + (j % 32) * 16 + ((j % 128) // 32) * 4
+    off = row_part[:, None] + ((c // 4) * 512 + c % 4)[None, :]
+    valid = (r < ends[-1])[:, None]
+    off = torch.where(valid, off, 0).clamp_(0, blocked.numel() - 1)
+    return torch.where(valid, blocked[off], 0).to(torch.uint8)
+
+
 def colwise_prep_rows(m: int, num_groups: int) -> int:
     """Rows of a prepared wgrad operand (static bound ``64 (ceil(M/64) + G)`` >= sum of ceil64(n_g), no sync)."""
     return 64 * (_ceil_div(m, 64) + num_groups)

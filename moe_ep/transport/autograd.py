@@ -140,3 +140,11 @@ def combine(
     ``transport`` must be the one that made ``handle``; it checks the shapes.
     """
     return _Combine.apply(y, w, handle, quantize, transport)
+
+
+def dispatch_with_layout(
+    x: torch.Tensor, topk_w: torch.Tensor, handle: Any, quantize: bool = True, transport: Transport = REFERENCE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dispatch` for a layout the caller built (``transport.build_layout``), e.g. to size buffers from it
+    first. x: [T, H]; topk_w: [T, top_k] float -> (rows [N, H] x.dtype, row weights [N] fp32); differentiable."""
+    return _Dispatch.apply(x, topk_w, handle, quantize, transport)
