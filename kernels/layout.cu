@@ -23,12 +23,23 @@
 //       send_off[r]  = sum_{r'<r} cnt[me][r']          sent-row order of the reference (rows sorted by (rank, token))
 //       recv_off[s]  = sum_{s'<s} cnt[s'][me]          received rows from rank s start here (R = recv_off[W])
 //       ret_base[s]  = sum_{r<me} cnt[s][r]            my returned rows go here in rank s's combine buffer
-//       gstart[e]    = sum_{e'<e} sum_s cnt[s][W + me*L + e']   (N = gstart[L]), tile_off[e] = sum ceil(M/128)
+//       gstart[e]    = sum_{e'<e} sum_s cnt[s][W + me*L + e']   (unclamped; total = gstart[L])
 //       posb[g]      = gstart_r[g%L] + sum_{s<me} cnt[s][W+g]   (r = g/L): my first expanded row of expert g at r
+//     Capacity (cap = expand_cap, this rank's own): the receiver keeps the expanded rows < cap and no other, so
+//       group_sizes[e] = min(gstart[e] + M_e, cap) - min(gstart[e], cap)   (= clamp(., 0, M_e)),
+//       info gstart[e] = min(gstart[e], cap) (the prefix of the clamped sizes), N = min(total, cap),
+//       tile_off[e] = sum_{e'<e} ceil(group_sizes[e']/128), dropped = total - N.
+//     drop = 0 (dropless): total > cap is EP_ERR_EXPAND_OVERFLOW (every rank checks every receiver against its
+//     own cap, so all ranks report it); the clamp still keeps every consumer inside the buffers. drop = 1: no
+//     error, the rows past cap are the reference's dropped slots (build_layout(capacity=)).
 //  D  per token / slot outputs (same warp split, same order => deterministic):
 //       tok_dst[t][r]   row in rank r's receive buffer, -1 if t does not go to r
 //       send_row_of[t][r] = send_off[r] + index of t among my tokens for r, -1 if none
-//       slot_pos[t][j]  expanded row at the receiver = posb[g] + rank of (t, j) among my entries of expert g
+//       slot_pos[t][j]  expanded row at the receiver = posb[g] + rank of (t, j) among my entries of expert g;
+//                       drop = 0: -1 if >= this rank's cap (dropless assumes the same expand_capacity on
+//                       every rank, and the overflow error is raised then);
+//                       drop = 1: never clamped here (receivers' caps differ), expand_slot (dispatch.cu) drops
+//                       pos >= the receiver's cap, so the slot gets no expanded row and no recv_pos entry.
 // The expanded order this produces is the reference's expand_layout: expert, then source rank, then token, slot.
 #include "ep_sync.cuh"
 
@@ -45,6 +56,7 @@
 #define I_SEND_OFF 19  // [W+1]
 #define I_DST_BASE 28  // [W]
 #define I_GSTART 36    // [L+1]; tile offsets follow at I_GSTART + L + 1 ([L+1])
+#define I_DROPPED(L) (I_GSTART + 2 * (L) + 2)  // expanded rows past the capacity (dropped or overflowed)
 
 // Token range [t0, t1) of this warp (identical in both kernels: depends on T, gridDim.x, blockIdx.x, warp only).
 __device__ __forceinline__ void layout_range(int T, int warp, int& t0, int& t1) {
@@ -169,7 +181,8 @@ ep_layout_count(const int* __restrict__ topk, int T, int K, int E, int W, int me
 
 extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS)
 ep_layout_place(const int* __restrict__ topk, int T, int K, int E, int W, int me, const ep_u64* __restrict__ peers,
-                long long cnt_off, ep_u64* epoch_ctr, int recv_cap, int expand_cap, const int* __restrict__ part,
+                long long cnt_off, ep_u64* epoch_ctr, int recv_cap, int expand_cap, int drop,
+                const int* __restrict__ part,
                 int* __restrict__ tok_dst, int* __restrict__ send_row_of, int* __restrict__ slot_pos,
                 int* __restrict__ counts, int* __restrict__ info, int* __restrict__ group_sizes, int* err, int* herr,
                 unsigned* ctr, long long timeout_ns) {
@@ -282,21 +295,27 @@ ep_layout_place(const int* __restrict__ topk, int T, int K, int E, int W, int me
         for (int e0 = 0; e0 < L; e0 += 32) {
             const int e = e0 + lane;
             const int m = e < L ? tot[r * L + e] : 0;
-            const int tm = (m + 127) / 128;
-            int inc = m, tinc = tm;
+            int inc = m;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
-                int a = __shfl_up_sync(0xFFFFFFFFu, inc, o), ta = __shfl_up_sync(0xFFFFFFFFu, tinc, o);
-                if (lane >= o) {
-                    inc += a;
-                    tinc += ta;
-                }
+                int a = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+                if (lane >= o) inc += a;
+            }
+            const int gs = carry + inc - m;  // unclamped: the rows the senders address (slot_pos)
+            // kept rows (< cap; only meaningful for r == me, whose cap this is) and their 128-row scale tiles
+            const int mk = min(carry + inc, expand_cap) - min(gs, expand_cap);
+            const int tm = (mk + 127) / 128;
+            int tinc = tm;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                int ta = __shfl_up_sync(0xFFFFFFFFu, tinc, o);
+                if (lane >= o) tinc += ta;
             }
             if (e < L) {
-                posb[r * L + e] += carry + inc - m;
+                posb[r * L + e] += gs;
                 if (b == 0 && r == me) {
-                    group_sizes[e] = m;
-                    info[I_GSTART + e] = carry + inc - m;
+                    group_sizes[e] = mk;
+                    info[I_GSTART + e] = min(gs, expand_cap);
                     info[I_GSTART + L + 1 + e] = tcarry + tinc - tm;
                 }
             }
@@ -305,11 +324,13 @@ ep_layout_place(const int* __restrict__ topk, int T, int K, int E, int W, int me
         }
         if (b == 0 && lane == 0) {
             if (r == me) {
-                info[I_GSTART + L] = carry;
+                const int n = min(carry, expand_cap);
+                info[I_GSTART + L] = n;
                 info[I_GSTART + L + 1 + L] = tcarry;
-                info[I_N] = carry;
+                info[I_N] = n;
+                info[I_DROPPED(L)] = carry - n;
             }
-            if (carry > expand_cap) ep_error(c, EP_ERR_EXPAND_OVERFLOW, r, carry, expand_cap, false);
+            if (!drop && carry > expand_cap) ep_error(c, EP_ERR_EXPAND_OVERFLOW, r, carry, expand_cap, false);
         }
     }
     __syncthreads();
@@ -333,7 +354,7 @@ ep_layout_place(const int* __restrict__ topk, int T, int K, int E, int W, int me
             int pos = -1;
             if (key >= 0) {
                 pos = posb[key] + before + __popc(m & lt);
-                if (pos >= expand_cap) pos = -1;
+                if (!drop && pos >= expand_cap) pos = -1;  // drop: the receiver clamps with its own cap
             }
             slot_pos[i] = pos;
         }

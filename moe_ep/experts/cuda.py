@@ -102,6 +102,9 @@ def expert_mlp_mx_fwd(
     """xq: e4m3 [M, H] expert-sorted rows, xs: u8 [grouped_blocked_size(M, E, H // 32, "m")] their per-group blocked
     scales, w13o / w2o: the weights' operands, group_sizes: int32 [E] (device) -> (out [M, H] bf16, a [M, 2F] bf16,
     saved for :func:`expert_mlp_mx_bwd`). Rows past sum(group_sizes) of both are zero."""
+    if xq.shape[0] == 0:  # no rows here (a rank whose capacity is 0): nothing for the kernels to do
+        f2 = w13o.w_prepared.shape[1]
+        return xq.new_zeros(0, xq.shape[1], dtype=torch.bfloat16), xq.new_zeros(0, f2, dtype=torch.bfloat16)
     a = GEMMS.fprop(xq, xs, w13o, group_sizes)
     profiling.mark("gemm1")
     hq, hs, _, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True)
@@ -127,6 +130,9 @@ def expert_mlp_mx_bwd(
     [E, H, F]: the weights (for the gradients' dtype) -> (dx [M, H] bf16 or None without ``need_dx``, dw13 [E, 2F, H]
     w13.dtype, dw2 [E, H, F] w2.dtype)."""
     m, hdim = xq.shape
+    if m == 0:
+        dx = dout.new_zeros(0, hdim) if need_dx else None
+        return dx, torch.zeros_like(w13), torch.zeros_like(w2)
     dq, ds, dc, _ = mxfp8_cuda.quantize_grouped_dual(dout, group_sizes)
     profiling.mark("quant_dy")
     # bf16 dh: the reference rounds dh to x.dtype, and mx_swiglu_dual's backward reads a bf16 dh
@@ -213,6 +219,8 @@ def expert_mlp_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_
     group_sizes: int32 [E] (device) -> [M, H] bf16. Rows past sum(group_sizes) are unspecified (no group reads or
     writes them; the transport never reads them back).
     """
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w2.shape[1])
     offs = torch.cumsum(group_sizes, 0, dtype=torch.int32)
     w13b, w2b = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
     a = torch._grouped_mm(x, w13b.transpose(-2, -1), offs=offs)

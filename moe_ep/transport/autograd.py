@@ -119,7 +119,8 @@ def dispatch(
 
     x: [T, H] bf16/fp32; topk_idx: [T, top_k] int32/int64 global expert ids; topk_w: [T, top_k] float;
     group: the EP process group (None: single process owns every expert); transport: REFERENCE (default) or
-    ``moe_ep.transport.cuda.CUDA``; layout_options go to its ``build_layout`` (CUDA: ``expand_capacity``).
+    ``moe_ep.transport.cuda.CUDA``; layout_options go to its ``build_layout`` (``capacity``: drop mode, both
+    transports; CUDA also ``expand_capacity``).
     Returns (rows [N, H] x.dtype, row weights [N] fp32, handle); rows of local expert e are
     ``rows[off[e]:off[e+1]]`` with ``off = cumsum(handle.group_sizes)`` (the CUDA transport returns
     ``expand_capacity`` rows, zero past N). Differentiable in x and topk_w.

@@ -18,17 +18,28 @@ _LAYOUT_TOKENS_PER_CTA = 128
 _I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/layout.cu)
 
 
+def _i_dropped(num_local: int) -> int:
+    """info[] slot of the dropped-row count (I_DROPPED(L) in kernels/layout.cu): after the group starts [L+1] and
+    the tile offsets [L+1]."""
+    return _I_GSTART + 2 * num_local + 2
+
+
 @dataclass
 class CudaEPHandle:
     """Device-resident layout (the CUDA counterpart of :class:`moe_ep.transport.handle.EPHandle`).
 
     Source side: topk_idx [T, K] int32; tok_dst [T, W] int32 row in rank r's receive buffer (-1: not sent);
       send_row_of [T, W] int32 (the reference's sent-row order, -1: none); slot_pos [T, K] int32 expanded row of
-      each slot at its rank (-1: invalid id / over capacity).
+      each slot at its rank (-1: invalid id, or past this rank's expand_capacity when dropless; unclamped in drop
+      mode, where ranks' capacities differ and each receiver drops the rows past its own).
     Both: counts [W, W + E] int32, row s = rank s's [rows per dest rank | (token, slot) pairs per global expert].
     Receiver: info int32 (R at [0], N at [1], recv_off at [2:2+W+1], group starts at [36:36+L+1], tile offsets
-      after them); group_sizes [L] int32; recv_pos [recv_capacity, K] int32 expanded row of each received slot,
-      expand_row / expand_slot [expand_capacity] int32 (filled by the forward dispatch; -1 past N).
+      [L+1] after them, then the dropped count); group_sizes [L] int32; recv_pos [recv_capacity, K] int32 expanded
+      row of each received slot (-1: none or dropped), expand_row / expand_slot [expand_capacity] int32 (filled by
+      the forward dispatch; -1 past N).
+    Capacity: the receiver keeps the expanded rows < expand_capacity (N = min(total, expand_capacity)); group
+      sizes, group starts and tile offsets count the kept rows only. ``capacity`` is that bound in drop mode
+      (``build_layout(capacity=)``), None when dropless (rows past expand_capacity are an overflow error).
     """
 
     num_tokens: int
@@ -50,6 +61,14 @@ class CudaEPHandle:
     expand_slot: torch.Tensor
     runtime: EPRuntime
     group: object = None
+    capacity: int | None = None
+
+    @property
+    def num_dropped(self) -> torch.Tensor:
+        """Expanded slots routed to this rank's experts past its capacity: a 0-dim int32 CUDA tensor (a view of
+        ``info``, written by the layout kernel; no host sync until it is read). 0 when nothing overflowed;
+        in dropless mode a nonzero count comes with the overflow error."""
+        return self.info[_i_dropped(self.num_local_experts)]
 
     @property
     def num_expanded(self) -> int:
@@ -77,6 +96,8 @@ class CudaEPHandle:
             "recv_splits": cnt[:, me].tolist(),
             "group_sizes": [int(v) for v in self.group_sizes.cpu()],
             "gstart": info[_I_GSTART : _I_GSTART + lcl + 1],
+            "tile_off": info[_I_GSTART + lcl + 1 : _I_GSTART + 2 * lcl + 2],
+            "dropped": info[_i_dropped(lcl)],
         }
 
     @property
@@ -113,15 +134,36 @@ def build_layout(
     group=None,
     *,
     expand_capacity: int | None = None,
+    capacity: int | None = None,
     runtime: EPRuntime | None = None,
 ) -> CudaEPHandle:
     """Routing layout on the GPU: topk_idx [T, K] int32/int64 global expert ids -> :class:`CudaEPHandle`.
 
+    expand_capacity: rows of this rank's expanded tensors (None: ``ep_size * max_tokens_per_rank * min(top_k,
+    num_local_experts)``, the true worst case). Dropless: more expanded rows than that is an overflow error
+    (EPTransportError from the next transport call); the rows past it are never written, and group sizes / tile
+    offsets / N are clamped to it all the same.
+    capacity: drop mode, the reference's ``build_layout(capacity=)``: this rank keeps at most ``capacity`` expanded
+    rows (the buffers have exactly that many rows; ``expand_capacity`` must be None or equal). The slots past it
+    in the expert-major order (local expert, source rank, token, slot) are dropped without an error: no expanded
+    row, zero contribution to combine, zero gradient (dx and d topk_w); ``handle.num_dropped`` counts them on the
+    device. Ranks may pass different capacities (each sizes only its own buffers). ``capacity=0`` gives expanded
+    tensors of zero rows (every slot routed here is dropped).
     Invalid ids are reported (ValueError) by the next transport call / ``runtime.check_errors()``; their slots
     are dropped meanwhile. Collective over the EP group (every rank calls it, in the same order as the others).
+    No host sync (CUDA-graph capturable).
     """
     rt = runtime or get_runtime(group)
     rt.raise_pending()
+    if capacity is not None:
+        # the reference's check (expand_layout), so both transports accept the same values
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be a non-negative int or None, got {capacity!r}")
+        if expand_capacity is not None and expand_capacity != capacity:
+            raise ValueError(
+                f"capacity={capacity} sizes the expanded buffers itself; expand_capacity must be None or equal, "
+                f"got {expand_capacity!r}"
+            )
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx must be [num_tokens, top_k], got shape {tuple(topk_idx.shape)}")
     if topk_idx.dtype not in (torch.int32, torch.int64):
@@ -137,14 +179,21 @@ def build_layout(
     _check_capacity(rt, 32, 1, k, t)
     lcl = num_experts // w
     recv_cap = w * rt.cfg.max_tokens_per_rank
-    ncap = int(expand_capacity) if expand_capacity is not None else recv_cap * min(k, lcl)
+    if capacity is not None:
+        ncap = capacity
+    elif expand_capacity is not None:
+        ncap = int(expand_capacity)
+    else:
+        ncap = recv_cap * min(k, lcl)
+    if not 0 <= ncap < 2**31:  # an int32 kernel argument
+        raise ValueError(f"expand capacity must be in [0, 2**31), got {ncap}")
     dev = rt.device
     idx = topk_idx.to(torch.int32).contiguous()
     tok_dst = torch.empty(t, w, dtype=torch.int32, device=dev)
     send_row_of = torch.empty(t, w, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(t, k, dtype=torch.int32, device=dev)
     counts = torch.empty(w, w + num_experts, dtype=torch.int32, device=dev)
-    info = torch.zeros(_I_GSTART + 2 * (lcl + 1), dtype=torch.int32, device=dev)
+    info = torch.zeros(_i_dropped(lcl) + 1, dtype=torch.int32, device=dev)
     group_sizes = torch.empty(lcl, dtype=torch.int32, device=dev)
     # both kernels use the same grid (the token split decides the deterministic order); part: per-CTA counts
     nb = max(1, min(-(-t // _LAYOUT_TOKENS_PER_CTA), rt.num_sms))
@@ -173,6 +222,7 @@ def build_layout(
         *head,
         i32(recv_cap),
         i32(ncap),
+        i32(1 if capacity is not None else 0),  # drop: no overflow error, senders leave slot_pos unclamped
         p(part),
         p(tok_dst),
         p(send_row_of),
@@ -210,4 +260,5 @@ def build_layout(
         expand_slot=torch.empty(ncap, dtype=torch.int32, device=dev),
         runtime=rt,
         group=group,
+        capacity=capacity,
     )

@@ -298,7 +298,8 @@ class EPRuntime:
         if code == ERR_EXPAND_OVERFLOW:
             return (
                 f"expand overflow: EP rank {a} gets {b} expanded (token, expert) rows > expand_capacity {c} "
-                "(raise expand_capacity; rows past it were dropped)"
+                "(raise expand_capacity, or drop the rows past a capacity without an error: build_layout("
+                "capacity=) / MoEConfig.capacity_factor; rows past it were dropped)"
             )
         if code == ERR_TIMEOUT:
             name = _FLAG_NAMES[a] if 0 <= a < len(_FLAG_NAMES) else str(a)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import sys
 
@@ -145,12 +146,55 @@ def make_inputs(case, counts, e, k, h, dtype, seed, specials=False):
     return x.to(dtype).to(DEV), idx, w
 
 
+def capacity_of(spec, num_tokens: int, k: int) -> int | None:
+    """The drop-mode capacity of this rank: None (dropless), an int (the same on every rank) or a float c, the
+    layer's ``ceil(c * own tokens * top_k)`` (so ranks with different token counts get different capacities)."""
+    if spec is None or isinstance(spec, int):
+        return spec
+    return math.ceil(spec * num_tokens * k)
+
+
+def check_drop_counts(handle, rh, hc: dict, cap: int | None) -> None:
+    """The drop-mode statistics and the clamped group starts / tile offsets against the reference handle."""
+    nd = handle.num_dropped
+    if nd.dim() != 0 or nd.dtype != torch.int32 or nd.device.type != "cuda":
+        fail(f"[rank {RANK}] num_dropped: {nd.dim()}-dim {nd.dtype} on {nd.device}, want a 0-dim int32 CUDA tensor")
+    elif nd.untyped_storage().data_ptr() != handle.info.untyped_storage().data_ptr():
+        fail(f"[rank {RANK}] num_dropped is not a view of handle.info")
+    if int(nd) != rh.num_dropped or hc["dropped"] != rh.num_dropped:
+        fail(f"[rank {RANK}] num_dropped: mine {int(nd)} / host_counts {hc['dropped']} ref {rh.num_dropped}")
+    if cap is not None and handle.expand_capacity != cap:
+        fail(f"[rank {RANK}] expand_capacity {handle.expand_capacity} != capacity {cap}")
+    sizes = rh.group_sizes_host
+    gstart = [0]
+    for v in sizes:
+        gstart.append(gstart[-1] + v)
+    if hc["gstart"] != gstart:
+        fail(f"[rank {RANK}] group starts: mine {hc['gstart']} ref {gstart}")
+    tiles = mxfp8.group_tile_offsets(torch.tensor(sizes, dtype=torch.int64)).tolist()
+    if hc["tile_off"] != tiles:
+        fail(f"[rank {RANK}] tile offsets: mine {hc['tile_off']} ref {tiles}")
+
+
+def expect_no_error(what: str) -> None:
+    try:
+        nvs.get_runtime(GROUP).check_errors()
+    except (nvs.EPTransportError, ValueError) as exc:
+        fail(f"[rank {RANK}] {what}: unexpected transport error {exc}")
+
+
 # ---------------------------------------------------------------------------------------------------- cases
-def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
-    """Layout, received bytes, expanded rows (value and MXFP8 paths), combine, both backward passes."""
+def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False, capacity=None):
+    """Layout, received bytes, expanded rows (value and MXFP8 paths), combine, both backward passes.
+
+    capacity (see :func:`capacity_of`): drop mode on both transports (``build_layout(capacity=)``); every check
+    then compares the kept rows with the reference's, and the dropped slots' contributions and gradients are 0.
+    """
     x, idx, w = make_inputs(case, counts, e, k, h, dtype, seed, specials)
-    rh = ref.build_layout(idx, e, GROUP)
-    handle = ct.build_layout(idx, e, GROUP)
+    cap = capacity_of(capacity, x.shape[0], k)
+    rh = ref.build_layout(idx, e, GROUP, capacity=cap)
+    handle = ct.build_layout(idx, e, GROUP) if cap is None else ct.build_layout(idx, e, GROUP, capacity=cap)
+    expect_no_error("layout")  # drop mode never reports an overflow
     hc = handle.host_counts()
     n = rh.num_expanded
     for key, want in (
@@ -161,7 +205,8 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
         ("group_sizes", rh.group_sizes_host),
     ):
         if hc[key] != want:
-            fail(f"[rank {RANK}] layout {key}: mine {hc[key]} ref {want}")
+            fail(f"[rank {RANK}] layout {key}: mine {hc[key]} ref {want} (capacity {cap})")
+    check_drop_counts(handle, rh, hc, cap)
     same_bytes(handle.send_row_of.long(), rh.send_row_of, "send_row_of")
 
     for quantize in (True, False):
@@ -237,17 +282,20 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False):
     nvs.get_runtime(GROUP).check_errors()
 
 
-def case_autograd(case, counts, e, k, h, dtype, sync_debug=True):
-    """dispatch -> rows * 2 -> combine -> loss, forward and backward, vs the reference autograd path."""
+def case_autograd(case, counts, e, k, h, dtype, sync_debug=True, capacity=None):
+    """dispatch -> rows * 2 -> combine -> loss, forward and backward, vs the reference autograd path
+    (capacity: drop mode on both, through ``dispatch(..., capacity=)``; see :func:`capacity_of`)."""
     x, idx, w = make_inputs(case, counts, e, k, h, dtype, 5)
     gen = torch.Generator().manual_seed(99 + RANK)
     g = torch.randn(x.shape[0], h, generator=gen).to(DEV)
+    cap = capacity_of(capacity, x.shape[0], k)
+    opts = {} if cap is None else {"capacity": cap}
 
     def run(fast: bool):
         xx = x.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
         tr = ct.CUDA if fast else ref.REFERENCE
-        rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True, transport=tr)
+        rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True, transport=tr, **opts)
         out = ops.combine(rows * 2.0, rw, handle, True, transport=tr)
         (out.float() * g).sum().backward()
         return out.detach(), xx.grad, ww.grad
@@ -274,18 +322,21 @@ def case_autograd(case, counts, e, k, h, dtype, sync_debug=True):
     nvs.get_runtime(GROUP).check_errors()
 
 
-def case_graph(e=16, k=4, h=256):
+def case_graph(e=16, k=4, h=256, capacity=None):
     """Layout + fused dispatch + combine, forward and backward, captured once in a CUDA graph and replayed on three
     input sets (and the first again): every replay gives bitwise the eager results, and eager calls interleaved with
-    replays stay correct (the epochs live on the device, not in the captured launch arguments)."""
+    replays stay correct (the epochs live on the device, not in the captured launch arguments). capacity: drop mode
+    (see :func:`capacity_of`; the capacity depends on the token count only, so every replay has the same one)."""
     counts = [37, 11, 64, 0]
     sets = [make_inputs("random", counts, e, k, h, torch.bfloat16, seed) for seed in (21, 22, 23)]
     sets.append(sets[0])
     gen = torch.Generator().manual_seed(77 + RANK)
     g = torch.randn(sets[0][0].shape[0], h, generator=gen).to(DEV)
+    cap = capacity_of(capacity, sets[0][0].shape[0], k)
+    opts = {} if cap is None else {"capacity": cap}
 
     def fwd_bwd(xx, idx, ww):
-        rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True, transport=ct.CUDA)
+        rows, rw, handle = ops.dispatch(xx, idx, ww, e, GROUP, True, transport=ct.CUDA, **opts)
         mx = ct.dispatch_fwd_mxfp8(xx.detach(), ww.detach(), handle)  # the fused kernel on the same layout
         out = ops.combine(rows * 2.0, rw, handle, True, transport=ct.CUDA)
         (out.float() * g).sum().backward()
@@ -353,9 +404,13 @@ def case_invalid_index():
 
 
 def case_overflow():
+    """Dropless with an expand_capacity the routing overflows: every rank reports the overflow, and the layout is
+    clamped to the capacity all the same (group sizes, group starts, tile offsets and N count the kept rows only,
+    the rows the reference keeps with capacity=16), so the grouped GEMMs and the fused dispatch's blocked scales
+    stay inside their buffers. Then the argument checks of capacity=."""
     rt = nvs.get_runtime(GROUP)
     x, idx, w = make_inputs("one_expert", [40, 40, 40, 40], 8, 1, 64, torch.bfloat16, 6)
-    handle = ct.build_layout(idx, 8, GROUP, expand_capacity=16)  # rank 0 receives 40 * WORLD rows for expert 3
+    handle = ct.build_layout(idx, 8, GROUP, expand_capacity=16)  # expert 3's rank receives 40 * WORLD rows
     try:
         rt.check_errors()
         msg = None
@@ -363,12 +418,35 @@ def case_overflow():
         msg = str(exc)
     if msg is None or "expand_capacity" not in msg or "16" not in msg:
         fail(f"[rank {RANK}] expand overflow not reported: {msg!r}")
+    rh = ref.build_layout(idx, 8, GROUP, capacity=16)
+    hc = handle.host_counts()
+    if hc["group_sizes"] != rh.group_sizes_host or hc["N"] != rh.num_expanded or sum(hc["group_sizes"]) > 16:
+        fail(
+            f"[rank {RANK}] overflowed layout not clamped: group sizes {hc['group_sizes']} N {hc['N']}, "
+            f"ref (capacity 16) {rh.group_sizes_host} N {rh.num_expanded}"
+        )
+    check_drop_counts(handle, rh, hc, None)
     # The kernels clamp every expanded row index to the capacity; this case checks that the call completes and
     # keeps the capacity. A write past the allocation itself would only show under compute-sanitizer.
     rows, _ = ct.dispatch_fwd(x, w, handle, True)
     rt.check_errors()
     if rows.shape[0] != 16:
         fail(f"[rank {RANK}] expanded rows {rows.shape[0]} != capacity 16")
+    n = rh.num_expanded
+    rrows, _ = ref.dispatch_fwd(x, w, rh, True)
+    same_bytes(rows[:n], rrows, "overflowed dispatch: kept rows")
+    data, scale, _ = ct.dispatch_fwd_mxfp8(x, w, handle)
+    rt.check_errors()
+    q = ref.dispatch_send(x, w, rh, True)
+    same_bytes(data[:n], q.data[rh.expand_row], "overflowed MXFP8 dispatch: kept rows")
+    want = mxfp8.to_blocked_grouped(q.scale[rh.expand_row], rh.group_sizes, "m")
+    same_bytes(scale[: want.numel()], want, "overflowed MXFP8 dispatch: blocked scales of the clamped groups")
+    for bad in ({"capacity": -1}, {"capacity": True}, {"capacity": 4.0}, {"capacity": 8, "expand_capacity": 9}):
+        try:
+            ct.build_layout(idx, 8, GROUP, **bad)
+            fail(f"[rank {RANK}] build_layout({bad}) accepted")
+        except ValueError:
+            pass
     try:
         ct.build_layout(torch.zeros(TMAX + 1, 1, dtype=torch.int32, device=DEV), 8, GROUP)
         fail(f"[rank {RANK}] T > max_tokens_per_rank accepted")
@@ -508,8 +586,43 @@ def main() -> int:
         ("autograd bf16 under sync_debug_mode error", lambda: case_autograd("random", [40, 17, 0, 33], 16, 4, 128, bf)),
         ("autograd fp32 top8", lambda: case_autograd("random", [20, 9, 31, 3], 16, 8, 64, f32)),
         ("CUDA graph of forward + backward: replays = eager", case_graph),
+        # drop mode (capacity=) vs the reference with the same capacity; a float is the layer's capacity factor c:
+        # ceil(c * own tokens * top_k) per rank, so ranks with unequal token counts get unequal capacities, and a
+        # rank with 0 tokens gets capacity 0 while it still receives rows
+        (
+            "capacity: one expert top1, capacities differ per rank",
+            lambda: case_transport("one_expert", [5, 9, 1, 3], 8, 1, 64, bf, capacity=0.5),
+        ),
+        ("capacity: 1 row per rank, top2", lambda: case_transport("random", [13, 7, 0, 21], 8, 2, 128, bf, capacity=1)),
+        ("capacity: 0 rows (all dropped)", lambda: case_transport("random", [13, 7, 0, 21], 8, 2, 64, bf, capacity=0)),
+        (
+            "capacity: top8 of 8, a rank with 0 tokens (capacity 0)",
+            lambda: case_transport("random", [6, 11, 4, 0], 8, 8, 96, bf, capacity=0.6),
+        ),
+        (
+            "capacity: bf16 H=256 top2, specials, unequal capacities",
+            lambda: case_transport("random", [40, 3, 17, 0], 8, 2, 256, bf, specials=True, capacity=0.5),
+        ),
+        (
+            "capacity: fp32 H=160 top2 (C%4!=0)",
+            lambda: case_transport("random", [9, 16, 3, 5], 8, 2, 160, f32, specials=True, capacity=0.75),
+        ),
+        (
+            "capacity: 64 experts top8 H=1024, multi-tile groups",
+            lambda: case_transport("random", [512, 300, 477, 64], 64, 8, 1024, bf, capacity=0.3),
+        ),
+        (
+            "capacity above the load: nothing dropped",  # every rank has tokens, so no capacity is 0
+            lambda: case_transport("sparse", [10, 5, 17, 2], 8, 2, 128, bf, capacity=4.0),
+        ),
+        (
+            "capacity: autograd bf16 under sync_debug_mode error",
+            lambda: case_autograd("random", [40, 17, 0, 33], 16, 4, 128, bf, capacity=0.4),
+        ),
+        ("capacity: autograd fp32 top8", lambda: case_autograd("random", [20, 9, 31, 3], 16, 8, 64, f32, capacity=0.3)),
+        ("capacity: CUDA graph of forward + backward", lambda: case_graph(capacity=0.5)),
         ("invalid expert index raises", case_invalid_index),
-        ("overflow raises, capacity kept", case_overflow),
+        ("overflow raises, group sizes clamped to the capacity", case_overflow),
         ("1000 dispatch/combine iterations", case_repeat),
         ("timeout raises instead of hanging", case_timeout),
     ]
