@@ -14,7 +14,17 @@ bf16 time over ours) and reports TFLOP/s (2*M*N*K / time) for:
   deq+bf16      dequantize the MXFP8 operands to bf16, then torch._grouped_mm
   fp8_rowwise   torch._scaled_grouped_mm with fp8 e4m3 operands and per-row fp32 scales (errors recorded)
 
+Weight preparation (``--weight-prep``, per weight version; W13 [E, 2F, H] and W2 [E, H, F] bf16 of WEIGHT_SHAPES):
+  fused         prepare_weight_operands: both prepared bf16 operands from one read of W (6 B per element)
+  two_step      the path it replaced: quantize_weights_fused (both e4m3 copies + scales), then prepare_weight_bf16 of
+                each (about 10 B per element)
+  copy          the ceiling: one torch copy moving the same bytes, W read once and written twice (an expanded copy
+                into [E, N, 2, K]); copy_flat: a plain copy of the same byte count, for reference
+Checked first (fused == two_step byte for byte); times are the median over --rounds interleaved rounds of the median
+of --reps; reported as ms, GB/s (each path's own bytes) and % of the copy's GB/s.
+
 Usage: python benchmarks/bench_gemm.py [--quick] [--json PATH] [--shapes dsv3_up,small] [--no-check]
+       python benchmarks/bench_gemm.py --shapes "" --weight-prep dsv3,small --json PATH   (weight preparation only)
 """
 
 from __future__ import annotations
@@ -43,6 +53,11 @@ SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
 
 
 IMPL = "mxfp8"  # the name of our kernels in the results (variants, check_rel_err, check_ok, impls)
+
+WEIGHT_SHAPES = {  # name: (E local experts, H, F): W13 [E, 2F, H], W2 [E, H, F]
+    "dsv3": (64, 7168, 2048),
+    "small": (32, 2048, 768),
+}
 
 
 def uneven_sizes(m: int, g: int, seed: int, align: int = 16) -> list[int]:
@@ -317,6 +332,78 @@ def run_shape(name, m, k, n, g, args, out_rows):
     return res
 
 
+def run_weight_prep(name: str, e: int, h: int, f: int, args) -> dict:
+    """Weight preparation of W13 [E, 2F, H] and W2 [E, H, F] (bf16): the fused kernel, the two-step path and the
+    copy ceiling (see the module docstring), every output preallocated (kernel time only)."""
+    dev = "cuda"
+    res = {"E": e, "H": h, "F": f, "weights": {}}
+    for wname, (n, k) in (("w13", (2 * f, h)), ("w2", (h, f))):
+        gen = torch.Generator(device=dev).manual_seed(n + k)
+        w = (torch.randn(e, n, k, generator=gen, device=dev) * 0.02).bfloat16()
+        kp, np_ = -(-k // 64) * 64, -(-n // 64) * 64
+        new = (
+            torch.empty(e, n, kp, dtype=torch.bfloat16, device=dev),
+            torch.empty(e, k, np_, dtype=torch.bfloat16, device=dev),
+        )
+        old = (torch.empty_like(new[0]), torch.empty_like(new[1]))
+        q = mxfp8_cuda.quantize_weights_fused(w)  # the two-step path's intermediates (e4m3 both ways + scales)
+
+        def fused(w=w, new=new):
+            gemm_cuda.prepare_weight_operands(w, out=new)
+
+        def two_step(w=w, q=q, old=old):
+            mxfp8_cuda.quantize_weights_fused_into(w, *q)
+            gemm_cuda.prepare_weight_bf16(q[0], q[1], out=old[0])
+            gemm_cuda.prepare_weight_bf16(q[2], q[3], out=old[1])
+
+        # ---- correctness first: the fused bytes are the two-step path's (NaN-free input: plain equality of bits)
+        fused()
+        two_step()
+        ok = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(new, old, strict=True))
+        print(f"[weight_prep {name}/{wname}] [{e}, {n}, {k}] fused == two_step: {ok}")
+        if not ok and not args.keep_going:
+            raise SystemExit(f"weight_prep {name}/{wname}: the fused kernel's bytes differ from the two-step path")
+
+        out_bytes = 2 * (new[0].numel() + new[1].numel())
+        fused_bytes = 2 * w.numel() + out_bytes  # read W, write both prepared operands
+        qbytes = sum(t.numel() for t in q)  # e4m3 both ways + their scales: written once, read once
+        two_bytes = 2 * w.numel() + 2 * qbytes + out_bytes
+        dst = torch.empty(e, n, 2, k, dtype=torch.bfloat16, device=dev)
+        flat = torch.empty(fused_bytes // 2, dtype=torch.uint8, device=dev)
+        flat_dst = torch.empty_like(flat)
+        fns = {
+            "fused": fused,
+            "two_step": two_step,
+            # read W once (the second read of each row is an L2 hit) and write it twice: 6 B per element
+            "copy": lambda w=w, dst=dst: dst.copy_(w.unsqueeze(2).expand(-1, -1, 2, -1)),
+            "copy_flat": lambda a=flat, b=flat_dst: b.copy_(a),  # the same byte count, one contiguous copy
+        }
+        nbytes = {"fused": fused_bytes, "two_step": two_bytes, "copy": fused_bytes, "copy_flat": fused_bytes}
+        rounds = interleaved_ms(fns, args.rounds, args.warmup, args.reps)
+        out = {"shape": [e, n, k], "fused_matches_two_step": ok}
+        for key, times in rounds.items():
+            ms = statistics.median(times)
+            out[key] = {"ms": ms, "gb_s": nbytes[key] / ms / 1e6, "bytes": nbytes[key], "ms_rounds": times}
+        for key in ("fused", "two_step"):
+            out[key]["pct_copy"] = 100 * out[key]["gb_s"] / out["copy"]["gb_s"]
+            out[key]["pct_copy_flat"] = 100 * out[key]["gb_s"] / out["copy_flat"]["gb_s"]
+        out["speedup_fused_over_two_step"] = paired_ratio(rounds["two_step"], rounds["fused"])
+        res["weights"][wname] = out
+        line = ", ".join(
+            f"{key} {out[key]['ms']:.3f} ms {out[key]['gb_s']:.0f} GB/s"
+            + (f" ({out[key]['pct_copy']:.1f}% of copy)" if "pct_copy" in out[key] else "")
+            for key in fns
+        )
+        print(f"[weight_prep {name}/{wname}] {line}; fused {out['speedup_fused_over_two_step']:.2f}x two_step")
+        del w, new, old, q, dst, flat, flat_dst, fns, fused, two_step  # the closures hold the buffers too
+        torch.cuda.empty_cache()
+    res["total_ms"] = {
+        key: sum(v[key]["ms"] for v in res["weights"].values()) for key in ("fused", "two_step", "copy", "copy_flat")
+    }
+    print(f"[weight_prep {name}] W13 + W2 ms: {res['total_ms']}")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=str, default=None, help="write results to this JSON file")
@@ -327,6 +414,12 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (ratio = median per round)")
     ap.add_argument("--keep-going", action="store_true", help="time even if the check fails")
+    ap.add_argument(
+        "--weight-prep",
+        type=str,
+        default="",
+        help="comma-separated subset of " + ",".join(WEIGHT_SHAPES) + ": time the weight preparation (see above)",
+    )
     args = ap.parse_args()
     args.warmup, args.reps = (2, 5) if args.quick else (5, 20)
     if not torch.cuda.is_available():
@@ -350,6 +443,11 @@ def main() -> None:
         m, k, n, g = SHAPES[name]
         result["shapes"][name] = run_shape(name, m, k, n, g, args, rows)
         torch.cuda.empty_cache()
+    wp_names = [s for s in args.weight_prep.split(",") if s]
+    if wp_names:
+        result["weight_prep"] = {}
+    for name in wp_names:
+        result["weight_prep"][name] = run_weight_prep(name, *WEIGHT_SHAPES[name], args)
 
     cols = [IMPL, "mxfp8_prepared"]
     cols += ["bf16", "deq+bf16", "fp8_rowwise"]

@@ -1,4 +1,5 @@
-"""GPU tests of the operand preparation: the bf16 weight preparation kernel (kernels/weight_prep.cu),
+"""GPU tests of the operand preparation: the bf16 weight preparation kernel (kernels/weight_prep.cu
+mx_prepare_weight_bf16; the one-pass mx_prepare_weight_operands_* is tests/test_weight_prep_cuda.py's),
 weight_operands on the GPU against the CPU, and the wgrad on operands the quantizer wrote already prepared
 (``quantize_grouped_dual``).
 
@@ -46,17 +47,17 @@ def test_weight_prep_kernel_matches_reference(g, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype", [((3, 160, 96), torch.float32), ((2, 32, 288), torch.bfloat16)])
 def test_weight_operands_on_gpu_match_cpu(shape, dtype):
-    """weight_operands on CUDA (one fused row + column quantization per expert, preparation kernels) == on CPU (two
-    row-wise quantizations of W and W^T, the references), byte for byte; N and K not multiples of 128."""
+    """weight_operands on CUDA (prepare_weight_operands: both prepared operands from one pass over W) == on CPU (two
+    row-wise quantizations of W and W^T, the references, then the preparation), byte for byte; N and K not
+    multiples of 128. The CUDA result has no e4m3 copies (None: the GEMMs read only the prepared operands)."""
     _skip_without_gpu()
-    import dataclasses  # noqa: PLC0415
-
     e, n, k = shape
     w = _varied(e * n, k, torch.Generator(device="cuda").manual_seed(5)).reshape(e, n, k).to(dtype)
     gpu, cpu = gemm_cuda.weight_operands(w), gemm_cuda.weight_operands(w.cpu())
-    for f in dataclasses.fields(gpu):
-        a, b = getattr(gpu, f.name).cpu(), getattr(cpu, f.name)
-        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f.name
+    assert gpu.w is None and gpu.w_scale is None and gpu.wt is None and gpu.wt_scale is None
+    for name in ("w_prepared", "wt_prepared"):
+        a, b = getattr(gpu, name).cpu(), getattr(cpu, name)
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
 @pytest.mark.gpu

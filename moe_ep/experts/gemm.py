@@ -14,19 +14,21 @@ fprop  ``grouped_mm_fprop``: out[M, N] = X_g @ W[g]^T for the rows of each group
     x        float8_e4m3fn [M, K]  row-wise MXFP8 (1x32 blocks along K), M arbitrary
     x_scale  uint8 [>= (ceil(M/128) + G) * ceil(K/128) * 512]: ``mxfp8.to_blocked_grouped(scale, sizes, "m")``
              (group g starts on 128-row scale tile ``sum_{h<g} ceil(n_h/128)``, computed on device)
-    w        float8_e4m3fn [G, N, K] quantized along K
-    w_scale  uint8 [G, blocked_size(N, K/32)]: ``mxfp8.to_blocked(scale [G, N, K/32])``
+    w        float8_e4m3fn [G, N, K] quantized along K, or None when w_prepared is given
+    w_scale  uint8 [G, blocked_size(N, K/32)]: ``mxfp8.to_blocked(scale [G, N, K/32])``; None with w
     w_prepared  bf16 [G, N, ceil(K/64) * 64]: ``prepare_weight_bf16(w, w_scale)``, the weight as the kernel reads it
              (exact bf16, k permuted inside each 64-block, ``k_permutation``); computed once per weight version
-             (``weight_operands`` with a ``WeightQuantCache``) and passed in; without it every call prepares it (one
-             memory-bound pass and a transient bf16 copy of the weight)
+             (``weight_operands`` with a ``WeightQuantCache``: ``prepare_weight_operands`` straight from W, with
+             w / w_scale None) and passed in; without it every call prepares it from w (one memory-bound pass and a
+             transient bf16 copy of the weight). The kernel reads only this operand, never w / w_scale.
     out      bf16 [M, N]. Rows past sum(sizes) (the only rows outside every group: groups are
              contiguous from row 0) are zero-filled by the kernel when the wrapper allocates ``out`` (or when
              ``zero_rest=True``); a caller-given ``out`` keeps them untouched by default.
 dgrad  ``grouped_mm_dgrad``: the same kernel with the transposed weight copy: dX[M, K] = dY_g @ W[g]
     dy       float8_e4m3fn [M, N] row-wise (blocks along N), dy_scale as x_scale with N for K
     wt       float8_e4m3fn [G, K, N] = W^T per expert quantized along N (= quantize(W, axis=-2) transposed),
-    wt_scale uint8 [G, blocked_size(K, N/32)]; wt_prepared bf16 [G, K, ceil(N/64) * 64] as w_prepared
+    wt_scale uint8 [G, blocked_size(K, N/32)]; wt_prepared bf16 [G, K, ceil(N/64) * 64] as w_prepared (wt and
+             wt_scale may be None with it)
 wgrad  ``grouped_wgrad_prepared_out``: dW[g] = dY_g^T @ X_g, [G, N, K], reduction over each group's rows
     a_prep   bf16 [64 (ceil(M/64) + G), N]: dY quantized COLUMN-wise in 32x1 blocks that restart at each group's
              first row (a group's last block may be short: zero padded), i.e. ``fake_quantize_grouped_cols``, and
@@ -49,8 +51,9 @@ Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are
 Everything runs on torch's current stream with no host synchronization.
 
 The operand side lives in ``moe_ep/experts/operands.py`` and is re-exported here: the bf16 preparation of weights
-(``prepare_weight_bf16``, ``weight_operands``), and the ``*_ref`` / ``*_torch`` pure-PyTorch converters from plain
-tensors to these formats (tests, benchmarks; host group sizes).
+(``prepare_weight_operands`` from W, ``prepare_weight_bf16`` from an MXFP8 weight, ``weight_operands``), and the
+``*_ref`` / ``*_torch`` pure-PyTorch converters from plain tensors to these formats (tests, benchmarks; host group
+sizes).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ from .operands import (  # the operand side, re-exported: gemm.<name> is the pub
     prepare_colwise_bf16_torch,
     prepare_weight_bf16,
     prepare_weight_bf16_torch,
+    prepare_weight_operands,
+    prepare_weight_operands_torch,
     rowwise_operand_ref,
     weight_operand_ref,
     weight_operands,
@@ -96,6 +101,8 @@ __all__ = [  # this module's API, with the operand side re-exported from operand
     "prepare_colwise_bf16_torch",
     "prepare_weight_bf16",
     "prepare_weight_bf16_torch",
+    "prepare_weight_operands",
+    "prepare_weight_operands_torch",
     "ring_stages",
     "rowwise_operand_ref",
     "weight_operand_ref",
@@ -131,7 +138,10 @@ def ring_stages(k: int) -> int:
 
 
 def _check_common(a, a_scale, b, b_scale, group_sizes, out) -> None:
-    """dtypes first (TypeError), then device / contiguity / alignment (ValueError)."""
+    """dtypes first (TypeError), then device / contiguity / alignment (ValueError). b and b_scale may both be None
+    (the launcher then needs b_prepared)."""
+    if (b is None) != (b_scale is None):
+        raise ValueError("b and b_scale must be given together, or both None (with b_prepared)")
     named = (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_sizes", group_sizes), ("out", out))
     want = (
         (torch.float8_e4m3fn,),
@@ -141,10 +151,12 @@ def _check_common(a, a_scale, b, b_scale, group_sizes, out) -> None:
         (torch.int32,),
         (torch.bfloat16,),
     )
-    for (name, t), dts in zip(named, want, strict=True):
+    skip = ("b", "b_scale") if b is None else ()
+    named_want = [(name, t, dts) for (name, t), dts in zip(named, want, strict=True) if name not in skip]
+    for name, t, dts in named_want:
         _check_dtype(name, t, dts)
     dev = None
-    for name, t in named:
+    for name, t, _ in named_want:
         dev = _check_memory(name, t, dev)
     if group_sizes.dim() != 1:
         raise ValueError(f"group_sizes must be 1-D [G], got shape {tuple(group_sizes.shape)}")
@@ -241,14 +253,22 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
     b: e4m3 [G, N, K]; b_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32 [G] (device);
     out: bf16 [M, N], written in the rows of the groups; rows sum(sizes) .. M-1 are set to zero when
     ``zero_rest`` (by the kernel, no extra pass), else left untouched. Returns ``out``.
-    b_prepared: bf16 [G, N, ceil(K/64) * 64] = ``prepare_weight_bf16(b, b_scale)`` computed once per weight
-    version; without it the launcher prepares it on every call (one memory-bound pass over the weight).
+    b_prepared: bf16 [G, N, ceil(K/64) * 64] = ``prepare_weight_bf16(b, b_scale)`` (or the matching half of
+    ``prepare_weight_operands(W)``) computed once per weight version; without it the launcher prepares it on every
+    call (one memory-bound pass over the weight). The kernel reads only b_prepared, so with it b and b_scale may
+    both be None: G and N then come from b_prepared's shape, K from a's, and b_prepared's width must be
+    ceil(K/64) * 64.
     """
     _check_common(a, a_scale, b, b_scale, group_sizes, out)
-    if a.dim() != 2 or b.dim() != 3:
-        raise ValueError(f"expected a [M, K] and b [G, N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if b is None:  # shapes from b_prepared (G, N) and a (K)
+        if b_prepared is None:
+            raise ValueError("b and b_scale may be None only when b_prepared is given")
+        _check_dtype("b_prepared", b_prepared, (torch.bfloat16,))
+    bw = b if b is not None else b_prepared
+    if a.dim() != 2 or bw.dim() != 3:
+        raise ValueError(f"expected a [M, K] and b (or b_prepared) [G, N, K], got {tuple(a.shape)}, {tuple(bw.shape)}")
     m, k = a.shape
-    g, n, kb = b.shape
+    g, n, kb = (*b_prepared.shape[:2], k) if b is None else b.shape
     if kb != k:
         raise ValueError(f"reduction sizes differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if k % 32 or k == 0:
@@ -264,7 +284,7 @@ def grouped_mm_2d3d_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: boo
             "(mxfp8.grouped_blocked_size(M, G, K // 32, 'm'))"
         )
     bsz = mxfp8.blocked_size(n, k // 32)
-    if b_scale.numel() != g * bsz:
+    if b_scale is not None and b_scale.numel() != g * bsz:
         raise ValueError(
             f"b_scale must hold [G, blocked_size(N, K/32)] = [{g}, {bsz}] bytes, got {tuple(b_scale.shape)}"
         )
@@ -302,14 +322,15 @@ def grouped_mm_fprop(
     """Forward grouped GEMM: x e4m3 [M, K] (+ grouped blocked scales) x w e4m3 [G, N, K] -> [M, N] bf16.
 
     x_scale: u8 [>= (ceil(M/128)+G) * ceil(K/128) * 512]; w_scale: u8 [G, blocked_size(N, K/32)]; group_sizes: int32
-    [G] (device); w_prepared: bf16 [G, N, ceil(K/64) * 64] (``prepare_weight_bf16``; prepared per call when None);
-    out_dtype: bf16 (the only output the kernel writes); out: bf16 [M, N]. Without ``out``, every row of the result
-    is defined: rows past sum(group_sizes) are zero (written by the kernel). A given ``out`` keeps those rows as
-    they were.
+    [G] (device); w_prepared: bf16 [G, N, ceil(K/64) * 64] (``prepare_weight_bf16`` / ``weight_operands``; prepared
+    per call when None); w and w_scale may both be None when w_prepared is given (the kernel reads only w_prepared:
+    ``weight_operands`` on CUDA returns them None). out_dtype: bf16 (the only output the kernel writes); out: bf16
+    [M, N]. Without ``out``, every row of the result is defined: rows past sum(group_sizes) are zero (written by the
+    kernel). A given ``out`` keeps those rows as they were.
     """
     alloc = out is None
     if alloc:
-        out = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device)
+        out = torch.empty(x.shape[0], _out_cols(w, w_prepared, "w"), dtype=out_dtype, device=x.device)
     return grouped_mm_2d3d_out(x, x_scale, w, w_scale, group_sizes, out, zero_rest=alloc, b_prepared=w_prepared)
 
 
@@ -319,15 +340,23 @@ def grouped_mm_dgrad(
     """Input-gradient grouped GEMM: dy e4m3 [M, N] x wt e4m3 [G, K, N] (W^T, quantized along N) -> [M, K].
 
     dy_scale: u8 [>= (ceil(M/128)+G) * ceil(N/128) * 512]; wt_scale: u8 [G, blocked_size(K, N/32)]; group_sizes:
-    int32 [G] (device); wt_prepared: bf16 [G, K, ceil(N/64) * 64] (prepared per call when None); out_dtype: bf16;
-    out: bf16 [M, K].
+    int32 [G] (device); wt_prepared: bf16 [G, K, ceil(N/64) * 64] (prepared per call when None; with it wt and
+    wt_scale may both be None, as in :func:`grouped_mm_fprop`); out_dtype: bf16; out: bf16 [M, K].
 
     Rows past sum(group_sizes) as in :func:`grouped_mm_fprop` (zero without ``out``, untouched with it).
     """
     alloc = out is None
     if alloc:
-        out = torch.empty(dy.shape[0], wt.shape[1], dtype=out_dtype, device=dy.device)
+        out = torch.empty(dy.shape[0], _out_cols(wt, wt_prepared, "wt"), dtype=out_dtype, device=dy.device)
     return grouped_mm_2d3d_out(dy, dy_scale, wt, wt_scale, group_sizes, out, zero_rest=alloc, b_prepared=wt_prepared)
+
+
+def _out_cols(b, b_prepared, name: str) -> int:
+    """Output columns of fprop / dgrad: dim 1 of the weight operand, or of its prepared form when it is None."""
+    src = b if b is not None else b_prepared
+    if not isinstance(src, torch.Tensor) or src.dim() != 3:
+        raise ValueError(f"{name} (or {name}_prepared, when {name} is None) must be a [G, N, K] tensor")
+    return src.shape[1]
 
 
 def _launch_wgrad_prepared(ap, bp, group_sizes, out, m: int) -> None:

@@ -1,7 +1,8 @@
-"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 weight operand
-the fprop / dgrad kernel reads (once per weight version), the weight-operand bundle with its cache, and the
-pure-PyTorch converters from plain tensors to the kernels' formats (references, tests, benchmarks). The wgrad's
-prepared activation operands come from the quantizer (``moe_ep.mxfp8.cuda.quantize_grouped_dual``);
+"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 weight operands
+the fprop / dgrad kernel reads (once per weight version: :func:`prepare_weight_operands` straight from the weight,
+:func:`prepare_weight_bf16` from an MXFP8 weight), the weight-operand bundle with its cache, and the pure-PyTorch
+converters from plain tensors to the kernels' formats (references, tests, benchmarks). The wgrad's prepared
+activation operands come from the quantizer (``moe_ep.mxfp8.cuda.quantize_grouped_dual``);
 :func:`prepare_colwise_bf16_torch` is their reference.
 
 The formats themselves are documented in ``moe_ep/experts/gemm.py``; every public name here is also reachable as
@@ -129,6 +130,105 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     return out
 
 
+_OPERANDS_KERNELS = {  # kernels/weight_prep.cu, by the weight's dtype
+    torch.float32: "mx_prepare_weight_operands_f32",
+    torch.bfloat16: "mx_prepare_weight_operands_bf16",
+    torch.float16: "mx_prepare_weight_operands_f16",
+}
+_OPERANDS_TILE = 128  # kernels/weight_prep.cu WP_TILE: a CTA's tile of one expert's W (rows of N x columns of K)
+_OPERANDS_THREADS = 256  # WP_THREADS
+
+
+def _check_weight(w: torch.Tensor) -> None:
+    _check_dtype("w", w, tuple(_OPERANDS_KERNELS))
+    if w.dim() != 3 or w.shape[1] % 32 or w.shape[2] % 32:
+        raise ValueError(f"w must be [G, N, K] with N and K multiples of 32, got {tuple(w.shape)}")
+
+
+def _operands_plan(dtype: torch.dtype, g: int, n: int, k: int) -> tuple[str, tuple[int, int], int, int] | None:
+    """(kernel, grid (x, y), dynamic shared memory, k tiles) of the ``mx_prepare_weight_operands_*`` launch for a
+    weight [g, n, k] of ``dtype``; None when there is nothing to write (an empty dimension).
+
+    One CTA per 128 x 128 tile of one expert (grid.x = ceil(N/128) * ceil(K/128), grid.y = expert); shared memory:
+    the tile (128 x 128 elements) + the 32 KiB bf16 staging tile of W^T (kernels/weight_prep.cu WP_SMEM).
+
+    Example: bf16 [64, 4096, 7168] -> grid (32 * 56 = 1792, 64), 32768 + 32768 = 65536 bytes, 56 k tiles.
+    """
+    ktiles = _cdiv(k, _OPERANDS_TILE)
+    tiles = _cdiv(n, _OPERANDS_TILE) * ktiles
+    if g == 0 or tiles == 0:
+        return None
+    if g > 65535:
+        raise ValueError(f"prepare_weight_operands: {g} experts, more than one launch's grid.y (65535)")
+    es = torch.empty(0, dtype=dtype).element_size()
+    smem = _OPERANDS_TILE * _OPERANDS_TILE * es + _OPERANDS_TILE * 256
+    return _OPERANDS_KERNELS[dtype], (tiles, g), smem, ktiles
+
+
+def prepare_weight_operands_torch(
+    w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`prepare_weight_operands` (same signature and bytes up to NaN payloads, see there): pure
+    torch on w's device, the two-step definition itself: quantize W both ways (:func:`weight_operand_ref`,
+    :func:`weight_t_operand_ref`), then :func:`prepare_weight_bf16_torch` of each."""
+    _check_weight(w)
+    wp = prepare_weight_bf16_torch(*weight_operand_ref(w))
+    wtp = prepare_weight_bf16_torch(*weight_t_operand_ref(w))
+    if out is None:
+        return wp, wtp
+    out[0].copy_(wp)
+    out[1].copy_(wtp)
+    return out[0], out[1]
+
+
+def prepare_weight_operands(
+    w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both bf16 weight operands of the fprop / dgrad kernel straight from the weight, in one pass.
+
+    w: bf16/fp16/fp32 [G, N, K] (N, K multiples of 32) -> (w_prepared bf16 [G, N, ceil(K/64) * 64],
+    wt_prepared bf16 [G, K, ceil(N/64) * 64]) (into ``out`` = that pair when given):
+      w_prepared  = prepare_weight_bf16 of W quantized to MXFP8 along K (1x32 blocks), the fprop operand;
+      wt_prepared = prepare_weight_bf16 of W^T quantized along N (W in 32x1 blocks, transposed), the dgrad operand.
+    The bytes are those of ``prepare_weight_bf16(*mxfp8_cuda.quantize_weights_fused(w)[:2])`` and
+    ``prepare_weight_bf16(*mxfp8_cuda.quantize_weights_fused(w)[2:])``, NaN/Inf blocks included (bf16 NaN in the
+    whole 32-block, the hardware's canonical payload), and of :func:`prepare_weight_operands_torch` up to NaN
+    payloads.
+
+    CUDA tensors (w contiguous, 16-byte aligned): one memory-bound launch (``kernels/weight_prep.cu``
+    ``mx_prepare_weight_operands_*``) that reads W once and writes both operands: 2 + 2 + 2 bytes per element for a
+    bf16 W, against about 10 for the e4m3 copies plus two preparation passes. No host sync. Other devices:
+    :func:`prepare_weight_operands_torch`.
+    """
+    _check_weight(w)
+    if w.device.type != "cuda":
+        return prepare_weight_operands_torch(w, out)
+    g, n, k = w.shape
+    kp, np_ = _cdiv(k, 64) * 64, _cdiv(n, 64) * 64
+    if out is None:
+        out = (
+            torch.empty(g, n, kp, dtype=torch.bfloat16, device=w.device),
+            torch.empty(g, k, np_, dtype=torch.bfloat16, device=w.device),
+        )
+    wp, wtp = out
+    for name, t, shape in (("out[0]", wp, (g, n, kp)), ("out[1]", wtp, (g, k, np_))):
+        _check_dtype(name, t, (torch.bfloat16,))
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)} bf16, got {tuple(t.shape)}")
+    for name, t in (("w", w), ("out[0]", wp), ("out[1]", wtp)):
+        _check_memory(name, t, w.device)
+    plan = _operands_plan(w.dtype, g, n, k)
+    if plan is None:
+        return wp, wtp
+    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+
+    kernel, grid, smem, ktiles = plan
+    fn = _cuda.get_function(_PREP_FILE, kernel, device=w.device.index)
+    args = (_cuda.ptr(w), _cuda.ptr(wp), _cuda.ptr(wtp), _cuda.i32(n), _cuda.i32(k), _cuda.i32(ktiles))
+    _cuda.launch(fn, grid, _OPERANDS_THREADS, args, shared_mem=smem, device=w.device)
+    return wp, wtp
+
+
 def colwise_prep_rows_used(group_sizes) -> int:
     """Rows of a prepared wgrad operand that its groups own (host sizes): ``sum_g 64 ceil(n_g / 64)``; the rest of
     the ``colwise_prep_rows`` bound is never written by the kernels.
@@ -165,13 +265,19 @@ class WeightOperands:
 
     w: e4m3 [G, N, K] quantized along K; w_scale: u8 [G, blocked_size(N, K/32)]; w_prepared: bf16 [G, N, Kp];
     wt: e4m3 [G, K, N] = W^T quantized along N; wt_scale: u8 [G, blocked_size(K, N/32)]; wt_prepared: bf16 [G, K, Np].
+
+    The fprop / dgrad kernel reads only ``w_prepared`` / ``wt_prepared`` (through its TMA map), never the e4m3 copies
+    or their scales. So on the CUDA path (:func:`weight_operands` on a CUDA weight) ``w``, ``w_scale``, ``wt`` and
+    ``wt_scale`` are None: :func:`prepare_weight_operands` writes the prepared operands straight from W, and the
+    GEMM launchers take ``b=None, b_scale=None`` with ``b_prepared``. The reference path (other devices, or
+    MOE_EP_FORCE_REFERENCE=1) fills all six.
     """
 
-    w: torch.Tensor
-    w_scale: torch.Tensor
+    w: torch.Tensor | None
+    w_scale: torch.Tensor | None
     w_prepared: torch.Tensor
-    wt: torch.Tensor
-    wt_scale: torch.Tensor
+    wt: torch.Tensor | None
+    wt_scale: torch.Tensor | None
     wt_prepared: torch.Tensor
 
 
@@ -180,24 +286,27 @@ def _weight_operands(w: torch.Tensor) -> WeightOperands:
         q = mxfp8.quantize(w, -1)
         qt = mxfp8.quantize(w.transpose(1, 2).contiguous(), -1)
         wd, ws, wtd, wts = q.data, mxfp8.to_blocked(q.scale), qt.data, mxfp8.to_blocked(qt.scale)
-    else:
-        # One fused launch over all experts (mx_quant_batch) writes both quantizations with blocked scales: the
-        # column-wise output of W[e] [N, K] is W[e]^T [K, N] quantized along N, i.e. the dgrad operand. (Two
-        # row-wise passes over W and a transposed copy, as above, took 14.2 ms for dsv3's W13 + W2:
-        # docs/performance.md, "Expert MLP".)
-        from ..mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415  (GPU packages are imported lazily)
-
-        wd, ws, wtd, wts = mxfp8_cuda.quantize_weights_fused(w.contiguous())
-    return WeightOperands(wd, ws, prepare_weight_bf16(wd, ws), wtd, wts, prepare_weight_bf16(wtd, wts))
+        return WeightOperands(wd, ws, prepare_weight_bf16(wd, ws), wtd, wts, prepare_weight_bf16(wtd, wts))
+    # One launch over all experts reads W once and writes both prepared bf16 operands (6 bytes per bf16 element).
+    # It replaced quantize_weights_fused (mx_quant_batch: both e4m3 copies with blocked scales) followed by two
+    # mx_prepare_weight_bf16 passes (about 10 bytes per element), whose bytes it reproduces; the e4m3 copies were
+    # never read by the GEMMs (docs/performance.md, "Expert MLP").
+    w = w.contiguous()
+    if w.data_ptr() % 16:
+        w = w.clone()
+    wp, wtp = prepare_weight_operands(w)
+    return WeightOperands(None, None, wp, None, None, wtp)
 
 
 def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:
-    """Quantize an expert weight for fprop and dgrad and prepare both bf16 operands of the fprop / dgrad kernel.
+    """Both bf16 operands of the fprop / dgrad kernel of an expert weight (MXFP8 along K for fprop, along N for dgrad).
 
-    w: bf16/fp32 [G, N, K] (N, K multiples of 32), any device (CUDA: quantization and preparation kernels, no host
-    sync). With ``cache`` (a ``moe_ep.experts.weight_cache.WeightQuantCache``) the result is computed once per weight
-    version (an optimizer step or an FSDP2 all-gather write recomputes it) and shared by every micro-batch.
-    Memory: 2 bytes + 2 bytes (prepared) + 2 bytes (e4m3 both ways) per weight element.
+    w: bf16/fp16/fp32 [G, N, K] (N, K multiples of 32), any device. CUDA: one :func:`prepare_weight_operands`
+    launch, no host sync; the e4m3 fields of the result are None (see :class:`WeightOperands`). Other devices (and
+    MOE_EP_FORCE_REFERENCE=1): the references, all six fields. With ``cache`` (a
+    ``moe_ep.experts.weight_cache.WeightQuantCache``) the result is computed once per weight version (an optimizer
+    step or an FSDP2 all-gather write recomputes it) and shared by every micro-batch.
+    Memory on the CUDA path: 2 + 2 bytes (the prepared operands) per weight element.
     """
     if w.dim() != 3 or w.shape[1] % 32 or w.shape[2] % 32:
         raise ValueError(f"w must be [G, N, K] with N and K multiples of 32, got {tuple(w.shape)}")

@@ -1,0 +1,821 @@
+"""Whole-layer benchmark: one MoE layer's forward + backward over expert parallelism, every variant in one process.
+
+    torchrun --standalone --nproc-per-node=4 benchmarks/bench_layer.py [--shapes dsv3,small] [--steps 20]
+        [--warmup 5] [--variants torchtitan_bf16,bf16,mxfp8,mxfp8_cached] [--out benchmarks/results/bench_layer.json]
+    python3 benchmarks/bench_layer.py [...]     re-launches itself under torchrun on every visible GPU (skips, and
+                                                writes {"skipped": ...}, with fewer than 2); --json is --out
+    python3 benchmarks/bench_layer.py --dry-cpu self-check without a GPU: 2 gloo processes on the CPU, a tiny shape
+
+Shapes (per rank, EP = the world size): dsv3 T=4096 H=7168 F=2048 E=256 top-8; small T=8192 H=2048 F=768 E=128
+top-8. Routing: the layer's router on its random init weights and random bf16 tokens (each rank its own):
+uniform in expectation; ``meta.shapes.<shape>.routing`` gives the measured imbalance of the checked batch.
+Variants, all on the same router and expert weights (copied from one layer) and the same tokens and output gradient:
+  torchtitan_bf16      benchmarks/torchtitan_moe.py: torchtitan's MoE with expert parallelism (host-synced split
+                       sizes, NCCL all_to_all_single_autograd of bf16 rows, index permutation, torch._grouped_mm
+                       SwiGLU experts, deterministic scatter_add); torchtitan_bf16_align<N>: with groups padded to N
+                       rows, as torchtitan did before April 2026 (N = 8 for bf16)
+  bf16                 moe_ep.MoE, backend="cuda", quantize=False: our transport with bf16 payloads, torch._grouped_mm
+  mxfp8                backend="cuda", quantize=True, ``layer.experts.weight_cache.clear()`` before every step: the
+                       weights' MXFP8 operands re-prepared every step (every step under FSDP2, whose all-gather
+                       rewrites the weights; the first micro-batch after an optimizer step)
+  mxfp8_cached         the same layer without the clear: operands prepared once (later micro-batches of gradient
+                       accumulation)
+  reference_bf16       (not in the default list) moe_ep's reference backend, quantize=False: the oracle of --dry-cpu
+The layers are dropless (capacity_factor=None); ``dropped_slots`` must be 0.
+
+Per shape:
+  1. check: one forward + backward per variant (backward of y alone, so the router gradients compare: torchtitan has
+     no aux loss) against the bf16 variant (else reference_bf16): norm-relative error ||a - b|| / ||b|| and max-abs
+     relative error max|a - b| / max|b| of y, dx, dw13, dw2 and the router weight's gradient, max over ranks.
+     Bounds: BF16_BOUND for the bf16 variants (the same math with bf16 roundings in other places: torchtitan
+     rounds the SwiGLU product and every scatter-add partial sum to bf16), MXFP8_BOUND for the MXFP8 ones (E4M3
+     keeps 3 mantissa bits: each quantized operand is off by up to 2^-4 relative, and the expert MLP's recipe error
+     against bf16 measured 6.6-6.8 % norm-relative in bench_expert_mlp, so the bound is about twice that).
+  2. --warmup rounds, then --steps rounds; a round times one step of every variant, in bench_gemm.round_order (the
+     order rotates and reverses so that no variant always runs first or after the same one). A step: parameter
+     gradients and x.grad set to None (and the weight cache cleared for mxfp8), ranks aligned (all_reduce +
+     synchronize), peak memory stats reset, a ~1 ms GPU spin so the CPU enqueues ahead of the GPU, then CUDA events
+     around the forward (``fwd_ms``) and forward + backward (``fwd_bwd_ms``; the backward of y and of the aux loss,
+     as in training). Per rank the median over steps; reported: the max over ranks (the slowest rank is the step).
+  3. memory (torch's caching allocator; the NVSHMEM symmetric heap is outside it and not counted): ``act_mem_gb`` =
+     max_memory_allocated during forward + backward minus memory_allocated before the forward; ``saved_gb`` =
+     memory_allocated after the forward minus before (what the backward keeps); both count the parameter gradients
+     and dx allocated in the step (``grad_gb`` of them), and mxfp8's re-prepared weight operands (``weight_cache_gb``
+     measures the cache by clearing it). Max over steps and ranks.
+  4. one more step per variant under ``moe_ep.profiling.record_phases()`` (torchtitan: its own marks, same
+     convention): ``phases`` {name: ms} as recorded, ``phase_groups`` summed into router, layout, dispatch, gemms,
+     swiglu_quant, combine, weight_prep, other (bf16 and torchtitan do not separate SwiGLU from the GEMMs: their
+     experts_fwd / experts_bwd count as gemms). ``router_bwd`` is what is left of the backward after the layer's
+     last mark (the router's and aux loss's backward; torchtitan: also the row gather's).
+Output (--out, rank 0): {"meta": {...}, "results": [{"shape", "variant", "fwd_ms", "fwd_bwd_ms", "act_mem_gb",
+"phases", ...}, ...]}; benchmarks/results/README.md ("Layer") lists every field. A table on stdout; exit 1 when a
+check fails, a slot was dropped or a variant raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import round_order  # noqa: E402
+from torchtitan_moe import PhaseRecorder, TorchtitanMoE  # noqa: E402
+
+SHAPES = {
+    "dsv3": dict(T=4096, H=7168, F=2048, E=256, K=8),
+    "small": dict(T=8192, H=2048, F=768, E=128, K=8),
+    "tiny": dict(T=48, H=64, F=64, E=8, K=3),  # --dry-cpu
+}
+VARIANTS = ("torchtitan_bf16", "bf16", "mxfp8", "mxfp8_cached")
+DRY_VARIANTS = ("reference_bf16", "torchtitan_bf16", "torchtitan_bf16_align8")
+DEFAULT_OUT = "benchmarks/results/bench_layer.json"
+# The issue's targets. Speedups: baseline fwd_bwd_ms / variant fwd_bwd_ms (>= target); memory: act_mem_gb ratio (<=).
+TARGETS = {
+    "dsv3": {
+        "mxfp8_vs_bf16": 1.0,
+        "mxfp8_vs_torchtitan_bf16": 1.7,
+        "mxfp8_cached_vs_bf16": 1.1,
+        "act_mem_mxfp8_over_bf16": 0.7,
+    },
+    "small": {
+        "mxfp8_vs_bf16": 1.05,
+        "mxfp8_vs_torchtitan_bf16": 2.2,
+        "mxfp8_cached_vs_bf16": 1.1,
+        "act_mem_mxfp8_over_bf16": 0.7,
+    },
+}
+BF16_BOUND = 3e-2  # norm-relative, bf16 variants against each other
+MXFP8_BOUND = 0.15  # norm-relative, MXFP8 variants against bf16 (see the module docstring)
+SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spinning before each timed step: the CPU enqueues the step meanwhile
+PHASE_GROUPS = {
+    "router": "router",
+    "router_bwd": "router",
+    "layout": "layout",
+    "dispatch": "dispatch",
+    "dispatch_bwd": "dispatch",
+    "combine": "combine",
+    "combine_bwd": "combine",
+    "weight_prep": "weight_prep",
+    "experts_fwd": "gemms",
+    "experts_bwd": "gemms",
+    "gemm1": "gemms",
+    "gemm2": "gemms",
+    "dgrad2": "gemms",
+    "wgrad2": "gemms",
+    "dgrad1": "gemms",
+    "wgrad1": "gemms",
+    "swiglu_quant": "swiglu_quant",
+    "quant_dy": "swiglu_quant",
+    "swiglu_bwd_quant": "swiglu_quant",
+    "x_colwise": "swiglu_quant",
+}
+GROUPS = ("router", "layout", "dispatch", "gemms", "swiglu_quant", "combine", "weight_prep", "other")
+GB = 1e9
+MAX = dist.ReduceOp.MAX
+
+
+# ---------------------------------------------------------------------------------------------------------
+# variants
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Variant:
+    """One timed configuration: a layer (shared by mxfp8 and mxfp8_cached) and how a step runs on it."""
+
+    def __init__(self, name: str, module: torch.nn.Module, kind: str, clear_cache: bool = False) -> None:
+        self.name, self.module, self.kind, self.clear_cache = name, module, kind, clear_cache
+
+    def prepare(self) -> None:
+        """Before every step: gradients to None (each step allocates its own), the weight cache cleared for mxfp8."""
+        for p in self.module.parameters():
+            p.grad = None
+        if self.clear_cache:
+            self.module.experts.weight_cache.clear()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.kind == "torchtitan":
+            return self.module(x), None
+        return self.module(x)
+
+    @staticmethod
+    def backward(y: torch.Tensor, aux: torch.Tensor | None, g: torch.Tensor, with_aux: bool = True) -> None:
+        if aux is not None and with_aux:
+            torch.autograd.backward([y, aux], [g, torch.ones_like(aux)])
+        else:
+            y.backward(g)
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """Parameter gradients in moe_ep's layout (dw13 [E_l, 2F, H], dw2 [E_l, H, F], drouter [E, H])."""
+        if self.kind == "torchtitan":
+            return self.module.grads_moe_ep_layout()
+        m = self.module
+        return {"dw13": m.experts.w13.grad, "dw2": m.experts.w2.grad, "drouter": m.router.weight.grad}
+
+    def dropped(self) -> int:
+        """Slots this rank dropped in the last forward (torchtitan is dropless by construction)."""
+        return 0 if self.kind == "torchtitan" else int(self.module.num_dropped)  # cuda: a host read
+
+    def grad_bytes(self, x: torch.Tensor) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters()) + x.numel() * x.element_size()
+
+
+def _moe_cfg(dims: dict, backend: str, quantize: bool, transport: str):
+    from moe_ep import MoEConfig  # noqa: PLC0415
+
+    kw = dict(
+        hidden=dims["H"],
+        ffn_hidden=dims["F"],
+        num_experts=dims["E"],
+        top_k=dims["K"],
+        max_tokens_per_rank=dims["T"],
+        capacity_factor=None,
+        quantize=quantize,
+        backend=backend,
+    )
+    if backend == "cuda":
+        kw["transport"] = transport
+    return MoEConfig(**kw)
+
+
+@torch.no_grad()
+def _copy_params(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """Copy every parameter of ``src`` into the same-named parameter of ``dst`` (two moe_ep.MoE layers)."""
+    s = dict(src.named_parameters())
+    for name, p in dst.named_parameters():
+        if name not in s or s[name].shape != p.shape:
+            raise ValueError(f"parameter {name} {tuple(p.shape)} has no same-shaped twin in the source layer")
+        p.copy_(s[name])
+
+
+def build_variants(names: list[str], dims: dict, mesh, dev: torch.device, args, errors: dict) -> dict[str, Variant]:
+    """The layers of one shape, every variant on the same weights. A variant whose layer fails to build on any rank is
+    left out on every rank (``errors[name]``)."""
+    from moe_ep import MoE  # noqa: PLC0415
+
+    def make(backend: str, quantize: bool) -> torch.nn.Module:
+        cfg = _moe_cfg(dims, backend, quantize, args.transport)
+        return MoE(cfg, mesh, device=dev, dtype=torch.bfloat16, seed=args.seed)
+
+    layers: dict[str, torch.nn.Module] = {}
+    built: dict[str, Variant] = {}
+    source = None  # the layer whose weights every other layer copies
+    ep_group = mesh["ep"].get_group() if mesh["ep"].size() > 1 else None
+    for name in names:
+        try:
+            if name in ("mxfp8", "mxfp8_cached"):
+                if "mxfp8" not in layers:
+                    layers["mxfp8"] = make("cuda", True)
+                mod, kind = layers["mxfp8"], "moe_ep"
+            elif name == "bf16":
+                mod, kind = make("cuda", False), "moe_ep"
+            elif name == "reference_bf16":
+                mod, kind = make("reference", False), "moe_ep"
+            elif name.startswith("torchtitan_bf16"):
+                align = 1 if name == "torchtitan_bf16" else int(name.removeprefix("torchtitan_bf16_align"))
+                mod = TorchtitanMoE(
+                    dims["H"], dims["F"], dims["E"], dims["K"], ep_group, align=align, device=dev, dtype=torch.bfloat16
+                )
+                kind = "torchtitan"
+            else:
+                raise ValueError(f"unknown variant {name!r}")
+            if kind == "moe_ep" and source is None:
+                source = mod
+            ok = 1
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = f"build: {type(exc).__name__}: {str(exc)[:400]}"
+            ok = 0
+        flag = torch.tensor([ok], device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if ok and not flag.item():
+            errors.setdefault(name, "build failed on another rank")
+        if flag.item():
+            built[name] = Variant(name, mod, kind, clear_cache=name == "mxfp8")
+    if source is None and built:  # only torchtitan variants: a reference-backend layer supplies the weights
+        source = make("reference", False)
+    done = {id(source)}
+    for v in built.values():
+        if id(v.module) in done:  # the source itself, or mxfp8's layer again for mxfp8_cached
+            continue
+        done.add(id(v.module))
+        if v.kind == "torchtitan":
+            v.module.load_from_moe_ep(source)
+        else:
+            _copy_params(v.module, source)
+    return built
+
+
+# ---------------------------------------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _stamp(dev: torch.device):
+    if dev.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _ms(a, b, dev: torch.device) -> float:
+    return a.elapsed_time(b) if dev.type == "cuda" else (b - a) * 1e3
+
+
+def _align_ranks(dev: torch.device) -> None:
+    """Every rank's previous work done and the ranks within a collective of each other."""
+    flag = torch.zeros(1, device=dev)
+    dist.all_reduce(flag)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_step(v: Variant, x: torch.Tensor, g: torch.Tensor, dev: torch.device) -> dict:
+    """One forward + backward of ``v``: times (ms) and memory (bytes; None on the CPU)."""
+    cuda = dev.type == "cuda"
+    v.prepare()
+    x.grad = None
+    _align_ranks(dev)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        m0 = torch.cuda.memory_allocated()
+        torch.cuda._sleep(SPIN_CYCLES)
+    t0 = _stamp(dev)
+    y, aux = v.forward(x)
+    t1 = _stamp(dev)
+    m1 = torch.cuda.memory_allocated() if cuda else None
+    v.backward(y, aux, g)
+    t2 = _stamp(dev)
+    del y, aux
+    if cuda:
+        t2.synchronize()
+    out = {"fwd_ms": _ms(t0, t1, dev), "fwd_bwd_ms": _ms(t0, t2, dev), "dropped": v.dropped()}
+    if cuda:
+        out.update(act=torch.cuda.max_memory_allocated() - m0, saved=m1 - m0)
+    return out
+
+
+def profiled_step(v: Variant, x: torch.Tensor, g: torch.Tensor, dev: torch.device) -> dict:
+    """One step with the phase marks on: {"phases": {name: ms}, "total_ms": events around the step} or an error."""
+    v.prepare()
+    x.grad = None
+    _align_ranks(dev)
+    if dev.type == "cuda":
+        torch.cuda._sleep(SPIN_CYCLES)  # as in the timed steps: the CPU runs ahead, the phases are GPU time
+    if v.kind == "torchtitan":
+        rec = PhaseRecorder(dev)
+        v.module.phases = rec
+        t0 = _stamp(dev)
+        try:
+            y, aux = v.forward(x)
+            v.backward(y, aux, g)
+            rec.mark("router_bwd")
+        finally:
+            v.module.phases = None
+        timer = rec
+    else:
+        if dev.type != "cuda":
+            return {"phases": {}, "error": "moe_ep.profiling records CUDA events: no phases on the CPU"}
+        from moe_ep import profiling  # noqa: PLC0415
+
+        t0 = _stamp(dev)
+        with profiling.record_phases() as timer:
+            y, aux = v.forward(x)
+            v.backward(y, aux, g)
+            profiling.mark("router_bwd")
+    t1 = _stamp(dev)
+    del y, aux
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    ph = {k: float(val) for k, val in timer.summary().items()}
+    return {"phases": ph, "total_ms": _ms(t0, t1, dev)}
+
+
+def phase_groups(phases: dict[str, float]) -> dict[str, float]:
+    out = dict.fromkeys(GROUPS, 0.0)
+    for name, ms in phases.items():
+        out[PHASE_GROUPS.get(name, "other")] += ms
+    return out
+
+
+def _errs(got: torch.Tensor | None, ref: torch.Tensor | None) -> dict:
+    """Norm-relative and max-abs-relative error, in chunks (dsv3's dw13 is 1.9 G elements per rank)."""
+    if got is None or ref is None or got.shape != ref.shape:
+        return {"rel": math.inf, "max_rel": math.inf, "note": "missing or shape mismatch"}
+    num = den = 0.0
+    dmax = rmax = 0.0
+    for a, b in zip(got.reshape(-1).split(1 << 24), ref.reshape(-1).split(1 << 24), strict=True):
+        a, b = a.double(), b.double()
+        d = a - b
+        num += float(d.square().sum())
+        den += float(b.square().sum())
+        dmax = max(dmax, float(d.abs().max()))
+        rmax = max(rmax, float(b.abs().max()))
+    rel = math.sqrt(num) / max(math.sqrt(den), 1e-30)
+    mrel = dmax / max(rmax, 1e-30)
+    return {"rel": rel if math.isfinite(rel) else math.inf, "max_rel": mrel if math.isfinite(mrel) else math.inf}
+
+
+def _reduce(vals: list[float], op, dev: torch.device) -> list[float]:
+    t = torch.tensor(vals, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _agree(ok: bool, dev: torch.device) -> bool:
+    """True on every rank iff ``ok`` on every rank."""
+    return bool(_reduce([float(ok)], dist.ReduceOp.MIN, dev)[0])
+
+
+def check_step(v: Variant, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """One forward + backward of y alone; the outputs and gradients the check compares."""
+    v.prepare()
+    x.grad = None
+    y, _aux = v.forward(x)
+    y.backward(g)
+    out = {"y": y.detach(), "dx": x.grad, **v.grads()}
+    del y, _aux
+    for p in v.module.parameters():
+        p.grad = None
+    x.grad = None
+    return out
+
+
+def routing_stats(src: torch.nn.Module, x: torch.Tensor, dims: dict, dev: torch.device) -> dict:
+    """Load of the checked batch under the shared router weights: per-expert slots (max / mean over the E experts,
+    summed over ranks) and the expanded rows each rank receives (max / mean over ranks)."""
+    if isinstance(src, TorchtitanMoE):
+        w = src.gate
+    else:
+        w = src.router.weight
+    with torch.no_grad():
+        logits = x.float() @ w.float().t()
+        idx = torch.topk(logits, dims["K"], dim=-1).indices
+        counts = torch.bincount(idx.reshape(-1), minlength=dims["E"]).to(torch.float64)
+    dist.all_reduce(counts)
+    world = dist.get_world_size()
+    per_rank = counts.view(world, -1).sum(1)
+    return {
+        "expert_slots_max_over_mean": float(counts.max() / counts.mean()),
+        "rank_rows_max_over_mean": float(per_rank.max() / per_rank.mean()),
+        "rows_per_rank_mean": float(per_rank.mean()),
+    }
+
+
+def run_shape(shape: str, names: list[str], mesh, dev: torch.device, args) -> tuple[list[dict], dict]:
+    dims = SHAPES[shape]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    errors: dict[str, str] = {}
+    t_start = time.time()
+    variants = build_variants(names, dims, mesh, dev, args, errors)
+    gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
+    x = torch.randn(dims["T"], dims["H"], generator=gen).to(torch.bfloat16).to(dev).requires_grad_(True)
+    g = torch.randn(dims["T"], dims["H"], generator=gen).to(torch.bfloat16).to(dev)
+    info: dict = {**dims, "ep_size": world, "tokens_total": dims["T"] * world}
+    if variants:
+        info["routing"] = routing_stats(next(iter(variants.values())).module, x, dims, dev)
+    rows = {n: {"shape": shape, "variant": n, **dims} for n in names}
+    for n, e in errors.items():
+        rows[n]["error"] = e
+
+    # ---- 1. correctness against the bf16 variant (else the reference, else the first that runs)
+    base = ref = None
+    firsts = ("bf16", "reference_bf16")
+    for b in [b for b in firsts if b in variants] + [n for n in variants if n not in firsts]:
+        try:
+            r0, ok0 = check_step(variants[b], x, g), True
+        except Exception as exc:  # noqa: BLE001
+            r0, ok0 = None, False
+            errors[b] = f"check: {type(exc).__name__}: {str(exc)[:400]}"
+        if _agree(ok0, dev):
+            base, ref = b, r0
+            break
+        errors.setdefault(b, "check failed on another rank")
+        del r0
+    for n, v in variants.items() if ref is not None else ():
+        if n in errors:  # its baseline attempt failed (on every rank's record)
+            continue
+        try:
+            got = ref if n == base else check_step(v, x, g)
+            errs = {k: _errs(got[k], ref[k]) for k in ref}
+            ok_local = 1
+        except Exception as exc:  # noqa: BLE001
+            got, errs, ok_local = None, {}, 0
+            errors[n] = f"check: {type(exc).__name__}: {str(exc)[:400]}"
+        keys = list(ref)
+        flat = [errs.get(k, {}).get(m, math.inf) for k in keys for m in ("rel", "max_rel")]
+        flat = _reduce([min(f, 1e300) for f in flat], dist.ReduceOp.MAX, dev)
+        reduced = {k: {"rel": flat[2 * i], "max_rel": flat[2 * i + 1]} for i, k in enumerate(keys)}
+        bound = MXFP8_BOUND if n.startswith("mxfp8") else BF16_BOUND
+        worst = max(r["rel"] for r in reduced.values())
+        if not _agree(bool(ok_local), dev):
+            errors.setdefault(n, "check failed on another rank")
+            rows[n]["check"] = {"against": base, "ok": False, "error": errors[n]}
+            del got
+            continue
+        ok = worst <= bound
+        rows[n]["check"] = {
+            "against": base,
+            "errors": reduced,
+            "max_rel_err": worst,
+            "max_abs_rel_err": max(r["max_rel"] for r in reduced.values()),
+            "bound": bound,
+            "ok": ok,
+        }
+        del got
+    del ref
+    _free(dev)
+    if rank == 0:
+        for n in (n for n in variants if "max_rel_err" in rows[n].get("check", {})):
+            c = rows[n]["check"]
+            per = json.dumps({k: round(r["rel"], 6) for k, r in c["errors"].items()})
+            print(
+                f"[{shape}] check {n} vs {c['against']}: max rel err {c['max_rel_err']:.3e} (bound {c['bound']:g}) "
+                f"{'ok' if c['ok'] else 'FAILED'}  {per}",
+                flush=True,
+            )
+
+    # ---- 2 + 3. warmup, then interleaved timed rounds
+    live = [n for n in names if n in variants and n not in errors]
+    samples: dict[str, list[dict]] = {n: [] for n in live}
+    for rnd in range(args.warmup + args.steps):
+        for n in round_order(list(live), rnd):
+            if n in errors:
+                continue
+            try:
+                s = timed_step(variants[n], x, g, dev)
+            except Exception as exc:  # noqa: BLE001
+                errors[n] = f"step: {type(exc).__name__}: {str(exc)[:400]}"
+            if not _agree(n not in errors, dev):  # a variant that raised on any rank stops on every rank
+                errors.setdefault(n, "step failed on another rank")
+                continue
+            if rnd >= args.warmup:
+                samples[n].append(s)
+    for v in variants.values():  # the weight cache stays: every mxfp8 step leaves it full
+        for p in v.module.parameters():
+            p.grad = None
+
+    # ---- 4. phases, one profiled step per variant
+    for n in live:
+        if n in errors:
+            continue
+        try:
+            rows[n]["profile"] = profiled_step(variants[n], x, g, dev)
+            rows[n]["profile_dropped"] = variants[n].dropped()
+        except Exception as exc:  # noqa: BLE001
+            rows[n]["profile"] = {"phases": {}, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    weight_cache_gb = None
+    if "mxfp8" in variants and dev.type == "cuda":  # the prepared operands the mxfp8 step allocates inside the step
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        variants["mxfp8"].module.experts.weight_cache.clear()
+        weight_cache_gb = (before - torch.cuda.memory_allocated()) / GB
+        weight_cache_gb = _reduce([weight_cache_gb], dist.ReduceOp.MAX, dev)[0]
+
+    # ---- reduce over ranks and assemble the rows
+    for n in live:
+        r = rows[n]
+        ss = samples[n]
+        r["steps"] = len(ss)
+        bad = _reduce([float(n in errors)], dist.ReduceOp.MAX, dev)[0]
+        if bad or not ss:
+            r.setdefault("error", errors.get(n, "failed on another rank"))
+            continue
+        fwd = [s["fwd_ms"] for s in ss]
+        fb = [s["fwd_bwd_ms"] for s in ss]
+        med = _reduce([statistics.median(fwd), statistics.median(fb)], dist.ReduceOp.MAX, dev)
+        lo = _reduce([statistics.median(fwd), statistics.median(fb)], dist.ReduceOp.MIN, dev)
+        r["fwd_ms"], r["fwd_bwd_ms"] = med
+        r["bwd_ms"] = med[1] - med[0]
+        r["fwd_bwd_ms_fastest_rank"] = lo[1]
+        r["fwd_ms_steps"] = _reduce(fwd, dist.ReduceOp.MAX, dev)
+        r["fwd_bwd_ms_steps"] = _reduce(fb, dist.ReduceOp.MAX, dev)
+        if dev.type == "cuda":
+            act, saved = _reduce(
+                [max(s["act"] for s in ss) / GB, max(s["saved"] for s in ss) / GB], dist.ReduceOp.MAX, dev
+            )
+            r["act_mem_gb"], r["saved_gb"] = act, saved
+        else:
+            r["act_mem_gb"] = r["saved_gb"] = None
+        r["grad_gb"] = variants[n].grad_bytes(x) / GB
+        dropped = max([s["dropped"] for s in ss] + [r.pop("profile_dropped", 0)])
+        r["dropped_slots"] = int(_reduce([float(dropped)], dist.ReduceOp.SUM, dev)[0])
+        prof = r.pop("profile", {"phases": {}})
+        every = [None] * world
+        dist.all_gather_object(every, list(prof["phases"]))  # the same names on every rank, unless one failed
+        names_ph = list(dict.fromkeys(k for ks in every for k in ks))
+        vals = _reduce([prof["phases"].get(k, 0.0) for k in names_ph] + [prof.get("total_ms", -1.0)], MAX, dev)
+        r["phases"] = dict(zip(names_ph, vals[:-1], strict=True))  # max over ranks, per phase
+        r["phase_groups"] = phase_groups(r["phases"])
+        r["phases_total_ms"] = sum(vals[:-1])
+        if vals[-1] >= 0:
+            r["profiled_fwd_bwd_ms"] = vals[-1]
+        if "error" in prof:
+            r["phases_error"] = prof["error"]
+        if n.startswith("mxfp8"):
+            r["weight_prep_ms"] = r["phases"].get("weight_prep", 0.0)
+            r["weight_cache_gb"] = weight_cache_gb
+        if n.startswith("torchtitan"):
+            r["scatter_add"] = variants[n].module.scatter_mode
+    for n in errors:
+        rows[n]["error"] = errors[n]
+    info["seconds"] = round(time.time() - t_start, 1)
+    del variants, x, g
+    _free(dev)
+    return [rows[n] for n in names], info
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def ratios(shape: str, rows: list[dict]) -> dict:
+    """Speedups (baseline fwd_bwd_ms / variant's; > 1: the variant is faster) and activation-memory ratios of one
+    shape, with the issue's target where it sets one."""
+    by = {r["variant"]: r for r in rows if r.get("fwd_bwd_ms")}
+    tg = TARGETS.get(shape, {})
+    out: dict = {}
+    for a in ("mxfp8", "mxfp8_cached", "bf16"):
+        for b in ("bf16", "torchtitan_bf16"):
+            if a == b or a not in by or b not in by:
+                continue
+            key = f"{a}_vs_{b}"
+            m = by[b]["fwd_bwd_ms"] / by[a]["fwd_bwd_ms"]
+            t = tg.get(key)
+            out[key] = {"measured": m, "target": t, "met": None if t is None else m >= t}
+            out[f"{key}_fwd"] = {"measured": by[b]["fwd_ms"] / by[a]["fwd_ms"], "target": None, "met": None}
+    for a in ("mxfp8", "mxfp8_cached"):
+        for field in ("act_mem_gb", "saved_gb"):
+            if a in by and "bf16" in by and by[a].get(field) and by["bf16"].get(field):
+                key = f"{'act_mem' if field == 'act_mem_gb' else 'saved'}_{a}_over_bf16"
+                m = by[a][field] / by["bf16"][field]
+                t = tg.get(key)
+                out[key] = {"measured": m, "target": t, "met": None if t is None else m <= t}
+    for key, t in tg.items():  # targets whose variants did not run
+        out.setdefault(key, {"measured": None, "target": t, "met": None})
+    return out
+
+
+def print_table(results: list[dict], meta: dict) -> None:
+    def f(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    head = (
+        f"{'shape':6s} {'variant':24s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'act GB':>7s} {'saved':>6s} {'wprep':>6s} "
+        f"{'drop':>4s} {'err':>8s}  phases (ms): " + " ".join(GROUPS)
+    )
+    print(head)
+    for r in results:
+        pg = r.get("phase_groups") or {}
+        print(
+            f"{r['shape']:6s} {r['variant']:24s} {f(r.get('fwd_ms'), '8.3f'):>8s} {f(r.get('fwd_bwd_ms'), '8.3f'):>8s} "
+            f"{f(r.get('act_mem_gb'), '7.2f'):>7s} {f(r.get('saved_gb'), '6.2f'):>6s} "
+            f"{f(r.get('weight_prep_ms'), '6.3f'):>6s} {f(r.get('dropped_slots'), 'd'):>4s} "
+            f"{f((r.get('check') or {}).get('max_rel_err'), '8.2e'):>8s}  "
+            + " ".join(f(pg.get(k), ".3f") for k in GROUPS)
+            + (f"  ERROR {r['error']}" if "error" in r else "")
+        )
+    for shape, rs in meta["ratios"].items():
+        parts = []
+        for k, v in rs.items():
+            if k.endswith("_fwd"):
+                continue
+            m = "-" if v["measured"] is None else f"{v['measured']:.3f}"
+            t = "" if v["target"] is None else f" (target {v['target']}: {'met' if v['met'] else 'NOT met'})"
+            parts.append(f"{k} {m}{t}")
+        print(f"[{shape}] " + "; ".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# entry
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _relaunch(args, nproc: int, extra_env: dict) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.abspath(__file__),
+        *sys.argv[1:],
+    ]
+    return subprocess.call(cmd, env={**os.environ, **extra_env})
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="dsv3,small", help=f"comma-separated, of {sorted(SHAPES)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=20, help="timed steps (rounds) per variant; the median is reported")
+    p.add_argument("--warmup", type=int, default=5, help="untimed rounds before the timed ones")
+    p.add_argument("--out", "--json", dest="out", default=None, help=f"result JSON (default {DEFAULT_OUT})")
+    p.add_argument("--transport", default="nvshmem", choices=("nvshmem", "nccl"), help="MoEConfig.transport")
+    p.add_argument("--seed", type=int, default=0, help="weights (MoE seed) and, + 1000 + rank, the tokens")
+    p.add_argument("--dry-cpu", action="store_true", help="self-check on 2 gloo CPU processes, tiny shape")
+    p.add_argument("--dry-ranks", type=int, default=2, help="processes of --dry-cpu")
+    p.add_argument("--no-spawn", action="store_true", help="skip instead of re-launching under torchrun")
+    args = p.parse_args(argv)
+    if args.dry_cpu:
+        if args.shapes == "dsv3,small":
+            args.shapes = "tiny"
+        if args.variants == ",".join(VARIANTS):
+            args.variants = ",".join(DRY_VARIANTS)
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    elif args.out is None:
+        args.out = DEFAULT_OUT
+    for s in args.shapes.split(","):
+        if s not in SHAPES:
+            raise SystemExit(f"--shapes: unknown shape {s!r} (known: {sorted(SHAPES)})")
+    for v in args.variants.split(","):
+        if v not in (*VARIANTS, "reference_bf16") and not re.fullmatch(r"torchtitan_bf16_align[1-9][0-9]*", v):
+            raise SystemExit(
+                f"--variants: unknown variant {v!r} (known: {', '.join(VARIANTS)}, reference_bf16, "
+                "torchtitan_bf16_align<N>)"
+            )
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    under_torchrun = "LOCAL_RANK" in os.environ
+    if args.dry_cpu and not under_torchrun:
+        return _relaunch(args, args.dry_ranks, {"CUDA_VISIBLE_DEVICES": ""})
+    if not under_torchrun:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < 2 or args.no_spawn:
+            msg = f"bench_layer: skipped (needs torchrun with >1 GPU; {n} visible)"
+            print(msg)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({"skipped": msg}))
+            return 0
+        return _relaunch(args, n, {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (NCCL and NVSHMEM)
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    import moe_ep  # noqa: PLC0415
+    from moe_ep.provenance import code_version  # noqa: PLC0415
+
+    world = int(os.environ["WORLD_SIZE"])
+    if args.dry_cpu:
+        dev = torch.device("cpu")
+        mesh = moe_ep.init_ep(world, backend="gloo")
+    else:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        mesh = moe_ep.init_ep(world)
+    rank = dist.get_rank()
+    shapes = [s for s in args.shapes.split(",") if s]
+    names = [v for v in args.variants.split(",") if v]
+    if args.steps < 10 and rank == 0 and not args.dry_cpu:
+        print(f"warning: --steps {args.steps} < 10: the issue asks for the median of at least 10", flush=True)
+
+    preinit = None
+    if (
+        dev.type == "cuda"
+        and args.transport == "nvshmem"
+        and world > 1
+        and {"bf16", "mxfp8", "mxfp8_cached"} & set(names)
+    ):
+        # One runtime sized for every shape up front: a later, larger shape would otherwise grow the symmetric
+        # buffers past the NVSHMEM heap sized at the first initialization.
+        try:
+            from moe_ep.transport import cuda as ct  # noqa: PLC0415
+
+            dd = [SHAPES[s] for s in shapes]
+            ct.init_runtime(
+                mesh["ep"].get_group(),
+                max(d["T"] for d in dd),
+                max(d["H"] for d in dd),
+                max(d["K"] for d in dd),
+                max(d["E"] for d in dd),
+            )
+            preinit = "ok"
+        except Exception as exc:  # noqa: BLE001
+            preinit = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if rank == 0:
+                print(f"warning: NVSHMEM runtime pre-initialization failed ({preinit}); the layers initialize it")
+
+    results: list[dict] = []
+    shape_info: dict = {}
+    for shape in shapes:
+        rows, info = run_shape(shape, names, mesh, dev, args)
+        results += rows
+        shape_info[shape] = info
+        if rank == 0:
+            print(f"[{shape}] done in {info['seconds']} s", flush=True)
+
+    meta = {
+        "benchmark": "bench_layer",
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (--dry-cpu)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": code_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "ep_size": world,
+        "dp_size": 1,
+        "dtype": "bfloat16",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "transport": args.transport,
+        "nvshmem_preinit": preinit,
+        "variants": names,
+        "shapes": shape_info,
+        "capacity_factor": None,
+        "timing": (
+            "per step: CUDA events around forward and forward+backward after an all_reduce+synchronize rank "
+            f"alignment and a {SPIN_CYCLES}-cycle GPU spin; rounds interleave the variants (bench_gemm.round_order); "
+            "per-rank median over steps, max over ranks"
+        ),
+        "memory": (
+            "torch caching allocator only (the NVSHMEM symmetric heap is not counted); parameter .grad and x.grad set "
+            "to None before every step, so act_mem_gb and saved_gb include the gradients allocated in the step "
+            "(grad_gb); mxfp8 clears the weight cache before every step, so its act_mem_gb includes the re-prepared "
+            "operands (weight_cache_gb), mxfp8_cached's does not"
+        ),
+        "backward": "timed and profiled steps: backward of y (random bf16 dy) and of the aux loss (moe_ep variants); "
+        "check: of y only",
+        "check_bounds": {
+            "bf16": BF16_BOUND,
+            "mxfp8": MXFP8_BOUND,
+            "metric": "norm-relative, max over tensors and ranks",
+        },
+        "targets": TARGETS,
+        "ratios": {s: ratios(s, [r for r in results if r["shape"] == s]) for s in shapes},
+        "config": vars(args),
+    }
+    if rank == 0:
+        print_table(results, meta)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            print(f"wrote {args.out}")
+    ok = all("error" not in r and r.get("check", {}).get("ok") and r.get("dropped_slots", 0) == 0 for r in results)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    if "moe_ep.transport.runtime" in sys.modules:  # symmetric memory freed on every rank before the groups go
+        sys.modules["moe_ep.transport.runtime"].shutdown()
+    moe_ep.finish(mesh)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
