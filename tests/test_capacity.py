@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from moe_ep import MoE, MoEConfig, init_ep
 from moe_ep.experts.reference import expert_mlp
+from moe_ep.layer import routed_experts
 from moe_ep.router import route
 from moe_ep.transport import combine, dispatch
 from moe_ep.transport.reference import expand_layout
@@ -166,3 +167,112 @@ def _layer(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_layer_capacity_matches_dense(world):
     run_distributed(_layer, world)
+
+
+# ------------------------------------------------------------------------------ hand-worked tables, routed_experts
+# Drop semantics through the functional layer ``moe_ep.layer.routed_experts`` (the path the cuda backend shares),
+# with the kept slots written out by hand rather than computed: capacity rows = ceil(c * T * top_k) of the RECEIVING
+# rank's own T; the expanded order is (local expert, source rank, source token). tests/moe_dense.capacity_keep is
+# checked against the same tables.
+
+_TOP8 = [[7, 6, 5, 4, 3, 2, 1, 0], [1, 0, 3, 2, 5, 4, 7, 6]]  # both tokens on every expert, in two slot orders
+
+ROUTED_TABLES = [
+    # (num_experts, top_k, capacity_factor, topk_idx, keep (1 = computed), num_dropped)
+    # every token on expert 2; ceil(0.3 * 3 * 1) = 1 row: only (e2, t0) is computed
+    (4, 1, 0.3, [[2], [2], [2]], [[1], [0], [0]], 2),
+    # ceil(0.5 * 4 * 1) = 2 rows in the order (e0,t1) (e0,t2) (e0,t3) (e3,t0): expert 3's lone slot drops although
+    # expert 0 is the overloaded one (expert-major order)
+    (4, 1, 0.5, [[3], [0], [0], [0]], [[0], [1], [1], [0]], 2),
+    # top 8 of 8, ceil(0.25 * 2 * 8) = 4 rows: (e0,t0) (e0,t1) (e1,t0) (e1,t1); token 0 holds experts 1, 0 in slots
+    # 6, 7, token 1 in slots 0, 1
+    (8, 8, 0.25, _TOP8, [[0, 0, 0, 0, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0]], 12),
+    # top 8 of 8, ceil(0.0625 * 16) = 1 row: only (e0, t0), token 0's slot 7
+    (8, 8, 0.0625, _TOP8, [[0, 0, 0, 0, 0, 0, 0, 1], [0] * 8], 15),
+    # top 8 of 8, c = 1: 16 rows, room for every slot
+    (8, 8, 1.0, _TOP8, [[1] * 8, [1] * 8], 0),
+]
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _check_routed_table(rank, world, cfg, xs, idxs, ws, dys, keep, dropped, group, moe, dense) -> None:
+    """Run routed_experts on this rank's tokens and compare with the dense oracle under the hand-written ``keep``."""
+    e, nl = cfg.num_experts, cfg.num_experts // world
+    caps = [cfg.capacity_rows(x.shape[0]) for x in xs]
+    got_keep = capacity_keep(idxs, e, world, caps)
+    assert [k.tolist() for k in got_keep] == [k.tolist() for k in keep], "capacity_keep disagrees with the table"
+
+    x, tw = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    y, num_dropped = routed_experts(x, idxs[rank], tw, moe.experts, cfg, group)
+    (y * dys[rank]).sum().backward()
+
+    dx = torch.cat(xs).clone().requires_grad_()
+    dtw = torch.cat(ws).clone().requires_grad_()
+    dw13, dw2 = dense.experts.w13.detach().clone(), dense.experts.w2.detach().clone()
+    dw13.requires_grad_()
+    dw2.requires_grad_()
+    yd = dense_moe(dx, torch.cat(idxs), dtw, dw13, dw2, cfg.quantize, keep=torch.cat(keep))
+    (yd * torch.cat(dys)).sum().backward()
+
+    ctx = f"rank={rank} world={world} E={e} top_k={cfg.top_k} c={cfg.capacity_factor}"
+    assert int(num_dropped) == dropped[rank], f"{ctx}: num_dropped {int(num_dropped)} != {dropped[rank]}"
+    lo, hi = sum(x.shape[0] for x in xs[:rank]), sum(x.shape[0] for x in xs[: rank + 1])
+    none_kept = ~keep[rank].any(1)
+    assert torch.equal(y[none_kept], torch.zeros_like(y[none_kept])), f"{ctx}: a token with every slot dropped"
+    torch.testing.assert_close(y, yd[lo:hi].detach(), **TIGHT, msg=lambda m: f"{ctx} y: {m}")
+    torch.testing.assert_close(x.grad, dx.grad[lo:hi], **TIGHT, msg=lambda m: f"{ctx} dx: {m}")
+    torch.testing.assert_close(tw.grad, dtw.grad[lo:hi], **TIGHT, msg=lambda m: f"{ctx} dw: {m}")
+    assert torch.all(tw.grad[~keep[rank]] == 0), f"{ctx}: a dropped slot got a gradient"
+    mine = slice(rank * nl, (rank + 1) * nl)
+    # the same kept rows in the same order per expert: bitwise (module docstring); unused experts get zeros
+    assert torch.equal(_grad_or_zeros(moe.experts.w13), _grad_or_zeros(dw13)[mine]), f"{ctx}: w13.grad"
+    assert torch.equal(_grad_or_zeros(moe.experts.w2), _grad_or_zeros(dw2)[mine]), f"{ctx}: w2.grad"
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("table", range(len(ROUTED_TABLES)))
+def test_routed_experts_capacity_table(table, quantize):
+    e, top_k, c, idx, keep, dropped = ROUTED_TABLES[table]
+    cfg = MoEConfig(hidden=H, ffn_hidden=F, num_experts=e, top_k=top_k, capacity_factor=c, quantize=quantize)
+    moe = MoE(cfg, seed=9)
+    gen = torch.Generator().manual_seed(table)
+    n = len(idx)
+    xs, dys = [torch.randn(n, H, generator=gen)], [torch.randn(n, H, generator=gen)]
+    ws = [torch.rand(n, top_k, generator=gen) + 0.1]
+    keep_t = [torch.tensor(keep, dtype=torch.bool)]
+    _check_routed_table(0, 1, cfg, xs, [torch.tensor(idx)], ws, dys, keep_t, [dropped], None, moe, moe)
+
+
+ROUTED_TABLES_2 = [
+    # (num_experts, top_k, capacity_factor, topk_idx per rank, keep per rank, num_dropped per rank); 2 ranks, 2 local
+    # experts each. Every token on expert 3 (rank 1): rank 1 keeps ceil(0.5 * 2 * 1) = 1 row of the 5 it receives,
+    # (rank 0, t0); rank 0's own capacity ceil(0.5 * 3) = 2 is unused. Rank 1's tokens all drop: y = 0 there.
+    (4, 1, 0.5, [[[3], [3], [3]], [[3], [3]]], [[[1], [0], [0]], [[0], [0]]], [0, 4]),
+    # rank 0 has no tokens, so its capacity is ceil(0.25 * 0 * 2) = 0: all 4 slots of rank 1's tokens on expert 0
+    # drop; rank 1 keeps ceil(0.25 * 4 * 2) = 2 of the 4 slots on expert 2 (tokens 0 and 1, slot 1)
+    (4, 2, 0.25, [[], [[0, 2], [0, 2], [0, 2], [0, 2]]], [[], [[0, 1], [0, 1], [0, 0], [0, 0]]], [4, 2]),
+]
+
+
+def _routed_tables_2(rank: int, world: int) -> None:
+    mesh = init_ep(ep_size=world)
+    for t, (e, top_k, c, idx, keep, dropped) in enumerate(ROUTED_TABLES_2):
+        for quantize in (True, False):
+            cfg = MoEConfig(hidden=H, ffn_hidden=F, num_experts=e, top_k=top_k, capacity_factor=c, quantize=quantize)
+            moe = MoE(cfg, mesh=mesh, seed=4)
+            dense = MoE(cfg, mesh=None, seed=4)  # the same global weights
+            gen = torch.Generator().manual_seed(100 + t)
+            counts = [len(i) for i in idx]
+            xs = [torch.randn(n, H, generator=gen) for n in counts]
+            dys = [torch.randn(n, H, generator=gen) for n in counts]
+            ws = [torch.rand(n, top_k, generator=gen) + 0.1 for n in counts]
+            idxs = [torch.tensor(i, dtype=torch.int64).reshape(-1, top_k) for i in idx]
+            keep_t = [torch.tensor(k, dtype=torch.bool).reshape(-1, top_k) for k in keep]
+            _check_routed_table(rank, world, cfg, xs, idxs, ws, dys, keep_t, dropped, moe.ep_group, moe, dense)
+
+
+def test_routed_experts_capacity_tables_two_ranks():
+    run_distributed(_routed_tables_2, 2)
