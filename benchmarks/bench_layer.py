@@ -414,9 +414,20 @@ def routing_stats(src: torch.nn.Module, x: torch.Tensor, dims: dict, dev: torch.
     }
 
 
+def shape_dims(shape: str, args, ep_size: int) -> dict:
+    """SHAPES[shape], with E = --local-experts x the EP size when given (the per-rank expert load of another EP
+    size: dsv3's 64 local experts of EP=4 on 2 GPUs is E=128)."""
+    dims = dict(SHAPES[shape])
+    per = dict(kv.split("=") for kv in args.local_experts.split(",") if "=" in kv)
+    n = int(per.get(shape, 0 if per else args.local_experts or 0))
+    if n:
+        dims["E"] = n * ep_size
+    return dims
+
+
 def run_shape(shape: str, names: list[str], mesh, dev: torch.device, args) -> tuple[list[dict], dict]:
-    dims = SHAPES[shape]
     rank, world = dist.get_rank(), dist.get_world_size()
+    dims = shape_dims(shape, args, mesh["ep"].size())
     errors: dict[str, str] = {}
     t_start = time.time()
     variants = build_variants(names, dims, mesh, dev, args, errors)
@@ -666,6 +677,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds before the timed ones")
     p.add_argument("--out", "--json", dest="out", default=None, help=f"result JSON (default {DEFAULT_OUT})")
     p.add_argument("--transport", default="nvshmem", choices=("nvshmem", "nccl"), help="MoEConfig.transport")
+    p.add_argument(
+        "--local-experts",
+        default="",
+        help="experts per rank (E = this x EP size), one number or per shape (dsv3=64,small=32); default: SHAPES' E",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights (MoE seed) and, + 1000 + rank, the tokens")
     p.add_argument("--dry-cpu", action="store_true", help="self-check on 2 gloo CPU processes, tiny shape")
     p.add_argument("--dry-ranks", type=int, default=2, help="processes of --dry-cpu")
@@ -739,7 +755,7 @@ def main(argv=None) -> int:
         try:
             from moe_ep.transport import cuda as ct  # noqa: PLC0415
 
-            dd = [SHAPES[s] for s in shapes]
+            dd = [shape_dims(s, args, mesh["ep"].size()) for s in shapes]
             ct.init_runtime(
                 mesh["ep"].get_group(),
                 max(d["T"] for d in dd),
