@@ -102,20 +102,30 @@ class _MoEMXFP8(torch.autograd.Function):
         out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, handle.group_sizes)
         y = ct.combine_fwd(out, wr, handle)
         profiling.mark("combine")
-        ctx.save_for_backward(xq, xs, a, out, wr, w13, w2)
+        ctx.save_for_backward(w13, w2)
+        # intermediates as attributes, not saved tensors: the backward frees each right after its last use
+        ctx.saved = {"xq": xq, "xs": xs, "a": a, "out": out, "wr": wr}
         ctx.handle, ctx.cache, ctx.x_dtype = handle, cache, x.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xq, xs, a, out, wr, w13, w2 = ctx.saved_tensors
+        w13, w2 = ctx.saved_tensors
+        saved, ctx.saved = ctx.saved, None
         h = ctx.handle
-        dout, dwr = ct.combine_bwd(dy.contiguous(), out, wr, h, True)
+        dout, dwr = ct.combine_bwd(dy.contiguous(), saved.pop("out"), saved.pop("wr"), h, True)
+        del dy
+        saved["dout"] = dout
+        del dout
         profiling.mark("combine_bwd")
         w13o, w2o = GEMMS.prepare(w13, ctx.cache), GEMMS.prepare(w2, ctx.cache)
-        dxr, dw13, dw2 = expert_mlp_mx_bwd(dout, xq, xs, a, w13, w2, w13o, w2o, h.group_sizes)
-        dx, dtw = ct.dispatch_bwd(dxr, dwr, h, ctx.x_dtype)
-        profiling.mark("dispatch_bwd")
+
+        def send_dx(dxr: torch.Tensor):  # the return of dx overlaps nothing but frees dxr before the x-side wgrad
+            res = ct.dispatch_bwd(dxr, dwr, h, ctx.x_dtype)
+            profiling.mark("dispatch_bwd")
+            return res
+
+        (dx, dtw), dw13, dw2 = expert_mlp_mx_bwd(saved, w13, w2, w13o, w2o, h.group_sizes, send_dx)
         return dx, dtw, dw13, dw2, None, None
 
 

@@ -199,3 +199,26 @@ def test_exp2_helpers_exact():
     assert torch.equal(mxfp8_reference._exp2_int(e).double(), torch.exp2(e.double()))
     d = torch.tensor([0.0, 1.0, 1.0000001, 0.75, 2.0**-127, 2.0**-126 * 0.75, 2.0**-149], dtype=torch.float32)
     assert mxfp8_reference._ceil_log2_pow(d).tolist() == [-127, 0, 1, 0, -127, -126, -127]
+
+
+def test_from_blocked_grouped_hand_worked_and_roundtrip():
+    """from_blocked_grouped (device group sizes, no host read) inverts to_blocked_grouped along m; rows past the
+    groups come back 0. Hand-worked: sizes [2, 1], one scale column -> bytes 0 and 16 (rows 0, 1 of tile 0: row r
+    of a tile sits at (r % 32) * 16 + (r // 32) * 4) and byte 512 (group 1 starts on a fresh tile)."""
+    from moe_ep.mxfp8.format import from_blocked_grouped, grouped_blocked_size, to_blocked_grouped
+
+    blocked = torch.zeros(grouped_blocked_size(4, 2, 1, "m"), dtype=torch.uint8)
+    blocked[0], blocked[16], blocked[512] = 7, 8, 9
+    got = from_blocked_grouped(blocked, torch.tensor([2, 1], dtype=torch.int32), 4, 1)
+    assert got.flatten().tolist() == [7, 8, 9, 0]
+    gen = torch.Generator().manual_seed(3)
+    for sizes, cols in (([0, 130, 5], 7), ([300], 9), ([5, 0, 129, 0, 1], 4), ([0, 0], 3)):
+        m = sum(sizes)
+        scale = torch.randint(0, 256, (m, cols), generator=gen, dtype=torch.int32).to(torch.uint8)
+        gs = torch.tensor(sizes, dtype=torch.int32)
+        b = to_blocked_grouped(scale, gs, "m")
+        rows = m + 50  # a buffer with room past the groups, as the expanded buffers have
+        padded = torch.zeros(grouped_blocked_size(rows, len(sizes), cols, "m"), dtype=torch.uint8)
+        padded[: b.numel()] = b
+        out = from_blocked_grouped(padded, gs, rows, cols)
+        assert torch.equal(out[:m], scale) and not out[m:].any()

@@ -42,7 +42,6 @@ def awkward_weight(g: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tor
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(g, n, k, generator=gen)
     w *= 10.0 ** (torch.rand(g, n, 1, generator=gen) * 6 - 3) * 10.0 ** (torch.rand(g, 1, k, generator=gen) * 6 - 3)
-    w[0, 0, min(5, k - 1)] = float("nan")
     w[-1, n - 1, k - 1] = float("inf")
     w[0, (40 % n), (33 % k)] = float("-inf")
     if n >= 64 and k >= 64:
@@ -53,6 +52,8 @@ def awkward_weight(g: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tor
     w[-1, :32, 0] = 1.0  # one large value per row block: the rest underflows in e4m3
     w[0, n - 1, :32] = torch.linspace(-1.0, 1.0, 32) * 3.38e38  # near bf16 max (fp16: Inf, so a NaN block)
     w[-1, n - 32 :, k - 1] = -0.0
+    # last: with one expert (w[0] is w[-1]) an earlier write would overwrite it (row 0's first block is NaN)
+    w[0, 0, min(5, k - 1)] = float("nan")
     return w.to(dtype)
 
 

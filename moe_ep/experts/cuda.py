@@ -28,7 +28,8 @@ one is given: computed once per weight version, shared by micro-batches and by t
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -115,48 +116,66 @@ def expert_mlp_mx_fwd(
 
 
 def expert_mlp_mx_bwd(
-    dout: torch.Tensor,
-    xq: torch.Tensor,
-    xs: torch.Tensor,
-    a: torch.Tensor,
+    saved: dict[str, torch.Tensor],
     w13: torch.Tensor,
     w2: torch.Tensor,
     w13o: WeightOperands,
     w2o: WeightOperands,
     group_sizes: torch.Tensor,
-    need_dx: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """dout: [M, H] bf16 (rows past the groups are not read), xq / xs / a: from the forward, w13 [E, 2F, H] / w2
-    [E, H, F]: the weights (for the gradients' dtype) -> (dx [M, H] bf16 or None without ``need_dx``, dw13 [E, 2F, H]
-    w13.dtype, dw2 [E, H, F] w2.dtype)."""
+    on_dx: Callable[[torch.Tensor], Any] | None = None,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`expert_mlp_mx_fwd`.
+
+    saved: {"dout": [M, H] bf16 (rows past the groups are not read), "xq", "xs", "a": from the forward}; the dict
+    is CONSUMED (each tensor is popped and freed after its last use, which keeps the backward's peak memory near
+    the bf16 path's). w13 [E, 2F, H] / w2 [E, H, F]: the weights (for the gradients' dtype); on_dx: called with dx
+    [M, H] bf16 as soon as it exists, before the x-side weight gradient (the layer starts the return of dx there,
+    and dx is freed before wgrad's operands are built); None: dx is not computed.
+    -> (on_dx(dx) or None, dw13 [E, 2F, H] w13.dtype, dw2 [E, H, F] w2.dtype)
+    """
+    xq = saved["xq"]
     m, hdim = xq.shape
+    del xq
     if m == 0:
-        dx = dout.new_zeros(0, hdim) if need_dx else None
-        return dx, torch.zeros_like(w13), torch.zeros_like(w2)
-    dq, ds, dc, _ = mxfp8_cuda.quantize_grouped_dual(dout, group_sizes)
+        saved.clear()
+        res = on_dx(torch.zeros(0, hdim, dtype=torch.bfloat16, device=w13.device)) if on_dx else None
+        return res, torch.zeros_like(w13), torch.zeros_like(w2)
+    dq, ds, dc, _ = mxfp8_cuda.quantize_grouped_dual(saved.pop("dout"), group_sizes)
     profiling.mark("quant_dy")
     # bf16 dh: the reference rounds dh to x.dtype, and mx_swiglu_dual's backward reads a bf16 dh
     dh = GEMMS.dgrad(dq, ds, w2o, group_sizes)
+    del dq, ds
     profiling.mark("dgrad2")
+    a = saved.pop("a")
     hc = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True)[2]
     dw2 = GEMMS.wgrad(dc, hc, group_sizes, _wgrad_out(w2), m)
     del dc, hc
     profiling.mark("wgrad2")
     aq, as_, ac, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, swiglu_dh=dh)
+    del a, dh
     profiling.mark("swiglu_bwd_quant")
-    dx = GEMMS.dgrad(aq, as_, w13o, group_sizes) if need_dx else None
-    del aq, as_
-    profiling.mark("dgrad1")
+    res = None
+    if on_dx is not None:
+        dx = GEMMS.dgrad(aq, as_, w13o, group_sizes)
+        del aq, as_
+        profiling.mark("dgrad1")
+        res = on_dx(dx)
+        del dx
+    else:
+        del aq, as_
     # x column-wise from the saved MXFP8 rows: the reference quantizes the (dequantized) received rows again
     # along the other axis, so dequantizing the saved bytes gives exactly its input
+    xq, xs = saved.pop("xq"), saved.pop("xs")
     plain = from_blocked_grouped(xs, group_sizes, m, hdim // 32)
+    del xs
     x_rows = mxfp8_cuda.dequantize(MXFP8Tensor(xq, plain, 1), torch.bfloat16)
+    del xq, plain
     xc = mxfp8_cuda.quantize_grouped_dual(x_rows, group_sizes)[2]
-    del x_rows, plain
+    del x_rows
     profiling.mark("x_colwise")
     dw13 = GEMMS.wgrad(ac, xc, group_sizes, _wgrad_out(w13), m)
     profiling.mark("wgrad1")
-    return dx, dw13.to(w13.dtype), dw2.to(w2.dtype)
+    return res, dw13.to(w13.dtype), dw2.to(w2.dtype)
 
 
 def _wgrad_out(w: torch.Tensor) -> torch.Tensor:
@@ -172,17 +191,21 @@ class _ExpertMLPCuda(torch.autograd.Function):
         w13o, w2o = GEMMS.prepare(w13, cache), GEMMS.prepare(w2, cache)
         xq, xs, _, _ = mxfp8_cuda.quantize_grouped_dual(x, group_sizes)
         out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, group_sizes)
-        ctx.save_for_backward(xq, xs, a, w13, w2, group_sizes)
+        ctx.save_for_backward(w13, w2, group_sizes)
+        # intermediates as attributes, not saved tensors: the backward frees each after its last use
+        ctx.saved = {"xq": xq, "xs": xs, "a": a}
         ctx.cache = cache
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        xq, xs, a, w13, w2, group_sizes = ctx.saved_tensors
+        w13, w2, group_sizes = ctx.saved_tensors
+        saved, ctx.saved = ctx.saved, None
+        saved["dout"] = dout.contiguous()
+        del dout
         w13o, w2o = GEMMS.prepare(w13, ctx.cache), GEMMS.prepare(w2, ctx.cache)
-        dx, dw13, dw2 = expert_mlp_mx_bwd(
-            dout.contiguous(), xq, xs, a, w13, w2, w13o, w2o, group_sizes, need_dx=ctx.needs_input_grad[0]
-        )
+        on_dx = (lambda dx: dx) if ctx.needs_input_grad[0] else None
+        dx, dw13, dw2 = expert_mlp_mx_bwd(saved, w13, w2, w13o, w2o, group_sizes, on_dx)
         return dx, dw13, dw2, None, None
 
 
