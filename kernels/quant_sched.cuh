@@ -106,28 +106,6 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
 // slots in phase 2 and rely on quantize.cu's __syncthreads after phase 1.
 #define MX_STAGE_BYTES (TILE * TILE * 2)
 
-__device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {
-#if defined(__CUDA_ARCH__)
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-#else
-    if (ok) memcpy(smem_dst, src, 16);
-    else memset(smem_dst, 0, 16);
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__)
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__)
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // cp_async_wait<n> for n in 0..7 known only after unrolling (a per-chunk wait inside an unrolled loop).
 __device__ __forceinline__ void cp_async_wait_n(int n) {
     switch (n) {

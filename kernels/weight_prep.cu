@@ -108,22 +108,6 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 // dynamic shared memory for element size ES (moe_ep/experts/operands.py _operands_plan passes the same)
 #define WP_SMEM(ES) (WP_TILE * WP_TILE * (ES) + WP_STAGE_BYTES)
 
-__device__ __forceinline__ void wp_cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {
-#if defined(__CUDA_ARCH__)
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-#else
-    if (ok) memcpy(smem_dst, src, 16);
-    else memset(smem_dst, 0, 16);
-#endif
-}
-
-__device__ __forceinline__ void wp_cp_async_wait_all() {
-#if defined(__CUDA_ARCH__)
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-#endif
-}
-
 // Byte offset of 16-byte unit u of tile row r (UPR units per row). The XOR touches bits 0-2 of u only, so a unit
 // stays in its aligned group of 8 (UPR is 16 or 32).
 template <int UPR> __device__ __forceinline__ int wp_tile_off(int r, int u) {
@@ -162,9 +146,10 @@ __device__ __forceinline__ void wp_operands_body(const unsigned char* __restrict
         for (int j = 0; j < WP_TILE * UPR / WP_THREADS; ++j) {
             const int i = j * WP_THREADS + tid, r = i / UPR, u = i % UPR;
             const bool ok = r < nrows && u * VEC < kcols;
-            wp_cp_async16(tile + wp_tile_off<UPR>(r, u), ok ? src + ((long long)r * K + u * VEC) * ES : w, ok);
+            cp_async16(tile + wp_tile_off<UPR>(r, u), ok ? src + ((long long)r * K + u * VEC) * ES : w, ok);
         }
-        wp_cp_async_wait_all();
+        cp_async_commit();
+        cp_async_wait<0>();
     }
     __syncthreads();
 
