@@ -112,11 +112,37 @@ def _hook_mark(t: torch.Tensor, rec: PhaseRecorder | None, name: str) -> None:
         t.register_hook(lambda g: rec.mark(name))
 
 
+class GroupedExperts(nn.Module):
+    """torchtitan's ``GroupedExperts``: this rank's experts, w1 / w3 [E_l, F, H] (gate / up), w2 [E_l, H, F].
+
+    A module of its own (as in torchtitan) so that FSDP2 can shard the expert weights on another mesh than the router
+    (``fully_shard(layer.experts, mesh=dp)``) and all-gathers them in its forward pre-hook.
+    forward(x [R, H] expert-major, sizes [E_l]) -> [R, H] x.dtype: three ``torch._grouped_mm`` calls in bf16 (rows
+    past the last offset, i.e. the padding tail, are left unspecified by ``_grouped_mm`` and discarded by the
+    unpermute).
+    """
+
+    def __init__(self, num_local: int, hidden: int, ffn_hidden: int, device=None, dtype=torch.bfloat16) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(num_local, ffn_hidden, hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden, **kw))
+        self.w3 = nn.Parameter(torch.empty(num_local, ffn_hidden, hidden, **kw))
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(sizes, dim=0, dtype=torch.int32)
+        xb = x.bfloat16()
+        h = F.silu(torch._grouped_mm(xb, self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(xb, self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
 class TorchtitanMoE(nn.Module):
     """torchtitan's token-choice top-k MoE over all-to-all expert parallelism (see the module docstring).
 
-    Parameters: ``gate`` [E, H] (router), ``w1`` / ``w3`` [E_l, F, H], ``w2`` [E_l, H, F]; buffers ``expert_bias``
-    [E] and ``tokens_per_expert`` [E] (fp32). ``ep_group``: the EP process group (None: one rank owns every expert).
+    Parameters: ``gate`` [E, H] (router), ``experts.w1`` / ``experts.w3`` [E_l, F, H], ``experts.w2`` [E_l, H, F]
+    (also readable as ``w1`` / ``w2`` / ``w3``); buffers ``expert_bias`` [E] and ``tokens_per_expert`` [E] (fp32).
+    ``ep_group``: the EP process group (None: one rank owns every expert).
     forward(x [..., H]) -> y, x's shape and dtype.
     """
 
@@ -148,13 +174,16 @@ class TorchtitanMoE(nn.Module):
         self.route_norm, self.route_scale, self.align = route_norm, route_scale, align
         kw = dict(device=device, dtype=dtype)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden, **kw))
-        self.w1 = nn.Parameter(torch.empty(self.num_local, ffn_hidden, hidden, **kw))
-        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, ffn_hidden, **kw))
-        self.w3 = nn.Parameter(torch.empty(self.num_local, ffn_hidden, hidden, **kw))
+        self.experts = GroupedExperts(self.num_local, hidden, ffn_hidden, **kw)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.phases: PhaseRecorder | None = None
         self.scatter_mode = "deterministic"  # "atomic" if this torch build has no deterministic scatter_add here
+
+    # the expert weights under their pre-GroupedExperts names (read-only views of the submodule's parameters)
+    w1 = property(lambda self: self.experts.w1)
+    w2 = property(lambda self: self.experts.w2)
+    w3 = property(lambda self: self.experts.w3)
 
     # ---- weights shared with an moe_ep.MoE
     @torch.no_grad()
@@ -179,6 +208,11 @@ class TorchtitanMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (top-k scores [T, K] fp32, expert ids [T, K] int64, per-expert counts [E] int64)."""
+        top, ids, counts, _ = self._route(x)
+        return top, ids, counts
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`route` plus the softmax scores [T, E] fp32 (for a load-balancing loss)."""
         scores = torch.softmax(F.linear(x.float(), self.gate.float()), dim=-1)
         _, ids = torch.topk(scores + self.expert_bias, k=self.top_k, dim=-1, sorted=False)
         top = scores.gather(-1, ids)
@@ -189,7 +223,7 @@ class TorchtitanMoE(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-        return top, ids, counts
+        return top, ids, counts, scores
 
     def _permute_indices(self, recv_counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Rank-major (rank, local expert) segments -> expert-major order (padded per group when align > 1).
@@ -222,15 +256,6 @@ class TorchtitanMoE(nn.Module):
             idx = torch.where(pad[seg], torch.full_like(idx, rows), idx)
         return idx, sizes, total
 
-    def experts(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        """torchtitan's GroupedExperts: x [R, H] expert-major, sizes [E_l] -> [R, H] x.dtype (rows past the last
-        offset, i.e. the padding tail, are left unspecified by ``_grouped_mm`` and discarded by the unpermute)."""
-        offs = torch.cumsum(sizes, dim=0, dtype=torch.int32)
-        xb = x.bfloat16()
-        h = F.silu(torch._grouped_mm(xb, self.w1.bfloat16().transpose(-2, -1), offs=offs))
-        h = h * torch._grouped_mm(xb, self.w3.bfloat16().transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
-
     def _scatter_add(self, out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         if self.scatter_mode == "deterministic":
             try:
@@ -242,6 +267,10 @@ class TorchtitanMoE(nn.Module):
         return out.scatter_add(0, index, src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)[0]
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., H] -> (y: x's shape and dtype, softmax scores [T, E] fp32, per-expert counts [E] int64)."""
         from torch.distributed._functional_collectives import (  # noqa: PLC0415
             all_to_all_single,
             all_to_all_single_autograd,
@@ -251,7 +280,7 @@ class TorchtitanMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.hidden)
         k, w = self.top_k, self.ep_size
-        top, ids, counts = self.route(x)
+        top, ids, counts, scores = self._route(x)
         self._mark("router")
 
         # dispatch: slots sorted by expert, rows gathered, split sizes exchanged and read on the host
@@ -296,4 +325,51 @@ class TorchtitanMoE(nn.Module):
         scaled = (unperm.to(torch.float32) * top_sorted.reshape(-1, 1)).to(unperm.dtype)
         y = self._scatter_add(torch.zeros_like(x), tok.reshape(-1, 1).expand(-1, self.hidden), scaled)
         self._mark("combine")
-        return y.reshape(shape)
+        return y.reshape(shape), scores, counts
+
+
+class TorchtitanMoELayer(TorchtitanMoE):
+    """:class:`TorchtitanMoE` as a drop-in MoE of ``moe_ep.model.MoETransformer`` (``launch/train.py --baseline
+    torchtitan``): built from the same :class:`moe_ep.MoEConfig` and ("dp", "ep") mesh as ``moe_ep.MoE``, fp32 master
+    parameters (FSDP2's mixed precision casts them, as for ``moe_ep.MoE``), and the same training objective.
+
+    forward(x [..., H]) -> (y: x's shape and dtype, aux_loss: fp32 scalar, already weighted by ``cfg.aux_loss_coef``).
+    The aux loss is moe_ep's (``moe_ep.router.route``): E * sum_e f_e * P_e with f_e the fraction of this rank's T * K
+    assignments that go to expert e and P_e the mean softmax score of e (torchtitan itself balances with the
+    ``expert_bias`` buffer instead; here it stays zero). Routing is moe_ep's too: fp32 softmax, top-k, renormalized.
+    Dropless only (``cfg.capacity_factor`` must be None). The model's initialization protocol: ``router_weight`` (the
+    [E, H] gate) and ``set_expert_weights_(i, w13, w2)`` (local expert i from moe_ep's layout), so that a model of
+    either layer starts from the same weights.
+    """
+
+    def __init__(self, cfg, mesh=None) -> None:
+        if cfg.capacity_factor is not None:
+            raise ValueError("the torchtitan baseline is dropless: capacity_factor must be None")
+        if not cfg.renormalize:
+            raise ValueError("the torchtitan baseline renormalizes the top-k scores (cfg.renormalize must be True)")
+        group = None
+        if mesh is not None:
+            ep_mesh = mesh["ep"]
+            group = ep_mesh.get_group() if ep_mesh.size() > 1 else None
+        super().__init__(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k, group, dtype=torch.float32)
+        self.aux_loss_coef = cfg.aux_loss_coef
+
+    @property
+    def router_weight(self) -> nn.Parameter:
+        return self.gate
+
+    @torch.no_grad()
+    def set_expert_weights_(self, i: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Local expert ``i`` from moe_ep's layout: w13 [2F, H] = [gate rows | up rows], w2 [H, F]."""
+        f = self.ffn_hidden
+        self.experts.w1[i].copy_(w13[:f])
+        self.experts.w3[i].copy_(w13[f:])
+        self.experts.w2[i].copy_(w2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        y, scores, counts = self._forward(x)
+        t = scores.shape[0]
+        frac = counts.to(torch.float32) / max(t * self.top_k, 1)
+        mean_p = scores.mean(0) if t else scores.new_zeros(self.num_experts)
+        aux = self.num_experts * (frac * mean_p).sum()
+        return y, aux * self.aux_loss_coef

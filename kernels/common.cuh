@@ -199,7 +199,7 @@ MX_HD unsigned mx_quantize_block(const float* v, unsigned char* q) {
 
 // cp.async: 16-byte global -> shared copies (zero-filled when !ok), their groups and waits. The host build (the
 // CPU emulation of the kernels in tests/) copies synchronously.
-__device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {
+MX_HD void cp_async16(unsigned char* smem_dst, const unsigned char* src, bool ok) {
 #if defined(__CUDA_ARCH__)
     const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -209,13 +209,13 @@ __device__ __forceinline__ void cp_async16(unsigned char* smem_dst, const unsign
 #endif
 }
 
-__device__ __forceinline__ void cp_async_commit() {
+MX_HD void cp_async_commit() {
 #if defined(__CUDA_ARCH__)
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 
-template <int N> __device__ __forceinline__ void cp_async_wait() {
+template <int N> MX_HD void cp_async_wait() {
 #if defined(__CUDA_ARCH__)
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif

@@ -1,18 +1,35 @@
 """Train a small MoE transformer with FSDP2 + expert parallelism on bytes of the Python standard library.
 
-    torchrun --nproc-per-node=N launch/train.py [--ep N] [--steps S] [--preset tiny|small]
-             [--backend auto|reference] [--no-quantize] [--log-json PATH] ...
+    torchrun --nproc-per-node=N launch/train.py [--ep N] [--steps S] [--preset tiny|small|medium]
+             [--backend auto|reference|cuda] [--transport nvshmem|nccl] [--capacity-factor C] [--no-quantize]
+             [--baseline torchtitan] [--log-json PATH] ...
 
 With GPUs: nccl, one GPU per rank, bf16 parameters (fp32 gradient reduction), preset "small". Without: the
 same command runs over gloo on CPU in fp32 with preset "tiny". The text is the running interpreter's own
 standard-library ``*.py`` files (present offline on every machine), tokenized bytewise (vocab 256).
 
+Variants (the log's ``variant``; the default log name carries it):
+  mxfp8       moe_ep.MoE on the cuda backend (MXFP8 dispatch and grouped GEMMs). ``--backend auto`` (default)
+              resolves to it on GPUs when CuPy + nvshmem4py import (``moe_ep[gpu]``); ``--backend cuda`` insists.
+  bf16        the same with ``--no-quantize``: bf16 payloads on the same transport, ``torch._grouped_mm`` experts.
+  torchtitan  ``--baseline torchtitan``: every MoE replaced by benchmarks/torchtitan_moe.py's torchtitan-style bf16
+              layer (host-synced split sizes, NCCL all_to_all, ``torch._grouped_mm``), same router and expert weights
+              at init, same aux loss (dropless).
+  reference   moe_ep's pure-PyTorch reference backend (CPU, or ``--backend reference``); ``reference_bf16`` with
+              ``--no-quantize``.
+Same ``--seed``: same initial weights and the same data order for every variant.
+
 Data: every step draws one global batch of ``batch_size * world_size`` random windows of the corpus from a
 generator seeded by (seed, step); rank r takes windows [r*B, (r+1)*B). So a run is reproducible, every rank
 reads a different slice, and a run on 1 process with batch 2B sees exactly the data of 2 processes with B.
 
-Rank 0 prints loss and tokens/sec/GPU (tokens processed per rank per second) with a progress bar and writes
-a JSON log (config, per-step loss, throughput per logging window, device, world size, git commit).
+Rank 0 prints loss and tokens/sec/GPU (tokens processed per rank per second) with a progress bar and writes a
+JSON log (default ``runs/<preset>_<variant>_<YYYYmmdd-HHMMSS>.json``): config, variant, per-step ``loss`` /
+``aux_loss`` / ``grad_norm``, per logging window the time, tokens/s/GPU, learning rate, dropped slots (summed over
+ranks, MoE layers and the window's steps) and peak memory, then ``summary`` (``tokens_per_sec_per_gpu`` without the
+first window, peak memory as the max over ranks), device, world size, commit (``$MOE_EP_COMMIT`` or git HEAD).
+``launch/plot_train.py`` draws PNGs from one or more logs. Bad arguments fail in argument parsing, before any
+collective.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ import json
 import math
 import os
 import platform
+import resource
 import sys
 import sysconfig
 import time
@@ -35,12 +53,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from moe_ep import init_ep  # noqa: E402
+from moe_ep import MoE, init_ep  # noqa: E402
 from moe_ep.model import ModelConfig, MoETransformer  # noqa: E402
 from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_, finish  # noqa: E402
 
 # Model and optimizer presets. "tiny" runs in seconds on 2 CPU cores; "small" is a GPU-sized model
-# (~8k tokens per rank per step). Any field can be overridden on the command line.
+# (~8k tokens per rank per step); "medium" is MoE-dominated, the layer of bench_layer's "small" shape (hidden 2048,
+# 128 experts, top-8, expert FFN 768) in 8 blocks, 16384 tokens per rank per step. Any field can be overridden on
+# the command line.
 PRESETS: dict[str, dict] = {
     "tiny": dict(
         dim=64,
@@ -70,11 +90,55 @@ PRESETS: dict[str, dict] = {
         steps=200,
         log_every=10,
     ),
+    "medium": dict(
+        dim=2048,
+        n_layers=8,
+        n_heads=16,
+        seq_len=4096,
+        ffn_hidden=768,
+        num_experts=128,
+        top_k=8,
+        batch_size=4,  # 4 x 4096 = 16384 tokens per rank per step (max_tokens_per_rank follows)
+        lr=1e-3,
+        warmup=30,
+        steps=300,
+        log_every=10,
+    ),
 }
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _int_at_least(lo: int):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return conv
+
+
+def _float(lo: float, strict: bool, hi: float | None = None):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or (strict and v == lo) or (hi is not None and v > hi):
+            rng = f"{'>' if strict else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
+            raise argparse.ArgumentTypeError(f"must be a finite number {rng}, got {text}")
+        return v
+
+    return conv
+
+
+_POS, _NONNEG = _int_at_least(1), _int_at_least(0)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--preset",
@@ -82,42 +146,110 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="model/optimizer preset (default: small with CUDA, tiny on CPU)",
     )
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: world size)")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--ep", type=_POS, default=None, help="expert-parallel size, divides the world size (default: all)")
+    p.add_argument("--steps", type=_POS, default=None)
     p.add_argument(
-        "--backend", choices=["auto", "reference"], default="auto", help="MoE backend (the CUDA layer is not built yet)"
+        "--backend",
+        choices=["auto", "reference", "cuda"],
+        default="auto",
+        help="moe_ep.MoE backend: auto = cuda on GPUs when CuPy + nvshmem4py import, else reference",
     )
-    p.add_argument("--no-quantize", action="store_true", help="bf16/fp32 dispatch and GEMMs (no MXFP8)")
-    p.add_argument("--log-json", type=str, default=None, help="write the JSON log here (rank 0)")
-    p.add_argument("--log-every", type=int, default=None, help="steps between host syncs / log lines")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--dim", type=int, default=None)
-    p.add_argument("--n-layers", type=int, default=None)
-    p.add_argument("--n-heads", type=int, default=None)
-    p.add_argument("--ffn-hidden", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--aux-loss-coef", type=float, default=1e-2)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, fraction of --lr")
-    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
+    p.add_argument(
+        "--transport",
+        choices=["nvshmem", "nccl"],
+        default=None,
+        help="the cuda backend's all-to-all (default nvshmem)",
+    )
+    p.add_argument(
+        "--capacity-factor",
+        type=_float(0.0, strict=True),
+        default=None,
+        help="drop slots past ceil(C * tokens * top_k) expanded rows per rank (default: dropless)",
+    )
+    p.add_argument("--no-quantize", action="store_true", help="our bf16 path: bf16 dispatch and GEMMs (no MXFP8)")
+    p.add_argument(
+        "--baseline",
+        choices=["torchtitan"],
+        default=None,
+        help="replace every MoE by the torchtitan-style bf16 layer of benchmarks/torchtitan_moe.py",
+    )
+    p.add_argument(
+        "--log-json",
+        type=str,
+        default=None,
+        help="write the JSON log here (rank 0; default runs/<preset>_<variant>_<YYYYmmdd-HHMMSS>.json)",
+    )
+    p.add_argument("--log-every", type=_POS, default=None, help="steps between host syncs / log lines")
+    p.add_argument("--seed", type=_NONNEG, default=0)
+    p.add_argument("--batch-size", type=_POS, default=None, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=_POS, default=None)
+    p.add_argument("--dim", type=_POS, default=None)
+    p.add_argument("--n-layers", type=_POS, default=None)
+    p.add_argument("--n-heads", type=_POS, default=None)
+    p.add_argument("--ffn-hidden", type=_POS, default=None)
+    p.add_argument("--num-experts", type=_POS, default=None)
+    p.add_argument("--top-k", type=_POS, default=None)
+    p.add_argument("--aux-loss-coef", type=_float(0.0, strict=False), default=1e-2)
+    p.add_argument("--lr", type=_float(0.0, strict=True), default=None)
+    p.add_argument(
+        "--min-lr-ratio", type=_float(0.0, strict=False, hi=1.0), default=0.1, help="cosine decay floor, of --lr"
+    )
+    p.add_argument("--warmup", type=_NONNEG, default=None, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=_float(0.0, strict=False), default=0.1)
+    p.add_argument("--clip", type=_float(0.0, strict=False), default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument(
         "--dtype",
         choices=["bf16", "fp32"],
         default=None,
         help="parameter/compute dtype (default: bf16 on GPU, fp32 on CPU)",
     )
-    p.add_argument("--data-bytes", type=int, default=None, help="read at most this many corpus bytes")
+    p.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="FSDP2 keeps the gathered block and expert parameters from forward to backward (no second all-gather)",
+    )
+    p.add_argument("--data-bytes", type=_POS, default=None, help="read at most this many corpus bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate the command line (argparse errors, exit code 2, before any collective: the world size
+    comes from torchrun's $WORLD_SIZE)."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.preset = args.preset or ("small" if torch.cuda.is_available() else "tiny")
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ep = args.ep or world
+    if world % ep:
+        p.error(f"argument --ep: {ep} does not divide the world size {world} (torchrun --nproc-per-node x nodes)")
+    if args.num_experts % ep:
+        p.error(f"argument --num-experts: {args.num_experts} experts do not split over --ep {ep}")
+    if args.top_k > args.num_experts:
+        p.error(f"argument --top-k: {args.top_k} exceeds --num-experts {args.num_experts}")
+    if args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
+        p.error(f"argument --n-heads: --dim {args.dim} does not split into {args.n_heads} heads of even size")
+    if args.baseline == "torchtitan":
+        if args.capacity_factor is not None:
+            p.error("argument --capacity-factor: the torchtitan baseline is dropless")
+        if args.backend != "auto" or args.transport is not None:
+            p.error("argument --baseline: torchtitan replaces moe_ep's layer; --backend / --transport do not apply")
+    elif not args.no_quantize and (args.dim % 32 or args.ffn_hidden % 32):
+        p.error(f"MXFP8 needs --dim ({args.dim}) and --ffn-hidden ({args.ffn_hidden}) to be multiples of 32")
+    if args.backend == "cuda":
+        from moe_ep.layer_cuda import missing_gpu_packages  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            p.error("argument --backend: cuda needs a CUDA GPU (none visible); use --backend auto or reference")
+        missing = missing_gpu_packages(args.transport or "nvshmem")
+        if missing:
+            p.error(f"argument --backend: cuda needs {', '.join(missing)} (pip install 'moe_ep[gpu]')")
+    if args.data_bytes is not None and args.data_bytes < args.seq_len + 2:
+        p.error(f"argument --data-bytes: {args.data_bytes} bytes cannot hold a window of --seq-len {args.seq_len}")
+    args.transport = args.transport or "nvshmem"
     return args
 
 
@@ -227,20 +359,67 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def torchtitan_factory():
+    """``MoETransformer``'s ``moe_factory`` for ``--baseline torchtitan`` (benchmarks/ is a script folder, not part of
+    the package: imported through sys.path, as bench_layer.py does)."""
+    bench = str(REPO / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from torchtitan_moe import TorchtitanMoELayer  # noqa: PLC0415
+
+    return TorchtitanMoELayer
+
+
+def shard_factory_experts(model: MoETransformer, mesh, param_dtype, reduce_dtype, reshard_after_forward: bool) -> None:
+    """FSDP2 for the ``experts`` of every non-``MoE`` layer (the baseline), exactly as
+    :func:`moe_ep.parallel.apply_fsdp` treats ``MoE.experts``: a unit on "dp", gradients divided by the world size.
+    Call before ``apply_fsdp`` (which then leaves these parameters to their own unit)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    from moe_ep.parallel import _needs_sum_only  # noqa: PLC0415
+
+    dp = mesh["dp"]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for blk in model.blocks:
+        if not isinstance(blk.moe, MoE):
+            fully_shard(blk.moe.experts, mesh=dp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            blk.moe.experts.set_gradient_divide_factor(float(dist.get_world_size()))
+            blk.moe.experts.set_force_sum_reduction_for_comms(_needs_sum_only(dp.size()))
+
+
+def resolve_variant(args: argparse.Namespace, cfg: ModelConfig, device: torch.device) -> tuple[str, str | None]:
+    """(variant name, the MoE backend it runs: "cuda" / "reference", None for the baseline). After init_ep: "auto"
+    resolves to cuda only with torch.distributed initialized (moe_ep.layer_cuda.resolve_backend, on a probe tensor
+    of the training device)."""
+    if args.baseline == "torchtitan":
+        return "torchtitan", None
+    from moe_ep.layer_cuda import resolve_backend  # noqa: PLC0415
+
+    backend = resolve_backend(cfg.moe_config(), torch.empty(0, device=device))
+    if backend == "cuda":
+        return ("mxfp8" if cfg.quantize else "bf16"), backend
+    return ("reference" if cfg.quantize else "reference_bf16"), backend
+
+
+def peak_memory(device: torch.device) -> dict:
+    """This process's peaks so far: GPU allocator (None on CPU) and host RSS, GiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss: KiB on Linux
+    if device.type != "cuda":
+        return {"max_memory_gib": None, "max_reserved_gib": None, "max_rss_gib": rss}
+    return {
+        "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "max_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        "max_rss_gib": rss,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = parse_args(argv)  # every argument error is raised here, before torch.distributed starts
     _single_process_env()
     use_cuda = torch.cuda.is_available()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world_size
-    mesh = init_ep(ep)  # also initializes torch.distributed (nccl with GPUs, gloo without)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if use_cuda else "fp32")]
-    if use_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
     tokens_per_rank = args.batch_size * args.seq_len
     cfg = ModelConfig(
         dim=args.dim,
@@ -250,16 +429,40 @@ def main(argv: list[str] | None = None) -> dict:
         ffn_hidden=args.ffn_hidden,
         num_experts=args.num_experts,
         top_k=args.top_k,
-        max_tokens_per_rank=tokens_per_rank,
+        max_tokens_per_rank=tokens_per_rank,  # the receive buffers cover every token this rank passes per step
+        capacity_factor=args.capacity_factor,
         aux_loss_coef=args.aux_loss_coef,
-        quantize=not args.no_quantize,
+        quantize=not args.no_quantize and args.baseline is None,
         backend=args.backend,
+        transport=args.transport,
     )
+    corpus = load_corpus(args.data_bytes)
+    if corpus.numel() < args.seq_len + 2:
+        raise ValueError(f"--seq-len {args.seq_len}: the corpus has only {corpus.numel()} bytes")
+    moe_factory = torchtitan_factory() if args.baseline == "torchtitan" else None
+
+    mesh = init_ep(ep)  # also initializes torch.distributed (nccl with GPUs, gloo without)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    variant, backend = resolve_variant(args, cfg, device)
+    if rank == 0 and use_cuda and args.backend == "auto" and backend == "reference":
+        from moe_ep.layer_cuda import missing_gpu_packages  # noqa: PLC0415
+
+        missing = ", ".join(missing_gpu_packages(cfg.transport))
+        print(
+            f"WARNING: --backend auto runs the reference backend on GPUs: {missing} do not import "
+            f"(pip install 'moe_ep[gpu]'); the variant is named {variant!r}",
+            flush=True,
+        )
+
     # Same seed everywhere: non-expert weights come out identical on all ranks (broadcast_params below is
-    # only the safety net); experts are then re-drawn per global expert index, independent of the EP size.
+    # only the safety net); experts are then re-drawn per global expert index, independent of the EP size
+    # and of the MoE implementation (the baseline starts from the same weights).
     torch.manual_seed(args.seed)
-    model = MoETransformer(cfg, mesh)
-    model.init_expert_weights(args.seed)
+    model = MoETransformer(cfg, mesh, moe_factory=moe_factory, seed=args.seed)
     model.to(device)
     # Parameter counts of the global model (this rank holds E/ep experts per layer; top_k are active).
     n_local = sum(p.numel() for p in model.parameters())
@@ -267,7 +470,10 @@ def main(argv: list[str] | None = None) -> dict:
     n_params = n_local - n_expert + n_expert * ep
     n_active = n_local - n_expert + n_expert * ep * cfg.top_k // cfg.num_experts
     broadcast_params(model, mesh)
-    apply_fsdp(model, mesh, param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
+    param_dtype = dtype if dtype != torch.float32 else None
+    reshard = not args.no_reshard_after_forward
+    shard_factory_experts(model, mesh, param_dtype, torch.float32, reshard)
+    apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard)
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -278,16 +484,23 @@ def main(argv: list[str] | None = None) -> dict:
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
 
-    corpus = load_corpus(args.data_bytes)
-    if corpus.numel() < args.seq_len + 2:
-        raise RuntimeError(f"corpus too small ({corpus.numel()} bytes) for seq_len {args.seq_len}")
-
+    if rank == 0 and args.log_json is None:
+        args.log_json = f"runs/{args.preset}_{variant}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     device_name = torch.cuda.get_device_name(device) if use_cuda else (platform.processor() or "cpu")
+    # expanded slots per step summed over ranks and layers (the denominator of the dropped fraction)
+    slots_per_step = tokens_per_rank * cfg.top_k * cfg.n_layers * world
     log: dict = {
         "config": {"args": vars(args), "model": asdict(cfg)},
+        "variant": variant,
+        "preset": args.preset,
+        "backend": backend,
+        "transport": cfg.transport if backend == "cuda" else None,
+        "quantize": cfg.quantize,
+        "capacity_factor": cfg.capacity_factor,
         "world_size": world,
         "ep": ep,
         "dp": world // ep,
+        "tokens_per_rank_per_step": tokens_per_rank,
         "device": device_name,
         "device_type": device.type,
         "dist_backend": dist.get_backend(),
@@ -305,10 +518,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if rank == 0:
         print(
-            f"moe_ep train: world={world} ep={ep} dp={world // ep} device={device_name} dtype={log['dtype']} "
-            f"preset={args.preset} quantize={cfg.quantize} backend={cfg.backend} "
-            f"params={n_params / 1e6:.2f}M (active {n_active / 1e6:.2f}M) corpus={corpus.numel() / 1e6:.1f} MB "
-            f"tokens/rank/step={tokens_per_rank}",
+            f"moe_ep train: variant={variant} world={world} ep={ep} dp={world // ep} device={device_name} "
+            f"dtype={log['dtype']} preset={args.preset} backend={backend} transport={log['transport']} "
+            f"capacity_factor={cfg.capacity_factor} params={n_params / 1e6:.2f}M (active {n_active / 1e6:.2f}M) "
+            f"corpus={corpus.numel() / 1e6:.1f} MB tokens/rank/step={tokens_per_rank} log={args.log_json}",
             flush=True,
         )
 
@@ -319,12 +532,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     progress = Progress(args.steps, enabled=rank == 0 and not args.no_progress)
     pending: list[torch.Tensor] = []  # per step [loss, aux, grad norm], on device until the next log point
+    dropped_dev: list[torch.Tensor] = []  # per step, summed over layers: device counts (cuda backend, nvshmem)
+    dropped_host = 0  # the same, host ints (reference backend, nccl transport: already host-synced there)
     t_last, step_last = time.perf_counter(), 0
     model.train()
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.seed, args.batch_size, args.seq_len, rank, world)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss, aux = model(x, y)
+        d = model.dropped_slots()  # no host sync: a device tensor or a host int
+        if isinstance(d, torch.Tensor):
+            dropped_dev.append(d)
+        else:
+            dropped_host += d
         (loss + aux).backward()
         # Global norm over both meshes (logged; also the clipping input). --clip 0 only disables clipping.
         gnorm = clip_grad_norm_(model, args.clip if args.clip > 0 else math.inf)
@@ -335,8 +555,14 @@ def main(argv: list[str] | None = None) -> dict:
 
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             vals = torch.stack(pending)  # [steps in window, 3]: loss, aux, grad norm
-            dist.all_reduce(vals)  # sum over ranks (gloo has no AVG); divided below
-            vals = (vals / world).tolist()  # NOTE: host sync (the only one per logging window)
+            dropped = torch.tensor([float(dropped_host)], device=device)  # (a tiny host-to-device copy)
+            if dropped_dev:
+                dropped = dropped + torch.stack(dropped_dev).sum().float()
+            packed = torch.cat([vals.reshape(-1), dropped])
+            dist.all_reduce(packed)  # sum over ranks (gloo has no AVG); loss etc. divided below
+            packed = packed.tolist()  # NOTE: host sync (the only one per logging window; also reads the drop counts)
+            vals = [[v / world for v in packed[i : i + 3]] for i in range(0, len(packed) - 1, 3)]
+            n_dropped = int(round(packed[-1]))
             if use_cuda:
                 torch.cuda.synchronize()  # NOTE: host sync (so the window's time covers all its kernels)
             now = time.perf_counter()
@@ -352,33 +578,53 @@ def main(argv: list[str] | None = None) -> dict:
                     "seconds": now - t_last,
                     "tokens_per_sec_per_gpu": tps,
                     "lr": sched.get_last_lr()[0],
+                    "dropped_slots": n_dropped,  # summed over ranks, MoE layers and the window's steps
+                    "dropped_fraction": n_dropped / (n_steps * slots_per_step),
+                    **peak_memory(device),  # rank 0's peaks so far (summary: max over ranks)
                 }
             )
             pending.clear()
+            dropped_dev.clear()
+            dropped_host = 0
             t_last, step_last = now, step + 1
             msg = f"loss {vals[-1][0]:.4f} aux {vals[-1][1]:.4f} tok/s/gpu {tps:,.0f}"
+            if cfg.capacity_factor is not None:
+                msg += f" dropped {n_dropped}"
             progress.update(step + 1, msg)
             if rank == 0 and not math.isfinite(vals[-1][0]):
                 print(f"non-finite loss at step {step + 1}", flush=True)
             write_log()
     progress.close()
 
+    # Peak memory: the max over ranks (one collective after the last step).
+    mem = peak_memory(device)
+    keys = [k for k, v in mem.items() if v is not None]
+    peaks = torch.tensor([mem[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    mem.update(zip(keys, peaks.tolist(), strict=True))
     # Throughput summary skips the first window (one-time setup: allocator, kernel compilation, caches).
     steady = log["windows"][1:] or log["windows"]
     tps = sum(w["steps"] for w in steady) * tokens_per_rank / sum(w["seconds"] for w in steady)
+    total_dropped = sum(w["dropped_slots"] for w in log["windows"])
     log["summary"] = {
         "final_loss": log["loss"][-1],
         "first_loss": log["loss"][0],
+        "mean_loss_last_50": sum(log["loss"][-50:]) / len(log["loss"][-50:]),
+        "finite": all(math.isfinite(v) for v in log["loss"] + log["aux_loss"] + log["grad_norm"]),
         "tokens_per_sec_per_gpu": tps,
         "tokens_per_sec_total": tps * world,
-        "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else None,
+        "steady_steps": sum(w["steps"] for w in steady),
+        "dropped_slots": total_dropped,
+        "dropped_fraction": total_dropped / (args.steps * slots_per_step),
+        **mem,
     }
     write_log()
     if rank == 0:
         s = log["summary"]
+        mem_txt = f", peak {s['max_memory_gib']:.1f} GiB" if s["max_memory_gib"] is not None else ""
         print(
-            f"done: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
-            f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/GPU ({world} ranks)",
+            f"done ({variant}): loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
+            f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/GPU ({world} ranks){mem_txt}; log {args.log_json}",
             flush=True,
         )
     finish(mesh)  # barriers on every group, then a store rendezvous, then destroy (see moe_ep.parallel.finish)

@@ -18,7 +18,8 @@ class Experts(nn.Module):
     """This rank's experts. w13: [E_local, 2F, H] (gate rows, then up rows); w2: [E_local, H, F].
 
     ``weight_cache``: the MXFP8 operands of w13 / w2 the cuda backend's GEMMs read, recomputed only when a weight
-    changes (an optimizer step or an FSDP2 all-gather bumps its version); ``weight_cache.clear()`` forces it.
+    changes (an in-place update bumps its version; FSDP2's all-gather does not, so under FSDP2 call
+    ``weight_cache.clear()`` after the weights change, as ``moe_ep.model`` does).
     """
 
     def __init__(self, num_local: int, hidden: int, ffn_hidden: int, device=None, dtype=None) -> None:

@@ -1,14 +1,27 @@
 """A small MoE transformer (bytewise LM) used by ``launch/train.py`` and the benchmarks.
 
 Each block is pre-norm: ``x + attn(norm(x))`` then ``x + moe(norm(x))``; every block's FFN is an
-expert-parallel :class:`moe_ep.MoE`. Positions are rotary (no learned position table, so ``seq_len`` only
-sizes the cached rotary tables). The model owns no process groups: pass the ("dp", "ep") mesh and it is handed
-to every MoE layer; FSDP wrapping is a separate step (:func:`moe_ep.parallel.apply_fsdp`).
+expert-parallel :class:`moe_ep.MoE` (or, for baselines, a layer built by ``moe_factory``, see
+:class:`MoETransformer`). Positions are rotary (no learned position table, so ``seq_len`` only sizes the cached
+rotary tables). The model owns no process groups: pass the ("dp", "ep") mesh and it is handed to every MoE layer;
+FSDP wrapping is a separate step (:func:`moe_ep.parallel.apply_fsdp`).
+
+FSDP2 and the cuda backend: FSDP2 all-gathers a unit's parameters in the forward pre-hook of the module it wraps,
+and :func:`moe_ep.parallel.apply_fsdp` wraps ``MoE.experts``. The reference backend calls ``experts(...)`` as a
+module; the cuda backend reads ``experts.w13`` / ``experts.w2`` directly, so no hook would fire and the kernels
+would see the sharded DTensors. :func:`run_moe` therefore runs the whole layer as a registered FSDP forward method
+of the experts module (``torch.distributed.fsdp.register_fsdp_forward_method``) when the layer resolves to the cuda
+backend: all-gather before the layer, reshard after it (``reshard_after_forward``), pre-backward unshard on its
+outputs and post-backward reduce-scatter after its input gradient, as for any FSDP unit. It also clears
+``experts.weight_cache`` before each such forward: FSDP2 writes the all-gathered weights under
+``torch.autograd._unsafe_preserve_version_counter`` (torch 2.13), so the unsharded parameter keeps its version counter
+and often its address across optimizer steps, and the cache, keyed by both, could not see the update.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import MoEConfig
 from .layer import MoE
+
+# (MoEConfig of the layer, the ("dp", "ep") mesh or None) -> an MoE-like module; see MoETransformer.
+MoEFactory = Callable[[MoEConfig, "DeviceMesh | None"], nn.Module]
 
 
 @dataclass
@@ -33,7 +49,8 @@ class ModelConfig:
     norm_eps:    RMSNorm epsilon.
     init_std:    std of the normal init of every non-expert matrix (output projections are scaled down by
                  ``1/sqrt(2*n_layers)``, GPT-2 style, so the residual stream does not grow with depth).
-    ffn_hidden, num_experts, top_k, max_tokens_per_rank, renormalize, aux_loss_coef, quantize, backend:
+    ffn_hidden, num_experts, top_k, max_tokens_per_rank, capacity_factor, renormalize, aux_loss_coef, quantize,
+    backend, transport:
                  passed to every layer's :class:`MoEConfig` (see there).
     """
 
@@ -49,14 +66,21 @@ class ModelConfig:
     num_experts: int = 4
     top_k: int = 2
     max_tokens_per_rank: int = 4096
+    capacity_factor: float | None = None
     renormalize: bool = True
     aux_loss_coef: float = 1e-2
     quantize: bool = True
     backend: str = "auto"
+    transport: str = "nvshmem"
 
     def __post_init__(self) -> None:
+        for name in ("vocab", "dim", "n_layers", "n_heads", "seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim {self.dim} must split into {self.n_heads} heads of even size")
+        self.moe_config()  # validates the MoE fields (ValueError naming the field)
 
     def moe_config(self) -> MoEConfig:
         """The :class:`MoEConfig` of every MoE layer of this model."""
@@ -66,10 +90,12 @@ class ModelConfig:
             num_experts=self.num_experts,
             top_k=self.top_k,
             max_tokens_per_rank=self.max_tokens_per_rank,
+            capacity_factor=self.capacity_factor,
             renormalize=self.renormalize,
             aux_loss_coef=self.aux_loss_coef,
             quantize=self.quantize,
             backend=self.backend,
+            transport=self.transport,
             init_std=self.init_std,
         )
 
@@ -122,20 +148,50 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, d))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: attention then an expert-parallel MoE, each with a residual."""
+_FSDP_LAYER_METHOD = "_moe_ep_fsdp_layer_forward"
 
-    def __init__(self, cfg: ModelConfig, mesh: DeviceMesh | None) -> None:
+
+def run_moe(moe: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe(x)``, except for a :class:`MoE` whose experts are an FSDP2 unit and that resolves to the cuda backend:
+    then the layer runs as a registered FSDP forward method of ``moe.experts`` (see the module docstring), with
+    ``moe.experts.weight_cache`` cleared first. Returns what ``moe(x)`` returns: (y, aux_loss)."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method  # noqa: PLC0415
+
+    from .layer_cuda import resolve_backend  # noqa: PLC0415  (GPU packages load lazily)
+
+    if not (isinstance(moe, MoE) and isinstance(moe.experts, FSDPModule)) or resolve_backend(moe.cfg, x) != "cuda":
+        return moe(x)
+    experts = moe.experts
+    if _FSDP_LAYER_METHOD not in experts.__dict__:
+        object.__setattr__(experts, _FSDP_LAYER_METHOD, moe.__call__)
+        register_fsdp_forward_method(experts, _FSDP_LAYER_METHOD)
+    experts.weight_cache.clear()  # the all-gathered weights may have changed without a version bump (see above)
+    return getattr(experts, _FSDP_LAYER_METHOD)(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then an expert-parallel MoE, each with a residual.
+
+    ``moe_factory``: None builds :class:`MoE`; else ``moe_factory(cfg.moe_config(), mesh)`` (see
+    :class:`MoETransformer`)."""
+
+    def __init__(self, cfg: ModelConfig, mesh: DeviceMesh | None, moe_factory: MoEFactory | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.moe_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.moe = MoE(cfg.moe_config(), mesh=mesh)
+        mcfg = cfg.moe_config()
+        if moe_factory is None:
+            # Built on "meta" (MoE skips its own init there), then allocated: MoETransformer draws every weight itself
+            # (init_expert_weights), so the layer's per-expert draws would be thrown away (seconds at 10^9 weights).
+            self.moe = MoE(mcfg, mesh=mesh, device="meta").to_empty(device="cpu")
+        else:
+            self.moe = moe_factory(mcfg, mesh)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, S, dim] -> (x': [B, S, dim] same dtype, aux_loss: fp32 scalar of this block's MoE)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        y, aux = self.moe(self.moe_norm(x))
+        y, aux = run_moe(self.moe, self.moe_norm(x))
         return x + y, aux
 
 
@@ -144,15 +200,30 @@ class MoETransformer(nn.Module):
 
     With a mesh, every MoE holds only its EP rank's ``num_experts / ep`` experts, and ``forward`` must be
     called on every rank of the EP group in lockstep (dispatch and combine are collectives).
+
+    Initialization: :meth:`reset_parameters` (the global RNG: seed it identically on every rank) and
+    :meth:`init_expert_weights` with ``seed`` (per global expert, independent of the EP size).
+
+    ``moe_factory`` (baselines, e.g. ``launch/train.py --baseline torchtitan``): builds every block's MoE from the
+    layer's :class:`MoEConfig` and the mesh instead of :class:`MoE`. The layer must provide ``forward(x [..., H]) ->
+    (y, aux_loss)`` (aux already weighted), ``router_weight`` (the [E, H] gate parameter, drawn like ``MoE``'s),
+    ``set_expert_weights_(i, w13 [2F, H], w2 [H, F])`` (local expert i, from moe_ep's layout: the model draws the
+    same values as for ``MoE``), and its expert parameters in a submodule named ``experts`` (its own FSDP unit on
+    "dp": :func:`moe_ep.parallel.apply_fsdp` wraps only ``MoE.experts``, so shard it before calling that).
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: DeviceMesh | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, mesh: DeviceMesh | None = None, moe_factory: MoEFactory | None = None, seed: int = 0
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        # EP rank of this process (0 without a mesh): it owns global experts [ep_rank*E_local, ...).
+        # EP rank and size of this process (0 and 1 without a mesh): it owns global experts [ep_rank*E_local, ...).
         self.ep_rank = 0 if mesh is None else mesh["ep"].get_local_rank()
+        self.ep_size = 1 if mesh is None else mesh["ep"].size()
+        if cfg.num_experts % self.ep_size:
+            raise ValueError(f"num_experts {cfg.num_experts} is not divisible by the EP size {self.ep_size}")
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, mesh) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, mesh, moe_factory) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.n_heads, cfg.rope_theta)
@@ -160,15 +231,14 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+        self.init_expert_weights(seed)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for every non-expert matrix; residual output projections scaled down.
 
-        Router weights are re-drawn here too (from the global RNG, so seed it identically on every rank):
-        the layer's own init uses the same seed for every MoE instance, which would give every block the
-        same router. Expert weights are left to the layer (see :meth:`init_expert_weights` to make them
-        differ per block).
+        Router weights are drawn here too (from the global RNG, so seed it identically on every rank). Expert
+        weights are drawn by :meth:`init_expert_weights` (the constructor calls it with its ``seed``).
         """
         std = self.cfg.init_std
         nn.init.normal_(self.embed.weight, std=std)
@@ -176,25 +246,42 @@ class MoETransformer(nn.Module):
         for blk in self.blocks:
             nn.init.normal_(blk.attn.qkv.weight, std=std)
             nn.init.normal_(blk.attn.out.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
-            nn.init.normal_(blk.moe.router.weight, std=std)
+            nn.init.normal_(_router_weight(blk.moe), std=std)
 
     @torch.no_grad()
     def init_expert_weights(self, seed: int) -> None:
-        """Re-draw every expert weight so that global expert ``e`` of layer ``l`` gets the same values whatever
-        the EP size: Normal(0, init_std) from a CPU generator seeded by (seed, l, e).
+        """Draw every expert weight so that global expert ``e`` of layer ``l`` gets the same values whatever the EP
+        size and the MoE implementation: Normal(0, init_std) from a CPU generator seeded by (seed, l, e). The
+        constructor calls it with its ``seed``; call it again to re-draw with another.
 
         A 1-process run and an EP run then start from the same function, and ranks of one EP index (the
         "dp" replicas FSDP shards an expert over) hold identical experts. Call it before
         :func:`moe_ep.parallel.apply_fsdp` (the parameters must still be plain tensors).
         """
+        c = self.cfg
+        e_local = c.num_experts // self.ep_size
         for layer, blk in enumerate(self.blocks):
-            w13, w2 = blk.moe.experts.w13, blk.moe.experts.w2
-            e_local = w13.shape[0]
             for i in range(e_local):
                 e = self.ep_rank * e_local + i
                 g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + e)
-                w13[i].copy_(torch.randn(w13.shape[1:], generator=g, device="cpu") * self.cfg.init_std)
-                w2[i].copy_(torch.randn(w2.shape[1:], generator=g, device="cpu") * self.cfg.init_std)
+                w13 = torch.randn((2 * c.ffn_hidden, c.dim), generator=g, device="cpu") * c.init_std
+                w2 = torch.randn((c.dim, c.ffn_hidden), generator=g, device="cpu") * c.init_std
+                if isinstance(blk.moe, MoE):
+                    blk.moe.experts.w13[i].copy_(w13)
+                    blk.moe.experts.w2[i].copy_(w2)
+                else:
+                    blk.moe.set_expert_weights_(i, w13, w2)
+
+    def dropped_slots(self) -> torch.Tensor | int:
+        """Slots this rank dropped at its capacity in the last forward, summed over the MoE layers: an int, or a 0-dim
+        device tensor when a layer keeps its count on the GPU (cuda backend, nvshmem transport). No host sync here;
+        reading a tensor result is one. Baseline layers (``moe_factory``) count as dropless."""
+        counts = [blk.moe._num_dropped for blk in self.blocks if isinstance(blk.moe, MoE)]
+        dev = [c for c in counts if isinstance(c, torch.Tensor)]
+        host = sum(int(c) for c in counts if not isinstance(c, torch.Tensor))
+        if not dev:
+            return host
+        return torch.stack([c.reshape(()).to(torch.int64) for c in dev]).sum() + host
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the LM.
@@ -219,3 +306,8 @@ class MoETransformer(nn.Module):
             return logits, aux_total
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return loss, aux_total
+
+
+def _router_weight(moe: nn.Module) -> torch.Tensor:
+    """The [E, H] gate parameter of a :class:`MoE` or of a ``moe_factory`` layer."""
+    return moe.router.weight if isinstance(moe, MoE) else moe.router_weight

@@ -1,11 +1,16 @@
-"""launch/train.py end to end on CPU (gloo): FSDP2 + expert parallelism on real text.
+"""launch/train.py end to end on CPU (gloo): FSDP2 + expert parallelism on real text, its argument errors, the
+torchtitan baseline, the FSDP2 path of the cuda backend (with a CPU stand-in for the kernels), and
+launch/plot_train.py on a committed log (tests/data/train_tiny_log.json: ``torchrun --nproc-per-node=2
+launch/train.py --preset tiny --steps 30 --no-progress --data-bytes 4000000 --log-json tests/data/train_tiny_log.json``
+on CPU).
 
-Each test launches ``python -m torch.distributed.run`` (torchrun) as a subprocess, exactly as a user would,
-and reads the JSON log. Sizes are the "tiny" preset so the whole file takes well under a minute on 2 cores.
+Most tests launch ``python -m torch.distributed.run`` (torchrun) as a subprocess, exactly as a user would, and read
+the JSON log. Sizes are the "tiny" preset so the whole file takes about a minute on 2 cores.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -14,13 +19,36 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests._dist import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "launch" / "train.py"
+PLOT = REPO / "launch" / "plot_train.py"
+TINY_LOG = REPO / "tests" / "data" / "train_tiny_log.json"
+# CUDA_VISIBLE_DEVICES="": the CPU/gloo path even on a GPU machine; one thread per rank (2-core CI).
+ENV = dict(
+    os.environ,
+    CUDA_VISIBLE_DEVICES="",
+    OMP_NUM_THREADS="1",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+)
 
 
-def run_train(tmp_path: Path, nproc: int, *args: str, name: str = "log") -> dict:
-    """Run launch/train.py on ``nproc`` CPU processes; return its JSON log (fails with the output on error)."""
+def _script(path: Path):
+    """Import a launch/ script as a module (they are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_test_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_train(tmp_path: Path, nproc: int, *args: str, name: str = "log", default_log: str | None = None) -> dict:
+    """Run launch/train.py on ``nproc`` CPU processes; return its JSON log (fails with the output on error).
+
+    default_log: None passes ``--log-json tmp_path/<name>.json``; a variant name runs without ``--log-json`` in
+    ``tmp_path`` and reads the one default log ``runs/tiny_<variant>_<timestamp>.json`` there."""
     log = tmp_path / f"{name}.json"
     cmd = [
         sys.executable,
@@ -34,20 +62,19 @@ def run_train(tmp_path: Path, nproc: int, *args: str, name: str = "log") -> dict
         "--no-progress",
         "--data-bytes",
         "4000000",
-        "--log-json",
-        str(log),
+        *(["--log-json", str(log)] if default_log is None else []),
         *args,
     ]
-    # CUDA_VISIBLE_DEVICES="": the CPU/gloo path even on a GPU machine; one thread per rank (2-core CI).
-    env = dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    cwd = REPO if default_log is None else tmp_path
+    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
     if proc.returncode:
         pytest.fail(f"train.py failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    if default_log is not None:
+        found = sorted((tmp_path / "runs").glob(f"tiny_{default_log}_*.json"))
+        assert len(found) == 1, (found, proc.stdout[-2000:])
+        stamp = found[0].stem.removeprefix(f"tiny_{default_log}_")
+        assert len(stamp) == 15 and stamp[8] == "-" and stamp.replace("-", "").isdigit(), found[0]  # YYYYmmdd-HHMMSS
+        log = found[0]
     return json.loads(log.read_text())
 
 
@@ -68,6 +95,23 @@ def test_train_two_ranks_loss_decreases(tmp_path: Path) -> None:
     assert len(log["windows"]) == steps // 5
     assert all(w["tokens_per_sec_per_gpu"] > 0 for w in log["windows"])
     assert log["summary"]["tokens_per_sec_per_gpu"] > 0 and "git_commit" in log
+    # what a user reads: the variant (CPU: the reference backend, MXFP8 recipe), grad norms, drops, memory
+    assert (log["variant"], log["backend"], log["quantize"]) == ("reference", "reference", True)
+    assert len(log["grad_norm"]) == steps and all(math.isfinite(g) and g > 0 for g in log["grad_norm"])
+    assert all(w["dropped_slots"] == 0 and w["max_rss_gib"] > 0 for w in log["windows"])  # dropless
+    s = log["summary"]
+    assert s["finite"] and s["dropped_slots"] == 0 and s["max_memory_gib"] is None and s["max_rss_gib"] > 0
+
+
+def test_train_capacity_factor_logs_drops(tmp_path: Path) -> None:
+    """--capacity-factor < 1 drops slots; the log sums them per window (over ranks, layers and steps)."""
+    log = run_train(tmp_path, 2, "--steps", "4", "--log-every", "2", "--capacity-factor", "0.5")
+    assert log["capacity_factor"] == 0.5 and log["config"]["model"]["capacity_factor"] == 0.5
+    # capacity 0.5 * T * K rows per rank of T * K routed slots per rank on average: at least a quarter is dropped
+    for w in log["windows"]:
+        assert w["dropped_slots"] > 0 and 0.25 < w["dropped_fraction"] < 1, w
+    assert log["summary"]["dropped_slots"] == sum(w["dropped_slots"] for w in log["windows"])
+    assert all(math.isfinite(x) for x in log["loss"])
 
 
 def test_ep_fsdp_matches_one_process(tmp_path: Path) -> None:
@@ -86,3 +130,213 @@ def test_ep_fsdp_matches_one_process(tmp_path: Path) -> None:
     assert (four["world_size"], four["ep"], four["dp"]) == (4, 2, 2)
     assert one["loss"] == pytest.approx(four["loss"], abs=1e-4), (one["loss"], four["loss"])
     assert one["grad_norm"] == pytest.approx(four["grad_norm"], rel=1e-4), (one["grad_norm"], four["grad_norm"])
+
+
+# ------------------------------------------------------------------------------------------- the torchtitan baseline
+def _cpu_grouped_mm_missing() -> str | None:
+    try:
+        a = torch.randn(4, 32, dtype=torch.bfloat16)
+        torch._grouped_mm(a, torch.randn(2, 32, 32, dtype=torch.bfloat16), offs=torch.tensor([2, 4], dtype=torch.int32))
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        return f"torch._grouped_mm does not run on this torch's CPU build ({torch.__version__}): {e}"
+    return None
+
+
+def test_torchtitan_baseline(tmp_path: Path) -> None:
+    """--baseline torchtitan: the same model with benchmarks/torchtitan_moe.py's layer. It starts from the same
+    weights as ours (the first step's loss and grad norm equal our bf16 reference's up to bf16 rounding in the
+    experts), trains (finite, decreasing loss), and under EP=2 + FSDP2 matches one process with the same global batch
+    (the experts' FSDP unit divides their gradients by the world size, as ours); the default log name carries the
+    variant."""
+    reason = _cpu_grouped_mm_missing()
+    if reason:
+        pytest.skip(reason)
+    common = ("--steps", "6", "--log-every", "3", "--aux-loss-coef", "0")
+    two = run_train(tmp_path, 2, *common, "--baseline", "torchtitan", "--batch-size", "4", name="tt2")
+    one = run_train(tmp_path, 1, *common, "--baseline", "torchtitan", "--batch-size", "8", default_log="torchtitan")
+    ref = run_train(tmp_path, 1, "--steps", "1", "--aux-loss-coef", "0", "--no-quantize", "--batch-size", "8")
+    assert (two["variant"], two["backend"], two["quantize"], two["ep"]) == ("torchtitan", None, False, 2)
+    assert ref["variant"] == "reference_bf16"
+    for log in (one, two):
+        losses = log["loss"]
+        assert len(losses) == 6 and all(math.isfinite(x) for x in losses + log["grad_norm"]), losses
+        assert sum(losses[-2:]) / 2 < losses[0] - 0.3, losses
+    assert one["loss"][0] == pytest.approx(ref["loss"][0], abs=1e-3)
+    assert one["grad_norm"][0] == pytest.approx(ref["grad_norm"][0], rel=1e-2)
+    assert one["loss"] == pytest.approx(two["loss"], abs=2e-3), (one["loss"], two["loss"])
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=2e-2), (one["grad_norm"], two["grad_norm"])
+    assert two["params"] == ref["params"]  # same parameter count (w1 | w3 split of our w13)
+
+
+# ------------------------------------------------------------------------------------------- argument errors
+@pytest.mark.parametrize(
+    "argv, world, match",
+    [
+        (["--steps", "0"], 1, "argument --steps: must be >= 1, got 0"),
+        (["--steps", "-3"], 1, "argument --steps: must be >= 1"),
+        (["--batch-size", "0"], 1, "argument --batch-size"),
+        (["--log-every", "x"], 1, "argument --log-every: must be an integer"),
+        (["--lr", "0"], 1, "argument --lr: must be a finite number > 0"),
+        (["--lr", "nan"], 1, "argument --lr"),
+        (["--warmup", "-1"], 1, "argument --warmup"),
+        (["--clip", "-1"], 1, "argument --clip"),
+        (["--min-lr-ratio", "2"], 1, "argument --min-lr-ratio"),
+        (["--capacity-factor", "0"], 1, "argument --capacity-factor"),
+        (["--ep", "3"], 2, "argument --ep: 3 does not divide the world size 2"),
+        (["--ep", "0"], 1, "argument --ep"),
+        (["--num-experts", "6", "--ep", "4"], 4, "argument --num-experts: 6 experts do not split over --ep 4"),
+        (["--top-k", "5"], 1, "argument --top-k: 5 exceeds --num-experts 4"),
+        (["--n-heads", "3"], 1, "argument --n-heads"),
+        (["--dim", "48"], 1, "multiples of 32"),
+        (["--baseline", "torchtitan", "--capacity-factor", "1.0"], 1, "dropless"),
+        (["--baseline", "torchtitan", "--backend", "reference"], 1, "argument --baseline"),
+        (["--data-bytes", "10"], 1, "argument --data-bytes"),
+        (["--preset", "huge"], 1, "argument --preset: invalid choice"),
+        (["--backend", "cuda"], 1, "argument --backend: cuda needs"),
+    ],
+)
+def test_bad_arguments_fail_in_parsing(argv, world, match, capsys, monkeypatch) -> None:
+    """Bad arguments exit with argparse's code 2 and a message naming the argument, from parse_args (before
+    torch.distributed starts; the world size comes from $WORLD_SIZE)."""
+    train = _script(TRAIN)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    if "cuda" in argv:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_presets_parse(monkeypatch) -> None:
+    """Every preset parses as it is; medium is the MoE-dominated one (16384 tokens per rank per step)."""
+    train = _script(TRAIN)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for name in train.PRESETS:
+        a = train.parse_args(["--preset", name])
+        assert a.steps >= 1 and a.transport == "nvshmem" and a.backend == "auto"
+    a = train.parse_args(["--preset", "medium"])
+    assert (a.dim, a.num_experts, a.top_k, a.ffn_hidden, a.n_layers, a.seq_len, a.n_heads) == (
+        2048, 128, 8, 768, 8, 4096, 16,
+    )  # fmt: skip
+    assert a.batch_size * a.seq_len == 16384 and (a.lr, a.warmup) == (1e-3, 30)
+
+
+def test_bad_ep_under_torchrun_fails_fast(tmp_path: Path) -> None:
+    """Under torchrun every rank fails in argument parsing (no collective, so no hang) and says why."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN)]
+    proc = subprocess.run([*cmd, "--ep", "3"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "argument --ep: 3 does not divide the world size 2" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------------------------- FSDP2 + the cuda path
+def _fsdp_cuda_path(rank: int, world: int) -> None:
+    """moe_ep.model.run_moe under FSDP2 on gloo, with the cuda backend's kernels replaced by a CPU stand-in that
+    reads experts.w13 / experts.w2 the way routed_experts_cuda does (no experts module call). It must see this rank's
+    full unsharded experts (plain tensors, not DTensor shards) and train exactly as the reference backend, whose
+    Experts module call FSDP2 hooks natively: same losses and grad norms, bitwise (bf16 parameters, so the layer's
+    bf16 cast for the cuda backend changes nothing)."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    from moe_ep import init_ep, layer_cuda  # noqa: PLC0415
+    from moe_ep.experts.reference import expert_mlp  # noqa: PLC0415
+    from moe_ep.model import ModelConfig, MoETransformer  # noqa: PLC0415
+    from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noqa: PLC0415
+    from moe_ep.transport import combine, dispatch  # noqa: PLC0415
+
+    seen: list[tuple] = []
+
+    def fake_cuda(x, topk_idx, topk_w, w13, w2, cache, cfg, group):
+        seen.append((isinstance(w13, DTensor) or isinstance(w2, DTensor), tuple(w13.shape), len(cache._entries)))
+        cap = cfg.capacity_rows(x.shape[0])
+        rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, cfg.quantize, capacity=cap)
+        out = expert_mlp(rows, w13, w2, handle.group_sizes_host, cfg.quantize)
+        return combine(out, w, handle, cfg.quantize), handle.num_dropped
+
+    layer_cuda.resolve_backend = lambda cfg, x: "reference" if cfg.backend == "reference" else "cuda"
+    layer_cuda.routed_experts_cuda = fake_cuda
+
+    def train(ep: int, backend: str, reshard: bool) -> tuple[list[float], list[float]]:
+        mesh = init_ep(ep)
+        cfg = ModelConfig(
+            dim=64, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=64, num_experts=4, top_k=2,
+            max_tokens_per_rank=32, quantize=False, backend=backend,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = MoETransformer(cfg, mesh)
+        broadcast_params(model, mesh)
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, norms = [], []
+        for step in range(3):
+            tok = torch.randint(0, 256, (2 * world, 17), generator=torch.Generator().manual_seed(step))
+            tok = tok[2 * rank : 2 * rank + 2]
+            loss, aux = model(tok[:, :-1], tok[:, 1:])
+            (loss + aux).backward()
+            norms.append(float(clip_grad_norm_(model, math.inf)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, norms
+
+    # ep=1: experts sharded over dp=2; ep=2: dp=1 (a one-rank FSDP unit); with and without reshard_after_forward
+    for ep, reshard in ((1, True), (2, True), (1, False)):
+        ref = train(ep, "reference", reshard)
+        assert not seen
+        cuda = train(ep, "auto", reshard)
+        e_local = 4 // ep
+        assert len(seen) == 3 * 2, seen  # 3 steps x 2 layers, every one through the stand-in
+        assert all(s == (False, (e_local, 128, 64), 0) for s in seen), seen  # unsharded, the cache cleared
+        assert cuda == ref, (ep, reshard, cuda, ref)
+        seen.clear()
+        dist.barrier()
+
+
+def test_fsdp_runs_the_cuda_layer_as_an_fsdp_unit() -> None:
+    run_distributed(_fsdp_cuda_path, 2)
+
+
+# ------------------------------------------------------------------------------------------- plots
+def test_plot_data_from_the_committed_log(tmp_path: Path) -> None:
+    """plot_train.load_runs (no matplotlib needed): the data the PNGs show, labels unique per run."""
+    plot = _script(PLOT)
+    committed = json.loads(TINY_LOG.read_text())
+    other = dict(committed, variant="torchtitan", loss=[x + 0.1 for x in committed["loss"]])
+    other_path = tmp_path / "tt.json"
+    other_path.write_text(json.dumps(other))
+    runs = plot.load_runs([TINY_LOG, other_path, TINY_LOG])
+    assert [r["variant"] for r in runs] == ["reference", "torchtitan", "reference"]
+    assert runs[1]["label"] == "torchtitan"
+    assert runs[0]["label"] != runs[2]["label"] and runs[0]["label"].startswith("reference")  # made unique
+    r = runs[0]
+    assert r["steps"] == list(range(1, len(committed["loss"]) + 1)) and r["loss"] == committed["loss"]
+    assert r["tokens_per_sec_per_gpu"] == committed["summary"]["tokens_per_sec_per_gpu"] > 0
+    assert r["memory_kind"] == "host_rss" and r["memory_gib"] > 0  # a CPU log: no GPU allocator peak
+    assert r["mean_loss_last_50"] == pytest.approx(sum(committed["loss"]) / len(committed["loss"]))
+    assert plot.smooth([1.0, 3.0, float("nan"), 5.0], 2) == [1.0, 2.0, 3.0, 5.0]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        plot.load_runs([bad])
+
+
+def test_plot_writes_pngs(tmp_path: Path) -> None:
+    """plot_train.py on the committed log writes the loss and throughput PNGs (needs matplotlib; CI has none)."""
+    pytest.importorskip("matplotlib", reason="launch/plot_train.py draws with matplotlib (not a CI dependency)")
+    plot = _script(PLOT)
+    out = plot.main([str(TINY_LOG), str(TINY_LOG), "--out-dir", str(tmp_path), "--prefix", "tiny", "--smooth", "3"])
+    assert [f.name for f in out] == ["tiny_loss.png", "tiny_throughput.png"]
+    for f in out:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 1000
+
+
+def test_plot_without_matplotlib_says_so(tmp_path: Path, monkeypatch) -> None:
+    """Where matplotlib is missing, the script exits with a message naming it (and writes nothing)."""
+    plot = _script(PLOT)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.raises(SystemExit, match="needs matplotlib"):
+        plot.main([str(TINY_LOG), "--out-dir", str(tmp_path / "png")])
+    assert not (tmp_path / "png").exists()

@@ -304,8 +304,9 @@ def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:
     w: bf16/fp16/fp32 [G, N, K] (N, K multiples of 32), any device. CUDA: one :func:`prepare_weight_operands`
     launch, no host sync; the e4m3 fields of the result are None (see :class:`WeightOperands`). Other devices (and
     MOE_EP_FORCE_REFERENCE=1): the references, all six fields. With ``cache`` (a
-    ``moe_ep.experts.weight_cache.WeightQuantCache``) the result is computed once per weight version (an optimizer
-    step or an FSDP2 all-gather write recomputes it) and shared by every micro-batch.
+    ``moe_ep.experts.weight_cache.WeightQuantCache``) the result is computed once per weight version (an in-place
+    optimizer step recomputes it; FSDP2's all-gather preserves the version: clear the cache there) and shared by
+    every micro-batch.
     Memory on the CUDA path: 2 + 2 bytes (the prepared operands) per weight element.
     """
     if w.dim() != 3 or w.shape[1] % 32 or w.shape[2] % 32:

@@ -4,10 +4,13 @@ Weights change once per optimizer step but are read by every micro-batch's forwa
 ``W`` quantized along its input axis, dgrad along its output axis). Re-quantizing them each time costs a full
 read of the weights per GEMM; this cache keeps the last result per (weight, kind) and recomputes it when
 
-* the weight's version counter moved: every in-place update (``optimizer.step``'s ``add_``/``copy_``, FSDP2
-  writing an all-gathered shard into the unsharded parameter with an ``out=`` copy) increments
-  ``Tensor._version``, or
+* the weight's version counter moved: every in-place update (``optimizer.step``'s ``add_``/``copy_``)
+  increments ``Tensor._version``, or
 * the weight now lives elsewhere or has another shape/dtype (a new tensor, a re-allocated storage).
+
+Not seen: FSDP2 writes the all-gathered weights under ``torch.autograd._unsafe_preserve_version_counter``, so the
+unsharded parameter keeps its version (and often its address) across optimizer steps. Under FSDP2 the cache must
+be cleared when the weights change (``moe_ep.model`` clears it before each FSDP forward of the experts).
 
 Reading ``_version`` and ``data_ptr()`` is host-side metadata: no device synchronization.
 Entries hold a weak reference to the weight, so a cache never keeps a dead weight alive.
