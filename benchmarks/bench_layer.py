@@ -39,9 +39,10 @@ Per shape:
      as in training). Per rank the median over steps; reported: the max over ranks (the slowest rank is the step).
   3. memory (torch's caching allocator; the NVSHMEM symmetric heap is outside it and not counted): ``act_mem_gb`` =
      max_memory_allocated during forward + backward minus memory_allocated before the forward; ``saved_gb`` =
-     memory_allocated after the forward minus before (what the backward keeps); both count the parameter gradients
-     and dx allocated in the step (``grad_gb`` of them), and mxfp8's re-prepared weight operands (``weight_cache_gb``
-     measures the cache by clearing it). Max over steps and ranks.
+     memory_allocated after the forward minus before (what the backward keeps). act_mem_gb counts the parameter
+     gradients and dx allocated in the backward (``grad_gb`` of them; saved_gb does not: they do not exist yet); both
+     count mxfp8's re-prepared weight operands (``weight_cache_gb`` measures the cache by clearing it). Max over steps
+     and ranks.
   4. one more step per variant under ``moe_ep.profiling.record_phases()`` (torchtitan: its own marks, same
      convention): ``phases`` {name: ms} as recorded, ``phase_groups`` summed into router, layout, dispatch, gemms,
      swiglu_quant, combine, weight_prep, other (bf16 and torchtitan do not separate SwiGLU from the GEMMs: their
@@ -802,9 +803,9 @@ def main(argv=None) -> int:
         ),
         "memory": (
             "torch caching allocator only (the NVSHMEM symmetric heap is not counted); parameter .grad and x.grad set "
-            "to None before every step, so act_mem_gb and saved_gb include the gradients allocated in the step "
-            "(grad_gb); mxfp8 clears the weight cache before every step, so its act_mem_gb includes the re-prepared "
-            "operands (weight_cache_gb), mxfp8_cached's does not"
+            "to None before every step, so act_mem_gb includes the gradients allocated in the backward (grad_gb; "
+            "saved_gb, taken after the forward, does not); mxfp8 clears the weight cache before every step, so its "
+            "act_mem_gb includes the re-prepared operands (weight_cache_gb), mxfp8_cached's does not"
         ),
         "backward": "timed and profiled steps: backward of y (random bf16 dy) and of the aux loss (moe_ep variants); "
         "check: of y only",

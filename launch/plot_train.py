@@ -48,6 +48,8 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
             steady = windows[1:] or windows
             tps = sum(w["steps"] for w in steady) * log["tokens_per_rank_per_step"] / sum(w["seconds"] for w in steady)
         mem, kind = summary.get("max_memory_gib"), "gpu"
+        if mem is None and windows and windows[-1].get("max_memory_gib") is not None:  # unfinished: the windows'
+            mem = max(w.get("max_memory_gib") or 0.0 for w in windows)
         if mem is None:
             mem, kind = summary.get("max_rss_gib"), "host_rss"
         if mem is None:

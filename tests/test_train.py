@@ -321,6 +321,16 @@ def test_plot_data_from_the_committed_log(tmp_path: Path) -> None:
     bad.write_text("{}")
     with pytest.raises(ValueError, match="bad.json"):
         plot.load_runs([bad])
+    # an unfinished GPU run (killed before its summary): throughput and peak memory from its windows
+    windows = [dict(w, max_memory_gib=float(i + 1)) for i, w in enumerate(committed["windows"])]
+    cut = {k: v for k, v in committed.items() if k != "summary"} | {"windows": windows}
+    cut_path = tmp_path / "cut.json"
+    cut_path.write_text(json.dumps(cut))
+    (u,) = plot.load_runs([cut_path])
+    steady = windows[1:] or windows
+    want = sum(w["steps"] for w in steady) * committed["tokens_per_rank_per_step"] / sum(w["seconds"] for w in steady)
+    assert u["tokens_per_sec_per_gpu"] == pytest.approx(want)
+    assert u["memory_kind"] == "gpu" and u["memory_gib"] == float(len(windows)) and u["mean_loss_last_50"] is None
 
 
 def test_plot_writes_pngs(tmp_path: Path) -> None:
