@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from . import profiling
 from .config import MoEConfig
@@ -18,8 +19,7 @@ class Experts(nn.Module):
     """This rank's experts. w13: [E_local, 2F, H] (gate rows, then up rows); w2: [E_local, H, F].
 
     ``weight_cache``: the MXFP8 operands of w13 / w2 the cuda backend's GEMMs read, recomputed only when a weight
-    changes (an in-place update bumps its version; FSDP2's all-gather does not, so under FSDP2 call
-    ``weight_cache.clear()`` after the weights change, as ``moe_ep.model`` does).
+    changes (an in-place update bumps its version; FSDP2's all-gather does not: see :meth:`MoE.forward`).
     """
 
     def __init__(self, num_local: int, hidden: int, ffn_hidden: int, device=None, dtype=None) -> None:
@@ -31,6 +31,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, group_sizes: list[int], quantize: bool) -> torch.Tensor:
         """x: [N, H] expert-sorted rows, group_sizes: E_local host ints -> [N, H] x.dtype (reference math)."""
         return expert_mlp(x, self.w13, self.w2, group_sizes, quantize)
+
+
+def _is_fsdp_unit(m: nn.Module) -> bool:
+    return isinstance(m, FSDPModule)
 
 
 def routed_experts(
@@ -49,16 +53,25 @@ def routed_experts(
     expert); backend: "reference" / "cuda" (None: resolve ``cfg.backend`` for x) -> (y [T, H] x.dtype, slots this
     rank dropped at its capacity: int on the reference backend and the nccl transport, a 0-dim int32 CUDA tensor on
     nvshmem (reading it is a host sync)). Differentiable in x, topk_w, experts.w13, experts.w2.
+    With an FSDP2-wrapped ``experts`` on the cuda backend, call it inside the unit's forward (as :class:`MoE` does).
     """
-    from .layer_cuda import resolve_backend, routed_experts_cuda  # noqa: PLC0415  (GPU packages load lazily)
+    from . import layer_cuda  # noqa: PLC0415  (GPU packages load lazily)
 
-    backend = backend or resolve_backend(cfg, x)
+    backend = backend or layer_cuda.resolve_backend(cfg, x)
     if backend == "cuda":
-        return routed_experts_cuda(x, topk_idx, topk_w, experts.w13, experts.w2, experts.weight_cache, cfg, group)
+        if _is_fsdp_unit(experts):
+            # Inside MoE's FSDP forward method (MoE.forward): the weights are gathered, but FSDP2 wrote them keeping
+            # their version counter (and often their address), so the operand cache cannot see an optimizer step.
+            experts.weight_cache.clear()
+        w13, w2, cache = experts.w13, experts.w2, experts.weight_cache
+        return layer_cuda.routed_experts_cuda(x, topk_idx, topk_w, w13, w2, cache, cfg, group)
     cap = cfg.capacity_rows(x.shape[0])
     rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, cfg.quantize, capacity=cap)
     out = experts(rows, handle.group_sizes_host, cfg.quantize)
     return combine(out, w, handle, cfg.quantize), handle.num_dropped
+
+
+_FSDP_METHOD = "_moe_ep_layer_forward"  # the MoE forward registered on an FSDP2 experts unit
 
 
 class MoE(nn.Module):
@@ -125,13 +138,27 @@ class MoE(nn.Module):
         from .layer_cuda import resolve_backend  # noqa: PLC0415  (GPU packages load lazily)
 
         backend = resolve_backend(cfg, x)
+        num_tokens = x.numel() // cfg.hidden
+        if num_tokens > cfg.max_tokens_per_rank:
+            raise ValueError(
+                f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank} (it sizes the receive "
+                "buffers); raise it in MoEConfig"
+            )
+        if backend == "cuda" and _is_fsdp_unit(self.experts):
+            # The kernels read experts.w13 / w2 directly, so FSDP2's hooks on experts.forward would never gather
+            # them: the layer runs as an FSDP forward method of the experts unit instead (all-gather before,
+            # reshard after, unshard / reduce-scatter around its backward). The whole layer, router included, so
+            # that FSDP's cast of floating inputs to param_dtype sees only x (the fp32 top-k weights are made inside).
+            if _FSDP_METHOD not in self.experts.__dict__:
+                object.__setattr__(self.experts, _FSDP_METHOD, self._forward)
+                register_fsdp_forward_method(self.experts, _FSDP_METHOD)
+            return getattr(self.experts, _FSDP_METHOD)(x, backend)
+        return self._forward(x, backend)
+
+    def _forward(self, x: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)
-        if x2.shape[0] > cfg.max_tokens_per_rank:
-            raise ValueError(
-                f"{x2.shape[0]} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank} (it sizes the "
-                "receive buffers); raise it in MoEConfig"
-            )
         r = self.router(x2)
         profiling.mark("router")
         xe = x2.to(torch.bfloat16) if backend == "cuda" else x2  # the cuda backend computes in bf16

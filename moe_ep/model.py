@@ -5,17 +5,6 @@ expert-parallel :class:`moe_ep.MoE` (or, for baselines, a layer built by ``moe_f
 :class:`MoETransformer`). Positions are rotary (no learned position table, so ``seq_len`` only sizes the cached
 rotary tables). The model owns no process groups: pass the ("dp", "ep") mesh and it is handed to every MoE layer;
 FSDP wrapping is a separate step (:func:`moe_ep.parallel.apply_fsdp`).
-
-FSDP2 and the cuda backend: FSDP2 all-gathers a unit's parameters in the forward pre-hook of the module it wraps,
-and :func:`moe_ep.parallel.apply_fsdp` wraps ``MoE.experts``. The reference backend calls ``experts(...)`` as a
-module; the cuda backend reads ``experts.w13`` / ``experts.w2`` directly, so no hook would fire and the kernels
-would see the sharded DTensors. :func:`run_moe` therefore runs the whole layer as a registered FSDP forward method
-of the experts module (``torch.distributed.fsdp.register_fsdp_forward_method``) when the layer resolves to the cuda
-backend: all-gather before the layer, reshard after it (``reshard_after_forward``), pre-backward unshard on its
-outputs and post-backward reduce-scatter after its input gradient, as for any FSDP unit. It also clears
-``experts.weight_cache`` before each such forward: FSDP2 writes the all-gathered weights under
-``torch.autograd._unsafe_preserve_version_counter`` (torch 2.13), so the unsharded parameter keeps its version counter
-and often its address across optimizer steps, and the cache, keyed by both, could not see the update.
 """
 
 from __future__ import annotations
@@ -148,27 +137,6 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, d))
 
 
-_FSDP_LAYER_METHOD = "_moe_ep_fsdp_layer_forward"
-
-
-def run_moe(moe: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe(x)``, except for a :class:`MoE` whose experts are an FSDP2 unit and that resolves to the cuda backend:
-    then the layer runs as a registered FSDP forward method of ``moe.experts`` (see the module docstring), with
-    ``moe.experts.weight_cache`` cleared first. Returns what ``moe(x)`` returns: (y, aux_loss)."""
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method  # noqa: PLC0415
-
-    from .layer_cuda import resolve_backend  # noqa: PLC0415  (GPU packages load lazily)
-
-    if not (isinstance(moe, MoE) and isinstance(moe.experts, FSDPModule)) or resolve_backend(moe.cfg, x) != "cuda":
-        return moe(x)
-    experts = moe.experts
-    if _FSDP_LAYER_METHOD not in experts.__dict__:
-        object.__setattr__(experts, _FSDP_LAYER_METHOD, moe.__call__)
-        register_fsdp_forward_method(experts, _FSDP_LAYER_METHOD)
-    experts.weight_cache.clear()  # the all-gathered weights may have changed without a version bump (see above)
-    return getattr(experts, _FSDP_LAYER_METHOD)(x)
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: attention then an expert-parallel MoE, each with a residual.
 
@@ -191,7 +159,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, S, dim] -> (x': [B, S, dim] same dtype, aux_loss: fp32 scalar of this block's MoE)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        y, aux = run_moe(self.moe, self.moe_norm(x))
+        y, aux = self.moe(self.moe_norm(x))
         return x + y, aux
 
 

@@ -233,7 +233,8 @@ def test_bad_ep_under_torchrun_fails_fast(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- FSDP2 + the cuda path
 def _fsdp_cuda_path(rank: int, world: int) -> None:
-    """moe_ep.model.run_moe under FSDP2 on gloo, with the cuda backend's kernels replaced by a CPU stand-in that
+    """The cuda layer under FSDP2 on gloo (Experts.routed as an FSDP forward method), with the kernels replaced by a
+    CPU stand-in that
     reads experts.w13 / experts.w2 the way routed_experts_cuda does (no experts module call). It must see this rank's
     full unsharded experts (plain tensors, not DTensor shards) and train exactly as the reference backend, whose
     Experts module call FSDP2 hooks natively: same losses and grad norms, bitwise (bf16 parameters, so the layer's

@@ -10,7 +10,7 @@ read of the weights per GEMM; this cache keeps the last result per (weight, kind
 
 Not seen: FSDP2 writes the all-gathered weights under ``torch.autograd._unsafe_preserve_version_counter``, so the
 unsharded parameter keeps its version (and often its address) across optimizer steps. Under FSDP2 the cache must
-be cleared when the weights change (``moe_ep.model`` clears it before each FSDP forward of the experts).
+be cleared when the weights change (``moe_ep.layer.Experts.routed`` clears it in every forward of an FSDP2 unit).
 
 Reading ``_version`` and ``data_ptr()`` is host-side metadata: no device synchronization.
 Entries hold a weak reference to the weight, so a cache never keeps a dead weight alive.
