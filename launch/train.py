@@ -208,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="FSDP2 keeps the gathered block and expert parameters from forward to backward (no second all-gather)",
     )
+    p.add_argument("--ac", action="store_true", help="full activation checkpointing per block (recompute in backward)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the attention and the norms of every block (the MoE layers stay eager: its kernels and "
+        "collectives are opaque to the compiler)",
+    )
     p.add_argument("--data-bytes", type=_POS, default=None, help="read at most this many corpus bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     return p
@@ -435,6 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
         quantize=not args.no_quantize and args.baseline is None,
         backend=args.backend,
         transport=args.transport,
+        activation_checkpoint=args.ac,
     )
     corpus = load_corpus(args.data_bytes)
     if corpus.numel() < args.seq_len + 2:
@@ -473,6 +481,11 @@ def main(argv: list[str] | None = None) -> dict:
     param_dtype = dtype if dtype != torch.float32 else None
     reshard = not args.no_reshard_after_forward
     shard_factory_experts(model, mesh, param_dtype, torch.float32, reshard)
+    if args.compile:  # before FSDP wraps the blocks, as torchtitan does; the MoE layers are left eager
+        for blk in model.blocks:
+            for m in (blk.attn_norm, blk.attn, blk.moe_norm):
+                m.compile()
+        model.norm.compile()
     apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard)
 
     decay = [p for p in model.parameters() if p.ndim >= 2]

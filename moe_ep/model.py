@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
 from .config import MoEConfig
 from .layer import MoE
@@ -36,6 +37,10 @@ class ModelConfig:
     seq_len:     longest sequence the rotary tables are built for.
     rope_theta:  rotary base.
     norm_eps:    RMSNorm epsilon.
+    activation_checkpoint: recompute each block in the backward instead of keeping its activations (full per-block
+                 checkpointing, ``torch.utils.checkpoint`` non-reentrant). The recompute runs the block's MoE forward
+                 again, with its dispatch and combine: every rank recomputes the same blocks in the same order, so the
+                 collectives line up; dropless mode's one host read per MoE forward happens again too.
     init_std:    std of the normal init of every non-expert matrix (output projections are scaled down by
                  ``1/sqrt(2*n_layers)``, GPT-2 style, so the residual stream does not grow with depth).
     ffn_hidden, num_experts, top_k, max_tokens_per_rank, capacity_factor, renormalize, aux_loss_coef, quantize,
@@ -51,6 +56,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    activation_checkpoint: bool = False
     ffn_hidden: int = 64
     num_experts: int = 4
     top_k: int = 2
@@ -267,7 +273,10 @@ class MoETransformer(nn.Module):
         x = self.embed(tokens)
         aux_total = torch.zeros((), dtype=torch.float32, device=x.device)
         for blk in self.blocks:
-            x, aux = blk(x, cos, sin)
+            if self.cfg.activation_checkpoint and torch.is_grad_enabled():
+                x, aux = checkpoint(blk, x, cos, sin, use_reentrant=False)
+            else:
+                x, aux = blk(x, cos, sin)
             aux_total = aux_total + aux.float()
         logits = self.head(self.norm(x))
         if targets is None:
