@@ -208,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="FSDP2 keeps the gathered block and expert parameters from forward to backward (no second all-gather)",
     )
-    p.add_argument("--ac", action="store_true", help="full activation checkpointing per block (recompute in backward)")
+    p.add_argument(
+        "--ac",
+        action="store_true",
+        help="recompute each block's attention half in the backward (the MoE keeps its MXFP8 rows instead)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",

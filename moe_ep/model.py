@@ -37,10 +37,10 @@ class ModelConfig:
     seq_len:     longest sequence the rotary tables are built for.
     rope_theta:  rotary base.
     norm_eps:    RMSNorm epsilon.
-    activation_checkpoint: recompute each block in the backward instead of keeping its activations (full per-block
-                 checkpointing, ``torch.utils.checkpoint`` non-reentrant). The recompute runs the block's MoE forward
-                 again, with its dispatch and combine: every rank recomputes the same blocks in the same order, so the
-                 collectives line up; dropless mode's one host read per MoE forward happens again too.
+    activation_checkpoint: recompute each block's attention half (norm, attention, residual) in the backward
+                 instead of keeping its activations (``torch.utils.checkpoint``, non-reentrant). The MoE half is not
+                 recomputed: recomputing it would issue its dispatch and combine (and dropless mode's host read)
+                 again, and it already keeps its rows in MXFP8 (1 byte per element) for the backward.
     init_std:    std of the normal init of every non-expert matrix (output projections are scaled down by
                  ``1/sqrt(2*n_layers)``, GPT-2 style, so the residual stream does not grow with depth).
     ffn_hidden, num_experts, top_k, max_tokens_per_rank, capacity_factor, renormalize, aux_loss_coef, quantize,
@@ -162,9 +162,18 @@ class Block(nn.Module):
         else:
             self.moe = moe_factory(mcfg, mesh)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, S, dim] -> (x': [B, S, dim] same dtype, aux_loss: fp32 scalar of this block's MoE)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x), cos, sin)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, checkpoint_attention: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, dim] -> (x': [B, S, dim] same dtype, aux_loss: fp32 scalar of this block's MoE).
+        ``checkpoint_attention``: recompute the attention half in the backward (see ModelConfig)."""
+        if checkpoint_attention:
+            x = checkpoint(self._attention, x, cos, sin, use_reentrant=False)
+        else:
+            x = self._attention(x, cos, sin)
         y, aux = self.moe(self.moe_norm(x))
         return x + y, aux
 
@@ -273,10 +282,7 @@ class MoETransformer(nn.Module):
         x = self.embed(tokens)
         aux_total = torch.zeros((), dtype=torch.float32, device=x.device)
         for blk in self.blocks:
-            if self.cfg.activation_checkpoint and torch.is_grad_enabled():
-                x, aux = checkpoint(blk, x, cos, sin, use_reentrant=False)
-            else:
-                x, aux = blk(x, cos, sin)
+            x, aux = blk(x, cos, sin, checkpoint_attention=self.cfg.activation_checkpoint and torch.is_grad_enabled())
             aux_total = aux_total + aux.float()
         logits = self.head(self.norm(x))
         if targets is None:

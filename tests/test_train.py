@@ -355,8 +355,8 @@ def test_plot_without_matplotlib_says_so(tmp_path: Path, monkeypatch) -> None:
 
 # ------------------------------------------------------------------------------------ checkpointing and compile
 def test_activation_checkpointing_changes_nothing(tmp_path: Path) -> None:
-    """--ac recomputes every block (MoE dispatch and combine included) in the backward: on 2 ranks with FSDP2 the
-    losses and grad norms equal the run without it, bitwise (the same ops on the same inputs, fp32 on CPU)."""
+    """--ac recomputes every block's attention half in the backward: on 2 ranks with FSDP2 the losses and grad norms
+    equal the run without it, bitwise (the same ops on the same inputs, fp32 on CPU)."""
     plain = run_train(tmp_path, 2, "--steps", "4", "--log-every", "1", name="plain")
     ac = run_train(tmp_path, 2, "--steps", "4", "--log-every", "1", "--ac", name="ac")
     assert ac["config"]["model"]["activation_checkpoint"] is True
@@ -371,3 +371,33 @@ def test_compile_matches_eager(tmp_path: Path) -> None:
     comp = run_train(tmp_path, 1, "--steps", "3", "--log-every", "1", "--compile", name="compiled")
     assert len(comp["loss"]) == 3 and all(math.isfinite(v) for v in comp["loss"])
     assert comp["loss"] == pytest.approx(eager["loss"], rel=1e-4)
+
+
+def test_activation_checkpointing_recomputes_attention_only() -> None:
+    """With activation_checkpoint the attention half of each block runs twice per step (forward, recompute) and the
+    MoE once; without it both run once."""
+    from moe_ep.layer import MoE  # noqa: PLC0415
+    from moe_ep.model import Attention, ModelConfig, MoETransformer  # noqa: PLC0415
+
+    calls = {"attn": 0, "moe": 0}
+    attn_fwd, moe_fwd = Attention.forward, MoE.forward
+
+    def count(name, fn):
+        def wrapped(self, *a, **k):
+            calls[name] += 1
+            return fn(self, *a, **k)
+
+        return wrapped
+
+    tok = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    try:
+        Attention.forward, MoE.forward = count("attn", attn_fwd), count("moe", moe_fwd)
+        for ac, want_attn in ((False, 2), (True, 4)):
+            calls.update(attn=0, moe=0)
+            cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=64, num_experts=4, top_k=2,
+                              max_tokens_per_rank=64, activation_checkpoint=ac)  # fmt: skip
+            loss, aux = MoETransformer(cfg)(tok[:, :-1], tok[:, 1:])
+            (loss + aux).backward()
+            assert calls == {"attn": want_attn, "moe": 2}, (ac, calls)
+    finally:
+        Attention.forward, MoE.forward = attn_fwd, moe_fwd
