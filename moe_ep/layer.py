@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from . import profiling
 from .config import MoEConfig
@@ -31,6 +32,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, group_sizes: list[int], quantize: bool) -> torch.Tensor:
         """x: [N, H] expert-sorted rows, group_sizes: E_local host ints -> [N, H] x.dtype (reference math)."""
         return expert_mlp(x, self.w13, self.w2, group_sizes, quantize)
+
+    def run(self, fn, *args):
+        """``fn(*args)``; on an FSDP2 unit it is registered as an FSDP forward method (:meth:`MoE.forward`), so the
+        weights are gathered around a computation that reads them without calling this module."""
+        return fn(*args)
 
 
 def _is_fsdp_unit(m: nn.Module) -> bool:
@@ -59,19 +65,23 @@ def routed_experts(
 
     backend = backend or layer_cuda.resolve_backend(cfg, x)
     if backend == "cuda":
-        if _is_fsdp_unit(experts):
-            # Inside MoE's FSDP forward method (MoE.forward): the weights are gathered, but FSDP2 wrote them keeping
-            # their version counter (and often their address), so the operand cache cannot see an optimizer step.
-            experts.weight_cache.clear()
         w13, w2, cache = experts.w13, experts.w2, experts.weight_cache
+        if _is_fsdp_unit(experts):
+            if isinstance(w13, DTensor):
+                raise RuntimeError(
+                    "routed_experts: experts is an FSDP2 unit whose weights are sharded here; on the cuda backend call "
+                    "it through MoE (its forward gathers them) or inside the unit's forward"
+                )
+            # Inside MoE's FSDP forward method: the weights are gathered, but FSDP2 writes them keeping their version
+            # counter (and often their address), so a cache could not see an optimizer step; and a cache would hold
+            # 4 bytes per gathered weight element from forward to backward, undoing the reshard. Without it the
+            # operands are prepared in the forward and again in the backward, and live only while used.
+            cache = None
         return layer_cuda.routed_experts_cuda(x, topk_idx, topk_w, w13, w2, cache, cfg, group)
     cap = cfg.capacity_rows(x.shape[0])
     rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, cfg.quantize, capacity=cap)
     out = experts(rows, handle.group_sizes_host, cfg.quantize)
     return combine(out, w, handle, cfg.quantize), handle.num_dropped
-
-
-_FSDP_METHOD = "_moe_ep_layer_forward"  # the MoE forward registered on an FSDP2 experts unit
 
 
 class MoE(nn.Module):
@@ -149,13 +159,15 @@ class MoE(nn.Module):
             # them: the layer runs as an FSDP forward method of the experts unit instead (all-gather before,
             # reshard after, unshard / reduce-scatter around its backward). The whole layer, router included, so
             # that FSDP's cast of floating inputs to param_dtype sees only x (the fp32 top-k weights are made inside).
-            if _FSDP_METHOD not in self.experts.__dict__:
-                object.__setattr__(self.experts, _FSDP_METHOD, self._forward)
-                register_fsdp_forward_method(self.experts, _FSDP_METHOD)
-            return getattr(self.experts, _FSDP_METHOD)(x, backend)
+            if not getattr(self.experts, "_moe_ep_run_registered", False):
+                register_fsdp_forward_method(self.experts, "run")
+                self.experts._moe_ep_run_registered = True
+            return self.experts.run(self._forward, x, backend)
         return self._forward(x, backend)
 
     def _forward(self, x: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer for a resolved backend: x [..., H] -> (y [..., H] x.dtype, aux loss fp32 scalar). Under FSDP2
+        mixed precision x arrives already cast to the param dtype (FSDP casts a unit's floating inputs)."""
         cfg = self.cfg
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)

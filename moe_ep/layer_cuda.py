@@ -112,6 +112,8 @@ class _MoEMXFP8(torch.autograd.Function):
     def backward(ctx, dy):
         w13, w2 = ctx.saved_tensors
         saved, ctx.saved = ctx.saved, None
+        if saved is None:
+            raise RuntimeError("the MoE layer's backward ran twice (retain_graph=True): its intermediates are freed")
         h = ctx.handle
         dout, dwr = ct.combine_bwd(dy.contiguous(), saved.pop("out"), saved.pop("wr"), h, True)
         del dy

@@ -132,7 +132,8 @@ def apply_fsdp(
     - ``param_dtype`` / ``reduce_dtype``: :class:`MixedPrecisionPolicy` (e.g. bf16 params with fp32 gradient
       reduction on GPU; leave ``param_dtype=None`` on CPU to train in fp32).
 
-    The MoE layer must call ``self.experts(...)`` as a module (FSDP all-gathers in its forward pre-hook).
+    FSDP all-gathers a unit's weights in the pre-hook of its forward: the reference backend calls ``experts(...)``,
+    the cuda backend runs the layer through ``experts.run`` (an FSDP forward method, see :meth:`moe_ep.MoE.forward`).
     Initial weights must already be identical where they are replicated before sharding (FSDP2 does not
     broadcast): non-expert parameters on every rank, experts on ranks of the same EP index; see
     :func:`broadcast_params`. Call before building the optimizer.

@@ -201,6 +201,8 @@ class _ExpertMLPCuda(torch.autograd.Function):
     def backward(ctx, dout):
         w13, w2, group_sizes = ctx.saved_tensors
         saved, ctx.saved = ctx.saved, None
+        if saved is None:
+            raise RuntimeError("expert_mlp_cuda's backward ran twice (retain_graph=True): its intermediates are freed")
         saved["dout"] = dout.contiguous()
         del dout
         w13o, w2o = GEMMS.prepare(w13, ctx.cache), GEMMS.prepare(w2, ctx.cache)

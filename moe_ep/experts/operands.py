@@ -306,12 +306,15 @@ def weight_operands(w: torch.Tensor, cache=None) -> WeightOperands:
     MOE_EP_FORCE_REFERENCE=1): the references, all six fields. With ``cache`` (a
     ``moe_ep.experts.weight_cache.WeightQuantCache``) the result is computed once per weight version (an in-place
     optimizer step recomputes it; FSDP2's all-gather preserves the version: clear the cache there) and shared by
-    every micro-batch.
+    every micro-batch. During CUDA-graph capture the cache is bypassed (the preparation is captured and runs in every
+    replay, so replays see weight updates).
     Memory on the CUDA path: 2 + 2 bytes (the prepared operands) per weight element.
     """
     if w.dim() != 3 or w.shape[1] % 32 or w.shape[2] % 32:
         raise ValueError(f"w must be [G, N, K] with N and K multiples of 32, got {tuple(w.shape)}")
-    if cache is None:
+    # While a CUDA graph is captured the preparation itself must be captured: a cache hit would freeze the current
+    # operands into the graph, and replays after an optimizer step would multiply by the old weights.
+    if cache is None or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
         with torch.no_grad():
             return _weight_operands(w.detach())
     return cache.get(w, "gemm_operands", _weight_operands)

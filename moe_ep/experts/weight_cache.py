@@ -9,8 +9,8 @@ read of the weights per GEMM; this cache keeps the last result per (weight, kind
 * the weight now lives elsewhere or has another shape/dtype (a new tensor, a re-allocated storage).
 
 Not seen: FSDP2 writes the all-gathered weights under ``torch.autograd._unsafe_preserve_version_counter``, so the
-unsharded parameter keeps its version (and often its address) across optimizer steps. Under FSDP2 the cache must
-be cleared when the weights change (``moe_ep.layer.Experts.routed`` clears it in every forward of an FSDP2 unit).
+unsharded parameter keeps its version (and often its address) across optimizer steps. The MoE layer therefore uses
+no cache on an FSDP2 unit (``moe_ep.layer.routed_experts``).
 
 Reading ``_version`` and ``data_ptr()`` is host-side metadata: no device synchronization.
 Entries hold a weak reference to the weight, so a cache never keeps a dead weight alive.
@@ -38,11 +38,11 @@ class WeightQuantCache:
 
     Example:
         cache = WeightQuantCache()
-        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights_fused)  # quantizes
-        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights_fused)  # cached
+        ops = cache.get(w13, "gemm_operands", prepare_weight_operands)  # prepares
+        ops = cache.get(w13, "gemm_operands", prepare_weight_operands)  # cached
         with torch.no_grad():
-            w13.add_(1.0)                                           # optimizer step: version moves
-        wq = cache.get(w13, "fprop", mxfp8_cuda.quantize_weights_fused)  # quantizes again
+            w13.add_(1.0)                                                # optimizer step: version moves
+        ops = cache.get(w13, "gemm_operands", prepare_weight_operands)  # prepares again
     """
 
     def __init__(self) -> None:
