@@ -31,7 +31,8 @@ def run_label(log: dict) -> str:
 def load_runs(paths: list[str | Path]) -> list[dict]:
     """Read train.py logs -> one dict per run, in the given order: label (unique: a repeated label gets the file name
     appended, then a number), variant, path, preset, device, world_size, ep, steps [1..n], loss, aux_loss,
-    tokens_per_sec_per_gpu, memory_gib and memory_kind ("gpu": the allocator's peak, max over ranks; "host_rss" on
+    tokens_per_sec_per_gpu, memory_gib and memory_kind ("gpu": the allocator's peak, max over ranks; "gpu_rank0": an
+    unfinished run's, from rank 0's windows; "host_rss" on
     CPU; None if unknown), final_loss, mean_loss_last_50 (None when the run is unfinished: no summary yet).
     Raises ValueError naming the file when a log lacks the per-step ``loss`` list."""
     runs = []
@@ -48,8 +49,8 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
             steady = windows[1:] or windows
             tps = sum(w["steps"] for w in steady) * log["tokens_per_rank_per_step"] / sum(w["seconds"] for w in steady)
         mem, kind = summary.get("max_memory_gib"), "gpu"
-        if mem is None and windows and windows[-1].get("max_memory_gib") is not None:  # unfinished: the windows'
-            mem = max(w.get("max_memory_gib") or 0.0 for w in windows)
+        if mem is None and windows and windows[-1].get("max_memory_gib") is not None:  # unfinished: rank 0's
+            mem, kind = max(w.get("max_memory_gib") or 0.0 for w in windows), "gpu_rank0"  # peaks in its windows
         if mem is None:
             mem, kind = summary.get("max_rss_gib"), "host_rss"
         if mem is None:
@@ -151,7 +152,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     kinds = {r["memory_kind"] for r in runs if r["memory_kind"]}
     bars = ax_m.bar(labels, mem, color=[f"C{i}" for i in range(len(runs))])
     ax_m.bar_label(bars, labels=[f"{v:.2f}" for v in mem], fontsize=8)
-    what = {"gpu": "GPU allocator peak, max over ranks", "host_rss": "host peak RSS, max over ranks"}
+    what = {
+        "gpu": "GPU allocator peak, max over ranks",
+        "gpu_rank0": "rank 0's (unfinished run)",
+        "host_rss": "host peak RSS, max over ranks",
+    }
     ax_m.set_ylabel("peak memory (GiB)")
     ax_m.set_title("peak memory: " + " / ".join(what[k] for k in sorted(kinds)), fontsize=9)
     for a in (ax_t, ax_m):

@@ -331,7 +331,7 @@ def test_plot_data_from_the_committed_log(tmp_path: Path) -> None:
     steady = windows[1:] or windows
     want = sum(w["steps"] for w in steady) * committed["tokens_per_rank_per_step"] / sum(w["seconds"] for w in steady)
     assert u["tokens_per_sec_per_gpu"] == pytest.approx(want)
-    assert u["memory_kind"] == "gpu" and u["memory_gib"] == float(len(windows)) and u["mean_loss_last_50"] is None
+    assert u["memory_kind"] == "gpu_rank0" and u["memory_gib"] == float(len(windows)) and u["mean_loss_last_50"] is None
 
 
 def test_plot_writes_pngs(tmp_path: Path) -> None:
