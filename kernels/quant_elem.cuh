@@ -211,5 +211,17 @@ __device__ __forceinline__ uint2 quant_chunk(uint4 v, float s) {
     return o;
 }
 
+// Column c (< words' elements) of a 32-row block of staged words v[0..31] (one word per row), quantized with
+// multiplier s: 8 words of 4 e4m3 bytes, rows in order (bad: the e4m3 NaN pattern).
+template <int IN>
+__device__ __forceinline__ void quant_col32(const unsigned* v, int c, float s, bool bad, unsigned* q) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        q[j] = bad ? 0x7F7F7F7Fu
+                   : mx_cvt4_e4m3(mx_mul(word_elem<IN>(v[4 * j], c), s), mx_mul(word_elem<IN>(v[4 * j + 1], c), s),
+                                  mx_mul(word_elem<IN>(v[4 * j + 2], c), s), mx_mul(word_elem<IN>(v[4 * j + 3], c), s));
+    }
+}
+
 // Offset of scale (r, c) inside one 128x4 tile.
 __device__ __forceinline__ int tile_off(int r, int c) { return (r & 31) * 16 + (r >> 5) * 4 + c; }

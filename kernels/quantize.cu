@@ -303,14 +303,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
                 } else {
                     const float s = mx_exp2i(-e);
                     unsigned o[8];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        o[j] = bad ? 0x7F7F7F7Fu
-                                   : mx_cvt4_e4m3(mx_mul(word_elem<IN>(w[4 * j], c), s),
-                                                  mx_mul(word_elem<IN>(w[4 * j + 1], c), s),
-                                                  mx_mul(word_elem<IN>(w[4 * j + 2], c), s),
-                                                  mx_mul(word_elem<IN>(w[4 * j + 3], c), s));
-                    }
+                    quant_col32<IN>(w, c, s, bad, o);
                     if (ok) {
                         uint4* dst = reinterpret_cast<uint4*>(cq + (long long)(col0 + kl) * M + row0 + 32 * mb);
                         dst[0] = make_uint4(o[0], o[1], o[2], o[3]);

@@ -173,14 +173,7 @@ __device__ __forceinline__ void wp_operands_body(const unsigned char* __restrict
                 const int e = mx_block_exp(Key<IN>::to_float(key));
                 const float s = mx_exp2i(-e);
                 unsigned q[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    q[j] = bad ? 0x7F7F7F7Fu
-                               : mx_cvt4_e4m3(mx_mul(word_elem<IN>(v[4 * j], cc), s),
-                                              mx_mul(word_elem<IN>(v[4 * j + 1], cc), s),
-                                              mx_mul(word_elem<IN>(v[4 * j + 2], cc), s),
-                                              mx_mul(word_elem<IN>(v[4 * j + 3], cc), s));
-                }
+                quant_col32<IN>(v, cc, s, bad, q);
                 const unsigned sb = bad ? MX_SCALE_NAN : (unsigned)(e + 127);
                 unsigned o0[8], o1[8];
                 cvt16(make_uint4(q[0], q[1], q[2], q[3]), sb, o0);  // rows 32 mb .. + 15: chunk 2 (mb % 2)
