@@ -87,7 +87,7 @@ class _PhaseMark(torch.autograd.Function):
 
 
 def _bwd_mark(t: torch.Tensor, name: str) -> torch.Tensor:
-    return _PhaseMark.apply(t, name) if profiling._active is not None and t.requires_grad else t
+    return _PhaseMark.apply(t, name) if profiling.recording() and t.requires_grad else t
 
 
 class _MoEMXFP8(torch.autograd.Function):
@@ -161,28 +161,24 @@ def routed_experts_cuda(
     t = x.shape[0]
     topk_w = topk_w.to(torch.float32)
     if cfg.transport == "nccl":
+        transport = REFERENCE
         handle = REFERENCE.build_layout(topk_idx, cfg.num_experts, group, capacity=cfg.capacity_rows(t))
-        profiling.mark("layout")
-        rows, w = dispatch_with_layout(_bwd_mark(x, "dispatch_bwd"), topk_w, handle, cfg.quantize, REFERENCE)
-        profiling.mark("dispatch")
-        rows = _bwd_mark(rows, "experts_bwd")
-        gs = handle.group_sizes.to(device=x.device, dtype=torch.int32)
-        out = expert_mlp_cuda(rows, w13, w2, gs, cache) if cfg.quantize else expert_mlp_bf16(rows, w13, w2, gs)
-        profiling.mark("experts_fwd")
-        out = _bwd_mark(out, "combine_bwd")
-        y = combine(out, w, handle, cfg.quantize, REFERENCE)
-        profiling.mark("combine")
-        return y, handle.num_dropped
-    handle = _nvshmem_layout(topk_idx, cfg, group, t)
+    else:
+        transport = ct.CUDA
+        handle = _nvshmem_layout(topk_idx, cfg, group, t)
     profiling.mark("layout")
-    if cfg.quantize:
+    if cfg.quantize and transport is ct.CUDA:
         return _MoEMXFP8.apply(x, topk_w, w13, w2, handle, cache), handle.num_dropped
-    rows, w = dispatch_with_layout(_bwd_mark(x, "dispatch_bwd"), topk_w, handle, False, ct.CUDA)
+    # The unfused paths: dispatch (MXFP8 or bf16 payloads, dequantized rows) -> experts -> combine, each its own
+    # autograd node. The nccl transport's MXFP8 rows arrive dequantized, and expert_mlp_cuda quantizes them again,
+    # as the reference expert MLP does with the reference transport's rows.
+    rows, w = dispatch_with_layout(_bwd_mark(x, "dispatch_bwd"), topk_w, handle, cfg.quantize, transport)
     profiling.mark("dispatch")
     rows = _bwd_mark(rows, "experts_bwd")
-    out = expert_mlp_bf16(rows, w13, w2, handle.group_sizes)
+    gs = handle.group_sizes.to(device=x.device, dtype=torch.int32)
+    out = expert_mlp_cuda(rows, w13, w2, gs, cache) if cfg.quantize else expert_mlp_bf16(rows, w13, w2, gs)
     profiling.mark("experts_fwd")
     out = _bwd_mark(out, "combine_bwd")
-    y = combine(out, w, handle, False, ct.CUDA)
+    y = combine(out, w, handle, cfg.quantize, transport)
     profiling.mark("combine")
     return y, handle.num_dropped

@@ -41,6 +41,11 @@ class PhaseTimer:
 _active: PhaseTimer | None = None
 
 
+def recording() -> bool:
+    """Whether a :func:`record_phases` block is active (callers skip work that only serves the marks)."""
+    return _active is not None
+
+
 def mark(name: str) -> None:
     """End phase ``name`` (no-op unless a :func:`record_phases` block is active)."""
     if _active is not None:
