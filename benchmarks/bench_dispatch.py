@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -33,6 +32,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemm import relaunch_under_torchrun  # noqa: E402
+
 from moe_ep.transport.schedule import TransportSchedule  # noqa: E402
 
 SHAPES = {"dsv3": dict(T=4096, H=7168, E=256, K=8), "small": dict(T=8192, H=2048, E=128, K=8)}
@@ -48,17 +50,7 @@ def _spawn_or_skip(args) -> int:
             with open(args.json, "w") as f:
                 json.dump({"skipped": msg}, f)
         return 0
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={n}",
-        os.path.abspath(__file__),
-        *sys.argv[1:],
-    ]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
-    return subprocess.call(cmd, env=env)
+    return relaunch_under_torchrun(__file__, n, {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
 
 
 def _commit() -> str:

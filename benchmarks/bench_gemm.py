@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,13 @@ def time_ms(fn, warmup: int, reps: int) -> float:
         evs.append((s, e))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in evs)
+
+
+def relaunch_under_torchrun(script: str, nproc: int, extra_env: dict) -> int:
+    """Run ``script`` with this process's arguments under torchrun on ``nproc`` local processes (the multi-GPU
+    benchmarks started as plain ``python``); returns its exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.call([*cmd, os.path.abspath(script), *sys.argv[1:]], env={**os.environ, **extra_env})
 
 
 def round_order(names: list[str], rnd: int) -> list[str]:

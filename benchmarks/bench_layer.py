@@ -62,7 +62,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,7 +71,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm import round_order  # noqa: E402
+from bench_gemm import relaunch_under_torchrun, round_order  # noqa: E402
 from torchtitan_moe import PhaseRecorder, TorchtitanMoE  # noqa: E402
 
 SHAPES = {
@@ -657,19 +656,6 @@ def print_table(results: list[dict], meta: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _relaunch(args, nproc: int, extra_env: dict) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        os.path.abspath(__file__),
-        *sys.argv[1:],
-    ]
-    return subprocess.call(cmd, env={**os.environ, **extra_env})
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="dsv3,small", help=f"comma-separated, of {sorted(SHAPES)}")
@@ -712,7 +698,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     under_torchrun = "LOCAL_RANK" in os.environ
     if args.dry_cpu and not under_torchrun:
-        return _relaunch(args, args.dry_ranks, {"CUDA_VISIBLE_DEVICES": ""})
+        return relaunch_under_torchrun(__file__, args.dry_ranks, {"CUDA_VISIBLE_DEVICES": ""})
     if not under_torchrun:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < 2 or args.no_spawn:
@@ -722,7 +708,7 @@ def main(argv=None) -> int:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps({"skipped": msg}))
             return 0
-        return _relaunch(args, n, {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
+        return relaunch_under_torchrun(__file__, n, {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (NCCL and NVSHMEM)
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
