@@ -21,7 +21,6 @@ dropless reads the expanded row count once after the layout to size the buffers 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -33,7 +32,7 @@ from .experts.cuda import GEMMS, expert_mlp_bf16, expert_mlp_cuda, expert_mlp_mx
 from .experts.weight_cache import WeightQuantCache
 from .transport import cuda as ct
 from .transport.autograd import combine, dispatch_with_layout
-from .transport.layout import _I_N
+from .transport.layout import fit_to_count
 from .transport.reference import REFERENCE
 
 
@@ -136,12 +135,8 @@ def _nvshmem_layout(topk_idx: torch.Tensor, cfg: MoEConfig, group, num_tokens: i
     cap = cfg.capacity_rows(num_tokens)
     if cap is not None:
         return ct.build_layout(topk_idx, cfg.num_experts, group, capacity=cap, runtime=rt)
-    handle = ct.build_layout(topk_idx, cfg.num_experts, group, runtime=rt)
-    # Dropless: the expanded buffers get exactly the rows routed here. The layout's index arrays were sized for the
-    # worst case (int32 per row: small); the activations ([N, H] and [N, 2F] per tensor) are not.
-    n = int(handle.info[_I_N].item())  # NOTE: host sync (dropless mode only; capacity_factor avoids it)
-    rt.raise_pending()  # the layout's errors (invalid expert ids, receive overflow) are known now: raise them here
-    return dataclasses.replace(handle, expand_capacity=max(n, 1))
+    # dropless: the one host read of the layer (NOTE: host sync in fit_to_count; capacity_factor avoids it)
+    return fit_to_count(ct.build_layout(topk_idx, cfg.num_experts, group, runtime=rt))
 
 
 def routed_experts_cuda(

@@ -5,7 +5,7 @@ contracts; everything here stays on the GPU (no host sync except the handle's do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -262,3 +262,17 @@ def build_layout(
         group=group,
         capacity=capacity,
     )
+
+
+def fit_to_count(handle: CudaEPHandle) -> CudaEPHandle:
+    """A dropless handle whose expanded tensors get exactly the N rows routed to this rank (at least 1), instead of
+    the worst case its layout was built for: the activations of a layer are [N, H] / [N, 2F] per tensor, while the
+    layout's own per-row arrays (int32) are small enough to stay worst-case. Safe only without ``capacity``: the
+    layout placed every slot below N, so the smaller bound drops nothing (with a capacity the bound is the drop
+    rule itself). Raises the layout's pending errors (invalid ids, receive overflow), known once N is read.
+    """
+    if handle.capacity is not None:
+        raise ValueError("fit_to_count is for dropless handles; a capacity already sizes the expanded tensors")
+    n = int(handle.info[_I_N].item())  # NOTE: host sync (dropless mode only; a capacity avoids it)
+    handle.runtime.raise_pending()
+    return replace(handle, expand_capacity=max(n, 1))
