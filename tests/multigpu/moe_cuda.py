@@ -434,6 +434,82 @@ def case_graph(quantize: bool) -> None:
     nvs.get_runtime(fast.ep_group).check_errors()
 
 
+def case_graph_weight_update() -> None:
+    """mxfp8, capacity set: a CUDA graph captured with a warm operand cache, then an in-place weight update (what
+    ``optimizer.step`` does: same storage, new version): the replay reads the new weights (the capture bypasses the
+    cache, so the graph holds the weight preparation, not a cached result) and equals the eager run bitwise."""
+    fast, _, _ = make_layers(None, seed=8, quantize=True, capacity_factor=0.75)
+    counts = [40, 17, 33, 8]
+    x, g = tokens(counts, fast.cfg.hidden, seed=25)
+    xs = x.clone().requires_grad_(True)
+
+    def step():
+        y, aux = fast(xs)
+        ((y.float() * g).sum() + aux).backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    xs.grad = None
+    _zero_grads(fast)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_s = step()
+    static_w = fast.experts.w13.grad
+    xs.grad = None
+    _zero_grads(fast)
+    with torch.no_grad():  # exact (a power of two): only the scales move, which a stale operand would miss
+        for p in fast.experts.parameters():
+            p.mul_(-0.5)
+    want = run_layer(fast, x, g)
+    graph.replay()
+    same_results({"y": y_s, "experts.w13.grad": static_w}, {k: want[k] for k in ("y", "experts.w13.grad")}, "replay")
+    torch.cuda.synchronize()
+    del graph
+    nvs.get_runtime(fast.ep_group).check_errors()
+
+
+def case_fsdp(reshard: bool) -> None:
+    """The experts as an FSDP2 unit on the "dp" sub-mesh (ep = world / 2, dp = 2): the cuda layer gathers them
+    through its FSDP forward method, and its gradients are reduce-scattered; two weight versions with an in-place
+    update of the shards between them (FSDP2's gathered weights keep their version counter, so an operand cache
+    keyed on it would go stale). Against the reference layer with the full weights and its expert gradients
+    averaged over "dp" (FSDP's default reduction)."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    mesh = half_mesh()
+    fast, ref, base = make_layers(mesh, seed=9, num_experts=8, top_k=2)
+    fully_shard(fast.experts, mesh=mesh["dp"], reshard_after_forward=reshard)
+    dp = mesh.get_group("dp")
+    x, g = tokens([48, 31, 64, 9], fast.cfg.hidden, seed=9)
+
+    def averaged(res: dict) -> dict:
+        for k in ("experts.w13.grad", "experts.w2.grad"):
+            t = res[k]
+            if hasattr(t, "full_tensor"):
+                res[k] = t.full_tensor()
+            else:
+                res[k] = t.clone()
+                dist.all_reduce(res[k], op=dist.ReduceOp.AVG, group=dp)
+        return res
+
+    for version in range(2):
+        mine = attempt(lambda: averaged(run_layer(fast, x, g)), f"the FSDP2 cuda layer, weights v{version}")
+        if not agree(mine is not None):
+            return
+        want = averaged(run_layer(ref, x, g, spec=True))
+        recipe = averaged(run_layer(base, x, g, spec=True))
+        compare(mine, want, recipe, True, f"fsdp reshard={reshard} v{version}")
+        with torch.no_grad():
+            for layer in (fast, ref, base):
+                for p in layer.experts.parameters():
+                    p.mul_(-0.5)
+
+
 def case_determinism(transport: str, quantize: bool, capacity) -> None:
     fast, _, _ = make_layers(None, seed=6, transport=transport, quantize=quantize, capacity_factor=capacity)
     x, g = tokens([64, 37, 100, 5], fast.cfg.hidden, seed=6)
@@ -597,6 +673,9 @@ def main() -> int:
         ("no host sync with a capacity (sync debug mode error), bf16", lambda: case_sync_free(False)),
         ("CUDA graph of forward + backward: replays = eager, mxfp8", lambda: case_graph(True)),
         ("CUDA graph of forward + backward: replays = eager, bf16", lambda: case_graph(False)),
+        ("CUDA graph replay after an in-place weight update = eager, mxfp8", case_graph_weight_update),
+        ("FSDP2 experts on dp (ep = world / 2), reshard after forward", lambda: case_fsdp(True)),
+        ("FSDP2 experts on dp (ep = world / 2), kept after forward", lambda: case_fsdp(False)),
         ("deterministic: nvshmem dropless", lambda: case_determinism("nvshmem", True, None)),
         ("deterministic: nccl dropless", lambda: case_determinism("nccl", True, None)),
         ("deterministic: nvshmem capacity bf16", lambda: case_determinism("nvshmem", False, 0.5)),
