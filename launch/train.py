@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="FSDP2 keeps the gathered block and expert parameters from forward to backward (no second all-gather)",
     )
     p.add_argument(
+        "--expert-gather",
+        choices=["mxfp8", "plain"],
+        default=None,
+        help="FSDP2's all-gather of the expert weights: mxfp8 (quantized from the master weights once per step, "
+        "the default of the MXFP8 variants) or plain (the param dtype, the default otherwise)",
+    )
+    p.add_argument(
         "--ac",
         action="store_true",
         help="recompute each block's attention half in the backward (the MoE keeps its MXFP8 rows instead)",
@@ -250,6 +257,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("argument --baseline: torchtitan replaces moe_ep's layer; --backend / --transport do not apply")
     elif not args.no_quantize and (args.dim % 32 or args.ffn_hidden % 32):
         p.error(f"MXFP8 needs --dim ({args.dim}) and --ffn-hidden ({args.ffn_hidden}) to be multiples of 32")
+    quantized = not args.no_quantize and args.baseline is None
+    if args.expert_gather == "mxfp8" and not quantized:
+        p.error("argument --expert-gather: mxfp8 gathers the weights of moe_ep's MXFP8 layer (not with --no-quantize "
+                "or --baseline)")  # fmt: skip
+    if args.expert_gather is None:
+        args.expert_gather = "mxfp8" if quantized else "plain"
     if args.backend == "cuda":
         from moe_ep.layer_cuda import missing_gpu_packages  # noqa: PLC0415
 
@@ -490,7 +503,10 @@ def main(argv: list[str] | None = None) -> dict:
             for m in (blk.attn_norm, blk.attn, blk.moe_norm):
                 m.compile()
         model.norm.compile()
-    apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard)
+    apply_fsdp(
+        model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard,
+        mxfp8_expert_gather=args.expert_gather == "mxfp8",
+    )  # fmt: skip
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -537,7 +553,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"moe_ep train: variant={variant} world={world} ep={ep} dp={world // ep} device={device_name} "
             f"dtype={log['dtype']} preset={args.preset} backend={backend} transport={log['transport']} "
-            f"capacity_factor={cfg.capacity_factor} params={n_params / 1e6:.2f}M (active {n_active / 1e6:.2f}M) "
+            f"capacity_factor={cfg.capacity_factor} expert_gather={args.expert_gather} "
+            f"params={n_params / 1e6:.2f}M (active {n_active / 1e6:.2f}M) "
             f"corpus={corpus.numel() / 1e6:.1f} MB tokens/rank/step={tokens_per_rank} log={args.log_json}",
             flush=True,
         )

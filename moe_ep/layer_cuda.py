@@ -94,7 +94,7 @@ class _MoEMXFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_w, w13, w2, handle, cache):
-        w13o, w2o = GEMMS.prepare(w13, cache), GEMMS.prepare(w2, cache)
+        w13o, w2o = GEMMS.prepare(w13, cache, dgrad=False), GEMMS.prepare(w2, cache, dgrad=False)
         profiling.mark("weight_prep")
         xq, xs, wr = ct.dispatch_fwd_mxfp8(x, topk_w, handle)
         profiling.mark("dispatch")
@@ -119,7 +119,7 @@ class _MoEMXFP8(torch.autograd.Function):
         saved["dout"] = dout
         del dout
         profiling.mark("combine_bwd")
-        w13o, w2o = GEMMS.prepare(w13, ctx.cache), GEMMS.prepare(w2, ctx.cache)
+        w13o, w2o = GEMMS.prepare(w13, ctx.cache, fprop=False), GEMMS.prepare(w2, ctx.cache, fprop=False)
 
         def send_dx(dxr: torch.Tensor):  # the return of dx overlaps nothing but frees dxr before the x-side wgrad
             res = ct.dispatch_bwd(dxr, dwr, h, ctx.x_dtype)

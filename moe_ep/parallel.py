@@ -118,6 +118,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    mxfp8_expert_gather: bool = False,
 ) -> torch.nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) on the ("dp", "ep") mesh, in place; returns ``model``.
 
@@ -131,6 +132,9 @@ def apply_fsdp(
       over all ranks (:func:`world_mesh`), so non-expert parameters are sharded over every rank.
     - ``param_dtype`` / ``reduce_dtype``: :class:`MixedPrecisionPolicy` (e.g. bf16 params with fp32 gradient
       reduction on GPU; leave ``param_dtype=None`` on CPU to train in fp32).
+    - ``mxfp8_expert_gather``: the experts' all-gather moves MXFP8 bytes, quantized from the master weights once
+      per optimizer step (:mod:`moe_ep.experts.fsdp_mxfp8`); every MoE must have ``quantize=True``, and its local
+      experts must split evenly over "dp".
 
     FSDP all-gathers a unit's weights in the pre-hook of its forward: the reference backend calls ``experts(...)``,
     the cuda backend runs the layer through ``experts.run`` (an FSDP forward method, see :meth:`moe_ep.MoE.forward`).
@@ -140,6 +144,7 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from .experts.fsdp_mxfp8 import use_mxfp8_all_gather
     from .layer import MoE  # here, not at module level: moe_ep/__init__ imports layer before parallel
 
     world = world_mesh(mesh)
@@ -147,6 +152,10 @@ def apply_fsdp(
     world_size = world.size()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        if mxfp8_expert_gather:
+            if not moe.cfg.quantize:
+                raise ValueError("mxfp8_expert_gather needs MoE layers with quantize=True (their GEMMs read MXFP8)")
+            use_mxfp8_all_gather(moe.experts, dp.size())
         fully_shard(moe.experts, mesh=dp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         moe.experts.set_gradient_divide_factor(float(world_size))
         moe.experts.set_force_sum_reduction_for_comms(_needs_sum_only(dp.size()))

@@ -38,6 +38,7 @@ from ..mxfp8 import MXFP8Tensor
 from ..mxfp8 import cuda as mxfp8_cuda
 from ..mxfp8.format import from_blocked_grouped
 from . import gemm as gemm_cuda
+from .fsdp_mxfp8 import MXFP8ExpertWeight
 from .operands import WeightOperands, weight_operands
 from .weight_cache import WeightQuantCache
 
@@ -45,8 +46,12 @@ from .weight_cache import WeightQuantCache
 class ExpertGemms(Protocol):
     """The expert GEMMs of one architecture (group sizes int32 [G] on the device, never read on the host)."""
 
-    def prepare(self, w: torch.Tensor, cache: WeightQuantCache | None) -> WeightOperands:
-        """w [G, N, K] -> its fprop and dgrad operands (once per weight version with a cache)."""
+    def prepare(
+        self, w: torch.Tensor, cache: WeightQuantCache | None, fprop: bool = True, dgrad: bool = True
+    ) -> WeightOperands:
+        """w [G, N, K] (or an MXFP8-gathered :class:`MXFP8ExpertWeight`) -> its fprop and dgrad operands (once per
+        weight version with a cache). fprop / dgrad: the operands the caller reads; one that is not wanted may be
+        left None (a gathered weight prepares only the wanted ones; a plain weight gets both from one pass)."""
         ...
 
     def fprop(self, xq: torch.Tensor, xs: torch.Tensor, w: WeightOperands, gs: torch.Tensor) -> torch.Tensor:
@@ -65,7 +70,9 @@ class ExpertGemms(Protocol):
 class HopperGemms:
     """sm_90a: exact MXFP8 grouped GEMMs on bf16 tensor cores (``moe_ep.experts.gemm``)."""
 
-    def prepare(self, w, cache):
+    def prepare(self, w, cache, fprop=True, dgrad=True):
+        if isinstance(w, MXFP8ExpertWeight):
+            return w.operands(fprop, dgrad)
         return weight_operands(w, cache)
 
     def fprop(self, xq, xs, w, gs):
@@ -188,7 +195,7 @@ def _wgrad_out(w: torch.Tensor) -> torch.Tensor:
 class _ExpertMLPCuda(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, group_sizes, cache):
-        w13o, w2o = GEMMS.prepare(w13, cache), GEMMS.prepare(w2, cache)
+        w13o, w2o = GEMMS.prepare(w13, cache, dgrad=False), GEMMS.prepare(w2, cache, dgrad=False)
         xq, xs, _, _ = mxfp8_cuda.quantize_grouped_dual(x, group_sizes)
         out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, group_sizes)
         ctx.save_for_backward(w13, w2, group_sizes)
@@ -205,7 +212,7 @@ class _ExpertMLPCuda(torch.autograd.Function):
             raise RuntimeError("expert_mlp_cuda's backward ran twice (retain_graph=True): its intermediates are freed")
         saved["dout"] = dout.contiguous()
         del dout
-        w13o, w2o = GEMMS.prepare(w13, ctx.cache), GEMMS.prepare(w2, ctx.cache)
+        w13o, w2o = GEMMS.prepare(w13, ctx.cache, fprop=False), GEMMS.prepare(w2, ctx.cache, fprop=False)
         on_dx = (lambda dx: dx) if ctx.needs_input_grad[0] else None
         dx, dw13, dw2 = expert_mlp_mx_bwd(saved, w13, w2, w13o, w2o, group_sizes, on_dx)
         return dx, dw13, dw2, None, None

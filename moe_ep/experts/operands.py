@@ -80,13 +80,7 @@ def prepare_weight_bf16_torch(w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     """Reference of :func:`prepare_weight_bf16` (same signature and bytes): pure torch on w's device."""
     _check_weight_prep(w, w_scale)
     g, n, k = w.shape
-    kb = k // 32
-    r = torch.arange(n, device=w.device)[:, None]
-    c = torch.arange(kb, device=w.device)[None, :]
-    tpr = _cdiv(kb, 4)
-    offs = ((r // 128) * tpr + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4  # [N, K/32]
-    scale = w_scale.reshape(g, -1)[:, offs.reshape(-1)].reshape(g, n, kb)
-    deq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(w, scale, 2), torch.bfloat16)
+    deq = mxfp8.dequantize_torch(mxfp8.MXFP8Tensor(w, mxfp8.from_blocked(w_scale.reshape(g, -1), n, k // 32), 2))
     kp = _cdiv(k, 64) * 64
     padded = torch.zeros(g, n, kp, dtype=torch.bfloat16, device=w.device)
     padded[..., :k] = deq
@@ -281,11 +275,25 @@ class WeightOperands:
     wt_prepared: torch.Tensor
 
 
+def quantize_weight_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An expert weight quantized both ways, the bytes the GEMMs' operands are prepared from.
+
+    w: bf16/fp16/fp32 [G, N, K] (N, K multiples of 32) -> (w e4m3 [G, N, K] along K, w_scale u8 [G, blocked_size(N,
+    K/32)], wt e4m3 [G, K, N] = W^T along N, wt_scale u8 [G, blocked_size(K, N/32)]): :func:`weight_operand_ref`
+    and :func:`weight_t_operand_ref`. CUDA: one launch (``mxfp8.cuda.quantize_weights_fused``, the same bytes);
+    other devices and MOE_EP_FORCE_REFERENCE=1: the references.
+    """
+    _check_weight(w)
+    if mxfp8.use_reference(w):
+        return (*weight_operand_ref(w), *weight_t_operand_ref(w))
+    from ..mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
+
+    return mxfp8_cuda.quantize_weights_fused(w.contiguous())
+
+
 def _weight_operands(w: torch.Tensor) -> WeightOperands:
     if mxfp8.use_reference(w):
-        q = mxfp8.quantize(w, -1)
-        qt = mxfp8.quantize(w.transpose(1, 2).contiguous(), -1)
-        wd, ws, wtd, wts = q.data, mxfp8.to_blocked(q.scale), qt.data, mxfp8.to_blocked(qt.scale)
+        wd, ws, wtd, wts = quantize_weight_mxfp8(w)
         return WeightOperands(wd, ws, prepare_weight_bf16(wd, ws), wtd, wts, prepare_weight_bf16(wtd, wts))
     # One launch over all experts reads W once and writes both prepared bf16 operands (6 bytes per bf16 element).
     # It replaced quantize_weights_fused (mx_quant_batch: both e4m3 copies with blocked scales) followed by two

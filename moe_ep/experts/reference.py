@@ -22,10 +22,13 @@ from __future__ import annotations
 import torch
 
 from .. import mxfp8
+from .fsdp_mxfp8 import MXFP8ExpertWeight
 from .operands import _cdiv, _host_sizes, colwise_operand_ref, prepare_colwise_bf16_torch
 
 
 def _fq(t: torch.Tensor, axis: int, on: bool) -> torch.Tensor:
+    if on and isinstance(t, MXFP8ExpertWeight):  # gathered in MXFP8 (experts.fsdp_mxfp8): its stored quantizations
+        return t.fake_quantize(axis)
     return mxfp8.fake_quantize(t, axis) if on else t
 
 

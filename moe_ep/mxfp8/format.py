@@ -88,6 +88,22 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     return _tile_2d(scale)
 
 
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked`: [..., blocked_size(rows, cols)] u8 -> plain scales [..., rows, cols] u8
+    (the tiles' padding dropped).
+
+    Example: from_blocked(to_blocked(s), *s.shape[-2:]) equals s; byte blocked_offset(r, c, cols) is s[r, c].
+    """
+    *lead, size = blocked.shape
+    if size != blocked_size(rows, cols):
+        raise ValueError(f"blocked scales of [{rows}, {cols}] take {blocked_size(rows, cols)} bytes, got {size}")
+    mt, ct = _ceil_div(rows, 128), _ceil_div(cols, 4)
+    n = len(lead)
+    t = blocked.reshape(*lead, mt, ct, 32, 4, 4)  # tile (rb, cb), then rs, rg, cc
+    t = t.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)  # rb, rg, rs, cb, cc
+    return t.reshape(*lead, mt * 128, ct * 4)[..., :rows, :cols]
+
+
 def group_tile_offsets(group_sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
     """Start tile of each group when every group begins on a fresh tile of ``block`` rows.
 
