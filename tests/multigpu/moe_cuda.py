@@ -473,16 +473,21 @@ def case_graph_weight_update() -> None:
     nvs.get_runtime(fast.ep_group).check_errors()
 
 
-def case_fsdp(reshard: bool) -> None:
+def case_fsdp(reshard: bool, mx: bool = False) -> None:
     """The experts as an FSDP2 unit on the "dp" sub-mesh (ep = world / 2, dp = 2): the cuda layer gathers them
     through its FSDP forward method, and its gradients are reduce-scattered; two weight versions with an in-place
     update of the shards between them (FSDP2's gathered weights keep their version counter, so an operand cache
     keyed on it would go stale). Against the reference layer with the full weights and its expert gradients
-    averaged over "dp" (FSDP's default reduction)."""
+    averaged over "dp" (FSDP's default reduction). mx: the all-gather moves MXFP8 bytes (experts.fsdp_mxfp8),
+    quantized once per weight version from the bf16 master weights, which is what the reference quantizes."""
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    from moe_ep.experts.fsdp_mxfp8 import use_mxfp8_all_gather  # noqa: PLC0415
 
     mesh = half_mesh()
     fast, ref, base = make_layers(mesh, seed=9, num_experts=8, top_k=2)
+    if mx:
+        use_mxfp8_all_gather(fast.experts, mesh["dp"].size())
     fully_shard(fast.experts, mesh=mesh["dp"], reshard_after_forward=reshard)
     dp = mesh.get_group("dp")
     x, g = tokens([48, 31, 64, 9], fast.cfg.hidden, seed=9)
@@ -508,6 +513,10 @@ def case_fsdp(reshard: bool) -> None:
             for layer in (fast, ref, base):
                 for p in layer.experts.parameters():
                     p.mul_(-0.5)
+    if mx:  # once per weight version, not again for the backward's re-gather
+        counts = [p._local_tensor.quantizations for p in fast.experts.parameters()]
+        if counts != [2, 2]:
+            fail(f"MXFP8 gather: the shards were quantized {counts} times over 2 weight versions")
 
 
 def case_determinism(transport: str, quantize: bool, capacity) -> None:
@@ -676,6 +685,8 @@ def main() -> int:
         ("CUDA graph replay after an in-place weight update = eager, mxfp8", case_graph_weight_update),
         ("FSDP2 experts on dp (ep = world / 2), reshard after forward", lambda: case_fsdp(True)),
         ("FSDP2 experts on dp (ep = world / 2), kept after forward", lambda: case_fsdp(False)),
+        ("FSDP2 experts on dp, MXFP8 all-gather, reshard after forward", lambda: case_fsdp(True, mx=True)),
+        ("FSDP2 experts on dp, MXFP8 all-gather, kept after forward", lambda: case_fsdp(False, mx=True)),
         ("deterministic: nvshmem dropless", lambda: case_determinism("nvshmem", True, None)),
         ("deterministic: nccl dropless", lambda: case_determinism("nccl", True, None)),
         ("deterministic: nvshmem capacity bf16", lambda: case_determinism("nvshmem", False, 0.5)),
