@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the default of the MXFP8 variants) or plain (the param dtype, the default otherwise)",
     )
     p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="record step N with torch.profiler: the log's 'profile' holds its top device kernels (pick N in the "
+        "first logging window, which the summary leaves out)",
+    )
+    p.add_argument(
         "--ac",
         action="store_true",
         help="recompute each block's attention half in the backward (the MoE keeps its MXFP8 rows instead)",
@@ -257,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("argument --baseline: torchtitan replaces moe_ep's layer; --backend / --transport do not apply")
     elif not args.no_quantize and (args.dim % 32 or args.ffn_hidden % 32):
         p.error(f"MXFP8 needs --dim ({args.dim}) and --ffn-hidden ({args.ffn_hidden}) to be multiples of 32")
+    if args.profile_step is not None and not 0 <= args.profile_step < args.steps:
+        p.error(f"argument --profile-step: {args.profile_step} is not a step of --steps {args.steps}")
     quantized = not args.no_quantize and args.baseline is None
     if args.expert_gather == "mxfp8" and not quantized:
         p.error("argument --expert-gather: mxfp8 gathers the weights of moe_ep's MXFP8 layer (not with --no-quantize "
@@ -409,6 +418,30 @@ def shard_factory_experts(model: MoETransformer, mesh, param_dtype, reduce_dtype
             fully_shard(blk.moe.experts, mesh=dp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
             blk.moe.experts.set_gradient_divide_factor(float(dist.get_world_size()))
             blk.moe.experts.set_force_sum_reduction_for_comms(_needs_sum_only(dp.size()))
+
+
+def step_profiler(use_cuda: bool):
+    """A started torch.profiler recording CPU ops and, with CUDA, device kernels."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if use_cuda else [])
+    prof = torch.profiler.profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def finish_profile(prof, use_cuda: bool, top: int = 40) -> dict:
+    """Stop ``prof`` -> {"device_ms": the step's summed self device time (kernels of all streams, so overlapped
+    communication counts in full), "top": the ``top`` kernels by self device time [{name, ms, count}]} (CPU runs:
+    self CPU time of the ops)."""
+    if use_cuda:
+        torch.cuda.synchronize()  # NOTE: host sync (the profiled step only)
+    prof.__exit__(None, None, None)
+    events = prof.key_averages()
+    attr = "self_device_time_total" if use_cuda else "self_cpu_time_total"
+    rows = sorted(((e.key, getattr(e, attr) / 1e3, e.count) for e in events), key=lambda r: -r[1])
+    return {
+        "device_ms": round(sum(r[1] for r in rows), 3),
+        "top": [{"name": k[:120], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:top] if ms > 0],
+    }
 
 
 def resolve_variant(args: argparse.Namespace, cfg: ModelConfig, device: torch.device) -> tuple[str, str | None]:
@@ -571,6 +604,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_last, step_last = time.perf_counter(), 0
     model.train()
     for step in range(args.steps):
+        prof = step_profiler(use_cuda) if step == args.profile_step else None
         x, y = get_batch(corpus, step, args.seed, args.batch_size, args.seq_len, rank, world)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss, aux = model(x, y)
@@ -586,6 +620,8 @@ def main(argv: list[str] | None = None) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         pending.append(torch.stack([loss.detach().float(), aux.detach().float(), gnorm.float()]))
+        if prof is not None:
+            log["profile"] = finish_profile(prof, use_cuda)
 
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             vals = torch.stack(pending)  # [steps in window, 3]: loss, aux, grad norm

@@ -106,7 +106,10 @@ def test_train_two_ranks_loss_decreases(tmp_path: Path) -> None:
 
 def test_train_capacity_factor_logs_drops(tmp_path: Path) -> None:
     """--capacity-factor < 1 drops slots; the log sums them per window (over ranks, layers and steps)."""
-    log = run_train(tmp_path, 2, "--steps", "4", "--log-every", "2", "--capacity-factor", "0.5")
+    log = run_train(tmp_path, 2, "--steps", "4", "--log-every", "2", "--capacity-factor", "0.5", "--profile-step", "1")
+    prof = log["profile"]  # step 1 recorded: its top ops by self time (CPU here), summing to at most the total
+    assert prof["top"] and all(r["ms"] > 0 and r["count"] > 0 for r in prof["top"])
+    assert sum(r["ms"] for r in prof["top"]) <= prof["device_ms"] + 1e-6
     assert log["capacity_factor"] == 0.5 and log["config"]["model"]["capacity_factor"] == 0.5
     # capacity 0.5 * T * K rows per rank of T * K routed slots per rank on average: at least a quarter is dropped
     for w in log["windows"]:
@@ -196,6 +199,7 @@ def test_torchtitan_baseline(tmp_path: Path) -> None:
         (["--preset", "huge"], 1, "argument --preset: invalid choice"),
         (["--backend", "cuda"], 1, "argument --backend: cuda needs"),
         (["--no-quantize", "--expert-gather", "mxfp8"], 1, "argument --expert-gather: mxfp8 gathers"),
+        (["--steps", "5", "--profile-step", "5"], 1, "argument --profile-step: 5 is not a step"),
     ],
 )
 def test_bad_arguments_fail_in_parsing(argv, world, match, capsys, monkeypatch) -> None:
