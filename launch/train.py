@@ -435,9 +435,16 @@ def finish_profile(prof, use_cuda: bool, top: int = 40) -> dict:
     if use_cuda:
         torch.cuda.synchronize()  # NOTE: host sync (the profiled step only)
     prof.__exit__(None, None, None)
-    events = prof.key_averages()
-    attr = "self_device_time_total" if use_cuda else "self_cpu_time_total"
-    rows = sorted(((e.key, getattr(e, attr) / 1e3, e.count) for e in events), key=lambda r: -r[1])
+    if use_cuda:  # device activity only (kernels, copies); CUPTI's "Command Buffer Full" marks are launch stalls
+        events = [
+            e
+            for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.key != "Command Buffer Full"
+        ]
+        rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in events if e.self_device_time_total > 0]
+    else:
+        rows = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
     return {
         "device_ms": round(sum(r[1] for r in rows), 3),
         "top": [{"name": k[:120], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:top] if ms > 0],
