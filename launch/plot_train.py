@@ -19,8 +19,11 @@ from pathlib import Path
 
 
 def run_label(log: dict) -> str:
-    """The variant, with the transport when it is not the default and the capacity factor when dropping."""
+    """The variant, with the transport when it is not the default, the capacity factor when dropping, and the
+    expert all-gather when an MXFP8 variant gathers plain weights."""
     label = log.get("variant") or "unknown"
+    if log.get("quantize") and log.get("config", {}).get("args", {}).get("expert_gather") == "plain":
+        label += " plain-gather"
     if log.get("transport") not in (None, "nvshmem"):
         label += f" ({log['transport']})"
     if log.get("capacity_factor") is not None:
