@@ -318,6 +318,9 @@ def test_plot_data_from_the_committed_log(tmp_path: Path) -> None:
     runs = plot.load_runs([TINY_LOG, other_path, TINY_LOG])
     assert [r["variant"] for r in runs] == ["reference", "torchtitan", "reference"]
     assert runs[1]["label"] == "torchtitan"
+    plain = {"variant": "mxfp8", "quantize": True, "config": {"args": {"expert_gather": "plain"}}}
+    assert plot.run_label(plain) == "mxfp8 plain-gather"  # an MXFP8 variant that gathered plain weights
+    assert plot.run_label({**plain, "config": {"args": {"expert_gather": "mxfp8"}}}) == "mxfp8"
     assert runs[0]["label"] != runs[2]["label"] and runs[0]["label"].startswith("reference")  # made unique
     r = runs[0]
     assert r["steps"] == list(range(1, len(committed["loss"]) + 1)) and r["loss"] == committed["loss"]

@@ -8,14 +8,15 @@ prints ``PASS/FAIL name`` and ``N passed, N failed``; exit code 1 when any case 
 recorded, not raised (``fail``), so every rank keeps issuing the same transport calls; a failing check prints the
 rank and the numbers.
 
-Cases: the layer (router included) cuda vs reference for both transports, quantize True and False, also on a
-("dp", "ep") mesh with ep = world / 2; awkward routing given by hand through ``moe_ep.layer.routed_experts``
-(zero-token experts, every token on one expert, unequal counts, a rank or every rank with no tokens, H = 160 / 224
-with F = 96, top_k 1 and 8, int32 ids); drop mode (``capacity_factor``) with ``num_dropped`` exact; no host sync
-under ``torch.cuda.set_sync_debug_mode("error")`` with a capacity; a CUDA graph of forward + backward replayed on new
-inputs equals eager bitwise; two runs are bitwise equal; 1000 iterations with flat memory; an invalid expert id
-raises ValueError naming it; last, a rank that skips a call makes the others raise EPTransportError("timeout...")
-instead of hanging (the runtime is unusable afterwards, so nothing runs after it).
+Cases: the layer (router included) cuda vs reference for both transports, quantize True and False, also on a ("dp",
+"ep") mesh with ep = world / 2; awkward routing given by hand through ``moe_ep.layer.routed_experts`` (zero-token
+experts, every token on one expert, unequal counts, a rank or every rank with no tokens, H = 160 / 224 with F = 96,
+top_k 1 and 8, int32 ids); drop mode (``capacity_factor``) with ``num_dropped`` exact; no host sync under
+``torch.cuda.set_sync_debug_mode("error")`` with a capacity; a CUDA graph of forward + backward replayed on new
+inputs equals eager bitwise, also after an in-place weight update; the experts as an FSDP2 unit on "dp" (ep = world
+/ 2), gathered plain and in MXFP8, over two weight versions; two runs are bitwise equal; 1000 iterations with flat
+memory; an invalid expert id raises ValueError naming it; last, a rank that skips a call makes the others raise
+EPTransportError("timeout...") instead of hanging (the runtime is unusable afterwards, so nothing runs after it).
 
 The reference runs with MOE_EP_FORCE_REFERENCE=1 (the pure-PyTorch quantizer, the specification) set only around its
 own forward and backward; the cuda layer always runs the kernels (the variable is removed from the environment at
