@@ -1,8 +1,8 @@
 """The one loader of ``kernels/*.cu``: NVRTC compilation through CuPy, module cache, torch-stream interop.
 
-CuPy is imported lazily (``import moe_ep`` works without it). Kernels are compiled with
-``-arch=sm_90a -std=c++17`` and launched on torch's current stream of the tensors' device; pointer arguments are
-``tensor.data_ptr()`` values.
+CuPy is imported lazily (``import moe_ep`` works without it). Kernels are compiled with ``-arch=<arch>
+-std=c++17`` (``get_function(..., arch=)``, default ``sm_90a``) and launched on torch's current stream of the
+tensors' device; pointer arguments are ``tensor.data_ptr()`` values.
 
 Local ``#include "x.cuh"`` lines are inlined before compiling, so CuPy's on-disk kernel cache (keyed by the source
 text) is invalidated when a header changes.
@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 _GPU_EXTRA = "pip install 'moe_ep[gpu]'"
-BASE_OPTIONS = ("-arch=sm_90a", "-std=c++17")
+BASE_OPTIONS = ("-std=c++17",)
+DEFAULT_ARCH = "sm_90a"  # Hopper with its arch-specific instructions (wgmma, setmaxnreg)
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
@@ -64,39 +65,55 @@ def _package_kernels_dir() -> Path:
         raise FileNotFoundError(f"cannot find moe_ep's CUDA sources (looked in {repo})") from e
 
 
-def read_source(name: str, kdir: Path | None = None) -> str:
-    """Text of ``kernels/<name>`` with local ``#include "..."`` files inlined (each at most once)."""
-    kdir = kdir or kernels_dir()
-    seen: set[str] = set()
+def _find_include(inc: str, including: Path, kdir: Path) -> Path | None:
+    """A local include: beside the including file, at the kernels root, or the one file of that name anywhere under
+    it (headers live in their implementation's folder or in ``common/``; names are unique across the tree)."""
+    for cand in (including.parent / inc, kdir / inc):
+        if cand.is_file():
+            return cand
+    hits = sorted(kdir.rglob(Path(inc).name))
+    return hits[0] if hits else None
 
-    def expand(fname: str) -> str:
-        path = kdir / fname
+
+def read_source(name: str, kdir: Path | None = None) -> str:
+    """Text of ``kernels/<name>`` (a path under ``kernels/``) with local ``#include "..."`` files inlined (each at
+    most once)."""
+    kdir = kdir or kernels_dir()
+    seen: set[Path] = set()
+
+    def expand(path: Path) -> str:
         text = path.read_text()
 
         def sub(m: re.Match) -> str:
             inc = m.group(1)
-            if not (kdir / inc).is_file():
+            found = _find_include(inc, path, kdir)
+            if found is None:
                 return m.group(0)
-            if inc in seen:
+            found = found.resolve()
+            if found in seen:
                 return f"// (already included: {inc})"
-            seen.add(inc)
-            return f"// ---- begin {inc} ----\n{expand(inc)}\n// ---- end {inc} ----"
+            seen.add(found)
+            return f"// ---- begin {inc} ----\n{expand(found)}\n// ---- end {inc} ----"
 
         return _INCLUDE_RE.sub(sub, text)
 
-    seen.add(name)
-    return expand(name)
+    root = (kdir / name).resolve()
+    seen.add(root)
+    return expand(root)
 
 
-def compile_options(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+def compile_options(extra: tuple[str, ...] = (), arch: str = DEFAULT_ARCH) -> tuple[str, ...]:
     env = tuple(os.environ.get("MOE_EP_NVRTC_OPTIONS", "").split())
-    return BASE_OPTIONS + (f"-I{kernels_dir()}",) + tuple(extra) + env
+    return (f"-arch={arch}", *BASE_OPTIONS, f"-I{kernels_dir()}", *extra, *env)
 
 
-def get_module(name: str, name_expressions: tuple[str, ...] = (), extra_options: tuple[str, ...] = ()):
-    """Compiled ``cupy.RawModule`` of ``kernels/<name>``, cached per (file, options, name expressions)."""
+def get_module(
+    name: str, name_expressions: tuple[str, ...] = (), extra_options: tuple[str, ...] = (), arch: str = DEFAULT_ARCH
+):
+    """Compiled ``cupy.RawModule`` of ``kernels/<name>`` for ``arch``, cached per (file, options, name
+    expressions)."""
     cp = cupy()
-    opts = compile_options(tuple(extra_options))
+    opts = compile_options(tuple(extra_options), arch)
     key = (name, opts, tuple(name_expressions))
     with _lock:
         mod = _modules.get(key)
@@ -114,18 +131,20 @@ def get_function(
     name_expressions: tuple[str, ...] = (),
     extra_options: tuple[str, ...] = (),
     device: int | None = None,
+    arch: str = DEFAULT_ARCH,
 ):
-    """Kernel ``kernel`` (a plain name or one of ``name_expressions``) of ``kernels/<name>``.
+    """Kernel ``kernel`` (a plain name or one of ``name_expressions``) of ``kernels/<name>``, built for ``arch``
+    (``"sm_90a"``: Hopper; a Blackwell implementation passes its own).
 
     Cached per (file, kernel, name expressions, full option list, device): the options include
     MOE_EP_NVRTC_OPTIONS as it is at the call, so changing it between calls (e.g. adding -lineinfo) gets
     the other build, not the function cached for the first one.
     """
     dev = torch.cuda.current_device() if device is None else device
-    key = (name, kernel, tuple(name_expressions), compile_options(tuple(extra_options)), dev)
+    key = (name, kernel, tuple(name_expressions), compile_options(tuple(extra_options), arch), dev)
     fn = _functions.get(key)
     if fn is None:
-        mod = get_module(name, name_expressions, extra_options)
+        mod = get_module(name, name_expressions, extra_options, arch)
         with cupy().cuda.Device(dev):
             fn = mod.get_function(kernel)
         _functions[key] = fn

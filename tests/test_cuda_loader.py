@@ -20,8 +20,8 @@ def test_function_cache_follows_nvrtc_options_env(monkeypatch):
         def get_function(self, kernel):
             return (kernel, self.opts)
 
-    def get_module(name, name_expressions=(), extra_options=()):
-        opts = _cuda.compile_options(tuple(extra_options))
+    def get_module(name, name_expressions=(), extra_options=(), arch=_cuda.DEFAULT_ARCH):
+        opts = _cuda.compile_options(tuple(extra_options), arch)
         compiled.append(opts)
         return FakeModule(opts)
 
@@ -36,3 +36,41 @@ def test_function_cache_follows_nvrtc_options_env(monkeypatch):
     c = _cuda.get_function("any.cu", "k", device=0)
     assert "-DSOME_OPTION=1" in a[1] and "-DSOME_OPTION=8" in b[1]
     assert c is b and len(compiled) == 2
+
+
+def test_arch_is_part_of_the_build(monkeypatch):
+    """get_function(arch=) compiles for that architecture and caches the builds apart."""
+    built = []
+
+    class FakeModule:
+        def __init__(self, opts):
+            self.opts = opts
+
+        def get_function(self, kernel):
+            return (kernel, self.opts)
+
+    def get_module(name, name_expressions=(), extra_options=(), arch=_cuda.DEFAULT_ARCH):
+        built.append(arch)
+        return FakeModule(_cuda.compile_options(tuple(extra_options), arch))
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext()))
+    monkeypatch.setattr(_cuda, "get_module", get_module)
+    monkeypatch.setattr(_cuda, "cupy", lambda: fake_cupy)
+    monkeypatch.setattr(_cuda, "_functions", {})
+    monkeypatch.delenv("MOE_EP_NVRTC_OPTIONS", raising=False)
+    a = _cuda.get_function("any.cu", "k", device=0)
+    b = _cuda.get_function("any.cu", "k", device=0, arch="sm_100a")
+    assert "-arch=sm_90a" in a[1] and "-arch=sm_100a" in b[1] and built == ["sm_90a", "sm_100a"]
+
+
+def test_includes_resolve_across_folders(tmp_path):
+    """A header is found beside the including file, at the root, or by its unique name in another folder; each is
+    inlined once."""
+    (tmp_path / "common").mkdir()
+    (tmp_path / "impl").mkdir()
+    (tmp_path / "common" / "c.cuh").write_text("int c;\n")
+    (tmp_path / "impl" / "h.cuh").write_text('#include "c.cuh"\nint h;\n')
+    (tmp_path / "impl" / "k.cu").write_text('#include "h.cuh"\n#include "c.cuh"\n#include <cuda.h>\nint k;\n')
+    src = _cuda.read_source("impl/k.cu", tmp_path)
+    assert src.count("int c;") == 1 and "int h;" in src and "int k;" in src
+    assert "#include <cuda.h>" in src and "already included: c.cuh" in src

@@ -101,3 +101,48 @@ def dequantize_torch(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     mult = torch.where(s == SCALE_NAN, float("nan"), _exp2_int((s - 127).clamp(-127, 127)))
     v = data.to(torch.float32).reshape(*scale.shape, BLOCK) * mult.unsqueeze(-1)
     return v.reshape(data.shape).movedim(-1, ax).to(dtype).contiguous()
+
+
+def quantize_blocks_torch(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 + E8M0 quantization in 2-D blocks of the last two axes (the rule above, any block shape).
+
+    x: [..., R, C] float; block (br, bc) -> (data [..., R, C] e4m3, scale [..., ceil(R/br), ceil(C/bc)] u8). A block
+    that runs past R or C is padded with zeros (which never change its amax). ``block=(1, 32)`` gives the bytes of
+    :func:`quantize_torch` along the last axis.
+
+    Example: x [3, 256], block (1, 128) -> scale [3, 2]; x [200, 256], block (128, 128) -> scale [2, 2], the
+    second block row holding rows 128-199.
+    """
+    br, bc = block
+    *lead, r, c = x.shape
+    nr, nc = -(-r // br), -(-c // bc)
+    v = x.to(torch.float32)
+    if nr * br != r or nc * bc != c:
+        v = torch.nn.functional.pad(v, (0, nc * bc - c, 0, nr * br - r))
+    v = v.reshape(*lead, nr, br, nc, bc).movedim(-3, -2)  # [..., nr, nc, br, bc]
+    bad = ~torch.isfinite(v).flatten(-2).all(dim=-1)  # [..., nr, nc]
+    amax = torch.where(bad[..., None, None], 0.0, v.abs()).flatten(-2).amax(dim=-1)
+    e = _ceil_log2_pow(amax / E4M3_MAX)
+    q = (v * _exp2_int(-e)[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q = torch.where(bad[..., None, None], 0.0, q)
+    data = q.to(torch.float8_e4m3fn).view(torch.uint8)
+    data = torch.where(bad[..., None, None], torch.tensor(E4M3_NAN, dtype=torch.uint8, device=x.device), data)
+    data = data.movedim(-2, -3).reshape(*lead, nr * br, nc * bc)[..., :r, :c]
+    scale = torch.where(bad, SCALE_NAN, e + 127).to(torch.uint8)
+    return data.contiguous().view(torch.float8_e4m3fn), scale
+
+
+def dequantize_blocks_torch(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks_torch`, exact in fp32. data: [..., R, C] e4m3, scale: [..., ceil(R/br),
+    ceil(C/bc)] u8 -> [..., R, C] fp32 (a 0xFF scale gives NaN)."""
+    br, bc = block
+    r, c = data.shape[-2:]
+    s = scale.to(torch.int32)
+    mult = torch.where(s == SCALE_NAN, float("nan"), _exp2_int((s - 127).clamp(-127, 127)))
+    mult = mult.repeat_interleave(br, dim=-2)[..., :r, :].repeat_interleave(bc, dim=-1)[..., :c]
+    return data.to(torch.float32) * mult
+
+
+def fake_quantize_blocks_torch(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Quantize-dequantize round trip in ``block``s of the last two axes: [..., R, C] float -> fp32."""
+    return dequantize_blocks_torch(*quantize_blocks_torch(x, block), block)
