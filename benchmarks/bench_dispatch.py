@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import relaunch_under_torchrun  # noqa: E402
 
-from moe_ep.transport.schedule import TransportSchedule  # noqa: E402
+from moe_ep.transport.nvshmem.schedule import TransportSchedule  # noqa: E402
 
 SHAPES = {"dsv3": dict(T=4096, H=7168, E=256, K=8), "small": dict(T=8192, H=2048, E=128, K=8)}
 NVLINK_GBS = 450.0  # H100 / H200 NVLink 4, per GPU and direction: the physical limit the GB/s are compared with
@@ -54,7 +54,7 @@ def _spawn_or_skip(args) -> int:
 
 
 def _commit() -> str:
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    from launch.provenance import code_version  # noqa: PLC0415
 
     return code_version()
 
@@ -145,7 +145,7 @@ def parse_schedules(spec: str) -> list[tuple[dict, TransportSchedule]]:
 
 def run_case(shape: str, routing: str, args, quant, quant_name, schedules) -> dict:
     from moe_ep import mxfp8  # noqa: PLC0415
-    from moe_ep.transport import cuda as ct  # noqa: PLC0415
+    from moe_ep.transport.nvshmem import buffer as ct  # noqa: PLC0415
     from moe_ep.transport import reference as ref  # noqa: PLC0415
 
     cfg = SHAPES[shape]
@@ -305,7 +305,7 @@ def main() -> int:
         default="",
         help="other schedules of the fused kernels timed per case against the same baselines, ';'-separated, each "
         "the defaults with some fields replaced, e.g. 'dispatch_send_warps=8,dispatch_pieces=1;combine_pieces=4' "
-        "(fields of moe_ep.transport.schedule.TransportSchedule)",
+        "(fields of moe_ep.transport.nvshmem.schedule.TransportSchedule)",
     )
     args = p.parse_args()
     schedules = parse_schedules(args.schedules)  # checked before any process is launched
@@ -316,7 +316,7 @@ def main() -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     from moe_ep import finish  # noqa: PLC0415
-    from moe_ep.transport import cuda as ct  # noqa: PLC0415
+    from moe_ep.transport.nvshmem import buffer as ct  # noqa: PLC0415
     from moe_ep.transport import runtime as nvs  # noqa: PLC0415
 
     shapes = [s for s in args.shapes.split(",") if s]

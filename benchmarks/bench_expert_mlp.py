@@ -1,7 +1,7 @@
 """Benchmark one expert-MLP training step (forward + backward) on the MXFP8 CUDA path against bf16 torch.
 
 Per shape (M expert-sorted rows of hidden H, E experts of FFN width F; random uneven group sizes, fixed seed):
-  mxfp8   x quantized (``quantize_grouped_dual``), then ``moe_ep.experts.cuda``'s ``expert_mlp_mx_fwd`` +
+  mxfp8   x quantized (``quantize_grouped_dual``), then ``moe_ep.experts.sm90.mlp``'s ``expert_mlp_mx_fwd`` +
           ``expert_mlp_mx_bwd`` (the layer's expert path, which gets x already quantized) with the weights' MXFP8
           operands cached (what every micro-batch after the first of an optimizer step pays); the per-step weight
           quantization and preparation (``weight_operands`` of W13 and W2) is timed alone as ``weight_prep_ms``.
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import interleaved_ms, paired_ratio, rel_err, time_ms, uneven_sizes  # noqa: E402
 
 from moe_ep.experts import reference as gemm  # noqa: E402
-from moe_ep.experts.cuda import expert_mlp_mx_bwd, expert_mlp_mx_fwd  # noqa: E402
-from moe_ep.experts.operands import weight_operands  # noqa: E402
+from moe_ep.experts.sm90.mlp import expert_mlp_mx_bwd, expert_mlp_mx_fwd  # noqa: E402
+from moe_ep.experts.sm90.operands import weight_operands  # noqa: E402
 from moe_ep.experts.weight_cache import WeightQuantCache  # noqa: E402
 from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
 
@@ -162,7 +162,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    from launch.provenance import code_version  # noqa: PLC0415
 
     res = {
         "benchmark": "bench_expert_mlp",

@@ -1,10 +1,10 @@
-"""Benchmark the MXFP8 grouped GEMMs (moe_ep.experts.gemm) against torch's grouped GEMMs on the same shapes.
+"""Benchmark the MXFP8 grouped GEMMs (moe_ep.experts.sm90.gemm) against torch's grouped GEMMs on the same shapes.
 
 For every shape (random uneven group sizes, fixed seed) and variant (fprop, dgrad, wgrad) it first checks the
 kernel against the dequantize + fp32 matmul reference on a subsample, then times (CUDA events, median of --reps;
 --rounds interleaved rounds, TFLOP/s from the median round, ratio = median over rounds of the same round's torch
 bf16 time over ours) and reports TFLOP/s (2*M*N*K / time) for:
-  mxfp8         our fprop / dgrad kernels (moe_ep.experts.gemm) with the bf16 weight prepared once, outside the
+  mxfp8         our fprop / dgrad kernels (moe_ep.experts.sm90.gemm) with the bf16 weight prepared once, outside the
                 timing (see "prepare_weight" for that pass)
   mxfp8_prepared  our wgrad (bf16 output) on the operands as the quantizer writes them, already prepared
                 (quantize_grouped_dual); the quantizer's time for dY and X is in "colwise_producer_ms"
@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_ep import mxfp8  # noqa: E402
-from moe_ep.experts import gemm as gemm_cuda  # noqa: E402
+from moe_ep.experts.sm90 import gemm as gemm_cuda  # noqa: E402
 from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
 
 SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
@@ -192,8 +192,8 @@ def run_shape(name, m, k, n, g, args, out_rows):
 
     ours = {"fprop": {}, "dgrad": {}, "wgrad": {}}
     # the fprop / dgrad kernel takes the weight as exact bf16 prepared once per weight version (prepare_weight_bf16):
-    # timed here as the kernel alone; the preparation (kernels/weight_prep.cu) is reported separately, per weight
-    # version, with its bandwidth (e4m3 + scale bytes read, bf16 written) and the torch reference's time
+    # timed here as the kernel alone; the preparation (kernels/experts/sm90/weight_prep.cu) is reported separately, per
+    # weight version, with its bandwidth (e4m3 + scale bytes read, bf16 written) and the torch reference's time
     wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
     wtprep = gemm_cuda.prepare_weight_bf16(wtq.data, wts)
     prep = {"matches_torch_reference": True}
@@ -433,7 +433,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    from launch.provenance import code_version  # noqa: PLC0415
 
     commit = code_version()
     result = {

@@ -713,7 +713,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (NCCL and NVSHMEM)
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     import moe_ep  # noqa: PLC0415
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    from launch.provenance import code_version  # noqa: PLC0415
 
     world = int(os.environ["WORLD_SIZE"])
     if args.dry_cpu:
@@ -740,7 +740,7 @@ def main(argv=None) -> int:
         # One runtime sized for every shape up front: a later, larger shape would otherwise grow the symmetric
         # buffers past the NVSHMEM heap sized at the first initialization.
         try:
-            from moe_ep.transport import cuda as ct  # noqa: PLC0415
+            from moe_ep.transport.nvshmem import buffer as ct  # noqa: PLC0415
 
             dd = [shape_dims(s, args, mesh["ep"].size()) for s in shapes]
             ct.init_runtime(
@@ -814,8 +814,8 @@ def main(argv=None) -> int:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
-    if "moe_ep.transport.runtime" in sys.modules:  # symmetric memory freed on every rank before the groups go
-        sys.modules["moe_ep.transport.runtime"].shutdown()
+    if "moe_ep.transport.nvshmem.runtime" in sys.modules:  # symmetric memory freed on every rank before the groups go
+        sys.modules["moe_ep.transport.nvshmem.runtime"].shutdown()
     moe_ep.finish(mesh)
     return 0 if ok else 1
 

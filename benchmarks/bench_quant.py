@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_ep.experts.operands import colwise_prep_rows_used  # noqa: E402
+from moe_ep.experts.sm90.operands import colwise_prep_rows_used  # noqa: E402
 from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
 from moe_ep.mxfp8 import quantize_torch, to_blocked  # noqa: E402
 
@@ -42,7 +42,7 @@ EXPERTS = 8  # weights_fused: x [M, K] as [8, M / 8, K]
 
 
 def git_commit() -> str:
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    from launch.provenance import code_version  # noqa: PLC0415
 
     return code_version(ROOT)
 

@@ -329,7 +329,7 @@ class TorchtitanMoE(nn.Module):
 
 
 class TorchtitanMoELayer(TorchtitanMoE):
-    """:class:`TorchtitanMoE` as a drop-in MoE of ``moe_ep.model.MoETransformer`` (``launch/train.py --baseline
+    """:class:`TorchtitanMoE` as a drop-in MoE of ``launch.model.MoETransformer`` (``launch/train.py --baseline
     torchtitan``): built from the same :class:`moe_ep.MoEConfig` and ("dp", "ep") mesh as ``moe_ep.MoE``, fp32 master
     parameters (FSDP2's mixed precision casts them, as for ``moe_ep.MoE``), and the same training objective.
 

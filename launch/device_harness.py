@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _git_commit() -> str:
     sys.path.insert(0, str(ROOT))
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    from launch.provenance import code_version  # noqa: PLC0415
 
     return code_version(ROOT)
 

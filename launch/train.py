@@ -54,7 +54,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 from moe_ep import MoE, init_ep  # noqa: E402
-from moe_ep.model import ModelConfig, MoETransformer  # noqa: E402
+from launch.model import ModelConfig, MoETransformer  # noqa: E402
 from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_, finish  # noqa: E402
 
 # Model and optimizer presets. "tiny" runs in seconds on 2 CPU cores; "small" is a GPU-sized model
@@ -329,8 +329,8 @@ def get_batch(
 
 
 def git_commit() -> str:
-    """$MOE_EP_COMMIT or HEAD of the checkout this script lives in (see moe_ep.provenance)."""
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    """$MOE_EP_COMMIT or HEAD of the checkout this script lives in (see launch.provenance)."""
+    from launch.provenance import code_version  # noqa: PLC0415
 
     return code_version(REPO)
 

@@ -55,7 +55,7 @@ def _package_kernels_dir() -> Path:
     # Cached: get_function's cache key calls this through compile_options on every launch, and the resolve()
     # and is_file() below cost tens of microseconds each time.
     repo = Path(__file__).resolve().parent.parent / "kernels"
-    if (repo / "common.cuh").is_file():
+    if (repo / "common" / "common.cuh").is_file():
         return repo
     try:
         import moe_ep.kernels as pkg  # noqa: PLC0415  (installed copy: package-dir "moe_ep.kernels" = "kernels")

@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from . import profiling
 from .config import MoEConfig
-from .experts.cuda import GEMMS, expert_mlp_bf16, expert_mlp_cuda, expert_mlp_mx_bwd, expert_mlp_mx_fwd
+from .experts.sm90.mlp import GEMMS, expert_mlp_bf16, expert_mlp_cuda, expert_mlp_mx_bwd, expert_mlp_mx_fwd
 from .experts.weight_cache import WeightQuantCache
-from .transport import cuda as ct
+from .transport.nvshmem import buffer as ct
 from .transport.autograd import combine, dispatch_with_layout
-from .transport.layout import fit_to_count
+from .transport.nvshmem.layout import fit_to_count
 from .transport.reference import REFERENCE
 
 

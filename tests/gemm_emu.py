@@ -1,4 +1,4 @@
-"""CPU models of the arithmetic the grouped GEMM kernels share (kernels/gemm_common.cuh), no GPU needed.
+"""CPU models of the arithmetic the grouped GEMM kernels share (kernels/experts/sm90/gemm_common.cuh), no GPU needed.
 
 Bit-level models of the exact e4m3 -> bf16 conversion with the block scale (``e4m3x2_bits``, ``cvt_words_1s`` for
 one scale byte per 16 bytes), of bf16 rounding and multiplication, and of the group scan (``scan_groups``:
@@ -44,11 +44,11 @@ def hmul2(a: int, b: int) -> int:  # mul.rn.bf16x2 (subnormals kept, RNE)
     return lo | (hi << 16)
 
 
-E4M3X2_LO, E4M3X2_HI = 0x9180, 0xB3A2  # kernels/gemm_common.cuh: bytes 0, 1 / 2, 3, sign-extended
+E4M3X2_LO, E4M3X2_HI = 0x9180, 0xB3A2  # kernels/experts/sm90/gemm_common.cuh: bytes 0, 1 / 2, 3, sign-extended
 
 
 def e4m3x2_bits(w: int, sel: int) -> int:
-    """kernels/gemm_common.cuh's e4m3x2_bits: prmt with sign-replicated bytes, shift by 4, one mask."""
+    """kernels/experts/sm90/gemm_common.cuh's e4m3x2_bits: prmt with sign-replicated bytes, shift by 4, one mask."""
     return ((byte_perm(w, 0, sel) << 4) & 0xFFFFFFFF) & 0x87F087F0
 
 
@@ -122,7 +122,7 @@ def scan_groups(sizes, g_count, m_total, by_tile, target):
 
 
 # ---------------------------------------------------------------------------------------------- tile order
-GM_RASTER = 8  # the fprop / dgrad kernel's band of row tiles (kernels/grouped_gemm.cu GG_RASTER)
+GM_RASTER = 8  # the fprop / dgrad kernel's band of row tiles (kernels/experts/sm90/grouped_gemm.cu GG_RASTER)
 
 
 def raster(t: int, m_tiles: int, n_tiles: int, band: int = GM_RASTER) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""CPU emulator of kernels/quantize.cu (a test helper, not a test module): the real kernel source compiled as C++
+"""CPU emulator of kernels/mxfp8/quantize.cu (a test helper, not a test module): the real kernel source compiled as C++
 and run with one OS thread per CUDA thread. tests/test_quant_cuda.py and tests/test_quant_dual_cuda.py run their
 whole suites through it (device "emu"); tests/test_quant_hostmath.py checks it and the launch plans."""
 
@@ -9,10 +9,14 @@ import subprocess
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+# every kernel folder on the include path: a kernel includes headers of common/ and of its own folder by bare name
+INCLUDES = [
+    f"-I{d}" for d in (KERNELS, *sorted(p for p in KERNELS.rglob("*") if p.is_dir() and p.name != "__pycache__"))
+]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 # ------------------------------------------------------------------------------------------------------------
-# CPU emulator of kernels/quantize.cu: the real kernel source compiled as C++, one OS thread per CUDA thread
+# CPU emulator of kernels/mxfp8/quantize.cu: the real kernel source compiled as C++, one OS thread per CUDA thread
 # (the launch's CTA size, CTAs in sequence), __syncthreads and warp shuffles emulated with barriers. test_quant_cuda.py
 # runs its whole suite through it (device "emu") by replacing mxfp8_cuda._launch. The host build has no
 # __CUDA_ARCH__, so the PTX helpers take their host paths (the software e4m3 conversion among them).
@@ -76,7 +80,7 @@ template <class T> static T shfl_impl(T v, int src_of_lane_delta, bool xr) {
 }
 template <class T> static T __shfl_xor_sync(unsigned, T v, int o) { return shfl_impl(v, o, true); }
 template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_impl(v, o, false); }
-#include "quantize.cu"
+#include "mxfp8/quantize.cu"
 
 template <class F> static void run_grid(int grid, F f, int grid_y = 1, int threads = 256) {
     gridDim.x = grid; gridDim.y = grid_y; blockDim.x = threads;
@@ -119,7 +123,7 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, i
     return 0;
 }
 
-// kernels/quantize.cu's QuantCfg for (IN, RS, CS, PREQ): 5 pipe 5 (HALF), 4 pipe 4 (CPA), else 0
+// kernels/mxfp8/quantize.cu's QuantCfg for (IN, RS, CS, PREQ): 5 pipe 5 (HALF), 4 pipe 4 (CPA), else 0
 extern "C" int emu_pipe(int in, int rs, int cs, int pp) {
     PIPE_TABLE
     return -100;
@@ -184,7 +188,7 @@ def build_emulator(workdir: Path):
             "-pthread",
             "-fno-strict-aliasing",
             "-Wno-unknown-pragmas",
-            f"-I{KERNELS}",
+            *INCLUDES,
             str(src),
             "-o",
             str(lib),

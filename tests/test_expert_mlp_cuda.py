@@ -1,4 +1,4 @@
-"""The expert MLP on the CUDA kernels (moe_ep.experts.cuda) against the reference recipe
+"""The expert MLP on the CUDA kernels (moe_ep.experts.sm90.mlp) against the reference recipe
 (moe_ep.experts.reference.expert_mlp).
 
 Tolerance. Both sides run the same MXFP8 recipe: every GEMM operand quantized along its reduction axis, products of
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_ep.experts import reference as gemm
-from moe_ep.experts.cuda import expert_mlp_cuda
+from moe_ep.experts.sm90.mlp import expert_mlp_cuda
 from moe_ep.experts.weight_cache import WeightQuantCache
 
 CUDA = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""MXFP8 grouped GEMM kernels (moe_ep.experts.gemm) against the reference: dequantize exactly + float64 matmul.
+"""MXFP8 grouped GEMM kernels (moe_ep.experts.sm90.gemm) against the reference: dequantize exactly + float64 matmul.
 
 Tolerance. The operands are exactly representable in bf16 (e4m3 * 2**k; we never test the < 2**-133 underflow
 corner) and the tensor cores form exact products, so only the fp32 accumulation differs from an exact sum.
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from moe_ep import mxfp8
-from moe_ep.experts import gemm as gemm_cuda
+from moe_ep.experts.sm90 import gemm as gemm_cuda
 from tests.gemm_emu import mm64
 
 CUDA = torch.cuda.is_available()
@@ -511,8 +511,8 @@ def test_errors_shapes():
 
 
 def test_kernel_args_match_the_kernel_signature():
-    """The launcher's argument tuple has the types and order of GM_ARGS (kernels/gemm_common.cuh): 6 pointers,
-    int G, long long M, int N, int K, int zero_rest (CPU only; the GPU tests launch the kernels with it)."""
+    """The launcher's argument tuple has the types and order of GM_ARGS (kernels/experts/sm90/gemm_common.cuh): 6
+    pointers, int G, long long M, int N, int K, int zero_rest (CPU only; the GPU tests launch the kernels with it)."""
     t = torch.zeros(16, dtype=torch.uint8)
     got = gemm_cuda._kernel_args(t, t, t, t, t, t, 3, 2**40, 5, 7, True)
     assert [type(v) for v in got] == [np.uint64] * 6 + [np.int32, np.int64, np.int32, np.int32, np.int32]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_ep import mxfp8
-from moe_ep.experts import gemm as gemm_cuda
+from moe_ep.experts.sm90 import gemm as gemm_cuda
 from moe_ep.experts.reference import fake_quantize_grouped_cols, grouped_mm_torch, grouped_wgrad_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,10 +125,11 @@ ADDRESS_CASES = {  # name: (sizes, M, K, N): the benchmark's shapes (fprop K x N
 
 
 def schedule_2d3d(sizes, m_total: int, n: int, zero_rest: bool) -> np.ndarray:
-    """The fprop / dgrad kernel's tile schedule (gg_tile and the zero fill of kernels/grouped_gemm.cu): every tile
-    t < (ceil(M/128) + G) * ceil(N/256) in gm_raster's order, each tile's row tile found by the group scan. Checks
-    that the order is a bijection and that a tile's rows lie inside its group and below M; returns, per output row
-    and 256-column tile, how many tiles compute it (group rows) or zero it (rows past the groups, with zero_rest)."""
+    """The fprop / dgrad kernel's tile schedule (gg_tile and the zero fill of kernels/experts/sm90/grouped_gemm.cu):
+    every tile t < (ceil(M/128) + G) * ceil(N/256) in gm_raster's order, each tile's row tile found by the group scan.
+    Checks that the order is a bijection and that a tile's rows lie inside its group and below M; returns, per output
+    row and 256-column tile, how many tiles compute it (group rows) or zero it (rows past the groups, with
+    zero_rest)."""
     g_count = len(sizes)
     n_tiles, m_tiles = -(-n // 256), -(-m_total // 128) + g_count
     scans = {m_t: scan_groups(sizes, g_count, m_total, 1, m_t) for m_t in range(m_tiles)}

@@ -1,7 +1,8 @@
-"""CPU models of the index logic of ``kernels/grouped_gemm.cu``, ``kernels/grouped_gemm_wgrad.cu``,
-``kernels/gemm_wgmma.cuh`` (the epilogues) and ``kernels/weight_prep.cu``.
+"""CPU models of the index logic of ``kernels/experts/sm90/grouped_gemm.cu``,
+``kernels/experts/sm90/grouped_gemm_wgrad.cu``, ``kernels/experts/sm90/gemm_wgmma.cuh`` (the epilogues) and
+``kernels/experts/sm90/weight_prep.cu``.
 
-* ``quad_transpose4`` (kernels/gemm_common.cuh): the two xor-shuffle rounds, lane by lane.
+* ``quad_transpose4`` (kernels/experts/sm90/gemm_common.cuh): the two xor-shuffle rounds, lane by lane.
 * ``epilogue_bf16`` / ``epilogue_bf16_tma``: which (row, column) pair every store of a warp carries.
 * ``mx_prepare_weight_bf16``: the whole kernel (thread -> chunk mapping, blocked scale offset, the exact conversion
   of ``gemm_emu.cvt_words_1s``, the quad transpose, the store offsets) against ``prepare_weight_bf16_torch``,
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from moe_ep import mxfp8
-from moe_ep.experts import gemm as gemm_cuda
+from moe_ep.experts.sm90 import gemm as gemm_cuda
 from tests.gemm_emu import cvt_words_1s
 
 
@@ -240,8 +241,8 @@ def test_tma_epilogue_stores_are_the_box_layout_and_conflict_free():
 
 
 def test_scale_offset_and_kstep_bound_match_their_definitions():
-    """gg_convert_a's per-thread constants (kernels/grouped_gemm.cu): T.sa = (ar0 & 31) 16 + (ar0 >> 5) 4 + c / 2,
-    plus 2 (s % 2), is the blocked-tile offset of row ar0's scale byte for the 32-block of k = 64 s + 16 c
+    """gg_convert_a's per-thread constants (kernels/experts/sm90/grouped_gemm.cu): T.sa = (ar0 & 31) 16 + (ar0 >> 5) 4
+    + c / 2, plus 2 (s % 2), is the blocked-tile offset of row ar0's scale byte for the 32-block of k = 64 s + 16 c
     ((ar0 % 32) 16 + (ar0 / 32) 4 + (k / 32) % 4), and s < T.slim = (K - 16 c + 63) / 64 holds exactly when that k
     is inside K (the kernel reads the scale byte only then)."""
     for ar0 in range(128):

@@ -1,4 +1,4 @@
-"""GPU tests of the operand preparation: the bf16 weight preparation kernel (kernels/weight_prep.cu
+"""GPU tests of the operand preparation: the bf16 weight preparation kernel (kernels/experts/sm90/weight_prep.cu
 mx_prepare_weight_bf16; the one-pass mx_prepare_weight_operands_* is tests/test_weight_prep_cuda.py's),
 weight_operands on the GPU against the CPU, and the wgrad on operands the quantizer wrote already prepared
 (``quantize_grouped_dual``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep.experts import gemm as gemm_cuda
+from moe_ep.experts.sm90 import gemm as gemm_cuda
 from moe_ep.experts.reference import grouped_wgrad_prepared_torch
 from tests.test_gemm_cuda import _assert_close, _guarded, _guarded_out, _sizes_t, _skip_without_gpu, _varied
 
@@ -20,8 +20,8 @@ from tests.test_gemm_cuda import _assert_close, _guarded, _guarded_out, _sizes_t
 @pytest.mark.gpu
 @pytest.mark.parametrize(("g", "n", "k"), [(2, 8, 32), (3, 136, 96), (2, 264, 160), (4, 520, 7168)])
 def test_weight_prep_kernel_matches_reference(g, n, k):
-    """kernels/weight_prep.cu == prepare_weight_bf16_torch: bit-equal bf16 (NaN where the reference has NaN: the
-    payload of a 0xFF-scale block is the hardware's canonical NaN), on every e4m3 code, scales 0 / 254 / 0xFF,
+    """kernels/experts/sm90/weight_prep.cu == prepare_weight_bf16_torch: bit-equal bf16 (NaN where the reference has
+    NaN: the payload of a 0xFF-scale block is the hardware's canonical NaN), on every e4m3 code, scales 0 / 254 / 0xFF,
     K % 64 == 32 (zero padding), N not a multiple of 128; with no host sync; into a given ``out`` too."""
     _skip_without_gpu()
     from tests.test_gemm_emulation_kernels import _awkward_weight, assert_same_bf16  # noqa: PLC0415

@@ -88,7 +88,7 @@ def test_bad_shapes():
 def test_wgrad_prepared_reference_worked_example():
     """grouped_wgrad_prepared_torch reads group g at rows 64 poff_g of the prepared layout: sizes [40, 0, 8] put
     group 0 at rows 0-39 and group 2 at rows 64-71; equal to grouped_wgrad_torch on the unpadded rows."""
-    from moe_ep.experts.operands import colwise_prep_rows, colwise_prep_rows_used
+    from moe_ep.experts.sm90.operands import colwise_prep_rows, colwise_prep_rows_used
     from moe_ep.experts.reference import grouped_wgrad_prepared_torch
 
     sizes = [40, 0, 8]
@@ -109,7 +109,7 @@ def test_wgrad_prepared_reference_worked_example():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dh_rounded_to_the_input_dtype(dtype, monkeypatch):
     """The recipe rounds dh to x's dtype before the SwiGLU backward, as it rounds A: bf16 in a bf16 model, which is
-    what the CUDA step's dgrad writes (moe_ep.experts.cuda) and what mx_swiglu_dual reads."""
+    what the CUDA step's dgrad writes (moe_ep.experts.sm90.mlp) and what mx_swiglu_dual reads."""
     from moe_ep.experts import reference as gemm  # noqa: PLC0415
 
     seen = []

@@ -1,4 +1,4 @@
-"""MXFP8 quantization kernels (kernels/quantize.cu via moe_ep.mxfp8.cuda): bytes == the reference's bytes.
+"""MXFP8 quantization kernels (kernels/mxfp8/quantize.cu via moe_ep.mxfp8.cuda): bytes == the reference's bytes.
 
 Every test runs on two backends:
   * ``cuda``: the real kernels (CuPy/NVRTC) on the GPU; skipped without CUDA (mark ``gpu``).

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep.experts.operands import colwise_prep_rows, colwise_prep_rows_used
+from moe_ep.experts.sm90.operands import colwise_prep_rows, colwise_prep_rows_used
 from moe_ep.mxfp8 import cuda as mxfp8_cuda
 from moe_ep.mxfp8 import grouped_blocked_size
 from moe_ep.mxfp8 import plan as quant_plan
@@ -259,7 +259,7 @@ def test_grouped_dual_bad_input():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the register-tiled SwiGLU quantizers (mx_swiglu_dual, kernels/quant_swiglu.cuh)
+# the register-tiled SwiGLU quantizers (mx_swiglu_dual, kernels/mxfp8/quant_swiglu.cuh)
 # ------------------------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
-"""CPU check of the kernels' per-block MXFP8 math (kernels/common.cuh compiled as host C++) against the reference.
+"""CPU check of the kernels' per-block MXFP8 math (kernels/common/common.cuh compiled as host C++) against the
+reference.
 
-The same ``__host__ __device__`` functions run inside kernels/quantize.cu; here they are compiled with g++ (or
+The same ``__host__ __device__`` functions run inside kernels/mxfp8/quantize.cu; here they are compiled with g++ (or
 c++) and fed blocks on which the reference (moe_ep.mxfp8.quantize_torch) is the specification. Skips when no
 C++ compiler is found. The device's e4m3 conversion is the hardware ``cvt.rn.satfinite.e4m3x2.f32``; the host
 build uses the software conversion (``mx_f32_to_e4m3_soft``), which the CPU emulator of the kernels
@@ -20,7 +21,7 @@ from moe_ep.mxfp8 import E4M3_MAX, quantize_torch
 from moe_ep.mxfp8 import plan as quant_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_emu import CXX, KERNELS, build_emulator, emulator, pipe_cases  # noqa: E402
+from quant_emu import CXX, INCLUDES, build_emulator, emulator, pipe_cases  # noqa: E402
 
 HARNESS = r"""
 #include <stdio.h>
@@ -92,7 +93,7 @@ def harness(tmp_path_factory) -> Path:
     src = d / "h.cpp"
     src.write_text(HARNESS)
     exe = d / "h"
-    subprocess.run([CXX, "-O2", "-std=c++17", "-x", "c++", f"-I{KERNELS}", str(src), "-o", str(exe)], check=True)
+    subprocess.run([CXX, "-O2", "-std=c++17", "-x", "c++", *INCLUDES, str(src), "-o", str(exe)], check=True)
     return exe
 
 
@@ -193,7 +194,7 @@ def test_block_exp_every_fp32_key(harness, tmp_path):
 
 
 def test_bf16_block_exp_every_key(harness, tmp_path):
-    """kernels/quant_dual.cuh's bf16 shortcut (mx_bf16_block_t - 135) == mx_block_exp == the torch specification's
+    """kernels/mxfp8/quant_dual.cuh's bf16 shortcut (mx_bf16_block_t - 135) == mx_block_exp == the torch specification's
     block exponent, for every finite bf16 amax key (0 .. 0x7F7F)."""
     k = torch.arange(0x7F80, dtype=torch.int32)
     got = torch.frombuffer(bytearray(_run(harness, tmp_path, "t", k.numpy().tobytes())), dtype=torch.int32)
@@ -233,16 +234,17 @@ def test_e4m3_decode(harness, tmp_path):
 
 
 def test_emulator_builds(tmp_path):
-    """The emulator compiles and reports the kernel's own pipe (kernels/quantize.cu QuantCfg): 16-bit row-only plain
-    scales 5, the fused blocked mode of mx_quant_batch and column-only on request 4, fp32 and column-only 0."""
+    """The emulator compiles and reports the kernel's own pipe (kernels/mxfp8/quantize.cu QuantCfg): 16-bit row-only
+    plain scales 5, the fused blocked mode of mx_quant_batch and column-only on request 4, fp32 and column-only 0."""
     so = build_emulator(tmp_path)
     got = [so.emu_pipe(*c) for c in ((1, 1, 0, -1), (1, 2, 2, -1), (2, 0, 3, 4), (1, 0, 3, -1), (0, 1, 0, -1))]
     assert got == [5, 4, 4, 0, 0]
 
 
 def test_kernel_pipe_matches_host(tmp_path):
-    """quant_plan.effective_pipe (grid, shared memory and CTA size are sized from it) == the pipe kernels/quantize.cu's
-    QuantCfg compiles, for every mx_quant / mx_quant_batch instantiation the launchers can name."""
+    """quant_plan.effective_pipe (grid, shared memory and CTA size are sized from it) == the pipe
+    kernels/mxfp8/quantize.cu's QuantCfg compiles, for every mx_quant / mx_quant_batch instantiation the launchers can
+    name."""
     so = emulator(tmp_path)
     bad = []
     for i, r, c, q in pipe_cases():

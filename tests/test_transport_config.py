@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from moe_ep.transport import runtime
-from moe_ep.transport.schedule import CTA_WARPS, MAX_PIECES, TransportSchedule, agree
+from moe_ep.transport.nvshmem.schedule import CTA_WARPS, MAX_PIECES, TransportSchedule, agree
 from tests._dist import run_distributed
 
 

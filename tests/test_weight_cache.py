@@ -60,7 +60,7 @@ def test_dead_weights_are_released():
 def test_weight_operands_match_the_reference_and_are_cached():
     """gemm_cuda.weight_operands: fprop and dgrad operands (the reference converters' bytes) and both prepared bf16
     weights; with a cache, computed once per weight version."""
-    from moe_ep.experts import gemm as gemm_cuda
+    from moe_ep.experts.sm90 import gemm as gemm_cuda
 
     w = torch.nn.Parameter(torch.randn(2, 64, 96) * 0.1)
     cache = WeightQuantCache()

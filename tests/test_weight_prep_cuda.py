@@ -1,4 +1,4 @@
-"""The one-pass weight preparation: ``prepare_weight_operands`` (kernels/weight_prep.cu
+"""The one-pass weight preparation: ``prepare_weight_operands`` (kernels/experts/sm90/weight_prep.cu
 ``mx_prepare_weight_operands_*``) against the two-step path it replaced and the torch references.
 
 * CPU: the reference ``prepare_weight_operands_torch`` is the MXFP8 definition (fake quantization along K for
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from moe_ep import mxfp8
-from moe_ep.experts import gemm as gemm_cuda
+from moe_ep.experts.sm90 import gemm as gemm_cuda
 from moe_ep.experts import operands
 from tests import quant_emu
 from tests.test_gemm_emulation_kernels import assert_same_bf16
@@ -200,27 +200,28 @@ static inline void __trap() { abort(); }
 
 
 def build_weight_prep_emulator(workdir):
-    """kernels/weight_prep.cu compiled for the CPU with quant_emu's shim; a ctypes.CDLL (None without a compiler)."""
+    """kernels/experts/sm90/weight_prep.cu compiled for the CPU with quant_emu's shim; a ctypes.CDLL (None without a
+    compiler)."""
     import ctypes  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
     if quant_emu.CXX is None:
         return None
     workdir.mkdir(parents=True, exist_ok=True)
-    common = (quant_emu.KERNELS / "gemm_common.cuh").read_text()
+    common = (quant_emu.KERNELS / "experts/sm90/gemm_common.cuh").read_text()
     common = _replace_function(common, "__device__ __forceinline__ unsigned e4m3x2_bits(", _HOST_E4M3X2)
     common = _replace_function(common, "__device__ __forceinline__ unsigned hmul2_bf16(", _HOST_HMUL2)
     # the copied kernel includes this model first (its own directory), common.cuh / quant_elem.cuh from kernels/
     (workdir / "gemm_common.cuh").write_text(common)
-    (workdir / "weight_prep.cu").write_text((quant_emu.KERNELS / "weight_prep.cu").read_text())
-    shim = quant_emu.EMU_SHIM.split('#include "quantize.cu"')[0]
+    (workdir / "weight_prep.cu").write_text((quant_emu.KERNELS / "experts/sm90/weight_prep.cu").read_text())
+    shim = quant_emu.EMU_SHIM.split('#include "mxfp8/quantize.cu"')[0]
     assert "run_grid" not in shim
     run_grid = re.search(r"template <class F> static void run_grid.*?\n}\n", quant_emu.EMU_SHIM, re.S).group(0)
     src = workdir / "emu_wp.cpp"
     src.write_text("#include <cstdlib>\n" + shim + _EXTRA_SHIM + '#include "weight_prep.cu"\n' + run_grid + _WP_ENTRY)
     lib = workdir / "libwpemu.so"
     cmd = [quant_emu.CXX, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing"]
-    cmd += ["-Wno-unknown-pragmas", f"-I{quant_emu.KERNELS}", str(src), "-o", str(lib)]
+    cmd += ["-Wno-unknown-pragmas", *quant_emu.INCLUDES, str(src), "-o", str(lib)]
     subprocess.run(cmd, check=True)
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p

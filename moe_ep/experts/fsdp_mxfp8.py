@@ -33,7 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import mxfp8
-from .operands import WeightOperands, prepare_weight_bf16, quantize_weight_mxfp8
+from .sm90.operands import WeightOperands, prepare_weight_bf16, quantize_weight_mxfp8
 
 aten = torch.ops.aten
 
@@ -246,7 +246,7 @@ class MXFP8ExpertWeight(torch.Tensor):
             return torch.zeros(me.shape, dtype=kwargs.get("dtype") or me.dtype, device=me.device)
         raise NotImplementedError(
             f"{func} on an MXFP8-gathered expert weight: it holds e4m3 bytes only and is read by the MoE layer's "
-            "expert GEMMs (moe_ep.experts.cuda.GEMMS.prepare, mxfp8.fake_quantize in the reference)"
+            "expert GEMMs (moe_ep.experts.sm90.mlp.GEMMS.prepare, mxfp8.fake_quantize in the reference)"
         )
 
     def operands(self, fprop: bool = True, dgrad: bool = True) -> WeightOperands:

@@ -23,7 +23,7 @@ import torch
 
 from .. import mxfp8
 from .fsdp_mxfp8 import MXFP8ExpertWeight
-from .operands import _cdiv, _host_sizes, colwise_operand_ref, prepare_colwise_bf16_torch
+from .sm90.operands import _cdiv, _host_sizes, colwise_operand_ref, prepare_colwise_bf16_torch
 
 
 def _fq(t: torch.Tensor, axis: int, on: bool) -> torch.Tensor:
@@ -204,7 +204,7 @@ def expert_mlp(
 
 
 def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out_dtype=torch.float32):
-    """Reference of :func:`moe_ep.experts.gemm.grouped_wgrad_prepared_out` (host group sizes; its arguments but
+    """Reference of :func:`moe_ep.experts.sm90.gemm.grouped_wgrad_prepared_out` (host group sizes; its arguments but
     ``out``).
 
     a_prep: bf16 [64 (ceil(M/64) + G), N], b_prep: bf16 [same rows, K] -> [G, N, K] out_dtype: group g is rows

@@ -1,4 +1,4 @@
-"""CUDA (CuPy RawKernel) MXFP8 quantization: the kernels of ``kernels/quantize.cu`` behind launchers.
+"""CUDA (CuPy RawKernel) MXFP8 quantization: the kernels of ``kernels/mxfp8/quantize.cu`` behind launchers.
 
 Every function produces the same bytes as the reference in :mod:`moe_ep.mxfp8` (docs/design.md, "MXFP8 format" and
 "Scale layouts"). Each ``*_into`` launcher takes preallocated outputs and checks them; the function without
@@ -24,7 +24,7 @@ from .checks import check_groups, check_input, check_out
 from .format import BLOCK, MXFP8Tensor, blocked_size, colwise_prep_rows, grouped_blocked_size
 from .reference import dequantize_torch, quantize_torch
 
-_SRC = "quantize.cu"
+_SRC = "mxfp8/quantize.cu"
 _THREADS = qp.THREADS  # CTA size of every kernel here but mx_quant's pipe 5 (quant_plan decides)
 
 
@@ -40,7 +40,7 @@ def _launch(
 
 
 def _quant_args(x, m, k, rq, rs, cq, cs, gsizes, n_groups, n_row_tiles, ctiles, x2) -> tuple:
-    """The argument tuple of mx_quant, mx_quant_batch, mx_quant_dual and mx_swiglu_dual (kernels/quantize.cu
+    """The argument tuple of mx_quant, mx_quant_batch, mx_quant_dual and mx_swiglu_dual (kernels/mxfp8/quantize.cu
     MX_QUANT_PARAMS); the pointers as kernel pointer arguments (``_cuda.ptr`` or ``np.uint64``)."""
     i32, i64 = _cuda.i32, _cuda.i64
     return (x, i64(m), i32(k), rq, rs, cq, cs, gsizes, i32(n_row_tiles), i32(ctiles), i32(n_groups), x2)
@@ -97,7 +97,7 @@ def quantize_grouped_dual_into(
     data_c: bf16 [64 (ceil(M/64) + G), K], the column-wise operand (32-row blocks that restart at each group's
         first row, a group's last block zero padded) already prepared for the Hopper wgrad kernel: the exact value
         of every quantized element, group g from row 64 sum_{h<g} ceil(n_h/64) and zero rows up to its next
-        multiple of 64 (NaN blocks: bf16 0x7FC0), the bytes of ``moe_ep.experts.operands.prepare_colwise_bf16_torch``
+        multiple of 64 (NaN blocks: bf16 0x7FC0), the bytes of ``moe_ep.experts.sm90.operands.prepare_colwise_bf16_torch``
         of the MXFP8 column-wise pair. Rows past sum(group_sizes) and past the last group's block are not written.
         Why: the wgrad operands are transient in the backward pass, so writing 2 bytes here saves a preparation
         pass over an MXFP8 copy (read 1 + 1/32, write 2 bytes per element, plus a launch).

@@ -1,11 +1,11 @@
-"""Launch plans of the quantization kernels in ``kernels/quantize.cu``: which kernel a call takes, its grid and its
-shared memory (host arithmetic only; :mod:`moe_ep.mxfp8.cuda` launches what this module decides).
+"""Launch plans of the quantization kernels in ``kernels/mxfp8/quantize.cu``: which kernel a call takes, its grid and
+its shared memory (host arithmetic only; :mod:`moe_ep.mxfp8.cuda` launches what this module decides).
 
 Kernels: ``mx_quant`` (``quantize(x, axis)``'s row-wise and column-wise modes, and the SwiGLU grouped dual where
 ``mx_swiglu_dual`` does not run), ``mx_quant_batch`` (3-D weights, both operands), ``mx_quant_dual`` (bf16 grouped
-dual, kernels/quant_dual.cuh), ``mx_swiglu_dual`` (SwiGLU forward / backward, kernels/quant_swiglu.cuh),
+dual, kernels/mxfp8/quant_dual.cuh), ``mx_swiglu_dual`` (SwiGLU forward / backward, kernels/mxfp8/quant_swiglu.cuh),
 ``mx_dequant``. The grouped duals write the column-wise operand as the wgrad's prepared bf16 (CS "grouped_prep").
-The mode codes (IN, RS, CS) are kernels/quantize.cu's. :func:`sm_count` is the one place that asks the device
+The mode codes (IN, RS, CS) are kernels/mxfp8/quantize.cu's. :func:`sm_count` is the one place that asks the device
 (the CPU emulator of tests/quant_emu.py replaces it). Why each choice: docs/performance.md, "Quantization".
 """
 
@@ -31,7 +31,8 @@ QUANT_COMBOS = (
 # column-only modes of 16-bit inputs, also compiled with pipe 4 (one tile per CTA on the cp.async path; chosen at
 # launch for inputs of many tiles: requested_pipe)
 ONE_COMBOS = [(i, 0, CS["nt"]) for i in (1, 2)]
-# the register-tiled dual quantizers (kernels/quant_dual.cuh, quant_swiglu.cuh): grouped rows + the prepared columns
+# the register-tiled dual quantizers (kernels/mxfp8/quant_dual.cuh, quant_swiglu.cuh): grouped rows + the prepared
+# columns
 DUAL_CS = (CS["grouped_prep"],)
 DUAL_STAGES = (2, 3, 4)  # cp.async stages of 32 KB (dual_plan); CTAs per SM: 3, 2, 1
 SWIGLU_STAGES = {False: 3, True: 2}  # mx_swiglu_dual's depth (forward, backward) before it must fit (swiglu_plan)
@@ -46,9 +47,9 @@ NAMES = (
 )
 
 
-THREADS = 256  # kernels/quantize.cu NTHREADS (pipe 5: half)
-SMEM_FIXED = 3584  # kernels/quantize.cu MX_SMEM_FIXED
-SMEM_GPREP = 2048  # kernels/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantization multipliers)
+THREADS = 256  # kernels/mxfp8/quantize.cu NTHREADS (pipe 5: half)
+SMEM_FIXED = 3584  # kernels/mxfp8/quantize.cu MX_SMEM_FIXED
+SMEM_GPREP = 2048  # kernels/mxfp8/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantization multipliers)
 
 # Column-only 16-bit inputs with at least this many tiles per SM take pipe 4 (docs/performance.md).
 ONE_MIN_TILES_PER_SM = 24
@@ -67,7 +68,7 @@ def requested_pipe(es: int, rs_mode: int, cs_mode: int, tiles: int, device: torc
 
 
 def effective_pipe(es: int, rs_mode: int, cs_mode: int, pipe: int = -1) -> int:
-    """The tile pipelining mx_quant compiles for a mode and requested pipe (kernels/quantize.cu QuantCfg): 5 for
+    """The tile pipelining mx_quant compiles for a mode and requested pipe (kernels/mxfp8/quantize.cu QuantCfg): 5 for
     16-bit row-only plain scales (64-row tiles of 128 threads), 4 for 16-bit inputs asking for it and the fused
     blocked mode (one tile on the cp.async path), else 0 (the chunks in registers; every input staged as fp32
     words). Every pipe runs one tile per CTA."""
@@ -116,7 +117,7 @@ def dual_plan(tiles: int, n_groups: int, device: torch.device) -> tuple[int, int
 
 
 def swiglu_plan(bwd: bool, k: int, h_tiles: int, n_groups: int, device: torch.device) -> tuple[int, int, int] | None:
-    """(stages, grid, shared memory) of mx_swiglu_dual (kernels/quant_swiglu.cuh); None: mx_quant runs instead.
+    """(stages, grid, shared memory) of mx_swiglu_dual (kernels/mxfp8/quant_swiglu.cuh); None: mx_quant runs instead.
 
     k: the output width (F forward, 2F backward); h_tiles: its 128 x 128 tiles of h. The backward needs
     F % 128 == 0 (its up tile must start on a tile of the blocked scales). A stage holds 2 (forward: gate, up)
@@ -154,7 +155,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def quant_smem(es: int, rs_mode: int, cs_mode: int, pipe: int, n_groups: int) -> int:
-    """Dynamic shared memory of mx_quant (and mx_quant_batch) on an effective ``pipe`` (kernels/quantize.cu
+    """Dynamic shared memory of mx_quant (and mx_quant_batch) on an effective ``pipe`` (kernels/mxfp8/quantize.cu
     mx_quant_body): the staged tile (column modes on pipe 0), the fixed scale / multiplier area, the group table
     (RS_GROUPED, 16 bytes per group + 16) and the cp.async stage on 128 bytes (pipes 4 and 5; pipe 5: 64 rows)."""
     table = 16 * (n_groups + 1) if rs_mode == RS["grouped"] else 0  # per-CTA group table (long long + 2 int)
@@ -200,7 +201,7 @@ def quant_plan(
     req = requested_pipe(es, rs_mode, cs_mode, tiles, x.device)
     eff = effective_pipe(es, rs_mode, cs_mode, req)
     threads = THREADS
-    if eff == 5:  # the kernel's row tiles are 64 rows (kernels/quantize.cu QuantCfg::ROWS)
+    if eff == 5:  # the kernel's row tiles are 64 rows (kernels/mxfp8/quantize.cu QuantCfg::ROWS)
         n_row_tiles = cdiv(m, TILE // 2)
         tiles, threads = n_row_tiles * ctiles, THREADS // 2
     smem = quant_smem(es, rs_mode, cs_mode, eff, n_groups)

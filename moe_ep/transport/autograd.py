@@ -25,7 +25,7 @@ class Transport(Protocol):
 
     ``handle`` is the transport's own handle type (:class:`EPHandle` or the CUDA transport's ``CudaEPHandle``).
     Implementations: :data:`moe_ep.transport.reference.REFERENCE` (torch.distributed) and
-    :data:`moe_ep.transport.cuda.CUDA` (NVSHMEM kernels).
+    :data:`moe_ep.transport.nvshmem.buffer.CUDA` (NVSHMEM kernels).
     """
 
     def build_layout(self, topk_idx: torch.Tensor, num_experts: int, group: Any, **options: Any) -> Any:
@@ -119,7 +119,7 @@ def dispatch(
 
     x: [T, H] bf16/fp32; topk_idx: [T, top_k] int32/int64 global expert ids; topk_w: [T, top_k] float;
     group: the EP process group (None: single process owns every expert); transport: REFERENCE (default) or
-    ``moe_ep.transport.cuda.CUDA``; layout_options go to its ``build_layout`` (``capacity``: drop mode, both
+    ``moe_ep.transport.nvshmem.buffer.CUDA``; layout_options go to its ``build_layout`` (``capacity``: drop mode, both
     transports; CUDA also ``expand_capacity``).
     Returns (rows [N, H] x.dtype, row weights [N] fp32, handle); rows of local expert e are
     ``rows[off[e]:off[e+1]]`` with ``off = cumsum(handle.group_sizes)`` (the CUDA transport returns

@@ -32,10 +32,10 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from moe_ep import finish, mxfp8  # noqa: E402
 from moe_ep.transport import autograd as ops  # noqa: E402
-from moe_ep.transport import cuda as ct  # noqa: E402
+from moe_ep.transport.nvshmem import buffer as ct  # noqa: E402
 from moe_ep.transport import reference as ref  # noqa: E402
 from moe_ep.transport import runtime as nvs  # noqa: E402
-from moe_ep.transport.schedule import TransportSchedule  # noqa: E402
+from moe_ep.transport.nvshmem.schedule import TransportSchedule  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 
 TMAX, HMAX, KMAX, EMAX = 512, 1024, 8, 64

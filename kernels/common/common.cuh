@@ -115,7 +115,7 @@ MX_HD int mx_block_exp(float amax) {
 // field 262 - t (in [7, 254]: always normal). Equal to mx_block_exp(k as fp32): with the fp32 bits k << 16,
 // ((k << 16) + 0x1FFFFF) >> 23 == (k + 31) >> 7 (the low 16 bits are zero, so 0x1FFFFF adds 31 and a carry-free
 // fraction), and mx_block_exp's one exceptional key 0x04600001 is not a bf16 value. Checked on all 32640 finite
-// keys (tests/test_quant_hostmath.py). Used by kernels/quant_dual.cuh.
+// keys (tests/test_quant_hostmath.py). Used by kernels/mxfp8/quant_dual.cuh.
 MX_HD unsigned mx_bf16_block_t(unsigned k) {
     const unsigned t = (k + 31u) >> 7;
     return t < 8u ? 8u : t;

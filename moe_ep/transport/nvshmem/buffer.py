@@ -12,7 +12,7 @@ Differences a caller must know (shapes cannot depend on device counts without a 
   * H must be a multiple of 32; x / y rows bf16 or fp32 (fp32 unquantized payloads need ``wire_bytes=4``).
 
 Phases and kernels (build_layout and CudaEPHandle live in layout.py and are importable from here;
-stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh; docs/design.md, section
+stream-ordered; flags with release/acquire and timeouts, kernels/transport/nvshmem/ep_sync.cuh; docs/design.md, section
 "Transport"):
   build_layout        ep_layout_count   per-CTA counts, last CTA: prefix over CTAs + count row to every rank
                       ep_layout_place   counts matrix -> all offsets, per token / slot rows   (LAYOUT epoch)
@@ -24,20 +24,20 @@ stream-ordered; flags with release/acquire and timeouts, kernels/ep_sync.cuh; do
                                         interleaved over destination ranks; rank-ordered sum as rows land (COMB)
   combine_bwd = MXFP8 (or raw) dispatch of dy: ep_dispatch without metadata + ep_expand in MODE_BWD
   dispatch_bwd = combine of dx: ep_combine with BWD = 1 (also returns the top-k weight gradients)
-The fused kernels' work split is the runtime's :class:`~moe_ep.transport.schedule.TransportSchedule`
+The fused kernels' work split is the runtime's :class:`~moe_ep.transport.nvshmem.schedule.TransportSchedule`
 (:func:`init_runtime`'s ``schedule``, :meth:`EPRuntime.set_schedule`).
-Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.transport.runtime`).
+Errors found on the GPU are raised by the next transport call (see :mod:`moe_ep.transport.nvshmem.runtime`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import _cuda
-from ..mxfp8 import grouped_blocked_size
+from ... import _cuda
+from ...mxfp8 import grouped_blocked_size
 from .kernels import COMBINE_NAMES, DISPATCH_NAMES, MODE_BWD, MODE_VAL, fn, i32, i64, p
 from .layout import _I_R, CudaEPHandle, _check_capacity, build_layout
-from .reference import RecvBuffers
+from ..reference import RecvBuffers
 from .runtime import EPRuntime, init_runtime  # noqa: F401  (init_runtime: the transport's entry point, re-exported)
 from .schedule import CTA_WARPS
 
@@ -52,7 +52,7 @@ def _grid(work_rows: int, rt: EPRuntime, per_cta: int = _THREADS // 32) -> int:
 
 
 def _fused_grid(work_rows: int, rt: EPRuntime) -> int:
-    # any grid is deadlock-free (work tickets, see kernels/ep_sync.cuh); this one is about one wave
+    # any grid is deadlock-free (work tickets, see kernels/transport/nvshmem/ep_sync.cuh); this one is about one wave
     return max(1, min(-(-work_rows // (_THREADS // 32)), rt.num_sms * _FUSED_CTAS_PER_SM))
 
 
@@ -122,7 +122,13 @@ def _send(x: torch.Tensor, topk_w: torch.Tensor | None, h: CudaEPHandle, quantiz
         rt.epoch_ptr("disp"),
         *rt.ctl_args(),
     )
-    _cuda.launch(fn("dispatch.cu", name, DISPATCH_NAMES), _grid(h.num_tokens, rt), _THREADS, args, device=x.device)
+    _cuda.launch(
+        fn("transport/nvshmem/dispatch.cu", name, DISPATCH_NAMES),
+        _grid(h.num_tokens, rt),
+        _THREADS,
+        args,
+        device=x.device,
+    )
 
 
 def _expand(
@@ -166,7 +172,7 @@ def _expand(
         *rt.ctl_args(),
     )
     grid = _grid(max(h.recv_capacity, h.expand_capacity), rt)
-    _cuda.launch(fn("dispatch.cu", name, DISPATCH_NAMES), grid, _THREADS, args, device=out.device)
+    _cuda.launch(fn("transport/nvshmem/dispatch.cu", name, DISPATCH_NAMES), grid, _THREADS, args, device=out.device)
 
 
 def dispatch_fwd(
@@ -233,7 +239,11 @@ def _dispatch_mx(
     )
     grid = _fused_grid(max(h.num_tokens, h.recv_capacity), rt)
     _cuda.launch(
-        fn("dispatch.cu", f"ep_dispatch_mx<{_DT[x.dtype]}>", DISPATCH_NAMES), grid, _THREADS, args, device=x.device
+        fn("transport/nvshmem/dispatch.cu", f"ep_dispatch_mx<{_DT[x.dtype]}>", DISPATCH_NAMES),
+        grid,
+        _THREADS,
+        args,
+        device=x.device,
     )
 
 
@@ -294,7 +304,13 @@ def _combine(rows: torch.Tensor, wv: torch.Tensor, h: CudaEPHandle, bwd: bool):
         *rt.ctl_args(),
     )
     grid = _fused_grid(max(h.recv_capacity, h.num_tokens), rt)
-    _cuda.launch(fn("combine.cu", f"ep_combine<{yt},{b}>", COMBINE_NAMES), grid, _THREADS, args, device=rows.device)
+    _cuda.launch(
+        fn("transport/nvshmem/combine.cu", f"ep_combine<{yt},{b}>", COMBINE_NAMES),
+        grid,
+        _THREADS,
+        args,
+        device=rows.device,
+    )
     return out, dtw
 
 

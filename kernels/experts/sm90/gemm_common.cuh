@@ -1,7 +1,7 @@
 #pragma once
 
-// Shared pieces of the grouped MXFP8 GEMM kernels (kernels/grouped_gemm.cu, grouped_gemm_wgrad.cu) and of the
-// weight preparation (kernels/weight_prep.cu): the kernel argument list, the on-device group scan, the tile order,
+// Shared pieces of the grouped MXFP8 GEMM kernels (kernels/experts/sm90/grouped_gemm.cu, grouped_gemm_wgrad.cu) and of the
+// weight preparation (kernels/experts/sm90/weight_prep.cu): the kernel argument list, the on-device group scan, the tile order,
 // shared-memory access helpers, the exact e4m3 -> bf16 conversion with the block scale, the quad transpose and
 // the zero fill of output rows past the groups. moe_ep/experts/gemm.py documents the operand formats; the design is
 // in docs/design.md, section "Grouped GEMMs".
@@ -14,7 +14,7 @@
 
 // Kernel parameters of the GEMM kernels: operand A [M, K] and its scales, B and its scales, the group sizes, the
 // output, G, M, N, K and the zero-fill flag (see moe_ep/experts/gemm.py _kernel_args). Kernels that read their
-// operands through TMA tensor maps take the pointers too (GM_TMA_ARGS, kernels/gemm_wgmma.cuh).
+// operands through TMA tensor maps take the pointers too (GM_TMA_ARGS, kernels/experts/sm90/gemm_wgmma.cuh).
 #define GM_ARGS                                                                                                  \
     const unsigned char *__restrict__ A, const unsigned char *__restrict__ As, const unsigned char *__restrict__ B, \
         const unsigned char *__restrict__ Bs, const int *__restrict__ sizes, void *__restrict__ out, int G,        \

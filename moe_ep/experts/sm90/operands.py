@@ -1,4 +1,4 @@
-"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.gemm``): preparation of the bf16 weight operands
+"""Operand formats of the MXFP8 grouped GEMMs (``moe_ep.experts.sm90.gemm``): preparation of the bf16 weight operands
 the fprop / dgrad kernel reads (once per weight version: :func:`prepare_weight_operands` straight from the weight,
 :func:`prepare_weight_bf16` from an MXFP8 weight), the weight-operand bundle with its cache, and the pure-PyTorch
 converters from plain tensors to the kernels' formats (references, tests, benchmarks). The wgrad's prepared
@@ -6,7 +6,7 @@ activation operands come from the quantizer (``moe_ep.mxfp8.cuda.quantize_groupe
 :func:`prepare_colwise_bf16_torch` is their reference.
 
 The formats themselves are documented in ``moe_ep/experts/gemm.py``; every public name here is also reachable as
-``moe_ep.experts.gemm.<name>``.
+``moe_ep.experts.sm90.gemm.<name>``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import mxfp8
-from ..mxfp8 import reference as mxfp8_reference
-from ..mxfp8.format import colwise_prep_rows
+from ... import mxfp8
+from ...mxfp8 import reference as mxfp8_reference
+from ...mxfp8.format import colwise_prep_rows
 
-_PREP_FILE = "weight_prep.cu"
+_PREP_FILE = "experts/sm90/weight_prep.cu"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -54,7 +54,7 @@ def colwise_scale_rows(m: int, num_groups: int) -> int:
 def k_permutation(device=None) -> torch.Tensor:
     """int64 [64]: for the fprop / dgrad kernel's logical k position l = 16 s + 8 h + 2 c + e of a 64-wide k block,
     the physical column 16 c + 4 s + 2 h + e it holds (s: k16 slice, h: fragment half, c: lane % 4, e: pair element;
-    ``kernels/grouped_gemm.cu``).
+    ``kernels/experts/sm90/grouped_gemm.cu``).
 
     Example: k_permutation()[:4] = [0, 1, 16, 17] (lane c = 1 holds physical columns 16, 17 at logical 2, 3).
     """
@@ -94,9 +94,9 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
 
     w: e4m3 [G, N, K] (K % 32 == 0); w_scale: u8 [G, blocked_size(N, K/32)] (``mxfp8.to_blocked``)
     -> bf16 [G, N, ceil(K/64) * 64] (into ``out`` when given). CUDA tensors: one memory-bound kernel
-    (``kernels/weight_prep.cu``), no host sync; others: :func:`prepare_weight_bf16_torch` (the same bytes). Meant
-    to run once per weight version and be cached with the quantized weight (e4m3 * 2^(s-127) is exact in bf16
-    down to 2^-133, like the kernel's in-register conversion of the activations, so the GEMM products are exact).
+    (``kernels/experts/sm90/weight_prep.cu``), no host sync; others: :func:`prepare_weight_bf16_torch` (the same
+    bytes). Meant to run once per weight version and be cached with the quantized weight (e4m3 * 2^(s-127) is exact in
+    bf16 down to 2^-133, like the kernel's in-register conversion of the activations, so the GEMM products are exact).
     """
     if w.device.type != "cuda":
         ref = prepare_weight_bf16_torch(w, w_scale)
@@ -114,7 +114,7 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     chunks = g * n * (kp // 64) * 4
     if chunks == 0:
         return out
-    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+    from ... import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     fn = _cuda.get_function(_PREP_FILE, "mx_prepare_weight_bf16", device=w.device.index)
     grid = min(_cdiv(chunks, 256), _cuda.num_sms(w.device) * 8)
@@ -124,12 +124,14 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     return out
 
 
-_OPERANDS_KERNELS = {  # kernels/weight_prep.cu, by the weight's dtype
+_OPERANDS_KERNELS = {  # kernels/experts/sm90/weight_prep.cu, by the weight's dtype
     torch.float32: "mx_prepare_weight_operands_f32",
     torch.bfloat16: "mx_prepare_weight_operands_bf16",
     torch.float16: "mx_prepare_weight_operands_f16",
 }
-_OPERANDS_TILE = 128  # kernels/weight_prep.cu WP_TILE: a CTA's tile of one expert's W (rows of N x columns of K)
+_OPERANDS_TILE = (
+    128  # kernels/experts/sm90/weight_prep.cu WP_TILE: a CTA's tile of one expert's W (rows of N x columns of K)
+)
 _OPERANDS_THREADS = 256  # WP_THREADS
 
 
@@ -144,7 +146,7 @@ def _operands_plan(dtype: torch.dtype, g: int, n: int, k: int) -> tuple[str, tup
     weight [g, n, k] of ``dtype``; None when there is nothing to write (an empty dimension).
 
     One CTA per 128 x 128 tile of one expert (grid.x = ceil(N/128) * ceil(K/128), grid.y = expert); shared memory:
-    the tile (128 x 128 elements) + the 32 KiB bf16 staging tile of W^T (kernels/weight_prep.cu WP_SMEM).
+    the tile (128 x 128 elements) + the 32 KiB bf16 staging tile of W^T (kernels/experts/sm90/weight_prep.cu WP_SMEM).
 
     Example: bf16 [64, 4096, 7168] -> grid (32 * 56 = 1792, 64), 32768 + 32768 = 65536 bytes, 56 k tiles.
     """
@@ -189,7 +191,7 @@ def prepare_weight_operands(
     whole 32-block, the hardware's canonical payload), and of :func:`prepare_weight_operands_torch` up to NaN
     payloads.
 
-    CUDA tensors (w contiguous, 16-byte aligned): one memory-bound launch (``kernels/weight_prep.cu``
+    CUDA tensors (w contiguous, 16-byte aligned): one memory-bound launch (``kernels/experts/sm90/weight_prep.cu``
     ``mx_prepare_weight_operands_*``) that reads W once and writes both operands: 2 + 2 + 2 bytes per element for a
     bf16 W, against about 10 for the e4m3 copies plus two preparation passes. No host sync. Other devices:
     :func:`prepare_weight_operands_torch`.
@@ -214,7 +216,7 @@ def prepare_weight_operands(
     plan = _operands_plan(w.dtype, g, n, k)
     if plan is None:
         return wp, wtp
-    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+    from ... import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     kernel, grid, smem, ktiles = plan
     fn = _cuda.get_function(_PREP_FILE, kernel, device=w.device.index)
@@ -286,7 +288,7 @@ def quantize_weight_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     _check_weight(w)
     if mxfp8.use_reference(w):
         return (*weight_operand_ref(w), *weight_t_operand_ref(w))
-    from ..mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
+    from ...mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
 
     return mxfp8_cuda.quantize_weights_fused(w.contiguous())
 

@@ -1,6 +1,6 @@
 // Grouped MXFP8 GEMM for Hopper, fprop and dgrad (2d x 3d): out[rows of g] = A[rows of g] x B[g]^T for every group
 // g. A (the activations, MXFP8 row-wise with per-group blocked scales) is TMA-loaded raw and dequantized into wgmma
-// register fragments; B is the weight prepared once per weight version as exact bf16 (kernels/weight_prep.cu
+// register fragments; B is the weight prepared once per weight version as exact bf16 (kernels/experts/sm90/weight_prep.cu
 // mx_prepare_weight_bf16: each 64-wide k block in the permuted k order below, K padded to a multiple of 64 with
 // zeros) and TMA-loaded with the 128-byte swizzle straight into the layout wgmma reads. Launcher and operand
 // formats: moe_ep/experts/gemm.py grouped_mm_2d3d_out; design: docs/design.md, section "Grouped GEMMs".
@@ -13,7 +13,7 @@
 //   * block = 384 threads (WS_THREADS): warpgroups 0 and 1 are the consumers (tile rows 64 wg .. 64 wg + 63 of a
 //     128 x 256 tile; 128 fp32 accumulators per thread), warpgroup 2 the producer: its warp 8 scans the groups and
 //     its lane 0 issues the TMA loads; warps 9-11 leave at once. Registers move from the producer to the consumers
-//     (setmaxnreg, kernels/gemm_wgmma.cuh).
+//     (setmaxnreg, kernels/experts/sm90/gemm_wgmma.cuh).
 //   * grid = min(tiles, SMs); CTA b takes tiles b, b + gridDim.x, ... in gm_raster's order (bands of GG_RASTER;
 //     (ceil(M/128) + G) * ceil(N/256) tiles, those past the groups zero-fill rows past sum(sizes) when zero_rest:
 //     there are always enough of them, since the tiles of the groups T <= sum_g (n_g / 128 + 127/128) < S/128 + G

@@ -1,5 +1,5 @@
-"""MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/grouped_gemm.cu`` (fprop / dgrad) and
-``kernels/grouped_gemm_wgrad.cu`` (wgrad). Design: docs/design.md, section "Grouped GEMMs".
+"""MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/experts/sm90/grouped_gemm.cu`` (fprop / dgrad) and
+``kernels/experts/sm90/grouped_gemm_wgrad.cu`` (wgrad). Design: docs/design.md, section "Grouped GEMMs".
 
 The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``,
 ``fake_quantize_grouped_cols``; :func:`~moe_ep.experts.reference.grouped_wgrad_prepared_torch` for the wgrad's
@@ -63,7 +63,7 @@ import ctypes
 import numpy as np
 import torch
 
-from .. import mxfp8
+from ... import mxfp8
 from .operands import (  # the operand side, re-exported: gemm.<name> is the public spelling
     WeightOperands,
     _cdiv,
@@ -110,9 +110,9 @@ __all__ = [  # this module's API, with the operand side re-exported from operand
     "weight_t_operand_ref",
 ]
 
-_GEMM_FILE = "grouped_gemm.cu"
-_WGRAD_FILE = "grouped_gemm_wgrad.cu"
-_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (kernels/gemm_wgmma.cuh WS_THREADS)
+_GEMM_FILE = "experts/sm90/grouped_gemm.cu"
+_WGRAD_FILE = "experts/sm90/grouped_gemm_wgrad.cu"
+_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (kernels/experts/sm90/gemm_wgmma.cuh WS_THREADS)
 _BM, _BN = 128, 256  # output tile of both kernels (fprop / dgrad: rows x columns; wgrad: rows of N x columns of K)
 _GEMM_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, grouped_gemm.cu GG_SMEM_BYTES
 # the long-reduction build: 5 ring stages, no shared output tile (register epilogue)
@@ -181,7 +181,7 @@ def _launch(
     maps ``maps``. Nothing happens when grid <= 0."""
     if grid <= 0:
         return
-    from .. import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+    from ... import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     out = tensors[5]
     fn = _cuda.get_function(kernel_file, kernel, extra_options=options, device=out.device.index)
@@ -191,7 +191,7 @@ def _launch(
 
 def _kernel_args(a, a_scale, b, b_scale, group_sizes, out, g: int, m: int, n: int, k: int, zero_rest: bool) -> tuple:
     """The kernels' GM_ARGS: (6 pointers, int G, long long M, int N, int K, int zero_rest) as numpy scalars."""
-    from .. import _cuda  # noqa: PLC0415  (numpy + torch only; CuPy is imported by get_function / launch)
+    from ... import _cuda  # noqa: PLC0415  (numpy + torch only; CuPy is imported by get_function / launch)
 
     ptrs = tuple(_cuda.ptr(t) for t in (a, a_scale, b, b_scale, group_sizes, out))
     return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))

@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from .config import MoEConfig
-from .layer import MoE
+from moe_ep.config import MoEConfig
+from moe_ep.layer import MoE
 
 # (MoEConfig of the layer, the ("dp", "ep") mesh or None) -> an MoE-like module; see MoETransformer.
 MoEFactory = Callable[[MoEConfig, "DeviceMesh | None"], nn.Module]

@@ -1,4 +1,4 @@
-// Register-tiled dual quantizer of kernels/quantize.cu: bf16 x [M, K] -> row-wise MXFP8 with per-group blocked
+// Register-tiled dual quantizer of kernels/mxfp8/quantize.cu: bf16 x [M, K] -> row-wise MXFP8 with per-group blocked
 // scales (RS_GROUPED) and the per-group column-wise operand as CS_GPREP's prepared bf16 values, from one read.
 // Same arguments, tile order and group table as mx_quant's grouped modes (the bytes of
 // moe_ep.experts.reference.quantize_grouped_dual_torch(..., colwise="bf16")); included by quantize.cu after

@@ -19,8 +19,8 @@
 // [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
 // Kernels (moe_ep/mxfp8/plan.py chooses): mx_quant (quantize(x, axis), and the SwiGLU grouped dual where
 // mx_swiglu_dual does not run), mx_quant_batch (the fused blocked mode over a batch of experts' weights), mx_quant_dual
-// (kernels/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual (kernels/quant_swiglu.cuh: SwiGLU
-// forward / backward + grouped dual), mx_dequant (kernels/quant_dequant.cuh).
+// (kernels/mxfp8/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual (kernels/mxfp8/quant_swiglu.cuh: SwiGLU
+// forward / backward + grouped dual), mx_dequant (kernels/mxfp8/quant_dequant.cuh).
 #include "common.cuh"
 
 #define IN_F32 0
@@ -139,7 +139,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     int* g_tstart = reinterpret_cast<int*>(g_rstart + (RS == RS_GROUPED ? G + 1 : 0));  // [G + 1]
     int* g_bstart = g_tstart + (RS == RS_GROUPED ? G + 1 : 0);                           // [G + 1]
     // CPA: the stage after the table, on 128 bytes (the launcher adds 32 KB + 128, or 16 KB + 128 on pipe 5's
-    // 64-row tiles): a stage off 128 bytes makes L2 serve each line twice (kernels/quant_dual.cuh).
+    // 64-row tiles): a stage off 128 bytes makes L2 serve each line twice (kernels/mxfp8/quant_dual.cuh).
     // (Offset arithmetic on smem itself, so the compiler still sees a shared-memory pointer and emits LDS.)
     unsigned char* stage0 =
         smem + ((reinterpret_cast<unsigned char*>(g_bstart + (RS == RS_GROUPED ? G + 1 : 0)) - smem + 127) & ~127LL);

@@ -1,4 +1,4 @@
-// mx_dequant of kernels/quantize.cu (included there after NTHREADS and the e4m3 helpers are defined): the inverse
+// mx_dequant of kernels/mxfp8/quantize.cu (included there after NTHREADS and the e4m3 helpers are defined): the inverse
 // of the row-wise / column-wise quantizers, moe_ep/mxfp8/reference.py dequantize_torch is its specification.
 #pragma once
 

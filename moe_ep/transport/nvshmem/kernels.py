@@ -1,12 +1,12 @@
-"""The CUDA transport's kernels (kernels/layout.cu, dispatch.cu, combine.cu): every instantiation the launchers use,
-their loader and the argument converters shared by :mod:`.layout` and :mod:`.cuda`. numpy + torch only: CuPy is
-imported when a kernel is first loaded."""
+"""The CUDA transport's kernels (kernels/transport/nvshmem/layout.cu, dispatch.cu, combine.cu): every instantiation the
+launchers use, their loader and the argument converters shared by :mod:`.layout` and :mod:`.cuda`. numpy + torch only:
+CuPy is imported when a kernel is first loaded."""
 
 from __future__ import annotations
 
-from .. import _cuda
+from ... import _cuda
 
-MODE_VAL, MODE_BWD = 1, 2  # ep_expand's MODE (kernels/dispatch.cu)
+MODE_VAL, MODE_BWD = 1, 2  # ep_expand's MODE (kernels/transport/nvshmem/dispatch.cu)
 # ep_dispatch<IN, QUANT> (IN: 0 fp32 / 1 bf16; QUANT = 0 sends raw rows of any dtype), ep_expand<MODE, QUANT, OT>,
 # ep_dispatch_mx<IN>, ep_combine<YT, BWD>
 DISPATCH_NAMES = (
@@ -26,8 +26,8 @@ def precompile() -> None:
     """Compile (or load from CuPy's cache) every transport kernel on this rank. ``runtime.init_runtime`` calls it
     before the new runtime's barrier, so compile-time skew between ranks never eats into a spin-wait timeout."""
     for name in LAYOUT_NAMES:
-        fn("layout.cu", name)
+        fn("transport/nvshmem/layout.cu", name)
     for name in DISPATCH_NAMES:
-        fn("dispatch.cu", name, DISPATCH_NAMES)
+        fn("transport/nvshmem/dispatch.cu", name, DISPATCH_NAMES)
     for name in COMBINE_NAMES:
-        fn("combine.cu", name, COMBINE_NAMES)
+        fn("transport/nvshmem/combine.cu", name, COMBINE_NAMES)

@@ -1,4 +1,4 @@
-// Register-tiled SwiGLU quantizers of kernels/quantize.cu: the forward h = silu(gate) * up and the backward
+// Register-tiled SwiGLU quantizers of kernels/mxfp8/quantize.cu: the forward h = silu(gate) * up and the backward
 // dA = swiglu_bwd(a, dh) of moe_ep.experts.reference, each computed in fp32 exactly as mx_quant's IN_SWIGLU /
 // IN_SWIGLU_BWD16 (quant_elem.cuh) and quantized both ways in one pass: row-wise MXFP8 with per-group blocked scales
 // (RS_GROUPED) and the per-group column-wise operand as CS_GPREP's prepared bf16 values. Same arguments, group
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     constexpr int NS = BWD ? 3 : 2;             // input streams: gate, up (, dh)
     constexpr int SB = NS * SWD_STREAM_BYTES;   // bytes of a stage
     MX_DYN_SMEM(smem);
-    // Stages first, on 128 bytes (as mx_quant_dual's: kernels/quant_dual.cuh), then the row-scale tiles and the
+    // Stages first, on 128 bytes (as mx_quant_dual's: kernels/mxfp8/quant_dual.cuh), then the row-scale tiles and the
     // group table.
     unsigned char* stage0 = smem;
     unsigned char* stile0 = stage0 + S * SB;  // [2][1 + BWD][512] row-scale tiles

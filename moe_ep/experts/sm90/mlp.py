@@ -22,7 +22,7 @@ Saved for the backward: the MXFP8 rows ``xq`` / ``xs`` (1 byte + 1/32 per elemen
 
 The expert GEMMs are reached only through :data:`GEMMS` (an :class:`ExpertGemms`): the seam where another
 architecture's kernels plug in (on Blackwell, ``torch._scaled_grouped_mm`` with MXFP8 operands) without touching
-the layer. Weights' operands (:func:`moe_ep.experts.operands.weight_operands`) come from a ``WeightQuantCache`` when
+the layer. Weights' operands (:func:`moe_ep.experts.sm90.operands.weight_operands`) come from a ``WeightQuantCache`` when
 one is given: computed once per weight version, shared by micro-batches and by the backward.
 """
 
@@ -33,14 +33,14 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import profiling
-from ..mxfp8 import MXFP8Tensor
-from ..mxfp8 import cuda as mxfp8_cuda
-from ..mxfp8.format import from_blocked_grouped
+from ... import profiling
+from ...mxfp8 import MXFP8Tensor
+from ...mxfp8 import cuda as mxfp8_cuda
+from ...mxfp8.format import from_blocked_grouped
 from . import gemm as gemm_cuda
-from .fsdp_mxfp8 import MXFP8ExpertWeight
+from ..fsdp_mxfp8 import MXFP8ExpertWeight
 from .operands import WeightOperands, weight_operands
-from .weight_cache import WeightQuantCache
+from ..weight_cache import WeightQuantCache
 
 
 class ExpertGemms(Protocol):
@@ -68,7 +68,7 @@ class ExpertGemms(Protocol):
 
 
 class HopperGemms:
-    """sm_90a: exact MXFP8 grouped GEMMs on bf16 tensor cores (``moe_ep.experts.gemm``)."""
+    """sm_90a: exact MXFP8 grouped GEMMs on bf16 tensor cores (``moe_ep.experts.sm90.gemm``)."""
 
     def prepare(self, w, cache, fprop=True, dgrad=True):
         if isinstance(w, MXFP8ExpertWeight):

@@ -1,7 +1,7 @@
 #pragma once
 
-// Hopper pieces of the warp-specialized persistent GEMM kernels (kernels/grouped_gemm.cu: fprop / dgrad;
-// kernels/grouped_gemm_wgrad.cu: wgrad): TMA tensor maps and bulk copies, mbarriers and the full/empty stage ring,
+// Hopper pieces of the warp-specialized persistent GEMM kernels (kernels/experts/sm90/grouped_gemm.cu: fprop / dgrad;
+// kernels/experts/sm90/grouped_gemm_wgrad.cu: wgrad): TMA tensor maps and bulk copies, mbarriers and the full/empty stage ring,
 // wgmma (descriptors, fences, the m64n256k16 instruction), register reallocation, named barriers, and the
 // epilogues that both kernels share. Design: docs/design.md, section "Grouped GEMMs".
 //

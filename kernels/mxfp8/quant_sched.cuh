@@ -1,4 +1,4 @@
-// Tile scheduling helpers of kernels/quantize.cu: the per-CTA group table (device-side scan of the group sizes,
+// Tile scheduling helpers of kernels/mxfp8/quantize.cu: the per-CTA group table (device-side scan of the group sizes,
 // no host sync), the tile -> group lookup, and the cp.async primitives of the shared-memory stages.
 // Included by quantize.cu only (after TILE and NTHREADS are defined).
 #pragma once
@@ -7,7 +7,7 @@
 // wgrad's prepared operand (exclusive prefix sums of ceil(n_g/128), n_g and ceil(n_g/64); entry G = the totals),
 // built once per CTA by a block-wide scan of the device-resident group sizes; a tile then finds its group by
 // binary search (mx_quant's grouped_lookup) or by walking the table with its tiles (MxdCursor,
-// kernels/quant_dual.cuh). Negative sizes count as 0.
+// kernels/mxfp8/quant_dual.cuh). Negative sizes count as 0.
 #define MX_PREP_ROWS 64  // rows of a block of the prepared operand (the table's third prefix sum)
 __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, int G, int* tstart,
                                               long long* rstart, int* bstart) {

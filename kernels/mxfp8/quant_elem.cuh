@@ -1,4 +1,4 @@
-// Element-level helpers of kernels/quantize.cu: loads, format conversions, SwiGLU forward/backward arithmetic
+// Element-level helpers of kernels/mxfp8/quantize.cu: loads, format conversions, SwiGLU forward/backward arithmetic
 // (bit for bit as torch on CUDA), block keys and chunk quantization. Included by quantize.cu only (it defines
 // the IN_* codes and TILE/NTHREADS first); the host fallbacks let tests/quant_emu.py emulate it on a CPU.
 #pragma once

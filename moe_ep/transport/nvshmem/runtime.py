@@ -6,9 +6,9 @@
   (:func:`shutdown`, registered with ``atexit``; call it yourself before ``destroy_process_group`` to be tidy).
 * :func:`init_runtime` returns the :class:`EPRuntime` of an EP process group, shared by every MoE layer of the
   process. Its configuration: the fused kernels' work split (``schedule``, a
-  :class:`~moe_ep.transport.schedule.TransportSchedule`, agreed on by every EP rank) and the spin-wait timeout
+  :class:`~moe_ep.transport.nvshmem.schedule.TransportSchedule`, agreed on by every EP rank) and the spin-wait timeout
   (``timeout_s``). It holds ONE symmetric byte region per rank (identical offsets on every rank) holding
-      flags      [F_NUM][8] u64      written by peers (release/acquire; see kernels/ep_sync.cuh)
+      flags      [F_NUM][8] u64      written by peers (release/acquire; see kernels/transport/nvshmem/ep_sync.cuh)
       counts_in  [W][W + E] int32    count rows of every rank (layout exchange)
       disp_meta  [cap][3K] int32     received (local expert | weight bits | expanded row) per top-k slot
       disp_scale [cap][H/32] u8      received E8M0 scales
@@ -271,8 +271,8 @@ class EPRuntime:
 
     def epoch_ptr(self, kind: str) -> np.uint64:
         """Device address of the completed-use count of phase ``kind`` ("layout", "disp" or "comb"): the kernels read
-        their epoch there and the kernel that ends a use advances it (kernels/ep_sync.cuh), so no launch argument
-        carries an epoch and a captured CUDA graph replays correctly."""
+        their epoch there and the kernel that ends a use advances it (kernels/transport/nvshmem/ep_sync.cuh), so no
+        launch argument carries an epoch and a captured CUDA graph replays correctly."""
         return np.uint64(self.epochs.data_ptr() + 8 * _EPOCH_INDEX[kind])
 
     def region(self, name: str) -> int:
@@ -385,7 +385,7 @@ def get_runtime(group) -> EPRuntime:
     rt = _state["runtimes"].get(_key(group))
     if rt is None:
         raise RuntimeError(
-            "no NVSHMEM transport runtime for this EP group: call moe_ep.transport.cuda.init_runtime("
+            "no NVSHMEM transport runtime for this EP group: call moe_ep.transport.nvshmem.buffer.init_runtime("
             "group, max_tokens_per_rank, hidden, top_k, num_experts) first (on every rank)"
         )
     return rt

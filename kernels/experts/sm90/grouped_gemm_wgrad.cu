@@ -13,7 +13,7 @@
 //     columns (128 bytes, 128-byte swizzle) and wgmma with both transpose flags; A = 2 boxes (tile rows n0 ..
 //     n0 + 127, one per consumer warpgroup), B = 4 boxes (256 columns of K). Descriptor: the 64-wide MN atoms are
 //     8192 bytes apart (leading byte offset), 8-row k groups 1024 bytes (stride byte offset).
-//   * schedule as the fprop kernel (kernels/grouped_gemm.cu): persistent grid over G x ceil(N/128) x ceil(K/256)
+//   * schedule as the fprop kernel (kernels/experts/sm90/grouped_gemm.cu): persistent grid over G x ceil(N/128) x ceil(K/256)
 //     tiles, a producer warp, 2 consumer warpgroups (64 x 256 each, 128 fp32 accumulators), a 4-stage full/empty
 //     mbarrier ring; empty groups store zeros.
 //   * epilogue through shared memory and TMA stores, so that the MMAs of the next tile run while the output drains.

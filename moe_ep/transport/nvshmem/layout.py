@@ -1,5 +1,5 @@
-"""Routing layout of the CUDA transport (kernels/layout.cu): the device-resident :class:`CudaEPHandle` and
-:func:`build_layout`. See :mod:`moe_ep.transport.cuda` for the
+"""Routing layout of the CUDA transport (kernels/transport/nvshmem/layout.cu): the device-resident
+:class:`CudaEPHandle` and :func:`build_layout`. See :mod:`moe_ep.transport.nvshmem.buffer` for the
 contracts; everything here stays on the GPU (no host sync except the handle's documented host helpers).
 """
 
@@ -9,18 +9,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .. import _cuda
+from ... import _cuda
 from .kernels import fn, i32, i64, p
 from .runtime import EPRuntime, get_runtime
 
-_LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/layout.cu)
+_LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/transport/nvshmem/layout.cu)
 _LAYOUT_TOKENS_PER_CTA = 128
-_I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/layout.cu)
+_I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/transport/nvshmem/layout.cu)
 
 
 def _i_dropped(num_local: int) -> int:
-    """info[] slot of the dropped-row count (I_DROPPED(L) in kernels/layout.cu): after the group starts [L+1] and
-    the tile offsets [L+1]."""
+    """info[] slot of the dropped-row count (I_DROPPED(L) in kernels/transport/nvshmem/layout.cu): after the group
+    starts [L+1] and the tile offsets [L+1]."""
     return _I_GSTART + 2 * num_local + 2
 
 
@@ -211,7 +211,7 @@ def build_layout(
         rt.epoch_ptr("layout"),
     )
     _cuda.launch(
-        fn("layout.cu", "ep_layout_count"),
+        fn("transport/nvshmem/layout.cu", "ep_layout_count"),
         nb,
         _LAYOUT_WARPS * 32,
         (*head, p(part), *rt.ctl_args()),
@@ -233,7 +233,7 @@ def build_layout(
         *rt.ctl_args(),
     )
     _cuda.launch(
-        fn("layout.cu", "ep_layout_place"),
+        fn("transport/nvshmem/layout.cu", "ep_layout_place"),
         nb,
         _LAYOUT_WARPS * 32,
         args,

@@ -1,4 +1,4 @@
-// Weight preparation for the fprop / dgrad GEMM (kernels/grouped_gemm.cu), two kernels:
+// Weight preparation for the fprop / dgrad GEMM (kernels/experts/sm90/grouped_gemm.cu), two kernels:
 //   mx_prepare_weight_operands_*  (below) both prepared operands straight from the bf16/fp16/fp32 weight, one pass:
 //                                 what weight_operands runs;
 //   mx_prepare_weight_bf16        one prepared operand from an MXFP8 weight (the GEMM launchers' fallback when no
@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 // of W [G, N, K] (fp32 / bf16 / fp16) it writes
 //   wp  [G, N, Kp]  = prepare_weight_bf16 of W quantized along K (1x32 blocks): the fprop operand, and
 //   wtp [G, K, Np]  = prepare_weight_bf16 of W^T quantized along N (W in 32x1 blocks, transposed): the dgrad operand
-// (Kp, Np: K, N rounded up to 64, zero padded), byte for byte what quantize_weights_fused (kernels/quantize.cu
+// (Kp, Np: K, N rounded up to 64, zero padded), byte for byte what quantize_weights_fused (kernels/mxfp8/quantize.cu
 // mx_quant_batch) followed by two mx_prepare_weight_bf16 passes wrote, without the e4m3 copies and scales in
 // between: 2 bytes read and 2 + 2 written per element instead of about 10. The quantization is mx_quant_body's
 // arithmetic (quant_elem.cuh: block key, mx_block_exp, quant_chunk / mx_cvt4_e4m3, 0x7F bytes and scale 0xFF for
@@ -87,7 +87,7 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 //   Padding (k in [K, Kp) of wp, n in [N, Np) of wtp) comes out of the zero-filled tile as +0 bytes, as the
 //   two-step path writes it. Shared memory: the tile (128 x 128 x element bytes) + 32 KiB staging (WP_SMEM).
 
-#ifndef IN_F32  // the input codes of kernels/quantize.cu (moe_ep/mxfp8/plan.py IN); quant_elem.cuh needs them all
+#ifndef IN_F32  // the input codes of kernels/mxfp8/quantize.cu (moe_ep/mxfp8/plan.py IN); quant_elem.cuh needs them all
 #define IN_F32 0
 #define IN_BF16 1
 #define IN_F16 2
