@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import relaunch_under_torchrun  # noqa: E402
 
 from moe_ep.transport.nvshmem.schedule import TransportSchedule  # noqa: E402
+from tests import refs  # noqa: E402
 
 SHAPES = {"dsv3": dict(T=4096, H=7168, E=256, K=8), "small": dict(T=8192, H=2048, E=128, K=8)}
 NVLINK_GBS = 450.0  # H100 / H200 NVLink 4, per GPU and direction: the physical limit the GB/s are compared with
@@ -145,8 +146,8 @@ def parse_schedules(spec: str) -> list[tuple[dict, TransportSchedule]]:
 
 def run_case(shape: str, routing: str, args, quant, quant_name, schedules) -> dict:
     from moe_ep import mxfp8  # noqa: PLC0415
-    from moe_ep.transport.nvshmem import buffer as ct  # noqa: PLC0415
     from moe_ep.transport import reference as ref  # noqa: PLC0415
+    from moe_ep.transport.nvshmem import buffer as ct  # noqa: PLC0415
 
     cfg = SHAPES[shape]
     t, h, e, k = cfg["T"], cfg["H"], cfg["E"], cfg["K"]
@@ -157,7 +158,7 @@ def run_case(shape: str, routing: str, args, quant, quant_name, schedules) -> di
     idx, w = _routing(routing, t, e, k, gen, dev)
     group = dist.group.WORLD
     probe = ct.build_layout(idx, e, group)
-    hc = probe.host_counts()
+    hc = refs.host_counts(probe)
     ncap = torch.tensor([hc["N"]], device=dev)
     dist.all_reduce(ncap, op=dist.ReduceOp.MAX)
     ncap = int(ncap.item()) + 128
@@ -317,7 +318,7 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     from moe_ep import finish  # noqa: PLC0415
     from moe_ep.transport.nvshmem import buffer as ct  # noqa: PLC0415
-    from moe_ep.transport import runtime as nvs  # noqa: PLC0415
+    from moe_ep.transport.nvshmem import runtime as nvs  # noqa: PLC0415
 
     shapes = [s for s in args.shapes.split(",") if s]
     rt = ct.init_runtime(

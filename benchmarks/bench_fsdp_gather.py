@@ -70,8 +70,8 @@ def check(mode: str, m, full) -> None:
 
 
 def measure(mode: str, m, args) -> dict:
-    from moe_ep.experts.sm90.mlp import GEMMS  # noqa: PLC0415
     from moe_ep.experts.fsdp_mxfp8 import quantize_packed  # noqa: PLC0415
+    from moe_ep.experts.sm90.mlp import GEMMS  # noqa: PLC0415
 
     def gather():
         m.unshard()
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import moe_ep  # noqa: PLC0415
-    from moe_ep.experts.fsdp_mxfp8 import packed_bytes  # noqa: PLC0415
     from launch.provenance import code_version  # noqa: PLC0415
+    from moe_ep.experts.fsdp_mxfp8 import packed_bytes  # noqa: PLC0415
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)

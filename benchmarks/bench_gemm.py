@@ -43,7 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_ep import mxfp8  # noqa: E402
 from moe_ep.experts.sm90 import gemm as gemm_cuda  # noqa: E402
+from moe_ep.experts.sm90 import operands  # noqa: E402
 from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
+from tests import refs  # noqa: E402
 
 SHAPES = {  # name: (M, K, N, G) -- fprop [M, K] x [G, N, K] -> [M, N]
     "dsv3_up": (32768, 7168, 4096, 32),
@@ -185,8 +187,8 @@ def run_shape(name, m, k, n, g, args, out_rows):
     xs = mxfp8.to_blocked_grouped(xq.scale, sz, "m")
     dys = mxfp8.to_blocked_grouped(dyq.scale, sz, "m")
     ws, wts = mxfp8.to_blocked(wq.scale), mxfp8.to_blocked(wtq.scale)
-    dyc, dycs = gemm_cuda.colwise_operand_ref(dy, sizes)
-    xc, xcs = gemm_cuda.colwise_operand_ref(x, sizes)
+    dyc, dycs = refs.colwise_operand_ref(dy, sizes)
+    xc, xcs = refs.colwise_operand_ref(x, sizes)
     flops = 2.0 * m * n * k
     res = {"M": m, "K": k, "N": n, "G": g, "group_sizes": sizes, "variants": {}}
 
@@ -194,17 +196,17 @@ def run_shape(name, m, k, n, g, args, out_rows):
     # the fprop / dgrad kernel takes the weight as exact bf16 prepared once per weight version (prepare_weight_bf16):
     # timed here as the kernel alone; the preparation (kernels/experts/sm90/weight_prep.cu) is reported separately, per
     # weight version, with its bandwidth (e4m3 + scale bytes read, bf16 written) and the torch reference's time
-    wprep = gemm_cuda.prepare_weight_bf16(wq.data, ws)
-    wtprep = gemm_cuda.prepare_weight_bf16(wtq.data, wts)
+    wprep = operands.prepare_weight_bf16(wq.data, ws)
+    wtprep = operands.prepare_weight_bf16(wtq.data, wts)
     prep = {"matches_torch_reference": True}
     for key, (wd_, ws_, pp) in {"fprop_w": (wq.data, ws, wprep), "dgrad_wt": (wtq.data, wts, wtprep)}.items():
-        prep["matches_torch_reference"] &= bool(torch.equal(pp, gemm_cuda.prepare_weight_bf16_torch(wd_, ws_)))
-        ms = time_ms(lambda wd_=wd_, ws_=ws_, pp=pp: gemm_cuda.prepare_weight_bf16(wd_, ws_, out=pp), 3, 10)
+        prep["matches_torch_reference"] &= bool(torch.equal(pp, operands.prepare_weight_bf16_torch(wd_, ws_)))
+        ms = time_ms(lambda wd_=wd_, ws_=ws_, pp=pp: operands.prepare_weight_bf16(wd_, ws_, out=pp), 3, 10)
         nbytes = wd_.numel() + ws_.numel() + 2 * pp.numel()
         prep[key] = {
             "ms": ms,
             "gb_s": nbytes / ms / 1e6,
-            "torch_ref_ms": time_ms(lambda wd_=wd_, ws_=ws_: gemm_cuda.prepare_weight_bf16_torch(wd_, ws_), 1, 3),
+            "torch_ref_ms": time_ms(lambda wd_=wd_, ws_=ws_: operands.prepare_weight_bf16_torch(wd_, ws_), 1, 3),
         }
     res["prepare_weight"] = prep
     print(f"[{name}] prepare_weight: {prep}")
@@ -214,10 +216,10 @@ def run_shape(name, m, k, n, g, args, out_rows):
     # torch baselines: the GEMM alone. The quantizer's time is reported below ("colwise_producer_ms").
     dyp = mxfp8_cuda.quantize_grouped_dual(dy, sz)[2]
     xp = mxfp8_cuda.quantize_grouped_dual(x, sz)[2]
-    used = gemm_cuda.colwise_prep_rows_used(sizes)
+    used = refs.colwise_prep_rows_used(sizes)
     res["prepared_operands_match_reference"] = bool(
-        torch.equal(dyp[:used], gemm_cuda.prepare_colwise_bf16_torch(dyc, dycs, sizes)[:used])
-        and torch.equal(xp[:used], gemm_cuda.prepare_colwise_bf16_torch(xc, xcs, sizes)[:used])
+        torch.equal(dyp[:used], refs.prepare_colwise_bf16_torch(dyc, dycs, sizes)[:used])
+        and torch.equal(xp[:used], refs.prepare_colwise_bf16_torch(xc, xcs, sizes)[:used])
     )
     ours["wgrad"]["mxfp8_prepared"] = lambda: gemm_cuda.grouped_wgrad_prepared_out(
         dyp, xp, sz, torch.empty(g, n, k, dtype=torch.bfloat16, device=dev), m
@@ -257,8 +259,8 @@ def run_shape(name, m, k, n, g, args, out_rows):
             errs["finite"] = 0.0 if fin else float("inf")
             del o_f, o_d
             # wgrad on the prepared operands (fp32 output)
-            dcf = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
-            xcf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
+            dcf = refs.colwise_dequantize_ref(dyc, dycs, sizes)
+            xcf = refs.colwise_dequantize_ref(xc, xcs, sizes)
             o_w = gemm_cuda.grouped_wgrad_prepared_out(dyp, xp, sz, torch.empty(g, n, k, device=dev), m)
             for gi in pick[:2]:
                 r = slice(starts[gi], starts[gi] + sizes[gi])
@@ -294,8 +296,8 @@ def run_shape(name, m, k, n, g, args, out_rows):
         "wgrad": {
             "bf16": lambda: torch._grouped_mm(dyt, xb, offs=offs),  # dY^T [N, M] (K-major) x X [M, K]
             "deq+bf16": lambda: torch._grouped_mm(
-                gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes).bfloat16().t(),
-                gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes).bfloat16(),
+                refs.colwise_dequantize_ref(dyc, dycs, sizes).bfloat16().t(),
+                refs.colwise_dequantize_ref(xc, xcs, sizes).bfloat16(),
                 offs=offs,
             ),
         },
@@ -357,12 +359,12 @@ def run_weight_prep(name: str, e: int, h: int, f: int, args) -> dict:
         q = mxfp8_cuda.quantize_weights_fused(w)  # the two-step path's intermediates (e4m3 both ways + scales)
 
         def fused(w=w, new=new):
-            gemm_cuda.prepare_weight_operands(w, out=new)
+            operands.prepare_weight_operands(w, out=new)
 
         def two_step(w=w, q=q, old=old):
             mxfp8_cuda.quantize_weights_fused_into(w, *q)
-            gemm_cuda.prepare_weight_bf16(q[0], q[1], out=old[0])
-            gemm_cuda.prepare_weight_bf16(q[2], q[3], out=old[1])
+            operands.prepare_weight_bf16(q[0], q[1], out=old[0])
+            operands.prepare_weight_bf16(q[2], q[3], out=old[1])
 
         # ---- correctness first: the fused bytes are the two-step path's (NaN-free input: plain equality of bits)
         fused()

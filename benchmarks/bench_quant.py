@@ -32,9 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_ep.experts.sm90.operands import colwise_prep_rows_used  # noqa: E402
 from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: E402
 from moe_ep.mxfp8 import quantize_torch, to_blocked  # noqa: E402
+from tests import refs  # noqa: E402
 
 TARGETS = {"row_plain": 0.92, "col_nt": 0.85, "weights_fused": 0.85}  # fraction of copy bandwidth (H200)
 MIN_RATIO = 1.05  # vs torch.compile
@@ -168,14 +168,14 @@ def check(variant: str, x: torch.Tensor, rows: int = 512) -> bool:
             map(_eq, mxfp8_cuda.quantize_weights_fused(xs.view(EXPERTS, -1, xs.shape[1])), _ref_weights_fused(xc))
         )
     if variant in DUAL:
-        from moe_ep.experts.reference import quantize_grouped_dual_torch  # noqa: PLC0415
+        from tests.refs import quantize_grouped_dual_torch  # noqa: PLC0415
 
         xs, kw, kh = _dual_args(variant, xs)
         sizes = torch.tensor([0, 100, 1, 0, rows - 101], dtype=torch.int32)
         got = mxfp8_cuda.quantize_grouped_dual(xs, sizes.to(xs.device), **kw)
         # SwiGLU on the GPU: torch's CUDA ops, as the kernel
         want = quantize_grouped_dual_torch(xs, sizes, colwise="bf16", **kw)
-        used = colwise_prep_rows_used(sizes)  # the prepared operand: its used rows (finite input: no NaN payloads)
+        used = refs.colwise_prep_rows_used(sizes)  # the prepared operand: its used rows (finite input: no NaN payloads)
         return all(map(_eq, got[:2], want[:2])) and _eq(got[2][:used], want[2][:used]) and got[2].shape[1] == kh
     raise ValueError(variant)
 
@@ -212,7 +212,7 @@ def kernel_fn(variant: str, x: torch.Tensor, groups: int):
         xin, kw, kh = _dual_args(variant, x)
         sizes = _random_sizes(m, groups, dev)
         outs = mxfp8_cuda.quantize_grouped_dual(xin, sizes, **kw)[:3]  # (data, scale, prepared column operand)
-        col = 2 * kh * colwise_prep_rows_used(sizes)  # bf16 rows written: each group's rows up to the next 64
+        col = 2 * kh * refs.colwise_prep_rows_used(sizes)  # bf16 rows written: each group's rows up to the next 64
         nbytes = (
             sum(t.numel() * t.element_size() for t in (xin, *kw.values()) if isinstance(t, torch.Tensor))
             + m * kh

@@ -53,8 +53,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from moe_ep import MoE, init_ep  # noqa: E402
 from launch.model import ModelConfig, MoETransformer  # noqa: E402
+from moe_ep import MoE, init_ep  # noqa: E402
 from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_, finish  # noqa: E402
 
 # Model and optimizer presets. "tiny" runs in seconds on 2 CPU cores; "small" is a GPU-sized model

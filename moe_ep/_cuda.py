@@ -102,6 +102,61 @@ def read_source(name: str, kdir: Path | None = None) -> str:
     return expand(root)
 
 
+_DEFINE_RE = re.compile(r"^\s*#\s*define\s+(\w+)(\([^)]*\))?(?:\s+(.*?))?\s*(//.*)?$")
+_COND_RE = re.compile(r"^\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b\s*(\w*)")
+
+
+@functools.cache
+def _defines(name: str, kdir: Path, given: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """Object-like ``#define`` values of a kernel file as the preprocessor sees them with ``given`` (-D options):
+    ``#ifdef`` / ``#ifndef`` / ``#else`` / ``#endif`` are followed (a plain ``#if`` section is skipped)."""
+    out: dict[str, str] = dict(given)
+    active: list[bool] = []
+    for line in read_source(name, kdir).splitlines():
+        c = _COND_RE.match(line)
+        if c:
+            kind, sym = c.groups()
+            if kind in ("ifdef", "ifndef"):
+                active.append((sym in out) == (kind == "ifdef"))
+            elif kind == "if":
+                active.append(False)
+            elif kind in ("else", "elif") and active:
+                active[-1] = not active[-1] and kind == "else"
+            elif kind == "endif" and active:
+                active.pop()
+            continue
+        if all(active):
+            m = _DEFINE_RE.match(line)
+            if m and m.group(2) is None and m.group(1) not in dict(given):  # -D wins over the file's own define
+                out[m.group(1)] = m.group(3) or "1"
+    return out
+
+
+def kernel_constant(name: str, macro: str, defines: dict[str, int] | None = None) -> int:
+    """The integer value of ``#define macro`` in ``kernels/<name>`` (its includes inlined), with ``defines`` taking the
+    place of ``-D`` options: the one source of the tile sizes, shared-memory bytes and slot indices a launcher needs,
+    so none is copied by hand. The macro must be an integer expression of other such macros.
+
+    Example: ``kernel_constant("experts/sm90/grouped_gemm.cu", "GG_SMEM_BYTES")`` -> 231920; with
+    ``{"GG_STAGES": 5, "GG_REG_EPI": 1}`` -> the long-reduction build's bytes.
+    """
+    table = _defines(name, kernels_dir(), tuple((k, str(v)) for k, v in (defines or {}).items()))
+
+    def value(sym: str, depth: int = 0) -> int:
+        if depth > 32:
+            raise ValueError(f"{name}: {macro} does not reduce to an integer (macro loop at {sym})")
+        expr = table.get(sym)
+        if expr is None:
+            raise KeyError(f"{name} defines no {sym}")
+        expr = re.sub(r"//.*", "", expr)
+        expr = re.sub(r"\b([A-Za-z_]\w*)\b", lambda m: str(value(m.group(1), depth + 1)), expr)
+        if not re.fullmatch(r"[\d\s()+\-*/%<>]*", expr):
+            raise ValueError(f"{name}: {sym} = {table[sym]!r} is not an integer expression")
+        return int(eval(expr.replace("/", "//"), {"__builtins__": {}}))  # digits and operators only (checked above)
+
+    return value(macro)
+
+
 def compile_options(extra: tuple[str, ...] = (), arch: str = DEFAULT_ARCH) -> tuple[str, ...]:
     env = tuple(os.environ.get("MOE_EP_NVRTC_OPTIONS", "").split())
     return (f"-arch={arch}", *BASE_OPTIONS, f"-I{kernels_dir()}", *extra, *env)

@@ -33,8 +33,13 @@ class MoEConfig:
                          highest-numbered local experts that have slots, whichever expert is overloaded.
     renormalize:         renormalize the top-k gate weights to sum to 1.
     aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e).
-    quantize:            MXFP8 at the dispatch payload, the SwiGLU output, the dy payload and the grouped-GEMM
-                         operands (the recipe); False gives the pure-bf16 baseline of the same module.
+    recipe:              the quantization recipe of the dispatch payloads and the expert GEMMs, a row of
+                         :data:`moe_ep.recipe.RECIPES` or "bf16": "mxfp8" (default; E4M3 with one E8M0 scale per 32
+                         values, exact on Hopper, native on Blackwell), "blockwise" (1x128 activations, 128x128
+                         weights: Hopper's FP8 tensor-core rate; hidden and ffn_hidden multiples of 128), "bf16" (no
+                         quantization: the bf16 baseline of the same module).
+    quantize:            the earlier switch, kept: False means recipe "bf16" (an FP8 recipe other than the default
+                         with quantize=False is an error); after construction it reads ``recipe != "bf16"``.
     backend:             "reference": the pure-PyTorch path (the specification). "cuda": the fast layer (CuPy kernels,
                          NVSHMEM or NCCL transport; needs ``moe_ep[gpu]``, a GPU and torch.distributed). "auto":
                          "cuda" when x is on a GPU, CuPy and nvshmem4py import and torch.distributed is
@@ -55,6 +60,7 @@ class MoEConfig:
     aux_loss_coef: float = 1e-2
     quantize: bool = True
     backend: str = "auto"
+    recipe: str = "mxfp8"
     transport: str = "nvshmem"
     init_std: float = 0.02
 
@@ -72,16 +78,36 @@ class MoEConfig:
         for name in ("renormalize", "quantize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        from .recipe import RECIPE_NAMES, get_recipe  # noqa: PLC0415
+
+        if self.recipe not in RECIPE_NAMES:
+            raise ValueError(f"MoEConfig.recipe must be one of {RECIPE_NAMES}, got {self.recipe!r}")
+        if not self.quantize:
+            if self.recipe not in ("mxfp8", "bf16"):
+                raise ValueError(f"quantize=False contradicts recipe={self.recipe!r}; pass recipe='bf16' alone")
+            self.recipe = "bf16"
+        self.quantize = self.recipe != "bf16"
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
-        if self.quantize and (self.hidden % 32 or self.ffn_hidden % 32):
-            raise ValueError(
-                f"MXFP8 needs hidden and ffn_hidden to be multiples of 32, got {self.hidden} and {self.ffn_hidden}"
-            )
+        row = get_recipe(self.recipe)
+        if row is not None:
+            blk = max(row.act_block, *row.weight_block)
+            if self.hidden % blk or self.ffn_hidden % blk:
+                raise ValueError(
+                    f"recipe {self.recipe!r} needs hidden and ffn_hidden to be multiples of {blk}, got {self.hidden} "
+                    f"and {self.ffn_hidden}"
+                )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+
+    @property
+    def recipe_row(self):
+        """The :class:`moe_ep.recipe.Recipe` of ``recipe`` (None for "bf16")."""
+        from .recipe import get_recipe  # noqa: PLC0415
+
+        return get_recipe(self.recipe)
 
     def capacity_rows(self, num_tokens: int) -> int | None:
         """Expanded rows one rank keeps for ``num_tokens`` tokens: ceil(capacity_factor * num_tokens * top_k), in exact

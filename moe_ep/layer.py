@@ -29,8 +29,9 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden, device=device, dtype=dtype))
         self.weight_cache = WeightQuantCache()
 
-    def forward(self, x: torch.Tensor, group_sizes: list[int], quantize: bool) -> torch.Tensor:
-        """x: [N, H] expert-sorted rows, group_sizes: E_local host ints -> [N, H] x.dtype (reference math)."""
+    def forward(self, x: torch.Tensor, group_sizes: list[int], quantize) -> torch.Tensor:
+        """x: [N, H] expert-sorted rows, group_sizes: E_local host ints, quantize: the recipe (a
+        :class:`moe_ep.recipe.Recipe`, True: MXFP8, False / None: bf16) -> [N, H] x.dtype (reference math)."""
         return expert_mlp(x, self.w13, self.w2, group_sizes, quantize)
 
     def run(self, fn, *args):
@@ -79,13 +80,14 @@ def routed_experts(
             cache = None
         return layer_cuda.routed_experts_cuda(x, topk_idx, topk_w, w13, w2, cache, cfg, group)
     cap = cfg.capacity_rows(x.shape[0])
-    rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, cfg.quantize, capacity=cap)
-    out = experts(rows, handle.group_sizes_host, cfg.quantize)
-    return combine(out, w, handle, cfg.quantize), handle.num_dropped
+    recipe = cfg.recipe_row  # None for bf16
+    rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, recipe, capacity=cap)
+    out = experts(rows, handle.group_sizes_host, recipe)
+    return combine(out, w, handle, recipe), handle.num_dropped
 
 
 class MoE(nn.Module):
-    """Expert-parallel MoE layer: router -> MXFP8 dispatch -> SwiGLU experts -> combine.
+    """Expert-parallel MoE layer: router -> quantized dispatch (``cfg.recipe``) -> SwiGLU experts -> combine.
 
     cfg: MoEConfig; mesh: a ("dp", "ep") DeviceMesh from :func:`moe_ep.init_ep`, or None for one process
     owning every expert. This rank owns global experts [ep_rank * E_local, (ep_rank + 1) * E_local).

@@ -1,22 +1,25 @@
 """The MoE layer's CUDA backend: routed tokens -> expert outputs on the fast kernels, with autograd.
 
-Data flow of ``transport="nvshmem"``, ``quantize=True`` (one autograd node, :class:`_MoEMXFP8`):
+The transport is ``TRANSPORTS[cfg.transport]`` and the expert kernels ``gemms_for(device, cfg.recipe)``; this module
+imports no implementation. Data flow of an FP8 recipe (one autograd node, :class:`_MoEQuantized`), e.g. MXFP8 on
+the NVSHMEM transport:
 
   forward   layout (ep_layout_count / ep_layout_place)        routing -> rows, groups, offsets on the GPU
-            weight operands (cached per weight version)       experts.GEMMS.prepare
+            weight operands (cached per weight version)       gemms.prepare
             fused quantize + dispatch (ep_dispatch_mx)        e4m3 rows + per-group blocked scales, expert-sorted
-            GEMM1 -> SwiGLU + quantize -> GEMM2              reading exactly those bytes (experts.cuda)
+            GEMM1 -> SwiGLU + quantize -> GEMM2              reading exactly those bytes (gemms.mlp_fwd)
             combine (ep_combine)                              top-k weighted, deterministic order
   backward  MXFP8 dispatch of dy -> dgrad / wgrad -> combine of dx with the top-k weight gradients
 
 Saved for the backward: the dispatched MXFP8 rows (1 byte + 1/32 per element), GEMM1's output ``a`` (bf16), the
 expert outputs (bf16, for the top-k weight gradient) and the row weights.
 
-``quantize=False`` is the bf16 path on the same transport (bf16 payloads, ``torch._grouped_mm`` experts);
+Recipe "bf16" is the bf16 path on the same transport (bf16 payloads, ``torch._grouped_mm`` experts);
 ``transport="nccl"`` runs the reference transport (torch.distributed all_to_all, host-synced split sizes) around
-the same expert kernels. Capacity: with ``cfg.capacity_factor`` the expanded buffers have ``capacity_rows(T)`` rows
-and the layout drops the slots past them on the GPU (no host sync: the whole layer is CUDA-graph capturable);
-dropless reads the expanded row count once after the layout to size the buffers exactly (a host sync).
+the same expert kernels: its quantized dispatch delivers the same bytes in the same layout. Capacity: with
+``cfg.capacity_factor`` the expanded buffers have ``capacity_rows(T)`` rows and the layout drops the slots past them on
+the GPU (no host sync: the whole layer is CUDA-graph capturable); dropless reads the expanded row count once after the
+layout to size the buffers exactly (a host sync).
 """
 
 from __future__ import annotations
@@ -28,12 +31,11 @@ import torch.distributed as dist
 
 from . import profiling
 from .config import MoEConfig
-from .experts.sm90.mlp import GEMMS, expert_mlp_bf16, expert_mlp_cuda, expert_mlp_mx_bwd, expert_mlp_mx_fwd
+from .experts.base import gemms_for
+from .experts.bf16 import expert_mlp_bf16
 from .experts.weight_cache import WeightQuantCache
-from .transport.nvshmem import buffer as ct
+from .transport import TRANSPORTS
 from .transport.autograd import combine, dispatch_with_layout
-from .transport.nvshmem.layout import fit_to_count
-from .transport.reference import REFERENCE
 
 
 @functools.cache
@@ -89,22 +91,25 @@ def _bwd_mark(t: torch.Tensor, name: str) -> torch.Tensor:
     return _PhaseMark.apply(t, name) if profiling.recording() and t.requires_grad else t
 
 
-class _MoEMXFP8(torch.autograd.Function):
-    """x [T, H], topk_w [T, K] fp32, w13 [L, 2F, H], w2 [L, H, F] -> y [T, H] bf16 over the NVSHMEM transport."""
+class _MoEQuantized(torch.autograd.Function):
+    """x [T, H], topk_w [T, K] fp32, w13 [L, 2F, H], w2 [L, H, F] -> y [T, H] bf16: the fused quantized dispatch of
+    ``transport``, the expert MLP of ``gemms`` (an :class:`~moe_ep.experts.base.ExpertGemms`) on exactly those bytes,
+    and the combine, as one autograd node."""
 
     @staticmethod
-    def forward(ctx, x, topk_w, w13, w2, handle, cache):
-        w13o, w2o = GEMMS.prepare(w13, cache, dgrad=False), GEMMS.prepare(w2, cache, dgrad=False)
+    def forward(ctx, x, topk_w, w13, w2, handle, cache, transport, gemms):
+        w13o, w2o = gemms.prepare(w13, cache, dgrad=False), gemms.prepare(w2, cache, dgrad=False)
         profiling.mark("weight_prep")
-        xq, xs, wr = ct.dispatch_fwd_mxfp8(x, topk_w, handle)
+        xq, xs, wr = transport.dispatch_fwd_quantized(x, topk_w, handle, gemms.recipe.name)
         profiling.mark("dispatch")
-        out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, handle.group_sizes)
-        y = ct.combine_fwd(out, wr, handle)
+        out, saved = gemms.mlp_fwd(xq, xs, w13o, w2o, handle.group_sizes)
+        del xq, xs
+        y = transport.combine_fwd(out, wr, handle)
         profiling.mark("combine")
         ctx.save_for_backward(w13, w2)
         # intermediates as attributes, not saved tensors: the backward frees each right after its last use
-        ctx.saved = {"xq": xq, "xs": xs, "a": a, "out": out, "wr": wr}
-        ctx.handle, ctx.cache, ctx.x_dtype = handle, cache, x.dtype
+        ctx.saved = {**saved, "out": out, "wr": wr}
+        ctx.handle, ctx.cache, ctx.x_dtype, ctx.transport, ctx.gemms = handle, cache, x.dtype, transport, gemms
         return y
 
     @staticmethod
@@ -113,30 +118,21 @@ class _MoEMXFP8(torch.autograd.Function):
         saved, ctx.saved = ctx.saved, None
         if saved is None:
             raise RuntimeError("the MoE layer's backward ran twice (retain_graph=True): its intermediates are freed")
-        h = ctx.handle
-        dout, dwr = ct.combine_bwd(dy.contiguous(), saved.pop("out"), saved.pop("wr"), h, True)
+        h, tr, gemms = ctx.handle, ctx.transport, ctx.gemms
+        dout, dwr = tr.combine_bwd(dy.contiguous(), saved.pop("out"), saved.pop("wr"), h, True)
         del dy
         saved["dout"] = dout
         del dout
         profiling.mark("combine_bwd")
-        w13o, w2o = GEMMS.prepare(w13, ctx.cache, fprop=False), GEMMS.prepare(w2, ctx.cache, fprop=False)
+        w13o, w2o = gemms.prepare(w13, ctx.cache, fprop=False), gemms.prepare(w2, ctx.cache, fprop=False)
 
         def send_dx(dxr: torch.Tensor):  # the return of dx overlaps nothing but frees dxr before the x-side wgrad
-            res = ct.dispatch_bwd(dxr, dwr, h, ctx.x_dtype)
+            res = tr.dispatch_bwd(dxr, dwr, h, ctx.x_dtype)
             profiling.mark("dispatch_bwd")
             return res
 
-        (dx, dtw), dw13, dw2 = expert_mlp_mx_bwd(saved, w13, w2, w13o, w2o, h.group_sizes, send_dx)
-        return dx, dtw, dw13, dw2, None, None
-
-
-def _nvshmem_layout(topk_idx: torch.Tensor, cfg: MoEConfig, group, num_tokens: int) -> ct.CudaEPHandle:
-    rt = ct.init_runtime(group, cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k, cfg.num_experts)
-    cap = cfg.capacity_rows(num_tokens)
-    if cap is not None:
-        return ct.build_layout(topk_idx, cfg.num_experts, group, capacity=cap, runtime=rt)
-    # dropless: the one host read of the layer (NOTE: host sync in fit_to_count; capacity_factor avoids it)
-    return fit_to_count(ct.build_layout(topk_idx, cfg.num_experts, group, runtime=rt))
+        (dx, dtw), dw13, dw2 = gemms.mlp_bwd(saved, w13, w2, w13o, w2o, h.group_sizes, send_dx)
+        return dx, dtw, dw13, dw2, None, None, None, None
 
 
 def routed_experts_cuda(
@@ -153,27 +149,21 @@ def routed_experts_cuda(
     fp32 -> (y [T, H] bf16, slots dropped by this rank: 0-dim int32 CUDA tensor (nvshmem) or int (nccl))."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the cuda backend computes in bf16: x must be bf16, got {x.dtype}")
-    t = x.shape[0]
+    transport = TRANSPORTS[cfg.transport]
     topk_w = topk_w.to(torch.float32)
-    if cfg.transport == "nccl":
-        transport = REFERENCE
-        handle = REFERENCE.build_layout(topk_idx, cfg.num_experts, group, capacity=cfg.capacity_rows(t))
-    else:
-        transport = ct.CUDA
-        handle = _nvshmem_layout(topk_idx, cfg, group, t)
+    handle = transport.layer_layout(topk_idx, cfg, group, x.shape[0])
     profiling.mark("layout")
-    if cfg.quantize and transport is ct.CUDA:
-        return _MoEMXFP8.apply(x, topk_w, w13, w2, handle, cache), handle.num_dropped
-    # The unfused paths: dispatch (MXFP8 or bf16 payloads, dequantized rows) -> experts -> combine, each its own
-    # autograd node. The nccl transport's MXFP8 rows arrive dequantized, and expert_mlp_cuda quantizes them again,
-    # as the reference expert MLP does with the reference transport's rows.
-    rows, w = dispatch_with_layout(_bwd_mark(x, "dispatch_bwd"), topk_w, handle, cfg.quantize, transport)
+    if cfg.quantize:
+        gemms = gemms_for(x.device, cfg.recipe)
+        return _MoEQuantized.apply(x, topk_w, w13, w2, handle, cache, transport, gemms), handle.num_dropped
+    # the bf16 path: bf16 payloads and torch._grouped_mm experts, each pass its own autograd node
+    rows, w = dispatch_with_layout(_bwd_mark(x, "dispatch_bwd"), topk_w, handle, False, transport)
     profiling.mark("dispatch")
     rows = _bwd_mark(rows, "experts_bwd")
     gs = handle.group_sizes.to(device=x.device, dtype=torch.int32)
-    out = expert_mlp_cuda(rows, w13, w2, gs, cache) if cfg.quantize else expert_mlp_bf16(rows, w13, w2, gs)
+    out = expert_mlp_bf16(rows, w13, w2, gs)
     profiling.mark("experts_fwd")
     out = _bwd_mark(out, "combine_bwd")
-    y = combine(out, w, handle, cfg.quantize, transport)
+    y = combine(out, w, handle, False, transport)
     profiling.mark("combine")
     return y, handle.num_dropped

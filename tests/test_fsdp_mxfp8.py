@@ -127,8 +127,8 @@ def test_use_mxfp8_all_gather_checks() -> None:
 
 # ------------------------------------------------------------------------------------------- FSDP2 on gloo
 def _train(rank: int, world: int, ep: int, mx: bool, reshard: bool, backend: str, quantize: bool = True):
-    from moe_ep import init_ep  # noqa: PLC0415
     from launch.model import ModelConfig, MoETransformer  # noqa: PLC0415
+    from moe_ep import init_ep  # noqa: PLC0415
     from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noqa: PLC0415
 
     mesh = init_ep(ep)

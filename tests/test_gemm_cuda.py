@@ -26,6 +26,8 @@ import torch
 
 from moe_ep import mxfp8
 from moe_ep.experts.sm90 import gemm as gemm_cuda
+from moe_ep.experts.sm90 import operands  # noqa: E402
+from tests import refs  # noqa: E402
 from tests.gemm_emu import mm64
 
 CUDA = torch.cuda.is_available()
@@ -70,8 +72,8 @@ def _varied(m, k, gen, dev="cuda"):
 def _wgrad_prepared(ad, asc, bd, bsc, sizes, m, out):
     """The wgrad kernel on both grouped column-wise MXFP8 operands, prepared as the quantizer writes them
     (``prepare_colwise_bf16_torch``, on the GPU) and guarded by NaN poison: out[g] = A_g^T B_g. Returns out."""
-    ap = _guarded(gemm_cuda.prepare_colwise_bf16_torch(ad, asc, sizes), 0xFF)
-    bp = _guarded(gemm_cuda.prepare_colwise_bf16_torch(bd, bsc, sizes), 0xFF)
+    ap = _guarded(refs.prepare_colwise_bf16_torch(ad, asc, sizes), 0xFF)
+    bp = _guarded(refs.prepare_colwise_bf16_torch(bd, bsc, sizes), 0xFF)
     sizes_t = _sizes_t(sizes)
     torch.cuda.set_sync_debug_mode("error")  # the launch must not synchronize with the host
     try:
@@ -140,18 +142,18 @@ def test_2d3d_matches_reference(case, kind):
     m = s + extra
     x = _varied(m, k, gen)
     w = torch.randn(g, n, k, generator=gen, device="cuda") * 0.05
-    xd, xs = gemm_cuda.rowwise_operand_ref(x[:s], sizes)
+    xd, xs = refs.rowwise_operand_ref(x[:s], sizes)
     xd = torch.cat([xd, mxfp8.quantize_torch(x[s:], -1).data]) if extra else xd
     need = mxfp8.grouped_blocked_size(m, g, k // 32, "m")
     xs = torch.cat([xs, xs.new_zeros(need - xs.numel())])
     xq = mxfp8.dequantize_torch(mxfp8.quantize_torch(x[:s], -1), torch.float32)
     if kind == "fprop":
-        wd, ws = gemm_cuda.weight_operand_ref(w)
+        wd, ws = operands.weight_operand_ref(w)
         wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -1), torch.float32)
         fn = gemm_cuda.grouped_mm_fprop
     else:  # dgrad: x plays dY [M, N'] with N' = k, the weight is W [G, n, k] used as W^T
         w = torch.randn(g, k, n, generator=gen, device="cuda") * 0.05  # W [G, N'=k, K'=n]
-        wd, ws = gemm_cuda.weight_t_operand_ref(w)  # [G, n, k] quantized along k
+        wd, ws = operands.weight_t_operand_ref(w)  # [G, n, k] quantized along k
         wq = mxfp8.dequantize_torch(mxfp8.quantize_torch(w, -2), torch.float32).transpose(1, 2)
         fn = gemm_cuda.grouped_mm_dgrad
     xd, xs, wd, ws = _guarded(xd, 0x7F), _guarded(xs, 0xFF), _guarded(wd, 0x7F), _guarded(ws, 0xFF)
@@ -189,10 +191,10 @@ def test_wgrad_matches_reference(case, out_dtype):
     gen = torch.Generator(device="cuda").manual_seed(10 + case)
     g, m = len(sizes), sum(sizes)
     dy, x = _varied(m, n, gen), _varied(m, k, gen)
-    ad, asc = gemm_cuda.colwise_operand_ref(dy, sizes)
-    bd, bsc = gemm_cuda.colwise_operand_ref(x, sizes)
-    aq = gemm_cuda.colwise_dequantize_ref(ad, asc, sizes)
-    bq = gemm_cuda.colwise_dequantize_ref(bd, bsc, sizes)
+    ad, asc = refs.colwise_operand_ref(dy, sizes)
+    bd, bsc = refs.colwise_operand_ref(x, sizes)
+    aq = refs.colwise_dequantize_ref(ad, asc, sizes)
+    bq = refs.colwise_dequantize_ref(bd, bsc, sizes)
     out, guard = _guarded_out((g, n, k), out_dtype)
     _wgrad_prepared(ad, asc, bd, bsc, sizes, m, out)
     torch.cuda.synchronize()
@@ -250,9 +252,9 @@ def test_raw_codes(subnormal_a):
     _assert_close(out, ref64, None, asum, torch.bfloat16, "raw codes fprop", k)
     # the same through wgrad (column-wise scales, one per 32-row block of each group and column)
     ad, bd = _codes((m, n), gen, subnormal_a), _codes((m, k), gen)
-    rows = gemm_cuda.colwise_scale_rows(m, g)
+    rows = operands.colwise_scale_rows(m, g)
     asc, bsc = _scales((rows, n), gen), _scales((rows, k), gen)
-    aq, bq = (gemm_cuda.colwise_dequantize_ref(ad, asc, sizes), gemm_cuda.colwise_dequantize_ref(bd, bsc, sizes))
+    aq, bq = (refs.colwise_dequantize_ref(ad, asc, sizes), refs.colwise_dequantize_ref(bd, bsc, sizes))
     out = _wgrad_prepared(ad, asc, bd, bsc, sizes, m, torch.empty(g, n, k, device="cuda"))
     segs = [(aq[s0 : s0 + r], bq[s0 : s0 + r]) for s0, r in zip([0, 70, 70], sizes, strict=True)]
     ref64 = torch.stack([x.double().t() @ y.double() for x, y in segs])
@@ -307,10 +309,10 @@ def test_side_stream_and_default_outputs():
     sizes, k, n, m = [100, 0, 140], 64, 128, 256
     s_rows = sum(sizes)
     x, w = _varied(m, k, gen), torch.randn(3, n, k, generator=gen, device="cuda")
-    xd, xs = gemm_cuda.rowwise_operand_ref(x[:s_rows], sizes)
+    xd, xs = refs.rowwise_operand_ref(x[:s_rows], sizes)
     xd = torch.cat([xd, mxfp8.quantize_torch(x[s_rows:], -1).data])
     xs = torch.cat([xs, xs.new_zeros(mxfp8.grouped_blocked_size(m, 3, k // 32) - xs.numel())])
-    wd, ws = gemm_cuda.weight_operand_ref(w)
+    wd, ws = operands.weight_operand_ref(w)
     ref = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, _sizes_t(sizes))
     assert ref.dtype == torch.bfloat16 and ref.shape == (m, n)
     s = torch.cuda.Stream()
@@ -357,8 +359,8 @@ def test_large_uneven_groups():
 
     xs, dys = grouped_scales(xq), grouped_scales(dyq)
     ws, wts = _guarded(mxfp8.to_blocked(wq.scale), 0xFF), _guarded(mxfp8.to_blocked(wtq.scale), 0xFF)
-    dyc, dycs = gemm_cuda.colwise_operand_ref(dy[:s], sizes)
-    xc, xcs = gemm_cuda.colwise_operand_ref(x[:s], sizes)
+    dyc, dycs = refs.colwise_operand_ref(dy[:s], sizes)
+    xc, xcs = refs.colwise_operand_ref(x[:s], sizes)
     dyc, xc = torch.cat([dyc, dyq.data[s:]]), torch.cat([xc, xq.data[s:]])  # [M, .]: trailing rows unused
     sz = _sizes_t(sizes)
     dgrad_out, guard = _guarded_out((m, k), torch.bfloat16)
@@ -388,8 +390,8 @@ def test_large_uneven_groups():
     )
     assert torch.isnan(dgrad_out[s:]).all() and torch.isnan(guard).all(), "dgrad wrote outside the groups' rows"
     del dyf, wtf
-    af = gemm_cuda.colwise_dequantize_ref(dyc, dycs, sizes)
-    bf = gemm_cuda.colwise_dequantize_ref(xc, xcs, sizes)
+    af = refs.colwise_dequantize_ref(dyc, dycs, sizes)
+    bf = refs.colwise_dequantize_ref(xc, xcs, sizes)
     ref64 = torch.zeros(g, n, k, dtype=torch.float64, device="cuda")
     ref32 = torch.zeros(g, n, k, dtype=torch.float32, device="cuda")
     asum = torch.zeros_like(ref64)
@@ -415,11 +417,11 @@ def test_many_tiles_per_cta(k):
     gen = torch.Generator(device="cuda").manual_seed(k)
     x = _varied(m, k, gen)
     w = torch.randn(g, n, k, generator=gen, device="cuda") * 0.05
-    xd, xs = gemm_cuda.rowwise_operand_ref(x[:s], sizes)
+    xd, xs = refs.rowwise_operand_ref(x[:s], sizes)
     xd = torch.cat([xd, mxfp8.quantize_torch(x[s:], -1).data])
     xs = torch.cat([xs, xs.new_zeros(mxfp8.grouped_blocked_size(m, g, k // 32, "m") - xs.numel())])
-    wd, ws = gemm_cuda.weight_operand_ref(w)
-    wp = gemm_cuda.prepare_weight_bf16(wd, ws)
+    wd, ws = operands.weight_operand_ref(w)
+    wp = operands.prepare_weight_bf16(wd, ws)
     sz = _sizes_t(sizes)
     o1 = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, w_prepared=wp)
     o2 = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, w_prepared=wp)
@@ -447,8 +449,8 @@ def test_half_tiles(k):
     gen = torch.Generator(device="cuda").manual_seed(11)
     x = _varied(s, k, gen)
     w = torch.randn(g, n, k, generator=gen, device="cuda") * 0.05
-    xd, xs = gemm_cuda.rowwise_operand_ref(x, sizes)
-    wd, ws = gemm_cuda.weight_operand_ref(w)
+    xd, xs = refs.rowwise_operand_ref(x, sizes)
+    wd, ws = operands.weight_operand_ref(w)
     sz = _sizes_t(sizes)
     out, guard = _guarded_out((s, n), out_dtype)
     gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, out=out)

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from moe_ep import mxfp8
-from moe_ep.experts.sm90 import gemm as gemm_cuda
 from moe_ep.experts.reference import fake_quantize_grouped_cols, grouped_mm_torch, grouped_wgrad_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,6 +31,9 @@ from gemm_emu import (  # noqa: E402
     scan_groups,
     wgrad64,
 )
+
+from moe_ep.experts.sm90 import operands  # noqa: E402
+from tests import refs  # noqa: E402
 
 
 def test_bit_conversion_exact_for_all_codes_and_scales():
@@ -96,9 +98,9 @@ def test_scan_groups_negative_and_clamped_sizes():
 def test_colwise_converter_matches_fake_quantize_grouped_cols():
     sizes = [0, 5, 33, 64, 0, 100]
     t = torch.randn(sum(sizes), 24) * 10
-    d, s = gemm_cuda.colwise_operand_ref(t, sizes)
-    assert s.shape == (gemm_cuda.colwise_scale_rows(sum(sizes), len(sizes)), 24)
-    back = gemm_cuda.colwise_dequantize_ref(d, s, sizes)
+    d, s = refs.colwise_operand_ref(t, sizes)
+    assert s.shape == (operands.colwise_scale_rows(sum(sizes), len(sizes)), 24)
+    back = refs.colwise_dequantize_ref(d, s, sizes)
     assert torch.equal(back, fake_quantize_grouped_cols(t, sizes))
 
 
@@ -201,7 +203,7 @@ def a_fragment_columns() -> dict[int, int]:
 def test_k_permutation_matches_the_fragment_model():
     """k_permutation (the order of the prepared weight's k columns) is the A fragments' logical -> physical map, so
     A and B meet in the same k order: the MMA sums the same products as the plain product."""
-    perm = gemm_cuda.k_permutation().tolist()
+    perm = operands.k_permutation().tolist()
     cols = a_fragment_columns()
     assert [cols[lg] for lg in range(64)] == perm
     assert sorted(perm) == list(range(64))
@@ -214,14 +216,14 @@ def test_prepare_weight_bf16_is_the_permuted_exact_dequantization(k):
     torch.manual_seed(k)
     w = torch.randn(3, 136, k) * torch.logspace(-4, 4, k)[torch.randperm(k)]
     wq = mxfp8.quantize_torch(w, -1)
-    prep = gemm_cuda.prepare_weight_bf16(wq.data, mxfp8.to_blocked(wq.scale))
+    prep = operands.prepare_weight_bf16(wq.data, mxfp8.to_blocked(wq.scale))
     kp = -(-k // 64) * 64
     assert prep.dtype == torch.bfloat16 and prep.shape == (3, 136, kp)
     deq = mxfp8.dequantize_torch(wq, torch.float32)
     assert torch.equal(deq.bfloat16().float(), deq)  # exact in bf16 (no value below 2^-133 here)
     full = torch.zeros(3, 136, kp)
     full[..., :k] = deq
-    perm = gemm_cuda.k_permutation()
+    perm = operands.k_permutation()
     for j in range(kp // 64):
         for lg in range(64):
             assert torch.equal(prep[..., 64 * j + lg].float(), full[..., 64 * j + int(perm[lg])])

@@ -21,6 +21,8 @@ import torch
 
 from moe_ep import mxfp8
 from moe_ep.experts.sm90 import gemm as gemm_cuda
+from moe_ep.experts.sm90 import operands  # noqa: E402
+from tests import refs  # noqa: E402
 from tests.gemm_emu import cvt_words_1s
 
 
@@ -147,7 +149,7 @@ def _awkward_weight(g: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize(("g", "n", "k"), [(2, 8, 32), (1, 136, 96), (2, 16, 160)])
 def test_emulated_weight_prep_matches_reference_bytes(g, n, k):
     w, ws = _awkward_weight(g, n, k, seed=k)
-    ref = gemm_cuda.prepare_weight_bf16_torch(w, ws)
+    ref = operands.prepare_weight_bf16_torch(w, ws)
     emu = emulate_prepare_weight(w, ws)
     assert torch.isnan(ref).sum() == 32 and (ref == 0).any()  # the 0xFF block is there, and the padding / zeros
     assert_same_bf16(emu, ref)
@@ -156,11 +158,11 @@ def test_emulated_weight_prep_matches_reference_bytes(g, n, k):
 def test_weight_prep_rejects_bad_inputs():
     w, ws = _awkward_weight(1, 8, 64, seed=0)
     with pytest.raises(TypeError, match="w must be"):
-        gemm_cuda.prepare_weight_bf16(w.view(torch.uint8), ws)
+        operands.prepare_weight_bf16(w.view(torch.uint8), ws)
     with pytest.raises(ValueError, match="K % 32"):
-        gemm_cuda.prepare_weight_bf16(w[..., :48], ws)
+        operands.prepare_weight_bf16(w[..., :48], ws)
     with pytest.raises(ValueError, match="w_scale must hold"):
-        gemm_cuda.prepare_weight_bf16(w, ws[..., :-1])
+        operands.prepare_weight_bf16(w, ws[..., :-1])
 
 
 def test_launcher_shared_memory_sizes():
@@ -191,10 +193,10 @@ def test_prepare_colwise_bf16_worked_example():
     exact dequantization of its source row."""
     sizes = [40, 0, 8]
     x = torch.randn(48, 16)
-    data, scale = gemm_cuda.colwise_operand_ref(x, sizes)
-    out = gemm_cuda.prepare_colwise_bf16_torch(data, scale, torch.tensor(sizes, dtype=torch.int32))
-    deq = gemm_cuda.colwise_dequantize_ref(data, scale, sizes)
-    assert out.shape == (gemm_cuda.colwise_prep_rows(48, 3), 16) == (64 * (1 + 3), 16)
+    data, scale = refs.colwise_operand_ref(x, sizes)
+    out = refs.prepare_colwise_bf16_torch(data, scale, torch.tensor(sizes, dtype=torch.int32))
+    deq = refs.colwise_dequantize_ref(data, scale, sizes)
+    assert out.shape == (mxfp8.colwise_prep_rows(48, 3), 16) == (64 * (1 + 3), 16)
     assert torch.equal(out[:40].float(), deq[:40]) and torch.equal(out[64:72].float(), deq[40:48])
     assert (out[40:64] == 0).all() and (out[72:] == 0).all()
 
@@ -207,9 +209,9 @@ def test_wgrad_ksteps_match_the_prepared_layout(rows):
     ksteps = (rows + 63) // 64
     sizes = [rows, 5]
     x = torch.randn(rows + 5, 8) + 3.0  # no zeros in the data: a zero row can only be padding
-    data, scale = gemm_cuda.colwise_operand_ref(x, sizes)
-    prep = gemm_cuda.prepare_colwise_bf16_torch(data, scale, sizes)
-    deq = gemm_cuda.colwise_dequantize_ref(data, scale, sizes)
+    data, scale = refs.colwise_operand_ref(x, sizes)
+    prep = refs.prepare_colwise_bf16_torch(data, scale, sizes)
+    deq = refs.colwise_dequantize_ref(data, scale, sizes)
     assert torch.equal(prep[:rows].float(), deq[:rows])
     assert (prep[rows : 64 * ksteps] == 0).all()  # what the last k-step reads past the group: zeros
     assert torch.equal(prep[64 * ksteps : 64 * ksteps + 5].float(), deq[rows:])  # the next group's first row

@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_ep import mxfp8
 from moe_ep.experts.sm90 import gemm as gemm_cuda
-from moe_ep.experts.reference import grouped_wgrad_prepared_torch
+from moe_ep.experts.sm90 import operands  # noqa: E402
+from tests.refs import grouped_wgrad_prepared_torch
 from tests.test_gemm_cuda import _assert_close, _guarded, _guarded_out, _sizes_t, _skip_without_gpu, _varied
 
 
@@ -27,15 +29,15 @@ def test_weight_prep_kernel_matches_reference(g, n, k):
     from tests.test_gemm_emulation_kernels import _awkward_weight, assert_same_bf16  # noqa: PLC0415
 
     w, ws = _awkward_weight(g, n, k, seed=k + n)
-    ref = gemm_cuda.prepare_weight_bf16_torch(w, ws)
+    ref = operands.prepare_weight_bf16_torch(w, ws)
     wd, wsd = _guarded(w.cuda(), 0x7F), _guarded(ws.cuda(), 0xFF)
     kp = -(-k // 64) * 64
     buf = torch.full((g * n * kp + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = buf[: g * n * kp].view(g, n, kp)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = gemm_cuda.prepare_weight_bf16(wd, wsd)
-        gemm_cuda.prepare_weight_bf16(wd, wsd, out=out)
+        got = operands.prepare_weight_bf16(wd, wsd)
+        operands.prepare_weight_bf16(wd, wsd, out=out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -53,7 +55,7 @@ def test_weight_operands_on_gpu_match_cpu(shape, dtype):
     _skip_without_gpu()
     e, n, k = shape
     w = _varied(e * n, k, torch.Generator(device="cuda").manual_seed(5)).reshape(e, n, k).to(dtype)
-    gpu, cpu = gemm_cuda.weight_operands(w), gemm_cuda.weight_operands(w.cpu())
+    gpu, cpu = operands.weight_operands(w), operands.weight_operands(w.cpu())
     assert gpu.w is None and gpu.w_scale is None and gpu.wt is None and gpu.wt_scale is None
     for name in ("w_prepared", "wt_prepared"):
         a, b = getattr(gpu, name).cpu(), getattr(cpu, name)
@@ -69,8 +71,8 @@ def test_wgrad_from_prepared_quantizer_output(sizes, out_dtype):
     kernel is deterministic. Against the reference: the fp32 bound of tests/test_gemm_cuda._assert_close (2x the
     fp32 reference's own error plus the accumulation-order term). No host sync; nothing written past out."""
     _skip_without_gpu()
-    from moe_ep.experts.reference import quantize_grouped_dual_torch  # noqa: PLC0415
     from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
+    from tests.refs import quantize_grouped_dual_torch  # noqa: PLC0415
 
     gen = torch.Generator(device="cuda").manual_seed(3 + sum(sizes))
     g, m, n, k = len(sizes), sum(sizes), 160, 288  # multiples of 32 (the quantizer) and N % 128 != 0
@@ -102,7 +104,7 @@ def test_wgrad_from_prepared_quantizer_output(sizes, out_dtype):
 def test_wgrad_prepared_errors():
     _skip_without_gpu()
     sz = _sizes_t([40, 0, 8])
-    ap = torch.zeros(gemm_cuda.colwise_prep_rows(48, 3), 16, dtype=torch.bfloat16, device="cuda")
+    ap = torch.zeros(mxfp8.colwise_prep_rows(48, 3), 16, dtype=torch.bfloat16, device="cuda")
     bp = torch.zeros(ap.shape[0], 24, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(3, 16, 24, device="cuda")
     with pytest.raises(ValueError, match="64 \\(ceil\\(M/64\\) \\+ G\\) rows"):

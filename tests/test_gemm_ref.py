@@ -88,8 +88,8 @@ def test_bad_shapes():
 def test_wgrad_prepared_reference_worked_example():
     """grouped_wgrad_prepared_torch reads group g at rows 64 poff_g of the prepared layout: sizes [40, 0, 8] put
     group 0 at rows 0-39 and group 2 at rows 64-71; equal to grouped_wgrad_torch on the unpadded rows."""
-    from moe_ep.experts.sm90.operands import colwise_prep_rows, colwise_prep_rows_used
-    from moe_ep.experts.reference import grouped_wgrad_prepared_torch
+    from moe_ep.mxfp8 import colwise_prep_rows
+    from tests.refs import colwise_prep_rows_used, grouped_wgrad_prepared_torch
 
     sizes = [40, 0, 8]
     gen = torch.Generator().manual_seed(0)

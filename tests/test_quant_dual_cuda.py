@@ -14,11 +14,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep.experts.sm90.operands import colwise_prep_rows, colwise_prep_rows_used
+from moe_ep.mxfp8 import colwise_prep_rows, grouped_blocked_size
 from moe_ep.mxfp8 import cuda as mxfp8_cuda
-from moe_ep.mxfp8 import grouped_blocked_size
 from moe_ep.mxfp8 import plan as quant_plan
+from tests.refs import colwise_prep_rows_used
 from tests.test_quant_cuda import HAS_CUDA, _big, backend_dev, record_launches  # noqa: F401  (backend_dev: the ``dev`` fixture)
+
+_DIV_CHECK = r"""
+// For the test: out[8 i ..] = fp32 bits of swd_swiglu(g, 1), mx_swiglu(g, 1), swd_sigmoid(g), mx_sigmoid(g), then
+// SwdDomain's verdict (forward, backward) for a word holding g in its low half, then in its high half (the other
+// half 0, which is in both ranges), for the n bf16 values g = in[i].
+extern "C" __global__ void mx_swiglu_div_check(const unsigned short* __restrict__ in, unsigned* __restrict__ out,
+                                               int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = __uint_as_float((unsigned)in[i] << 16);
+    SwdDomain lo, hi;
+    lo.add(in[i]);
+    hi.add((unsigned)in[i] << 16);
+    const unsigned o[8] = {__float_as_uint(swd_swiglu(g, 1.0f)), __float_as_uint(mx_swiglu(g, 1.0f)),
+                           __float_as_uint(swd_sigmoid(g)),       __float_as_uint(mx_sigmoid(g)),
+                           lo.ok(true),                           lo.ok(false),
+                           hi.ok(true),                           hi.ok(false)};
+    for (int j = 0; j < 8; ++j) out[8LL * i + j] = o[j];
+}
+"""
 
 # ------------------------------------------------------------------------------------------------------------
 # grouped GEMM operands from one read: row-wise (grouped blocked scales) + prepared column-wise, plain and SwiGLU
@@ -74,7 +94,7 @@ def test_grouped_dual_prepared_matches_reference(dev, sizes, monkeypatch):
     """bf16 x (mx_quant_dual): the row-wise pair, and the column operand written as the prepared bf16 layout (64-row
     group blocks, zero padding rows) == prepare_colwise_bf16_torch of the reference's MXFP8 column operand; nothing
     written past the last group's block."""
-    from moe_ep.experts.reference import quantize_grouped_dual_torch
+    from tests.refs import quantize_grouped_dual_torch
 
     m, k = sum(sizes), 160
     dtype = torch.bfloat16
@@ -131,7 +151,7 @@ def test_grouped_dual_extreme_and_persistent(dev, stages, monkeypatch):
     that every persistent CTA runs several (GPU: 1284 tiles over at most 396 CTAs; emulator: 33 tiles over at most
     6), bytes == the reference. The emulator copies cp.async data at once: only the GPU run checks the stage ring's
     waits."""
-    from moe_ep.experts.reference import quantize_grouped_dual_torch
+    from tests.refs import quantize_grouped_dual_torch
 
     monkeypatch.setattr(quant_plan, "dual_stages", lambda tiles, device: stages)
     if _big(dev):
@@ -149,7 +169,7 @@ def test_grouped_dual_extreme_and_persistent(dev, stages, monkeypatch):
 
 def test_grouped_dual_k224(dev, monkeypatch):
     """K = 224: the last column tile holds 96 of 128 columns (3 of 4 scale columns), with a trailing empty group."""
-    from moe_ep.experts.reference import quantize_grouped_dual_torch
+    from tests.refs import quantize_grouped_dual_torch
 
     sizes = [3, 0, 70, 129, 0]
     x = _extreme_dual_input(sum(sizes), 224, seed=9)
@@ -178,7 +198,7 @@ def test_grouped_dual_sizes_not_summing_to_m(dev, monkeypatch):
     """Group sizes summing to less than M (rows past the groups untouched) or more (clamped at M): the register-
     tiled kernel writes the reference's bytes for the groups clamped to M (the reference needs sum == M), zero
     scale tiles past them, and leaves every other output byte (the sentinels) untouched."""
-    from moe_ep.experts.reference import quantize_grouped_dual_torch
+    from tests.refs import quantize_grouped_dual_torch
 
     sizes = [40, 0, 90, 7]
     x = _extreme_dual_input(160, 96, seed=11)
@@ -225,7 +245,7 @@ def test_swiglu_dual_prepared_matches_reference(dev, sizes, mode):
     reference promotes it to fp32 exactly) with the prepared column operand: the wgrad operand straight from the
     fused kernel. F = 96 puts the gate/up boundary of dA (column 96) inside the first 128-column tile (and takes
     mx_quant in the backward: F % 128 != 0)."""
-    from moe_ep.experts.reference import quantize_grouped_dual_torch
+    from tests.refs import quantize_grouped_dual_torch
 
     m, f = sum(sizes), 96
     a = _dual_input(m, 2 * f, torch.bfloat16, seed=17 + m).to(dev)
@@ -298,7 +318,7 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, monkeypatch):
 def test_swiglu_reg_matches_reference(dev, bwd, monkeypatch):
     """mx_swiglu_dual against torch's swiglu / swiglu_bwd on the same device then the reference quantizer: exact on
     the GPU (F = 128 backward, one h tile; F = 224 forward, a partial second one), extreme blocks, empty groups."""
-    from moe_ep.experts.reference import quantize_grouped_dual_torch
+    from tests.refs import quantize_grouped_dual_torch
 
     sizes, f = [3, 0, 70, 129, 0, 40], 128 if bwd else 224
     m = sum(sizes)
@@ -370,9 +390,11 @@ def test_swiglu_branch_free_division_every_bf16():
     from moe_ep import _cuda
 
     dev = torch.device("cuda")
+    # the check kernel is test code: compiled here, after the quantizer's source (which defines the functions it calls)
+    code = _cuda.read_source("mxfp8/quantize.cu") + "\n" + _DIV_CHECK
+    fn = _cuda.cupy().RawModule(code=code, options=_cuda.compile_options()).get_function("mx_swiglu_div_check")
     bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
     out = torch.full((65536, 8), -1, dtype=torch.int32, device=dev)
-    fn = mxfp8_cuda._kernel("mx_swiglu_div_check", dev)
     _cuda.launch(fn, 256, 256, (_cuda.ptr(bits.to(dev)), _cuda.ptr(out), _cuda.i32(65536)), device=dev)
     out = out.cpu()
     a = bits.to(torch.int32) & 0x7FFF

@@ -249,9 +249,9 @@ def _fsdp_cuda_path(rank: int, world: int) -> None:
     import torch.distributed as dist  # noqa: PLC0415
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
+    from launch.model import ModelConfig, MoETransformer  # noqa: PLC0415
     from moe_ep import init_ep, layer_cuda  # noqa: PLC0415
     from moe_ep.experts.reference import expert_mlp  # noqa: PLC0415
-    from launch.model import ModelConfig, MoETransformer  # noqa: PLC0415
     from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noqa: PLC0415
     from moe_ep.transport import combine, dispatch  # noqa: PLC0415
 
@@ -386,8 +386,8 @@ def test_compile_matches_eager(tmp_path: Path) -> None:
 def test_activation_checkpointing_recomputes_attention_only() -> None:
     """With activation_checkpoint the attention half of each block runs twice per step (forward, recompute) and the
     MoE once; without it both run once."""
-    from moe_ep.layer import MoE  # noqa: PLC0415
     from launch.model import Attention, ModelConfig, MoETransformer  # noqa: PLC0415
+    from moe_ep.layer import MoE  # noqa: PLC0415
 
     calls = {"attn": 0, "moe": 0}
     attn_fwd, moe_fwd = Attention.forward, MoE.forward

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from moe_ep.transport import runtime
+from moe_ep.transport.nvshmem import runtime
 from moe_ep.transport.nvshmem.schedule import CTA_WARPS, MAX_PIECES, TransportSchedule, agree
 from tests._dist import run_distributed
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe_ep import mxfp8
+from moe_ep.experts.sm90 import operands  # noqa: E402
 from moe_ep.experts.weight_cache import WeightQuantCache
 
 
@@ -58,23 +59,22 @@ def test_dead_weights_are_released():
 
 
 def test_weight_operands_match_the_reference_and_are_cached():
-    """gemm_cuda.weight_operands: fprop and dgrad operands (the reference converters' bytes) and both prepared bf16
+    """operands.weight_operands: fprop and dgrad operands (the reference converters' bytes) and both prepared bf16
     weights; with a cache, computed once per weight version."""
-    from moe_ep.experts.sm90 import gemm as gemm_cuda
 
     w = torch.nn.Parameter(torch.randn(2, 64, 96) * 0.1)
     cache = WeightQuantCache()
-    ops = gemm_cuda.weight_operands(w, cache)
-    wd, ws = gemm_cuda.weight_operand_ref(w.detach())
-    wtd, wts = gemm_cuda.weight_t_operand_ref(w.detach())
+    ops = operands.weight_operands(w, cache)
+    wd, ws = operands.weight_operand_ref(w.detach())
+    wtd, wts = operands.weight_t_operand_ref(w.detach())
     assert _same((ops.w, ops.w_scale), (wd, ws)) and _same((ops.wt, ops.wt_scale), (wtd, wts))
-    assert torch.equal(ops.w_prepared, gemm_cuda.prepare_weight_bf16_torch(wd, ws))
-    assert torch.equal(ops.wt_prepared, gemm_cuda.prepare_weight_bf16_torch(wtd, wts))
+    assert torch.equal(ops.w_prepared, operands.prepare_weight_bf16_torch(wd, ws))
+    assert torch.equal(ops.wt_prepared, operands.prepare_weight_bf16_torch(wtd, wts))
     assert ops.w_prepared.shape == (2, 64, 128) and ops.wt_prepared.shape == (2, 96, 64)
-    assert gemm_cuda.weight_operands(w, cache) is ops and cache.misses == 1
+    assert operands.weight_operands(w, cache) is ops and cache.misses == 1
     with torch.no_grad():
         w.mul_(2.0)  # the version moves: new operands (every scale one higher, the same e4m3 codes)
-    ops2 = gemm_cuda.weight_operands(w, cache)
+    ops2 = operands.weight_operands(w, cache)
     assert cache.misses == 2 and torch.equal(ops2.w_prepared, 2 * ops.w_prepared)
     with pytest.raises(ValueError, match="multiples of 32"):
-        gemm_cuda.weight_operands(torch.randn(2, 48, 96))
+        operands.weight_operands(torch.randn(2, 48, 96))

@@ -8,7 +8,7 @@
   (``e4m3x2_bits``, ``hmul2_bf16``) are replaced by bit models (those of tests/gemm_emu.py).
 * GPU (marker ``gpu``): the kernel's bytes equal ``prepare_weight_bf16(*quantize_weights_fused(w)[:2])`` /
   ``[2:]`` exactly (NaN payloads included) and the references up to NaN payloads, on NaN/Inf blocks, zeros, tiny
-  and huge values, N / K multiples of 32 but not of 64 or 128, one and several experts, bf16 / fp16 / fp32; into a
+  and huge values, N / K multiples of 32 but not of 64 or 128, one and several experts, bf16 / fp32; into a
   given ``out`` with nothing written past it and no host sync; ``weight_operands`` on CUDA holds None in the e4m3
   fields, and fprop / dgrad on its operands equal those on the two-step operands bit for bit.
 
@@ -24,11 +24,11 @@ import torch
 
 from moe_ep import mxfp8
 from moe_ep.experts.sm90 import gemm as gemm_cuda
-from moe_ep.experts import operands
+from moe_ep.experts.sm90 import operands
 from tests import quant_emu
 from tests.test_gemm_emulation_kernels import assert_same_bf16
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float32)
 # (G, N, K): N and K multiples of 32; 96 / 160 / 288 / 416 are not multiples of 64 (the zero padding of the
 # prepared operands), and tiles of 128 end in partial ones of 32 or 96 rows / columns
 SHAPES = [(1, 32, 32), (1, 96, 160), (3, 160, 96), (2, 288, 416), (2, 416, 288), (2, 256, 384)]
@@ -50,7 +50,7 @@ def awkward_weight(g: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tor
         w[-1, 32:64, 32] = -0.0
     w[-1, :32, :32] = torch.randn(32, 32, generator=gen) * 1e-30
     w[-1, :32, 0] = 1.0  # one large value per row block: the rest underflows in e4m3
-    w[0, n - 1, :32] = torch.linspace(-1.0, 1.0, 32) * 3.38e38  # near bf16 max (fp16: Inf, so a NaN block)
+    w[0, n - 1, :32] = torch.linspace(-1.0, 1.0, 32) * 3.38e38  # near bf16 max
     w[-1, n - 32 :, k - 1] = -0.0
     # last: with one expert (w[0] is w[-1]) an earlier write would overwrite it (row 0's first block is NaN)
     w[0, 0, min(5, k - 1)] = float("nan")
@@ -63,7 +63,7 @@ def _two_step(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from moe_ep.mxfp8 import cuda as mxfp8_cuda  # noqa: PLC0415
 
     wd, ws, wtd, wts = mxfp8_cuda.quantize_weights_fused(w)
-    return gemm_cuda.prepare_weight_bf16(wd, ws), gemm_cuda.prepare_weight_bf16(wtd, wts)
+    return operands.prepare_weight_bf16(wd, ws), operands.prepare_weight_bf16(wtd, wts)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -78,9 +78,9 @@ def test_reference_is_the_mxfp8_definition(dtype):
     has NaN/Inf. On a CPU tensor prepare_weight_operands is the reference, and weight_operands' prepared fields."""
     g, n, k = 2, 96, 160
     w = awkward_weight(g, n, k, dtype, seed=1)
-    wp, wtp = gemm_cuda.prepare_weight_operands_torch(w)
+    wp, wtp = operands.prepare_weight_operands_torch(w)
     assert wp.shape == (g, n, 192) and wtp.shape == (g, k, 128) and wp.dtype == wtp.dtype == torch.bfloat16
-    inv = torch.argsort(gemm_cuda.k_permutation())
+    inv = torch.argsort(operands.k_permutation())
 
     def unpermute(t):
         return t.view(*t.shape[:2], -1, 64)[..., inv].reshape(t.shape)
@@ -95,25 +95,25 @@ def test_reference_is_the_mxfp8_definition(dtype):
         assert_same_bf16(got[..., :width].contiguous(), ref.contiguous())
         assert (got[..., width:] == 0).all() and not torch.signbit(got[..., width:]).any()
     assert torch.isnan(wp).any() and (wp == 0).any()
-    assert torch.isinf(wp).any() == (dtype != torch.float16)  # fp16 holds the near-max values as Inf: NaN blocks
-    got = gemm_cuda.prepare_weight_operands(w)
+    assert torch.isinf(wp).any()  # near-max values round to Inf in bf16
+    got = operands.prepare_weight_operands(w)
     assert _same_bytes(got[0], wp) and _same_bytes(got[1], wtp)
     out = (torch.empty_like(wp), torch.empty_like(wtp))
-    assert gemm_cuda.prepare_weight_operands(w, out=out)[0] is out[0] and _same_bytes(out[1], wtp)
-    ops = gemm_cuda.weight_operands(w)
+    assert operands.prepare_weight_operands(w, out=out)[0] is out[0] and _same_bytes(out[1], wtp)
+    ops = operands.weight_operands(w)
     assert _same_bytes(ops.w_prepared, wp) and _same_bytes(ops.wt_prepared, wtp)
     assert ops.w is not None and ops.wt_scale is not None  # the reference path keeps the MXFP8 copies
 
 
 def test_prepare_weight_operands_rejects_bad_inputs():
     with pytest.raises(TypeError, match="w must be"):
-        gemm_cuda.prepare_weight_operands(torch.zeros(1, 32, 32, dtype=torch.int32))
+        operands.prepare_weight_operands(torch.zeros(1, 32, 32, dtype=torch.int32))
     with pytest.raises(ValueError, match="multiples of 32"):
-        gemm_cuda.prepare_weight_operands(torch.zeros(1, 48, 32))
+        operands.prepare_weight_operands(torch.zeros(1, 48, 32))
     with pytest.raises(ValueError, match="multiples of 32"):
-        gemm_cuda.prepare_weight_operands_torch(torch.zeros(1, 32, 40))
+        operands.prepare_weight_operands_torch(torch.zeros(1, 32, 40))
     with pytest.raises(ValueError, match="multiples of 32"):
-        gemm_cuda.prepare_weight_operands(torch.zeros(32, 32))
+        operands.prepare_weight_operands(torch.zeros(32, 32))
 
 
 def test_operands_plan():
@@ -125,7 +125,9 @@ def test_operands_plan():
         56,
     )
     assert operands._operands_plan(torch.float32, 3, 160, 96) == ("mx_prepare_weight_operands_f32", (2, 3), 98304, 1)
-    assert operands._operands_plan(torch.float16, 2, 32, 416)[1:] == ((4, 2), 65536, 4)
+    assert operands._operands_plan(torch.bfloat16, 2, 32, 416)[1:] == ((4, 2), 65536, 4)
+    with pytest.raises(TypeError, match="float16"):  # fp16 master weights are not prepared (no kernel for them)
+        operands._check_weight(torch.zeros(1, 32, 32, dtype=torch.float16))
     assert operands._operands_plan(torch.bfloat16, 0, 32, 32) is None
     assert operands._operands_plan(torch.bfloat16, 2, 0, 32) is None
     with pytest.raises(ValueError, match="65535"):
@@ -170,8 +172,7 @@ _WP_ENTRY = r"""
 typedef void (*WpFn)(const unsigned char*, unsigned short*, unsigned short*, int, int, int);
 extern "C" int emu_wp(int in, int gx, int gy, long long smem, const unsigned char* w, unsigned short* wp,
                       unsigned short* wtp, int N, int K, int ktiles) {
-    WpFn fn = in == 0 ? &mx_prepare_weight_operands_f32
-                      : (in == 1 ? &mx_prepare_weight_operands_bf16 : &mx_prepare_weight_operands_f16);
+    WpFn fn = in == 0 ? &mx_prepare_weight_operands_f32 : &mx_prepare_weight_operands_bf16;
     if (smem > (long long)sizeof(g_smem)) return 3;
     memset(g_smem, 0xA5, sizeof(g_smem));
     run_grid(gx, [&] { fn(w, wp, wtp, N, K, ktiles); }, gy, 256);
@@ -244,7 +245,7 @@ def emulate_prepare_weight_operands(so, w: torch.Tensor) -> tuple[torch.Tensor, 
     wp = torch.full((g, n, kp), 0x5A5A, dtype=torch.int16)  # poison: every element must be written
     wtp = torch.full((g, k, np_), 0x5A5A, dtype=torch.int16)
     kernel, (gx, gy), smem, ktiles = operands._operands_plan(w.dtype, g, n, k)
-    code = {"f32": 0, "bf16": 1, "f16": 2}[kernel.rsplit("_", 1)[1]]
+    code = {"f32": 0, "bf16": 1}[kernel.rsplit("_", 1)[1]]
     rc = so.emu_wp(code, gx, gy, smem, w.data_ptr(), wp.data_ptr(), wtp.data_ptr(), n, k, ktiles)
     assert rc != 2, f"{kernel} wrote shared memory past the {smem} bytes the launcher allocates"
     assert rc == 0, f"emulator rc {rc}"
@@ -258,7 +259,7 @@ def test_emulated_kernel_matches_reference(wp_emulator, shape, dtype):
     payloads aside), the shared memory within the plan's size."""
     w = awkward_weight(*shape, dtype, seed=sum(shape))
     got = emulate_prepare_weight_operands(wp_emulator, w)
-    ref = gemm_cuda.prepare_weight_operands_torch(w)
+    ref = operands.prepare_weight_operands_torch(w)
     for a, b in zip(got, ref, strict=True):
         assert a.shape == b.shape
         assert_same_bf16(a, b)
@@ -281,7 +282,7 @@ def test_kernel_matches_two_step_path_and_reference(shape, dtype):
     _skip_without_gpu()
     g, n, k = shape
     w = awkward_weight(g, n, k, dtype, seed=n + k).cuda()
-    ref = gemm_cuda.prepare_weight_operands_torch(w)
+    ref = operands.prepare_weight_operands_torch(w)
     old = _two_step(w)
     kp, np_ = -(-k // 64) * 64, -(-n // 64) * 64
     sizes = (g * n * kp, g * k * np_)
@@ -289,8 +290,8 @@ def test_kernel_matches_two_step_path_and_reference(shape, dtype):
     out = (bufs[0][: g * n * kp].view(g, n, kp), bufs[1][: g * k * np_].view(g, k, np_))
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = gemm_cuda.prepare_weight_operands(w)
-        got_out = gemm_cuda.prepare_weight_operands(w, out=out)
+        got = operands.prepare_weight_operands(w)
+        got_out = operands.prepare_weight_operands(w, out=out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -301,8 +302,7 @@ def test_kernel_matches_two_step_path_and_reference(shape, dtype):
         assert_same_bf16(a.cpu(), r.cpu())
     for buf, used in zip(bufs, sizes, strict=True):
         assert torch.isnan(buf[used:]).all(), "written past the end of out"
-    if dtype != torch.float16:  # fp16 turns the near-max values into Inf: the test input must keep its cases
-        assert torch.isinf(got[0]).any() and torch.isnan(got[0]).any() and torch.isnan(got[1]).any()
+    assert torch.isinf(got[0]).any() and torch.isnan(got[0]).any() and torch.isnan(got[1]).any()
 
 
 @pytest.mark.gpu
@@ -310,7 +310,7 @@ def test_kernel_many_experts_and_tiles():
     """A larger weight (20 experts, 16 x 9 tiles each, N % 128 == 96, K % 128 == 32) against the two-step path."""
     _skip_without_gpu()
     w = awkward_weight(20, 2016, 1056, torch.bfloat16, seed=7).cuda()
-    got, old = gemm_cuda.prepare_weight_operands(w), _two_step(w)
+    got, old = operands.prepare_weight_operands(w), _two_step(w)
     assert _same_bytes(got[0], old[0]) and _same_bytes(got[1], old[1])
 
 
@@ -319,13 +319,13 @@ def test_prepare_weight_operands_gpu_errors():
     _skip_without_gpu()
     w = torch.zeros(2, 64, 96, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="contiguous"):
-        gemm_cuda.prepare_weight_operands(w.transpose(1, 2).contiguous().transpose(1, 2))
+        operands.prepare_weight_operands(w.transpose(1, 2).contiguous().transpose(1, 2))
     wp = torch.empty(2, 64, 128, dtype=torch.bfloat16, device="cuda")
     wtp = torch.empty(2, 96, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match=r"out\[1\] must be"):
-        gemm_cuda.prepare_weight_operands(w, out=(wp, wtp[:, :64]))
+        operands.prepare_weight_operands(w, out=(wp, wtp[:, :64]))
     with pytest.raises(TypeError, match=r"out\[0\] must be"):
-        gemm_cuda.prepare_weight_operands(w, out=(wp.float(), wtp))
+        operands.prepare_weight_operands(w, out=(wp.float(), wtp))
 
 
 @pytest.mark.gpu
@@ -339,11 +339,11 @@ def test_weight_operands_on_gpu(dtype):
 
     w = _varied(3 * 160, 96, torch.Generator(device="cuda").manual_seed(5)).reshape(3, 160, 96).to(dtype)
     cache = WeightQuantCache()
-    ops = gemm_cuda.weight_operands(w, cache)
+    ops = operands.weight_operands(w, cache)
     assert ops.w is None and ops.w_scale is None and ops.wt is None and ops.wt_scale is None
-    cpu = gemm_cuda.weight_operands(w.cpu())
+    cpu = operands.weight_operands(w.cpu())
     assert _same_bytes(ops.w_prepared, cpu.w_prepared) and _same_bytes(ops.wt_prepared, cpu.wt_prepared)
-    assert gemm_cuda.weight_operands(w, cache) is ops and cache.misses == 1
+    assert operands.weight_operands(w, cache) is ops and cache.misses == 1
 
 
 @pytest.mark.gpu
@@ -364,13 +364,13 @@ def test_gemms_on_new_operands_equal_two_step(n, k):
     sz = _sizes_t(sizes)
     xd, xs = mxfp8_cuda.quantize_grouped_dual(x, sz)[:2]
     dyd, dys = mxfp8_cuda.quantize_grouped_dual(dy, sz)[:2]
-    ops = gemm_cuda.weight_operands(w)
+    ops = operands.weight_operands(w)
     wd, ws, wtd, wts = mxfp8_cuda.quantize_weights_fused(w)
     new_f = gemm_cuda.grouped_mm_fprop(xd, xs, ops.w, ops.w_scale, sz, w_prepared=ops.w_prepared)
-    old_f = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, w_prepared=gemm_cuda.prepare_weight_bf16(wd, ws))
+    old_f = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz, w_prepared=operands.prepare_weight_bf16(wd, ws))
     per_call_f = gemm_cuda.grouped_mm_fprop(xd, xs, wd, ws, sz)
     new_d = gemm_cuda.grouped_mm_dgrad(dyd, dys, None, None, sz, wt_prepared=ops.wt_prepared)
-    old_d = gemm_cuda.grouped_mm_dgrad(dyd, dys, wtd, wts, sz, wt_prepared=gemm_cuda.prepare_weight_bf16(wtd, wts))
+    old_d = gemm_cuda.grouped_mm_dgrad(dyd, dys, wtd, wts, sz, wt_prepared=operands.prepare_weight_bf16(wtd, wts))
     per_call_d = gemm_cuda.grouped_mm_dgrad(dyd, dys, wtd, wts, sz)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     gemm_cuda.grouped_mm_2d3d_out(xd, xs, None, None, sz, out, zero_rest=True, b_prepared=ops.w_prepared)

@@ -26,7 +26,7 @@
 // x / d rounded as div.rn.f32, without its slow-path branch: the fast path the compiler emits for div.rn.f32
 // (MUFU.RCP, one Newton step, the quotient and one fma correction; its FCHK then decides whether the slow path must
 // redo it). Used only for x = g and x = 1 over d = 1 + expf(-g) with g in SwdDomain's range, where it equals
-// div.rn: checked on the GPU for every bf16 g of the range (tests/test_quant_dual_cuda.py, mx_swiglu_div_check).
+// div.rn: checked on the GPU for every bf16 g of the range (tests/test_quant_dual_cuda.py builds a check kernel beside this header).
 // Why: every IEEE division is its own branch region (FCHK, a CALL to the slow path, BSSY/BSYNC), so the 64 SwiGLU
 // elements of a thread could not be interleaved and the kernel stalled on one element's chain at a time. The host
 // build (the CPU emulator) divides exactly.
@@ -68,23 +68,6 @@ struct SwdDomain {
         return !big && !(fwd && tiny);
     }
 };
-
-// For the test: out[8 i ..] = fp32 bits of swd_swiglu(g, 1), mx_swiglu(g, 1), swd_sigmoid(g), mx_sigmoid(g), then
-// SwdDomain's verdict (forward, backward) for a word holding g in its low half, then in its high half (the other
-// half 0, which is in both ranges), for the n bf16 values g = in[i].
-__global__ void mx_swiglu_div_check(const unsigned short* __restrict__ in, unsigned* __restrict__ out, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const float g = __uint_as_float((unsigned)in[i] << 16);
-    SwdDomain lo, hi;
-    lo.add(in[i]);
-    hi.add((unsigned)in[i] << 16);
-    const unsigned o[8] = {__float_as_uint(swd_swiglu(g, 1.0f)), __float_as_uint(mx_swiglu(g, 1.0f)),
-                           __float_as_uint(swd_sigmoid(g)),       __float_as_uint(mx_sigmoid(g)),
-                           lo.ok(true),                           lo.ok(false),
-                           hi.ok(true),                           hi.ok(false)};
-    for (int j = 0; j < 8; ++j) out[8LL * i + j] = o[j];
-}
 
 // Both quantizations of the thread's 8 x 8 fp32 block (tile rows tr0 + i, output columns oc .. oc + 7 of the [M, K]
 // output), whose row i vals(i, f) writes into f[8]. rkey / ckey: |v| bit keys of the thread's 8 rows / 8 columns,

@@ -97,10 +97,11 @@ def quantize_grouped_dual_into(
     data_c: bf16 [64 (ceil(M/64) + G), K], the column-wise operand (32-row blocks that restart at each group's
         first row, a group's last block zero padded) already prepared for the Hopper wgrad kernel: the exact value
         of every quantized element, group g from row 64 sum_{h<g} ceil(n_h/64) and zero rows up to its next
-        multiple of 64 (NaN blocks: bf16 0x7FC0), the bytes of ``moe_ep.experts.sm90.operands.prepare_colwise_bf16_torch``
-        of the MXFP8 column-wise pair. Rows past sum(group_sizes) and past the last group's block are not written.
-        Why: the wgrad operands are transient in the backward pass, so writing 2 bytes here saves a preparation
-        pass over an MXFP8 copy (read 1 + 1/32, write 2 bytes per element, plus a launch).
+        multiple of 64 (NaN blocks: bf16 0x7FC0), the bytes of
+        ``prepare_colwise_bf16_torch`` (tests/refs.py) of the MXFP8 column-wise pair. Rows past
+        sum(group_sizes) and past the last group's block are not written. Why: the wgrad operands are transient in the
+        backward pass, so writing 2 bytes here saves a preparation pass over an MXFP8 copy (read 1 + 1/32, write 2
+        bytes per element, plus a launch).
     """
     if swiglu_dh is not None:
         if apply_swiglu:

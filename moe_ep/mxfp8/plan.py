@@ -42,14 +42,14 @@ NAMES = (
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
     + tuple(f"mx_quant_dual<1,{c},{st}>" for c in DUAL_CS for st in DUAL_STAGES)
     + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in DUAL_CS)
-    + ("mx_swiglu_div_check",)
-    + tuple(f"mx_quant_batch<{i}>" for i in range(3))  # the fused blocked mode over a batch (3-D weights)
+    + tuple(f"mx_quant_batch<{i}>" for i in range(2))  # the fused blocked mode over fp32 / bf16 weight batches
 )
 
 
-THREADS = 256  # kernels/mxfp8/quantize.cu NTHREADS (pipe 5: half)
-SMEM_FIXED = 3584  # kernels/mxfp8/quantize.cu MX_SMEM_FIXED
-SMEM_GPREP = 2048  # kernels/mxfp8/quantize.cu MX_SMEM_GPREP (CS_GPREP's dequantization multipliers)
+# kernels/mxfp8/quantize.cu's constants, read from the source (never copied by hand)
+THREADS = _cuda.kernel_constant("mxfp8/quantize.cu", "NTHREADS")  # (pipe 5: half)
+SMEM_FIXED = _cuda.kernel_constant("mxfp8/quantize.cu", "MX_SMEM_FIXED")
+SMEM_GPREP = _cuda.kernel_constant("mxfp8/quantize.cu", "MX_SMEM_GPREP")  # CS_GPREP's dequantization multipliers
 
 # Column-only 16-bit inputs with at least this many tiles per SM take pipe 4 (docs/performance.md).
 ONE_MIN_TILES_PER_SM = 24
@@ -219,6 +219,8 @@ def batch_plan(x: torch.Tensor, e: int, n: int, k: int) -> tuple[str, tuple[int,
 
     Example: 4 x [8192, 5120] bf16 -> grid (64 x 40 = 2560, 4), 3584 + 32768 + 128 bytes of shared memory.
     """
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"quantize_weights_fused: weights must be fp32 or bf16 (master weights), got {x.dtype}")
     if e > 65535:
         raise ValueError(f"quantize_weights_fused: {e} experts, more than one launch's grid.y (65535)")
     n_row_tiles, ctiles = cdiv(n, TILE), cdiv(k, TILE)

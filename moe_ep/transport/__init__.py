@@ -7,12 +7,17 @@ through :func:`dispatch` / :func:`combine` (``transport=``); the CUDA runtime is
 """
 
 from .autograd import Transport, combine, dispatch
-from .nvshmem.buffer import CUDA, CudaTransport
 from .handle import EPHandle
-from .reference import REFERENCE, RecvBuffers, ReferenceTransport, build_layout, dispatch_send
+from .nvshmem.buffer import CUDA, CudaTransport
 from .nvshmem.schedule import TransportSchedule
+from .reference import REFERENCE, RecvBuffers, ReferenceTransport, build_layout, dispatch_send
+
+# The transports by MoEConfig.transport name. "nccl" is the reference transport on the EP group's own backend
+# (torch.distributed all_to_all with host-synced splits: works across nodes).
+TRANSPORTS: dict[str, Transport] = {"nvshmem": CUDA, "nccl": REFERENCE}
 
 __all__ = [
+    "TRANSPORTS",
     "CUDA",
     "REFERENCE",
     "CudaTransport",

@@ -16,8 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import mxfp8
-from .reference import REFERENCE
+from .reference import REFERENCE, payload_block
 
 
 class Transport(Protocol):
@@ -32,10 +31,22 @@ class Transport(Protocol):
         """topk_idx: [T, top_k] global expert ids -> the handle of this routing (collective over ``group``)."""
         ...
 
+    def layer_layout(self, topk_idx: torch.Tensor, cfg: Any, group: Any, num_tokens: int) -> Any:
+        """The handle of one MoE layer call (``cfg``: its :class:`moe_ep.config.MoEConfig`: experts, capacity, the
+        sizes a transport allocates for)."""
+        ...
+
     def dispatch_fwd(
         self, x: torch.Tensor, topk_w: torch.Tensor, handle: Any, quantize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H], topk_w: [T, top_k] fp32 -> (expert-sorted rows [N, H] x.dtype, row weights [N] fp32)."""
+        ...
+
+    def dispatch_fwd_quantized(
+        self, x: torch.Tensor, topk_w: torch.Tensor, handle: Any, recipe: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (e4m3 expert-sorted rows [N, H], their scales in the recipe's dispatch layout, row weights [N]
+        fp32): the payload the expert GEMMs read as it arrives (no autograd; the layer's node owns the backward)."""
         ...
 
     def dispatch_bwd(
@@ -92,17 +103,18 @@ class _Combine(torch.autograd.Function):
         return dyr, dw, None, None, None
 
 
-def check_dispatch_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, quantize: bool) -> None:
+def check_dispatch_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, quantize) -> None:
     """Shape checks shared by every transport's ``dispatch``: x [T, H], topk_idx / topk_w [T, top_k],
-    H % 32 == 0 when quantizing."""
+    H a multiple of the payload's scale block when quantizing (``quantize``: True = MXFP8, a recipe, or False)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
     if topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(
             f"topk_idx {tuple(topk_idx.shape)} / topk_w {tuple(topk_w.shape)} do not match x {tuple(x.shape)}"
         )
-    if quantize and x.shape[1] % mxfp8.BLOCK:
-        raise ValueError(f"hidden ({x.shape[1]}) must be a multiple of 32 for MXFP8 dispatch")
+    blk = payload_block(quantize)
+    if blk and x.shape[1] % blk:
+        raise ValueError(f"hidden ({x.shape[1]}) must be a multiple of {blk} (the payload's scale block)")
 
 
 def dispatch(

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import mxfp8
+from ..mxfp8.reference import dequantize_blocks_torch, quantize_blocks_torch
 from .handle import EPHandle
 
 
@@ -131,7 +132,7 @@ def expand_layout(
 class RecvBuffers:
     """What a rank receives in dispatch, before expansion (the transport contract, byte for byte).
 
-    data:  [R, H] e4m3 (quantize=True) or the input dtype;  scale: [R, H//32] uint8 or None;
+    data:  [R, H] e4m3 (quantized) or the input dtype;  scale: [R, H // block] uint8 (MXFP8: block 32) or None;
     local: [R, top_k] int64 local expert per slot (-1 none); weight: [R, top_k] fp32 (0 where local is -1).
     """
 
@@ -141,19 +142,33 @@ class RecvBuffers:
     weight: torch.Tensor
 
 
-def send_rows(x: torch.Tensor, handle: EPHandle, quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def payload_block(quantize) -> int | None:
+    """Values per scale of the dispatch payload for a ``quantize`` argument: True -> 32 (MXFP8), a
+    :class:`moe_ep.recipe.Recipe` -> its activation block (the "dispatch" operand), False / None -> None (raw rows)."""
+    if quantize is None or isinstance(quantize, bool):
+        return mxfp8.BLOCK if quantize else None
+    return quantize.act_block
+
+
+def send_rows(x: torch.Tensor, handle: EPHandle, quantize) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize each token once and send it once per destination rank.
 
-    x: [T, H] bf16/fp32 -> (data [R, H] e4m3 or x.dtype, scale [R, H//32] uint8 or None) on the receiver.
+    x: [T, H] bf16/fp32, quantize: True (MXFP8), a recipe, or False -> (data [R, H] e4m3 or x.dtype, scale
+    [R, H // block] uint8 or None) on the receiver.
     """
     grp, ss, rs, tok = handle.group, handle.send_splits, handle.recv_splits, handle.send_token
-    if not quantize:
+    blk = payload_block(quantize)
+    if blk is None:
         return _all_to_all(x[tok], ss, rs, grp), None
-    q = mxfp8.quantize(x, axis=-1)
-    return _all_to_all(q.data[tok], ss, rs, grp), _all_to_all(q.scale[tok], ss, rs, grp)
+    if blk == mxfp8.BLOCK:
+        q = mxfp8.quantize(x, axis=-1)
+        data, scale = q.data, q.scale
+    else:
+        data, scale = quantize_blocks_torch(x, (1, blk))
+    return _all_to_all(data[tok], ss, rs, grp), _all_to_all(scale[tok], ss, rs, grp)
 
 
-def dispatch_send(x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize: bool) -> RecvBuffers:
+def dispatch_send(x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize) -> RecvBuffers:
     """Rows plus their top-k weights: x [T, H], topk_w [T, top_k] fp32 -> RecvBuffers on the receiver.
 
     The (local expert) ids already travelled in :func:`build_layout`, which needed them to size the expansion.
@@ -194,11 +209,15 @@ def rank_reduce(rows: torch.Tensor, handle: EPHandle) -> torch.Tensor:
 
 def _rows(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Received payload -> values: [R, H] e4m3 + [R, H//32] scales (or plain rows) -> [R, H] dtype."""
-    return data if scale is None else mxfp8.dequantize(mxfp8.MXFP8Tensor(data, scale, 1), dtype)
+    if scale is None:
+        return data
+    if data.shape[1] == scale.shape[1] * mxfp8.BLOCK:
+        return mxfp8.dequantize(mxfp8.MXFP8Tensor(data, scale, 1), dtype)
+    return dequantize_blocks_torch(data, scale, (1, data.shape[1] // scale.shape[1])).to(dtype)
 
 
 def dispatch_fwd(
-    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize: bool
+    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H], topk_w: [T, top_k] fp32 -> (expanded x [N, H] x.dtype, expanded weights [N] fp32)."""
     recv: RecvBuffers = dispatch_send(x, topk_w, handle, quantize)
@@ -234,7 +253,7 @@ def combine_fwd(y: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> torch.Ten
 
 
 def combine_bwd(
-    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize: bool
+    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 dispatch of dy: dy [T, H] -> (d y [N, H] y.dtype, d w [N] fp32)."""
     data, scale = send_rows(dy.contiguous(), handle, quantize)
@@ -242,11 +261,32 @@ def combine_bwd(
     return (dy_rows * w[:, None]).to(y.dtype), (dy_rows * y.to(torch.float32)).sum(-1)
 
 
+def dispatch_fwd_quantized(
+    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, recipe: str = "mxfp8"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantized payload as the expert GEMMs read it: x [T, H] -> (data [N, H] e4m3 expert-sorted, scales in the
+    recipe's dispatch layout, row weights [N] fp32). MXFP8: ``to_blocked_grouped`` of the rows' [N, H/32] scales along
+    the groups (the layout :func:`moe_ep.transport.nvshmem.buffer.dispatch_fwd_mxfp8` writes). Host-synced splits, as
+    every pass of this transport."""
+    if recipe != "mxfp8":
+        raise NotImplementedError(f"the reference transport dispatches the mxfp8 payload only, not {recipe!r}")
+    recv: RecvBuffers = dispatch_send(x, topk_w, handle, True)
+    scale = mxfp8.to_blocked_grouped(recv.scale[handle.expand_row], handle.group_sizes, "m")
+    return recv.data[handle.expand_row], scale, recv.weight[handle.expand_row, handle.expand_slot]
+
+
+def layer_layout(topk_idx: torch.Tensor, cfg, group, num_tokens: int) -> EPHandle:
+    """The layout of one MoE layer call (cfg: :class:`moe_ep.config.MoEConfig`)."""
+    return build_layout(topk_idx, cfg.num_experts, group, capacity=cfg.capacity_rows(num_tokens))
+
+
 class ReferenceTransport:
     """The reference transport (``torch.distributed.all_to_all_single``) as a :class:`~.autograd.Transport`."""
 
     build_layout = staticmethod(build_layout)
+    layer_layout = staticmethod(layer_layout)
     dispatch_fwd = staticmethod(dispatch_fwd)
+    dispatch_fwd_quantized = staticmethod(dispatch_fwd_quantized)
     dispatch_bwd = staticmethod(dispatch_bwd)
     combine_fwd = staticmethod(combine_fwd)
     combine_bwd = staticmethod(combine_bwd)

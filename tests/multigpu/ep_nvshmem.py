@@ -32,10 +32,11 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from moe_ep import finish, mxfp8  # noqa: E402
 from moe_ep.transport import autograd as ops  # noqa: E402
-from moe_ep.transport.nvshmem import buffer as ct  # noqa: E402
 from moe_ep.transport import reference as ref  # noqa: E402
-from moe_ep.transport import runtime as nvs  # noqa: E402
+from moe_ep.transport.nvshmem import buffer as ct  # noqa: E402
+from moe_ep.transport.nvshmem import runtime as nvs  # noqa: E402
 from moe_ep.transport.nvshmem.schedule import TransportSchedule  # noqa: E402
+from tests import refs  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 
 TMAX, HMAX, KMAX, EMAX = 512, 1024, 8, 64
@@ -195,7 +196,7 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False, capacit
     rh = ref.build_layout(idx, e, GROUP, capacity=cap)
     handle = ct.build_layout(idx, e, GROUP) if cap is None else ct.build_layout(idx, e, GROUP, capacity=cap)
     expect_no_error("layout")  # drop mode never reports an overflow
-    hc = handle.host_counts()
+    hc = refs.host_counts(handle)
     n = rh.num_expanded
     for key, want in (
         ("R", rh.num_recv),
@@ -211,7 +212,7 @@ def case_transport(case, counts, e, k, h, dtype, seed=1, specials=False, capacit
 
     for quantize in (True, False):
         rows, wrows = ct.dispatch_fwd(x, w, handle, quantize)
-        recv = ct.recv_buffers(handle, quantize, h, dtype)
+        recv = refs.recv_buffers(handle, quantize, h, dtype)
         rrecv = ref.dispatch_send(x, w, rh, quantize)
         tag = f"q={quantize}"
         same_bytes(recv.data, rrecv.data, f"received data {tag}")
@@ -419,7 +420,7 @@ def case_overflow():
     if msg is None or "expand_capacity" not in msg or "16" not in msg:
         fail(f"[rank {RANK}] expand overflow not reported: {msg!r}")
     rh = ref.build_layout(idx, 8, GROUP, capacity=16)
-    hc = handle.host_counts()
+    hc = refs.host_counts(handle)
     if hc["group_sizes"] != rh.group_sizes_host or hc["N"] != rh.num_expanded or sum(hc["group_sizes"]) > 16:
         fail(
             f"[rank {RANK}] overflowed layout not clamped: group sizes {hc['group_sizes']} N {hc['N']}, "

@@ -72,7 +72,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import moe_ep.layer  # noqa: E402
 from moe_ep import MoE, MoEConfig, finish, init_ep  # noqa: E402
-from moe_ep.transport import runtime as nvs  # noqa: E402
+from moe_ep.transport.nvshmem import runtime as nvs  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 
 TMAX = 512  # max_tokens_per_rank of every layer here (sizes the NVSHMEM buffers)

@@ -56,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// mx_prepare_weight_operands_{f32,bf16,f16}: both prepared operands straight from the weight
+// mx_prepare_weight_operands_{f32,bf16}: both prepared operands straight from the weight
 // ---------------------------------------------------------------------------------------------------------
 // Launcher moe_ep/experts/operands.py prepare_weight_operands, reference prepare_weight_operands_torch. From one read
 // of W [G, N, K] (fp32 / bf16 / fp16) it writes
@@ -246,7 +246,4 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 3) mx_prepare_weight_op
 }
 extern "C" __global__ void __launch_bounds__(WP_THREADS, 3) mx_prepare_weight_operands_bf16(WP_PARAMS) {
     wp_operands_body<IN_BF16>(w, wp, wtp, N, K, ktiles);
-}
-extern "C" __global__ void __launch_bounds__(WP_THREADS, 3) mx_prepare_weight_operands_f16(WP_PARAMS) {
-    wp_operands_body<IN_F16>(w, wp, wtp, N, K, ktiles);
 }

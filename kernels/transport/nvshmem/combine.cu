@@ -23,9 +23,6 @@
 #define COMB_BATCH_SEND 2
 #define COMB_BATCH_RECV 4
 
-#define I_R 0
-#define I_RECV_OFF 2
-#define I_RET_BASE 11
 
 // 8 elements as raw bits (bf16: one 16-byte load, fp32: two); widened by raw8_to_f32 when they are added, so a
 // batch of rows in flight costs 4 (bf16) / 8 (fp32) registers per row

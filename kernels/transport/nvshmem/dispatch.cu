@@ -30,11 +30,6 @@
 
 #define DISP_THREADS 512
 
-// info[] indices (see layout.cu)
-#define I_R 0
-#define I_N 1
-#define I_RECV_OFF 2
-#define I_GSTART 36
 
 // 16 consecutive input elements of a row -> fp32
 template <int IN>

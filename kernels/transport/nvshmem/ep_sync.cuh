@@ -192,3 +192,14 @@ __device__ __forceinline__ unsigned ep_f2bf(float f) {
 }
 
 __device__ __forceinline__ float ep_bf2f(unsigned h) { return __uint_as_float(h << 16); }
+
+// info[] indices (int32, written by the layout; read by the other kernels, and by the host through
+// moe_ep/transport/nvshmem/layout.py, which reads these values from this header)
+#define I_R 0          // rows this rank receives
+#define I_N 1          // expanded rows on this rank
+#define I_RECV_OFF 2   // [W+1]
+#define I_RET_BASE 11  // [W]
+#define I_SEND_OFF 19  // [W+1]
+#define I_DST_BASE 28  // [W]
+#define I_GSTART 36    // [L+1]; tile offsets follow at I_GSTART + L + 1 ([L+1])
+#define I_DROPPED(L) (I_GSTART + 2 * (L) + 2)  // expanded rows past the capacity (dropped or overflowed)

@@ -48,16 +48,6 @@
 #define CTR_LAYOUT_COUNT 4
 #define CTR_LAYOUT_PLACE 5
 
-// info[] indices (int32, written by the layout; read by the other kernels and the host)
-#define I_R 0          // rows this rank receives
-#define I_N 1          // expanded rows on this rank
-#define I_RECV_OFF 2   // [W+1]
-#define I_RET_BASE 11  // [W]
-#define I_SEND_OFF 19  // [W+1]
-#define I_DST_BASE 28  // [W]
-#define I_GSTART 36    // [L+1]; tile offsets follow at I_GSTART + L + 1 ([L+1])
-#define I_DROPPED(L) (I_GSTART + 2 * (L) + 2)  // expanded rows past the capacity (dropped or overflowed)
-
 // Token range [t0, t1) of this warp (identical in both kernels: depends on T, gridDim.x, blockIdx.x, warp only).
 __device__ __forceinline__ void layout_range(int T, int warp, int& t0, int& t1) {
     const int tpc = (T + gridDim.x - 1) / gridDim.x;

@@ -50,10 +50,9 @@ Shape rules: K (the reduction axis of fprop/dgrad) % 32 == 0; output columns % 8
 Group sizes must be >= 0 (negative counts as 0) and sum to <= M (rows past M are clamped, never touched).
 Everything runs on torch's current stream with no host synchronization.
 
-The operand side lives in ``moe_ep/experts/operands.py`` and is re-exported here: the bf16 preparation of weights
-(``prepare_weight_operands`` from W, ``prepare_weight_bf16`` from an MXFP8 weight, ``weight_operands``), and the
-``*_ref`` / ``*_torch`` pure-PyTorch converters from plain tensors to these formats (tests, benchmarks; host group
-sizes).
+The operand side lives in :mod:`.operands`: the bf16 preparation of weights (``prepare_weight_operands`` from W,
+``prepare_weight_bf16`` from an MXFP8 weight, ``weight_operands``); the pure-PyTorch converters from plain tensors to
+these formats are test helpers (tests/refs.py).
 """
 
 from __future__ import annotations
@@ -64,62 +63,22 @@ import numpy as np
 import torch
 
 from ... import mxfp8
-from .operands import (  # the operand side, re-exported: gemm.<name> is the public spelling
-    WeightOperands,
-    _cdiv,
-    _check_dtype,
-    _check_memory,
-    colwise_dequantize_ref,
-    colwise_operand_ref,
-    colwise_prep_rows,
-    colwise_prep_rows_used,
-    colwise_scale_rows,
-    k_permutation,
-    prepare_colwise_bf16_torch,
-    prepare_weight_bf16,
-    prepare_weight_bf16_torch,
-    prepare_weight_operands,
-    prepare_weight_operands_torch,
-    rowwise_operand_ref,
-    weight_operand_ref,
-    weight_operands,
-    weight_t_operand_ref,
-)
-
-__all__ = [  # this module's API, with the operand side re-exported from operands
-    "WeightOperands",
-    "colwise_dequantize_ref",
-    "colwise_operand_ref",
-    "colwise_prep_rows",
-    "colwise_prep_rows_used",
-    "colwise_scale_rows",
-    "grouped_mm_2d3d_out",
-    "grouped_mm_dgrad",
-    "grouped_mm_fprop",
-    "grouped_wgrad_prepared_out",
-    "k_permutation",
-    "prepare_colwise_bf16_torch",
-    "prepare_weight_bf16",
-    "prepare_weight_bf16_torch",
-    "prepare_weight_operands",
-    "prepare_weight_operands_torch",
-    "ring_stages",
-    "rowwise_operand_ref",
-    "weight_operand_ref",
-    "weight_operands",
-    "weight_t_operand_ref",
-]
+from ..._cuda import kernel_constant
+from ...mxfp8.format import colwise_prep_rows
+from .operands import _cdiv, _check_dtype, _check_memory, prepare_weight_bf16
 
 _GEMM_FILE = "experts/sm90/grouped_gemm.cu"
 _WGRAD_FILE = "experts/sm90/grouped_gemm_wgrad.cu"
-_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup (kernels/experts/sm90/gemm_wgmma.cuh WS_THREADS)
-_BM, _BN = 128, 256  # output tile of both kernels (fprop / dgrad: rows x columns; wgrad: rows of N x columns of K)
-_GEMM_SMEM_BYTES = 231920  # 4 x 40960 + 65536 + 4 x 512 + 64 + 9 x 48, grouped_gemm.cu GG_SMEM_BYTES
+# The kernels' constants, read from their sources (moe_ep._cuda.kernel_constant), never copied by hand.
+_THREADS = kernel_constant(_GEMM_FILE, "WS_THREADS")  # 2 consumer warpgroups + 1 producer warpgroup
+_BM, _BN = kernel_constant(_GEMM_FILE, "GG_BM"), kernel_constant(_GEMM_FILE, "GG_BN")  # output tile (both kernels)
+_GEMM_SMEM_BYTES = kernel_constant(_GEMM_FILE, "GG_SMEM_BYTES")
 # the long-reduction build: 5 ring stages, no shared output tile (register epilogue)
-_DEEP_OPTIONS = ("-DGG_STAGES=5", "-DGG_REG_EPI")
-_DEEP_SMEM_BYTES = 207872  # 5 x 40960 + 0 + 5 x 512 + 80 + 9 x 48
-_DEEP_K = 3072  # reductions from this length on run the deep build
-_WGRAD_SMEM_BYTES = 229872  # 4 x 49152 + 32768 + 64 + 9 x 48, grouped_gemm_wgrad.cu WR_SMEM_BYTES
+_DEEP_DEFINES = {"GG_STAGES": 5, "GG_REG_EPI": 1}
+_DEEP_OPTIONS = tuple(f"-D{k}={v}" for k, v in _DEEP_DEFINES.items())
+_DEEP_SMEM_BYTES = kernel_constant(_GEMM_FILE, "GG_SMEM_BYTES", _DEEP_DEFINES)
+_DEEP_K = 3072  # reductions from this length on run the deep build (a launcher choice, measured)
+_WGRAD_SMEM_BYTES = kernel_constant(_WGRAD_FILE, "WR_SMEM_BYTES")
 _OUT_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the wgrad's outputs (fprop / dgrad: bf16 only)
 
 

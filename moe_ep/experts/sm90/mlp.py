@@ -20,16 +20,16 @@ Saved for the backward: the MXFP8 rows ``xq`` / ``xs`` (1 byte + 1/32 per elemen
 ``a`` (bf16 [M, 2F], as the reference saves it); the column-wise operands of x and h are rebuilt in the backward
 (one memory-bound pass each) instead of holding 2-byte copies from forward to backward.
 
-The expert GEMMs are reached only through :data:`GEMMS` (an :class:`ExpertGemms`): the seam where another
-architecture's kernels plug in (on Blackwell, ``torch._scaled_grouped_mm`` with MXFP8 operands) without touching
-the layer. Weights' operands (:func:`moe_ep.experts.sm90.operands.weight_operands`) come from a ``WeightQuantCache`` when
-one is given: computed once per weight version, shared by micro-batches and by the backward.
+The layer reaches this module only through :data:`HOPPER_MXFP8` (an :class:`moe_ep.experts.base.ExpertGemms`, picked
+by :func:`moe_ep.experts.base.gemms_for`): the seam where another architecture's kernels plug in without touching
+the layer. Weights' operands (:func:`moe_ep.experts.sm90.operands.weight_operands`) come from a ``WeightQuantCache``
+when one is given: computed once per weight version, shared by micro-batches and by the backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -37,40 +37,18 @@ from ... import profiling
 from ...mxfp8 import MXFP8Tensor
 from ...mxfp8 import cuda as mxfp8_cuda
 from ...mxfp8.format import from_blocked_grouped
-from . import gemm as gemm_cuda
+from ...recipe import MXFP8
 from ..fsdp_mxfp8 import MXFP8ExpertWeight
-from .operands import WeightOperands, weight_operands
 from ..weight_cache import WeightQuantCache
+from . import gemm as gemm_cuda
+from .operands import WeightOperands, weight_operands
 
 
-class ExpertGemms(Protocol):
-    """The expert GEMMs of one architecture (group sizes int32 [G] on the device, never read on the host)."""
+class _HopperMXFP8Gemms:
+    """The three GEMM directions of the MXFP8 recipe on sm_90a: exact MXFP8 grouped GEMMs on bf16 tensor cores
+    (:mod:`.gemm`), the weights' operands prepared as exact bf16 (:mod:`.operands`)."""
 
-    def prepare(
-        self, w: torch.Tensor, cache: WeightQuantCache | None, fprop: bool = True, dgrad: bool = True
-    ) -> WeightOperands:
-        """w [G, N, K] (or an MXFP8-gathered :class:`MXFP8ExpertWeight`) -> its fprop and dgrad operands (once per
-        weight version with a cache). fprop / dgrad: the operands the caller reads; one that is not wanted may be
-        left None (a gathered weight prepares only the wanted ones; a plain weight gets both from one pass)."""
-        ...
-
-    def fprop(self, xq: torch.Tensor, xs: torch.Tensor, w: WeightOperands, gs: torch.Tensor) -> torch.Tensor:
-        """xq e4m3 [M, K] + grouped blocked scales -> [M, N] bf16 (rows past the groups zero)."""
-        ...
-
-    def dgrad(self, dq: torch.Tensor, ds: torch.Tensor, w: WeightOperands, gs: torch.Tensor) -> torch.Tensor:
-        """dq e4m3 [M, N] + grouped blocked scales -> [M, K] bf16 (rows past the groups zero)."""
-        ...
-
-    def wgrad(self, a_prep: torch.Tensor, b_prep: torch.Tensor, gs: torch.Tensor, out: torch.Tensor, m: int):
-        """Prepared column-wise operands [64 (ceil(M/64) + G), N] / [.., K] bf16 -> out [G, N, K]."""
-        ...
-
-
-class HopperGemms:
-    """sm_90a: exact MXFP8 grouped GEMMs on bf16 tensor cores (``moe_ep.experts.sm90.gemm``)."""
-
-    def prepare(self, w, cache, fprop=True, dgrad=True):
+    def prepare(self, w, cache, fprop=True, dgrad=True) -> WeightOperands:
         if isinstance(w, MXFP8ExpertWeight):
             return w.operands(fprop, dgrad)
         return weight_operands(w, cache)
@@ -85,7 +63,7 @@ class HopperGemms:
         return gemm_cuda.grouped_wgrad_prepared_out(a_prep, b_prep, gs, out, m)
 
 
-GEMMS: ExpertGemms = HopperGemms()
+GEMMS = _HopperMXFP8Gemms()
 
 
 def _check(m_cols: int, w13: torch.Tensor, w2: torch.Tensor, group_sizes: torch.Tensor, dev: torch.device) -> None:
@@ -242,20 +220,21 @@ def expert_mlp_cuda(
     return _ExpertMLPCuda.apply(x.contiguous(), w13, w2, group_sizes, cache)
 
 
-# ------------------------------------------------------------------------------------------------ the bf16 path
-def expert_mlp_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """The bf16 baseline experts: ``torch._grouped_mm`` SwiGLU with autograd (the strongest straightforward bf16
-    implementation; torchtitan's).
+class HopperMXFP8:
+    """:class:`moe_ep.experts.base.ExpertGemms` of the MXFP8 recipe on Hopper: :func:`expert_mlp_mx_fwd` /
+    :func:`expert_mlp_mx_bwd` on the MXFP8 payload of the fused dispatch (per-group blocked scales)."""
 
-    x: [M, H] bf16 expert-sorted rows, w13: [E, 2F, H], w2: [E, H, F] (cast to bf16 if needed, differentiably),
-    group_sizes: int32 [E] (device) -> [M, H] bf16. Rows past sum(group_sizes) are unspecified (no group reads or
-    writes them; the transport never reads them back).
-    """
-    if x.shape[0] == 0:
-        return x.new_zeros(0, w2.shape[1])
-    offs = torch.cumsum(group_sizes, 0, dtype=torch.int32)
-    w13b, w2b = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
-    a = torch._grouped_mm(x, w13b.transpose(-2, -1), offs=offs)
-    gate, up = a.chunk(2, dim=-1)
-    h = torch.nn.functional.silu(gate) * up
-    return torch._grouped_mm(h, w2b.transpose(-2, -1), offs=offs)
+    recipe = MXFP8
+
+    def prepare(self, w, cache, fprop=True, dgrad=True) -> WeightOperands:
+        return GEMMS.prepare(w, cache, fprop, dgrad)
+
+    def mlp_fwd(self, xq, xs, w13o, w2o, group_sizes):
+        out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, group_sizes)
+        return out, {"xq": xq, "xs": xs, "a": a}
+
+    def mlp_bwd(self, saved, w13, w2, w13o, w2o, group_sizes, on_dx):
+        return expert_mlp_mx_bwd(saved, w13, w2, w13o, w2o, group_sizes, on_dx)
+
+
+HOPPER_MXFP8 = HopperMXFP8()

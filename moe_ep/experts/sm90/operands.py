@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import mxfp8
-from ...mxfp8 import reference as mxfp8_reference
-from ...mxfp8.format import colwise_prep_rows
+from ..._cuda import kernel_constant
 
 _PREP_FILE = "experts/sm90/weight_prep.cu"
 
@@ -124,15 +123,13 @@ def prepare_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tenso
     return out
 
 
-_OPERANDS_KERNELS = {  # kernels/experts/sm90/weight_prep.cu, by the weight's dtype
+_WP_FILE = "experts/sm90/weight_prep.cu"
+_OPERANDS_KERNELS = {  # by the weight's dtype (the master weights of a bf16 model: fp32 or bf16)
     torch.float32: "mx_prepare_weight_operands_f32",
     torch.bfloat16: "mx_prepare_weight_operands_bf16",
-    torch.float16: "mx_prepare_weight_operands_f16",
 }
-_OPERANDS_TILE = (
-    128  # kernels/experts/sm90/weight_prep.cu WP_TILE: a CTA's tile of one expert's W (rows of N x columns of K)
-)
-_OPERANDS_THREADS = 256  # WP_THREADS
+_OPERANDS_TILE = kernel_constant(_WP_FILE, "WP_TILE")  # a CTA's tile of one expert's W (rows of N x columns of K)
+_OPERANDS_THREADS = kernel_constant(_WP_FILE, "WP_THREADS")
 
 
 def _check_weight(w: torch.Tensor) -> None:
@@ -157,7 +154,7 @@ def _operands_plan(dtype: torch.dtype, g: int, n: int, k: int) -> tuple[str, tup
     if g > 65535:
         raise ValueError(f"prepare_weight_operands: {g} experts, more than one launch's grid.y (65535)")
     es = torch.empty(0, dtype=dtype).element_size()
-    smem = _OPERANDS_TILE * _OPERANDS_TILE * es + _OPERANDS_TILE * 256
+    smem = _OPERANDS_TILE * _OPERANDS_TILE * es + kernel_constant(_WP_FILE, "WP_STAGE_BYTES")
     return _OPERANDS_KERNELS[dtype], (tiles, g), smem, ktiles
 
 
@@ -223,36 +220,6 @@ def prepare_weight_operands(
     args = (_cuda.ptr(w), _cuda.ptr(wp), _cuda.ptr(wtp), _cuda.i32(n), _cuda.i32(k), _cuda.i32(ktiles))
     _cuda.launch(fn, grid, _OPERANDS_THREADS, args, shared_mem=smem, device=w.device)
     return wp, wtp
-
-
-def colwise_prep_rows_used(group_sizes) -> int:
-    """Rows of a prepared wgrad operand that its groups own (host sizes): ``sum_g 64 ceil(n_g / 64)``; the rest of
-    the ``colwise_prep_rows`` bound is never written by the kernels.
-
-    Example: sizes [40, 0, 8] -> 128 (rows 0-63 for group 0, 64-127 for group 2).
-    """
-    return sum(64 * _cdiv(max(int(n), 0), 64) for n in _host_sizes(group_sizes))
-
-
-def prepare_colwise_bf16_torch(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
-    """A wgrad operand in the grouped column-wise MXFP8 format (data e4m3 [M, C], scale u8 [>= ceil(M/32) + G, C]:
-    ``colwise_operand_ref``) as exact bf16 with every group on a 64-row boundary -> bf16 [64 (ceil(M/64) + G), C]
-    where group g is rows 64 poff_g .. (poff_g = sum_{h<g} ceil(n_h/64)), zero padded to a multiple of 64 rows: the
-    reference of the prepared column operand ``mxfp8_cuda.quantize_grouped_dual`` writes (host group sizes; rows
-    past the groups are zero here, the kernels leave them unwritten and nothing reads them).
-
-    Example: sizes [40, 0, 8] -> group 0 at rows 0-39 (rows 40-63 zero), group 2 at rows 64-71 (72-127 zero).
-    """
-    sizes = _host_sizes(group_sizes)
-    m, c = data.shape
-    out = torch.zeros(colwise_prep_rows(m, len(sizes)), c, dtype=torch.bfloat16, device=data.device)
-    deq = colwise_dequantize_ref(data, scale, sizes)
-    start = poff = 0
-    for rows in sizes:
-        out[poff : poff + rows] = deq[start : start + rows].to(torch.bfloat16)
-        start += rows
-        poff += 64 * _cdiv(rows, 64)
-    return out
 
 
 @dataclass(frozen=True)
@@ -341,13 +308,6 @@ def _host_sizes(group_sizes) -> list[int]:
     return [int(v) for v in group_sizes]
 
 
-def rowwise_operand_ref(x: torch.Tensor, group_sizes) -> tuple[torch.Tensor, torch.Tensor]:
-    """x float [M, K] -> (e4m3 [M, K], u8 per-group blocked scales along M) for fprop/dgrad's ``a``."""
-    q = mxfp8.quantize_torch(x, -1)
-    sizes = torch.tensor(_host_sizes(group_sizes), dtype=torch.int64)
-    return q.data, mxfp8.to_blocked_grouped(q.scale, sizes, "m")
-
-
 def weight_operand_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w float [G, N, K] -> (e4m3 [G, N, K] quantized along K, u8 [G, blocked_size(N, K/32)]) for fprop."""
     q = mxfp8.quantize_torch(w, -1)
@@ -361,42 +321,3 @@ def weight_t_operand_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     q = mxfp8.quantize_torch(w.transpose(1, 2).contiguous(), -1)
     return q.data, mxfp8.to_blocked(q.scale)
-
-
-def colwise_operand_ref(t: torch.Tensor, group_sizes) -> tuple[torch.Tensor, torch.Tensor]:
-    """t float [M, N] -> (e4m3 [M, N], u8 [ceil(M/32) + G, N]): wgrad's grouped column-wise format.
-
-    Blocks of 32 rows restart at each group's first row (the last one zero padded), exactly as
-    ``gemm.fake_quantize_grouped_cols``; block j of group g is scale row ``sum_{h<g} ceil(n_h/32) + j``.
-    Unused scale rows are zero.
-    """
-    sizes = _host_sizes(group_sizes)
-    m, n = t.shape
-    data = torch.zeros(m, n, dtype=torch.float8_e4m3fn, device=t.device)
-    scale = torch.zeros(colwise_scale_rows(m, len(sizes)), n, dtype=torch.uint8, device=t.device)
-    start = boff = 0
-    for rows in sizes:
-        if rows:
-            pad = (-rows) % 32
-            seg = t[start : start + rows]
-            if pad:
-                seg = torch.cat([seg, seg.new_zeros(pad, n)])
-            q = mxfp8.quantize_torch(seg, 0)
-            data[start : start + rows] = q.data[:rows]
-            scale[boff : boff + q.scale.shape[0]] = q.scale
-        start += rows
-        boff += _cdiv(rows, 32)
-    return data, scale
-
-
-def colwise_dequantize_ref(data: torch.Tensor, scale: torch.Tensor, group_sizes) -> torch.Tensor:
-    """Inverse of :func:`colwise_operand_ref`: e4m3 [M, N] + u8 [>= ceil(M/32)+G, N] -> fp32 [M, N]."""
-    sizes = _host_sizes(group_sizes)
-    idx, boff = [], 0
-    for rows in sizes:
-        idx.append(boff + torch.arange(rows, device=data.device) // 32)
-        boff += _cdiv(rows, 32)
-    rows_scale = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=data.device)
-    s = scale[rows_scale].to(torch.int32)
-    mult = torch.where(s == mxfp8.SCALE_NAN, float("nan"), mxfp8_reference._exp2_int((s - 127).clamp(-127, 127)))
-    return data[: rows_scale.numel()].to(torch.float32) * mult

@@ -36,8 +36,7 @@ import torch
 from ... import _cuda
 from ...mxfp8 import grouped_blocked_size
 from .kernels import COMBINE_NAMES, DISPATCH_NAMES, MODE_BWD, MODE_VAL, fn, i32, i64, p
-from .layout import _I_R, CudaEPHandle, _check_capacity, build_layout
-from ..reference import RecvBuffers
+from .layout import CudaEPHandle, _check_capacity, build_layout, fit_to_count
 from .runtime import EPRuntime, init_runtime  # noqa: F401  (init_runtime: the transport's entry point, re-exported)
 from .schedule import CTA_WARPS
 
@@ -213,6 +212,16 @@ def dispatch_fwd_mxfp8(
     return data, scale, w_out
 
 
+def dispatch_fwd_quantized(
+    x: torch.Tensor, topk_w: torch.Tensor, handle: CudaEPHandle, recipe: str = "mxfp8"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The :class:`~moe_ep.transport.autograd.Transport` entry of the fused quantize + dispatch (MXFP8:
+    :func:`dispatch_fwd_mxfp8`)."""
+    if recipe != "mxfp8":
+        raise NotImplementedError(f"the NVSHMEM dispatch has no fused {recipe!r} payload yet")
+    return dispatch_fwd_mxfp8(x, topk_w, handle)
+
+
 def _dispatch_mx(
     x: torch.Tensor, topk_w: torch.Tensor, h: CudaEPHandle, data: torch.Tensor, scale: torch.Tensor, w_out: torch.Tensor
 ) -> None:
@@ -330,29 +339,58 @@ def dispatch_bwd(
     return _combine(_check_rows(grad_rows.to(dtype), "grad_rows"), grad_w, handle, True)
 
 
-def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):
-    """Views of what this rank received in the last :func:`dispatch_fwd` (valid until any rank starts the next
-    dispatch use: once the expand signals DISP_FREE, a peer may overwrite them): the
-    reference's RecvBuffers contract (data [R, H], scale [R, H//32] or None, local [R, K] int64, weight [R, K]
-    fp32). Host sync (reads R): tests only."""
-    rt = handle.runtime
-    torch.cuda.current_stream(rt.device).synchronize()  # NOTE: host sync (tests only)
-    r = min(int(handle.info[_I_R].item()), handle.recv_capacity)
-    return _views(rt, r, hidden, handle.top_k, quantize, dtype, RecvBuffers)
+class Buffer:
+    """The NVSHMEM transport of one EP group as one object (DeepEP's ``Buffer``): the runtime that owns the symmetric
+    memory, the flags and the epochs (:class:`~.runtime.EPRuntime`), and the passes over it.
+
+    ``Buffer.for_group(group, max_tokens_per_rank, hidden, top_k, num_experts)`` creates or grows the group's runtime
+    (collective; one per (group, device) per process, since the NVSHMEM heap is per process) and wraps it.
+
+    Example::
+
+        buf = Buffer.for_group(group, 4096, 7168, 8, 256)
+        handle = buf.layout(topk_idx, 256, capacity=None)
+        xq, xs, w = buf.dispatch(x, topk_w, handle)          # fused MXFP8 quantize + dispatch
+        y = buf.combine(expert_out, w, handle)
+    """
+
+    def __init__(self, runtime: EPRuntime) -> None:
+        self.runtime = runtime
+
+    @classmethod
+    def for_group(cls, group, max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, **kw) -> Buffer:
+        return cls(init_runtime(group, max_tokens_per_rank, hidden, top_k, num_experts, **kw))
+
+    def layout(self, topk_idx: torch.Tensor, num_experts: int, **options) -> CudaEPHandle:
+        """topk_idx [T, K] -> the routing layout (:func:`~.layout.build_layout`: ``capacity`` / ``expand_capacity``)."""
+        return build_layout(topk_idx, num_experts, self.runtime.group, runtime=self.runtime, **options)
+
+    def dispatch(self, x: torch.Tensor, topk_w: torch.Tensor, handle: CudaEPHandle, recipe: str | None = "mxfp8"):
+        """x [T, H] -> the quantized payload (:func:`dispatch_fwd_quantized`), or with ``recipe=None`` the
+        expert-sorted bf16 rows and row weights (:func:`dispatch_fwd`)."""
+        if recipe is None:
+            return dispatch_fwd(x, topk_w, handle, False)
+        return dispatch_fwd_quantized(x, topk_w, handle, recipe)
+
+    def combine(self, y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle) -> torch.Tensor:
+        return combine_fwd(y, w, handle)
+
+    def combine_backward(self, dy, y, w, handle: CudaEPHandle, quantize: bool = True):
+        return combine_bwd(dy, y, w, handle, quantize)
+
+    def dispatch_backward(self, grad_rows, grad_w, handle: CudaEPHandle, dtype: torch.dtype):
+        return dispatch_bwd(grad_rows, grad_w, handle, dtype)
 
 
-def _views(rt, r, hid, k, quantize, dtype, cls):
-    sym = rt.sym
-    o = rt.offsets
-    meta = sym[o["disp_meta"] : o["disp_meta"] + r * 3 * k * 4].view(torch.int32).view(r, 3 * k)
-    if quantize:
-        data = sym[o["disp_data"] : o["disp_data"] + r * hid].view(torch.float8_e4m3fn).view(r, hid)
-        scale = sym[o["disp_scale"] : o["disp_scale"] + r * (hid // 32)].view(r, hid // 32)
-    else:
-        es = torch.empty(0, dtype=dtype).element_size()
-        data = sym[o["disp_data"] : o["disp_data"] + r * hid * es].view(dtype).view(r, hid)
-        scale = None
-    return cls(data, scale, meta[:, :k].long(), meta[:, k : 2 * k].contiguous().view(torch.float32))
+def layer_layout(topk_idx: torch.Tensor, cfg, group, num_tokens: int) -> CudaEPHandle:
+    """The layout of one MoE layer call (cfg: :class:`moe_ep.config.MoEConfig`): the group's buffer sized from the
+    config, the capacity mode's fixed buffers, or dropless sized exactly (NOTE: host sync in fit_to_count, the one
+    of the layer; ``capacity_factor`` avoids it)."""
+    buf = Buffer.for_group(group, cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k, cfg.num_experts)
+    cap = cfg.capacity_rows(num_tokens)
+    if cap is not None:
+        return buf.layout(topk_idx, cfg.num_experts, capacity=cap)
+    return fit_to_count(buf.layout(topk_idx, cfg.num_experts))
 
 
 class CudaTransport:
@@ -360,7 +398,9 @@ class CudaTransport:
     ``moe_ep.transport.dispatch(..., transport=CUDA, expand_capacity=...)`` / ``combine(..., transport=CUDA)``."""
 
     build_layout = staticmethod(build_layout)
+    layer_layout = staticmethod(layer_layout)
     dispatch_fwd = staticmethod(dispatch_fwd)
+    dispatch_fwd_quantized = staticmethod(dispatch_fwd_quantized)
     dispatch_bwd = staticmethod(dispatch_bwd)
     combine_fwd = staticmethod(combine_fwd)
     combine_bwd = staticmethod(combine_bwd)

@@ -13,14 +13,16 @@ from ... import _cuda
 from .kernels import fn, i32, i64, p
 from .runtime import EPRuntime, get_runtime
 
-_LAYOUT_WARPS = 8  # warps per CTA of the layout kernels (LAYOUT_WARPS in kernels/transport/nvshmem/layout.cu)
+_LAYOUT_FILE = "transport/nvshmem/layout.cu"
+_LAYOUT_WARPS = _cuda.kernel_constant(_LAYOUT_FILE, "LAYOUT_WARPS")  # warps per CTA of the layout kernels
 _LAYOUT_TOKENS_PER_CTA = 128
-_I_R, _I_N, _I_GSTART = 0, 1, 36  # info[] slots (I_R, I_N, I_GSTART in kernels/transport/nvshmem/layout.cu)
+# info[] slots (kernels/transport/nvshmem/ep_sync.cuh, read from the source)
+_I_R, _I_N, _I_GSTART = (_cuda.kernel_constant(_LAYOUT_FILE, k) for k in ("I_R", "I_N", "I_GSTART"))
 
 
 def _i_dropped(num_local: int) -> int:
-    """info[] slot of the dropped-row count (I_DROPPED(L) in kernels/transport/nvshmem/layout.cu): after the group
-    starts [L+1] and the tile offsets [L+1]."""
+    """info[] slot of the dropped-row count: the formula of I_DROPPED(L) in kernels/transport/nvshmem/ep_sync.cuh
+    (after the group starts [L+1] and the tile offsets [L+1])."""
     return _I_GSTART + 2 * num_local + 2
 
 
@@ -82,23 +84,6 @@ class CudaEPHandle:
     @property
     def topk_rank(self) -> torch.Tensor:
         return (self.topk_idx // self.num_local_experts).long()
-
-    # host-sync helpers (tests, debugging): never on the training path
-    def host_counts(self) -> dict:
-        info = self.info.cpu().tolist()  # NOTE: host sync (tests and debugging only)
-        w, lcl = self.ep_size, self.num_local_experts
-        cnt = self.counts.cpu()
-        me = self.runtime.rank
-        return {
-            "R": info[_I_R],
-            "N": info[_I_N],
-            "send_splits": cnt[me, :w].tolist(),
-            "recv_splits": cnt[:, me].tolist(),
-            "group_sizes": [int(v) for v in self.group_sizes.cpu()],
-            "gstart": info[_I_GSTART : _I_GSTART + lcl + 1],
-            "tile_off": info[_I_GSTART + lcl + 1 : _I_GSTART + 2 * lcl + 2],
-            "dropped": info[_i_dropped(lcl)],
-        }
 
     @property
     def send_splits(self) -> list[int]:  # NOTE: host sync (the reference handle's field; here a device read)
