@@ -1,4 +1,4 @@
-"""Dispatch / combine benchmark: the NVSHMEM transport vs NCCL baselines (docs/design.md, section "Transport").
+"""Dispatch / combine benchmark: the NVSHMEM transport vs NCCL baselines (docs/design-transport.md).
 
     torchrun --standalone --nproc-per-node=4 benchmarks/bench_dispatch.py --json out.json
     python benchmarks/bench_dispatch.py --json out.json     (re-launches itself under torchrun on all GPUs;

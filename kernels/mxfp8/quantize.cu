@@ -1,4 +1,4 @@
-// MXFP8 quantization / dequantization kernels (docs/design.md, "MXFP8 format" and "Quantization kernels";
+// MXFP8 quantization / dequantization kernels (docs/design.md, "MXFP8 format", and docs/design-kernels.md, "Quantization kernels";
 // moe_ep/mxfp8/reference.py is the specification).
 //
 // A CTA processes one 128 x 128 tile of the input x [M, K] (rows x columns; pipe 5: a 64 x 128 tile, see QuantCfg).

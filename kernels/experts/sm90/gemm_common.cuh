@@ -3,8 +3,8 @@
 // Shared pieces of the grouped MXFP8 GEMM kernels (kernels/experts/sm90/grouped_gemm.cu, grouped_gemm_wgrad.cu) and of the
 // weight preparation (kernels/experts/sm90/weight_prep.cu): the kernel argument list, the on-device group scan, the tile order,
 // shared-memory access helpers, the exact e4m3 -> bf16 conversion with the block scale, the quad transpose and
-// the zero fill of output rows past the groups. moe_ep/experts/gemm.py documents the operand formats; the design is
-// in docs/design.md, section "Grouped GEMMs".
+// the zero fill of output rows past the groups. moe_ep/experts/sm90/gemm.py documents the operand formats; the design is
+// in docs/design-kernels.md, "Grouped GEMMs".
 //
 // Every e4m3 value times 2**(s-127) is exactly representable in bf16 unless it falls below 2**-133 (bf16
 // subnormals), so the kernels' products are the exact MXFP8 products and only the fp32 summation order differs
@@ -13,7 +13,7 @@
 // clamped (never read or written).
 
 // Kernel parameters of the GEMM kernels: operand A [M, K] and its scales, B and its scales, the group sizes, the
-// output, G, M, N, K and the zero-fill flag (see moe_ep/experts/gemm.py _kernel_args). Kernels that read their
+// output, G, M, N, K and the zero-fill flag (see moe_ep/experts/sm90/gemm.py _kernel_args). Kernels that read their
 // operands through TMA tensor maps take the pointers too (GM_TMA_ARGS, kernels/experts/sm90/gemm_wgmma.cuh).
 #define GM_ARGS                                                                                                  \
     const unsigned char *__restrict__ A, const unsigned char *__restrict__ As, const unsigned char *__restrict__ B, \

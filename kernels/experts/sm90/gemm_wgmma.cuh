@@ -3,7 +3,7 @@
 // Hopper pieces of the warp-specialized persistent GEMM kernels (kernels/experts/sm90/grouped_gemm.cu: fprop / dgrad;
 // kernels/experts/sm90/grouped_gemm_wgrad.cu: wgrad): TMA tensor maps and bulk copies, mbarriers and the full/empty stage ring,
 // wgmma (descriptors, fences, the m64n256k16 instruction), register reallocation, named barriers, and the
-// epilogues that both kernels share. Design: docs/design.md, section "Grouped GEMMs".
+// epilogues that both kernels share. Design: docs/design-kernels.md, "Grouped GEMMs".
 //
 // Both kernels run 384 threads (WS_THREADS): warpgroups 0 and 1 are the consumers (64 x 256 fp32 accumulators each,
 // 128 per thread), warp 8 the producer that issues the TMA loads into the ring; warps 9-11 leave at once.
@@ -14,7 +14,7 @@
 #define WS_CONSUMER_WARPS 8
 
 // A CUtensorMap (128 opaque bytes, 64-byte aligned), encoded on the host by cuTensorMapEncodeTiled
-// (moe_ep/experts/gemm.py _tma_map_2d) and passed by value as a __grid_constant__ kernel parameter.
+// (moe_ep/experts/sm90/gemm.py _tma_map_2d) and passed by value as a __grid_constant__ kernel parameter.
 struct __align__(64) TmaMap {
     unsigned long long v[16];
 };

@@ -3,7 +3,7 @@
 // register fragments; B is the weight prepared once per weight version as exact bf16 (kernels/experts/sm90/weight_prep.cu
 // mx_prepare_weight_bf16: each 64-wide k block in the permuted k order below, K padded to a multiple of 64 with
 // zeros) and TMA-loaded with the 128-byte swizzle straight into the layout wgmma reads. Launcher and operand
-// formats: moe_ep/experts/gemm.py grouped_mm_2d3d_out; design: docs/design.md, section "Grouped GEMMs".
+// formats: moe_ep/experts/sm90/gemm.py grouped_mm_2d3d_out; design: docs/design-kernels.md, "Grouped GEMMs".
 //
 //   * k order: within each 64-wide k-step the MMA runs over a permuted k: logical k = 16 s + 8 h + 2 c + e is
 //     physical column 16 c + 4 s + 2 h + e (s: k16 slice, h: fragment half, c = lane % 4, e: element of the pair).
@@ -32,7 +32,7 @@
 //     shared memory (128-byte swizzle) and one thread issues TMA stores, which drain while the next tile runs;
 //     otherwise (rows past the group belong to another tile) masked 16-byte stores from registers after a quad
 //     transpose. The output is bf16.
-// Two builds of this file (moe_ep/experts/gemm.py ring_stages picks one from K):
+// Two builds of this file (moe_ep/experts/sm90/gemm.py ring_stages picks one from K):
 //   default           4 stages, the TMA-store epilogue: 4 x 40960 ring + 65536 output tile + 4 x 512 scales +
 //                     barriers + 9 GroupInfo = 231920 B of the 232448 an H100/H200 CTA may have;
 //   -DGG_STAGES=5 -DGG_REG_EPI  (long reductions) 5 stages and the register epilogue only: a fifth stage fits only

@@ -1,5 +1,5 @@
 // Grouped MXFP8 wgrad for Hopper: dW[g] = dY_g^T X_g -> [G, N, K], the reduction over each group's rows.
-// Launcher and operand formats: moe_ep/experts/gemm.py grouped_wgrad_prepared_out; design: docs/design.md, section
+// Launcher and operand formats: moe_ep/experts/sm90/gemm.py grouped_wgrad_prepared_out; design: docs/design-kernels.md,
 // "Grouped GEMMs".
 //
 //   * both wgrad operands are activations quantized column-wise (scales along the reduction), so neither can be

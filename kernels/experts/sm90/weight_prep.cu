@@ -4,7 +4,7 @@
 //   mx_prepare_weight_bf16        one prepared operand from an MXFP8 weight (the GEMM launchers' fallback when no
 //                                 prepared operand is passed, tests, benchmarks).
 //
-// mx_prepare_weight_bf16 (launcher moe_ep/experts/operands.py
+// mx_prepare_weight_bf16 (launcher moe_ep/experts/sm90/operands.py
 // prepare_weight_bf16, reference prepare_weight_bf16_torch): MXFP8 weight e4m3 [G, N, K] + blocked scales -> exact
 // bf16 [G, N, Kp] (Kp = K rounded up to 64, zero padded), each 64-wide k block stored in the GEMM kernels' permuted
 // k order: logical position 16 s + 8 h + 2 c + e holds physical column 16 c + 4 s + 2 h + e.
@@ -58,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 // ---------------------------------------------------------------------------------------------------------
 // mx_prepare_weight_operands_{f32,bf16}: both prepared operands straight from the weight
 // ---------------------------------------------------------------------------------------------------------
-// Launcher moe_ep/experts/operands.py prepare_weight_operands, reference prepare_weight_operands_torch. From one read
+// Launcher moe_ep/experts/sm90/operands.py prepare_weight_operands, reference prepare_weight_operands_torch. From one read
 // of W [G, N, K] (fp32 / bf16 / fp16) it writes
 //   wp  [G, N, Kp]  = prepare_weight_bf16 of W quantized along K (1x32 blocks): the fprop operand, and
 //   wtp [G, K, Np]  = prepare_weight_bf16 of W^T quantized along N (W in 32x1 blocks, transposed): the dgrad operand
@@ -105,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(256) mx_prepare_weight_bf16(const u
 #define WP_TILE 128
 #define WP_THREADS 256
 #define WP_STAGE_BYTES (WP_TILE * 256)  // the bf16 W^T staging tile
-// dynamic shared memory for element size ES (moe_ep/experts/operands.py _operands_plan passes the same)
+// dynamic shared memory for element size ES (moe_ep/experts/sm90/operands.py _operands_plan passes the same)
 #define WP_SMEM(ES) (WP_TILE * WP_TILE * (ES) + WP_STAGE_BYTES)
 
 // Byte offset of 16-byte unit u of tile row r (UPR units per row). The XOR touches bits 0-2 of u only, so a unit

@@ -1,5 +1,5 @@
 // Combine of the NVSHMEM transport (and the dispatch backward, which is the same data movement), one kernel:
-// ep_combine<YT, BWD> (moe_ep/transport/cuda.py launches it; protocol: docs/design.md, section "Transport").
+// ep_combine<YT, BWD> (moe_ep/transport/nvshmem/buffer.py launches it; protocol: docs/design-transport.md).
 //
 // Expert side, per received row i (from rank s, index i - recv_off[s] among that rank's rows): acc = 0; for each
 //   top-k slot j in order with expanded row n = recv_pos[i][j]:  acc += y[n] * w[n]  (forward)   or   acc += y[n]

@@ -1,5 +1,5 @@
 // MXFP8 quantize + dispatch (sender) and expert-sorted expansion (receiver) of the NVSHMEM transport
-// (moe_ep/transport/cuda.py launches them; protocol and buffers: docs/design.md, section "Transport").
+// (moe_ep/transport/nvshmem/buffer.py launches them; protocol and buffers: docs/design-transport.md).
 //
 // ep_dispatch<IN, QUANT>: one warp per token (grid-stride). The token's bf16/fp32 row is read once; each lane owns
 //   16 consecutive elements per 512-element step, a lane pair owns one 1x32 MXFP8 block (common.cuh math, bytes

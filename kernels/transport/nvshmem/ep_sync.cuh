@@ -1,6 +1,6 @@
 // Flags, waits with timeouts and error reporting shared by the NVSHMEM transport kernels
 // (layout.cu, dispatch.cu, combine.cu; moe_ep/transport/layout.py and cuda.py launch them; the protocol:
-// docs/design.md, section "Transport").
+// docs/design-transport.md).
 //
 // Every rank owns one NVSHMEM symmetric region; `peers[r]` is the address of rank r's region as seen from this
 // GPU (nvshmem_ptr; peers[me] is the local address). The first bytes of the region are flag words:

@@ -1,5 +1,5 @@
 """MXFP8 grouped GEMMs on Hopper: CuPy launchers for ``kernels/experts/sm90/grouped_gemm.cu`` (fprop / dgrad) and
-``kernels/experts/sm90/grouped_gemm_wgrad.cu`` (wgrad). Design: docs/design.md, section "Grouped GEMMs".
+``kernels/experts/sm90/grouped_gemm_wgrad.cu`` (wgrad). Design: docs/design-kernels.md, "Grouped GEMMs".
 
 The specification is ``moe_ep.experts.reference`` (``grouped_mm_torch``, ``grouped_wgrad_torch``,
 ``fake_quantize_grouped_cols``; :func:`~moe_ep.experts.reference.grouped_wgrad_prepared_torch` for the wgrad's

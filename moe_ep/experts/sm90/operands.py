@@ -3,10 +3,9 @@ the fprop / dgrad kernel reads (once per weight version: :func:`prepare_weight_o
 :func:`prepare_weight_bf16` from an MXFP8 weight), the weight-operand bundle with its cache, and the pure-PyTorch
 converters from plain tensors to the kernels' formats (references, tests, benchmarks). The wgrad's prepared
 activation operands come from the quantizer (``moe_ep.mxfp8.cuda.quantize_grouped_dual``);
-:func:`prepare_colwise_bf16_torch` is their reference.
+:func:`prepare_colwise_bf16_torch` (tests/refs.py) is their reference.
 
-The formats themselves are documented in ``moe_ep/experts/gemm.py``; every public name here is also reachable as
-``moe_ep.experts.sm90.gemm.<name>``.
+The formats themselves are documented in :mod:`.gemm`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@
   further work.
 
 Across nodes (peers without a peer pointer) a second implementation of the same kernels' interface would stage
-rows locally and move them with ``nvshmemx_putmem_signal_on_stream``; see docs/design.md, section "Transport".
+rows locally and move them with ``nvshmemx_putmem_signal_on_stream``; see docs/design-transport.md.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class EPRuntime:
                 except Exception as e:  # noqa: BLE001
                     raise NotImplementedError(
                         f"EP rank {r} (PE {pe}) has no peer pointer (not NVLink/P2P reachable); peers across nodes "
-                        "need the put_signal transport (docs/design.md, section 'Transport'), not implemented yet"
+                        "need the put_signal transport (docs/design-transport.md), not implemented yet"
                     ) from e
                 if not p:
                     raise NotImplementedError(f"EP rank {r} (PE {pe}) has no peer pointer (across nodes?)")

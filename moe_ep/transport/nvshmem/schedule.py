@@ -1,5 +1,5 @@
 """Work split of the NVSHMEM transport's fused kernels (kernels/transport/nvshmem/dispatch.cu ``ep_dispatch_mx``,
-combine.cu ``ep_combine``), held by the runtime and identical on every EP rank (docs/design.md, section "Transport").
+combine.cu ``ep_combine``), held by the runtime and identical on every EP rank (docs/design-transport.md).
 
 Two knobs per kernel:
   send_warps  warps of every 16-warp CTA that start on the sending side (1..16); the others start receiving at
