@@ -11,8 +11,8 @@ Differences a caller must know (shapes cannot depend on device counts without a 
   * ``handle.group_sizes`` is int32 on the GPU; host lists (``send_splits`` ...) are properties that sync.
   * H must be a multiple of 32; x / y rows bf16 or fp32 (fp32 unquantized payloads need ``wire_bytes=4``).
 
-Phases and kernels (build_layout and CudaEPHandle live in layout.py and are importable from here;
-stream-ordered; flags with release/acquire and timeouts, kernels/transport/nvshmem/ep_sync.cuh; docs/design-transport.md):
+Phases and kernels (build_layout and CudaEPHandle live in layout.py and are importable from here; stream-ordered;
+flags with release/acquire and timeouts, kernels/transport/nvshmem/ep_sync.cuh; docs/design-transport.md):
   build_layout        ep_layout_count   per-CTA counts, last CTA: prefix over CTAs + count row to every rank
                       ep_layout_place   counts matrix -> all offsets, per token / slot rows   (LAYOUT epoch)
   dispatch_fwd_mxfp8  ep_dispatch_mx    quantize once, store to every dest rank, and expand each received row
