@@ -29,6 +29,11 @@ class ExpertGemms(Protocol):
         cache)."""
         ...
 
+    def quantize_rows(self, x: torch.Tensor, group_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, H] bf16 expert-sorted rows -> the dispatch payload of the recipe (e4m3 rows, scales in its layout):
+        the bytes the fused dispatch delivers, for rows that arrive unquantized (tests, the unfused paths)."""
+        ...
+
     def mlp_fwd(
         self, xq: torch.Tensor, xs: torch.Tensor, w13o: Any, w2o: Any, group_sizes: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

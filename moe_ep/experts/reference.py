@@ -39,7 +39,7 @@ def quantize_operand(t: torch.Tensor, op: Operand | None, group_sizes: list[int]
 
     t: the layer tensor (expert-sorted rows [M, C] for activations and wgrad operands; [E, N, K] for weights);
     op: its :class:`moe_ep.recipe.Operand` (None: no quantization); transposed: the GEMM reads a weight's transpose
-    (dgrad), so blocks are taken in the [E, K, N] view -> t's shape, fp32 (t itself when op is None).
+    (dgrad), so blocks are taken in the [E, K, N] view -> t's shape and dtype (t itself when op is None).
 
     Example: MXFP8's dgrad of w2 [E, H, F] takes (1, 32) blocks of w2^T [E, F, H], i.e. 32 consecutive rows of w2;
     blockwise's grouped (1, 128) blocks of h [M, F] run down each expert's rows, restarting at its first row.
@@ -54,9 +54,10 @@ def quantize_operand(t: torch.Tensor, op: Operand | None, group_sizes: list[int]
         return t.fake_quantize(-2 if transposed else -1)
     if op.grouped:  # the reduction runs down the rows of each group: blocks of the group's transpose
         return fake_quantize_grouped_cols(t, group_sizes, True, op.block[1])
+    # back to t's dtype, as mxfp8.fake_quantize: the value a bf16 tensor core is fed (exact down to 2**-133)
     if transposed:
-        return fake_quantize_blocks_torch(t.transpose(-2, -1), op.block).transpose(-2, -1)
-    return fake_quantize_blocks_torch(t, op.block)
+        return fake_quantize_blocks_torch(t.transpose(-2, -1), op.block).transpose(-2, -1).to(t.dtype).contiguous()
+    return fake_quantize_blocks_torch(t, op.block).to(t.dtype)
 
 
 def fake_quantize_grouped_cols(

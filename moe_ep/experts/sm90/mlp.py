@@ -229,6 +229,10 @@ class HopperMXFP8:
     def prepare(self, w, cache, fprop=True, dgrad=True) -> WeightOperands:
         return GEMMS.prepare(w, cache, fprop, dgrad)
 
+    def quantize_rows(self, x, group_sizes):
+        xq, xs, _, _ = mxfp8_cuda.quantize_grouped_dual(x, group_sizes)
+        return xq, xs
+
     def mlp_fwd(self, xq, xs, w13o, w2o, group_sizes):
         out, a = expert_mlp_mx_fwd(xq, xs, w13o, w2o, group_sizes)
         return out, {"xq": xq, "xs": xs, "a": a}
