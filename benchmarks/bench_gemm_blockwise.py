@@ -132,7 +132,9 @@ def _setup_wgrad(x, dy, sz, offs, sizes, pick, det, quant):
         db = ref.dequantize_rowwise_torch(b_t[:, c], b_st[c.start // 128 : c.stop // 128].t())
         errs[f"g{gi}"] = rel_err(out[gi], da @ db.t())
     det["check_rel_err"] = errs
-    det["check_ok"] = all(v < 1e-4 for v in errs.values())
+    # fp32 output vs an fp32 matmul of the dequantized operands: the FP8 tensor cores' in-block accumulation keeps
+    # ~14 bits (tests/test_blockwise_gemm.py), a ~1.2e-4 relative error on random data; index or scale bugs give O(1)
+    det["check_ok"] = all(v < 1e-3 for v in errs.values())
     dyt = dy.t().contiguous()
     base["bf16"] = lambda: torch._grouped_mm(dyt, x, offs=offs)
     try:
