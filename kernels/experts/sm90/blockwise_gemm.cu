@@ -9,12 +9,13 @@
 //   * block = 384 threads: warpgroups 0 and 1 are the consumers (tile rows 64 wg .. 64 wg + 63), warp 8 the
 //     producer (it scans the groups; its lane 0 issues the TMA loads), warps 9-11 leave at once; registers move
 //     from the producer warpgroup to the consumers (setmaxnreg 56 / 224).
-//   * mainloop per consumer warpgroup and k block: 4 x wgmma.m64n128k32 e4m3 into a fresh accumulator tmp[64]
-//     (scale-d = 0 on the first), wait for them, release the stage, then promote on the CUDA cores:
-//     acc += tmp * (sa[row] * sb) in fp32, sa the row's 1x128 scale and sb the weight block's. While one warpgroup
-//     promotes, the other's MMAs keep the tensor cores busy (DeepGEMM's schedule). The consumers read their scale
-//     bytes straight from global memory, 4 k blocks ahead (the a_scale matrix's rows are K/128 bytes, too narrow
-//     and misaligned for TMA boxes in general).
+//   * mainloop per consumer warpgroup and k block kb: 4 x wgmma.m64n128k32 e4m3 into a fresh accumulator
+//     (t0 / t1 alternating, scale-d = 0 on the first), then wait for block kb - 1's MMAs (wait_group 1), release
+//     its stage and promote it on the CUDA cores: acc += t * (sa[row] * sb) in fp32 (sa the row's 1x128 scale,
+//     sb the weight block's), while block kb's MMAs run. 3 x 64 fp32 accumulators per thread; each warpgroup keeps
+//     the tensor cores fed during its own promotion, and the other warpgroup's MMAs interleave. The consumers read
+//     their scale bytes straight from global memory, 4 k blocks ahead (the a_scale matrix's rows are K/128 bytes,
+//     too narrow and misaligned for TMA boxes in general).
 //   * ragged groups, no padding: row tiles are per group (sum_g ceil(n_g / 128) of them, found by each warp's own
 //     scan of the device group sizes, gm_scan_groups); a group's last tile is partial: the TMA box also loads rows
 //     of the next group (or zeros past M), which are computed but never stored. In a last tile of <= 64 rows,
@@ -25,7 +26,7 @@
 //   * epilogue: bf16 from registers (quad transpose, 16-byte stores of 8 rows x 64 contiguous bytes per warp),
 //     rows past the group masked; the producer meanwhile fills the ring for the next tile.
 //   * -DBW_NO_PROMOTE (the rate probe only, not a correct GEMM): the same mainloop accumulating straight into acc
-//     (no tmp, no promotion): the plain FP8 wgmma rate with the same loads and waits.
+//     (no t0 / t1, no promotion): the plain FP8 wgmma rate with the same loads and waits.
 // Shared memory (all dynamic): 6 x 32768 ring + 2 x 6 x 8 barriers + 9 GroupInfo = 197136 B.
 
 #include "wgmma_fp8.cuh"
@@ -42,6 +43,7 @@
 #define BW_PF 4                              // scale prefetch distance (k blocks)
 
 static_assert(sizeof(GroupInfo) == 48, "BW_SMEM_BYTES assumes 48-byte GroupInfo entries");
+static_assert(BW_PF % 2 == 0, "the t0 / t1 alternation follows u, so BW_PF must be even");
 static_assert(BW_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
 // Tile t of the persistent schedule, computed by one warp into its own GroupInfo. Returns 1 when the tile has rows
@@ -182,52 +184,90 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 #ifndef BW_NO_PROMOTE
-        float tmp[64];
+        float t0[64], t1[64];  // block kb's MMAs in flight, block kb - 1's partial sum being promoted (alternating)
 #endif
+        float pc0 = 0.f, pc1 = 0.f;  // the pending block's scale products for the thread's two rows
+        int st_prev = 0;             // the pending block's stage
+        // For block kb: issue its MMAs (into t[kb % 2]), wait for block kb - 1's, release that stage and promote
+        // it while block kb's MMAs run: each warpgroup keeps the tensor cores fed while it promotes. The MMAs are
+        // issued on every path (no wgmma under a branch: ptxas would serialize them).
         for (int kb0 = 0; kb0 < nk; kb0 += BW_PF) {
 #pragma unroll
             for (int u = 0; u < BW_PF; ++u) {
                 const int kb = kb0 + u;
                 if (kb >= nk) break;
-                mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
-                const unsigned st = sbase + (unsigned)stage * BW_STAGE_BYTES;
-                const unsigned long long da = wg_desc(st + 8192u * (unsigned)wg), db = wg_desc(st + BW_B);
-                wg_fence();
-#ifdef BW_NO_PROMOTE
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(acc, da + 2 * kk, db + 2 * kk, 1u);
-                wg_commit();
-                wg_wait<0>();
-                pin_acc64(acc);
-                mbar_arrive_if(empty0 + 8u * (unsigned)stage, lane0);
-                (void)s0[u];
+#ifndef BW_NO_PROMOTE
+                float* tn = (u & 1) ? t1 : t0;
+                float* tp = (u & 1) ? t0 : t1;
 #else
-                // k32 slice kk: + 32 bytes of the 128-byte swizzled rows = + 2 in the descriptors' start field
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(tmp, da + 2 * kk, db + 2 * kk, kk > 0);
-                wg_commit();
-                // the block's scales (loaded BW_PF blocks ago), and the load for block kb + BW_PF into their place
+                float* tn = acc;
+#endif
+                // block kb's scales (loaded BW_PF blocks ago), and the loads for block kb + BW_PF into their place
                 const float sbf = e8m0_f32(sb[u]);
-                const float sc0 = e8m0_f32(s0[u]) * sbf, sc1 = e8m0_f32(s1[u]) * sbf;
+                const float nc0 = e8m0_f32(s0[u]) * sbf, nc1 = e8m0_f32(s1[u]) * sbf;
                 if (kb + BW_PF < nk) {
                     s0[u] = ldg_u8(As + oa0 + (unsigned)(kb + BW_PF));
                     s1[u] = ldg_u8(As + oa1 + (unsigned)(kb + BW_PF));
                     sb[u] = ldg_u8(Bs + ob + (unsigned)(kb + BW_PF) * ostep);
                 }
-                wg_wait<0>();
-                pin_acc64(tmp);
-                mbar_arrive_if(empty0 + 8u * (unsigned)stage, lane0);  // the stage is read: the producer may refill
+                mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
+                {
+                    const unsigned st = sbase + (unsigned)stage * BW_STAGE_BYTES;
+                    const unsigned long long da = wg_desc(st + 8192u * (unsigned)wg), db = wg_desc(st + BW_B);
+                    wg_fence();
+                    // k32 slice kk: + 32 bytes of the 128-byte swizzled rows = + 2 in the descriptors' start field
 #pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    acc[4 * j] = fmaf(tmp[4 * j], sc0, acc[4 * j]);
-                    acc[4 * j + 1] = fmaf(tmp[4 * j + 1], sc0, acc[4 * j + 1]);
-                    acc[4 * j + 2] = fmaf(tmp[4 * j + 2], sc1, acc[4 * j + 2]);
-                    acc[4 * j + 3] = fmaf(tmp[4 * j + 3], sc1, acc[4 * j + 3]);
-                }
+                    for (int kk = 0; kk < 4; ++kk)
+#ifdef BW_NO_PROMOTE
+                        wgmma_m64n128k32_e4m3(tn, da + 2 * kk, db + 2 * kk, 1u);
+#else
+                        wgmma_m64n128k32_e4m3(tn, da + 2 * kk, db + 2 * kk, kk > 0);
 #endif
+                    wg_commit();
+                }
+                const int st_cur = stage;
                 ring_next(stage, phase, BW_STAGES);
+                wg_wait<1>();  // block kb - 1's MMAs retired (none at kb = 0)
+                if (kb > 0) {
+                    mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);  // its stage is read: refill it
+#ifndef BW_NO_PROMOTE
+                    pin_acc64(tp);
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        acc[4 * j] = fmaf(tp[4 * j], pc0, acc[4 * j]);
+                        acc[4 * j + 1] = fmaf(tp[4 * j + 1], pc0, acc[4 * j + 1]);
+                        acc[4 * j + 2] = fmaf(tp[4 * j + 2], pc1, acc[4 * j + 2]);
+                        acc[4 * j + 3] = fmaf(tp[4 * j + 3], pc1, acc[4 * j + 3]);
+                    }
+#endif
+                }
+                pc0 = nc0;
+                pc1 = nc1;
+                st_prev = st_cur;
             }
         }
+        wg_wait<0>();  // the last block
+        mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
+#ifndef BW_NO_PROMOTE
+        {
+            pin_acc64(t0);
+            pin_acc64(t1);
+            const bool odd = (nk - 1) & 1;  // the last block's accumulator: t1 when nk - 1 is odd (BW_PF is even)
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float a0 = odd ? t1[4 * j] : t0[4 * j], a1 = odd ? t1[4 * j + 1] : t0[4 * j + 1];
+                const float a2 = odd ? t1[4 * j + 2] : t0[4 * j + 2], a3 = odd ? t1[4 * j + 3] : t0[4 * j + 3];
+                acc[4 * j] = fmaf(a0, pc0, acc[4 * j]);
+                acc[4 * j + 1] = fmaf(a1, pc0, acc[4 * j + 1]);
+                acc[4 * j + 2] = fmaf(a2, pc1, acc[4 * j + 2]);
+                acc[4 * j + 3] = fmaf(a3, pc1, acc[4 * j + 3]);
+            }
+        }
+#else
+        pin_acc64(acc);
+        (void)pc0;
+        (void)pc1;
+#endif
         bw_epilogue(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, r_in);
     }
 }

@@ -11,13 +11,14 @@
 //   * tile 128 (rows of N) x 128 (columns of K) per group, persistent grid over G x N/128 x K/128 tiles; each warp
 //     scans the device group sizes itself (gm_scan_groups by group: toff = P_g / 128, rows = n_g): no host read.
 //     ceil(n_g / 128) k steps; an empty group's tiles store zeros without touching the ring.
-//   * mainloop per consumer warpgroup (64 rows) as the fprop kernel's (blockwise_gemm.cu): 4 x m64n128k32 into
-//     tmp, wait, promote. Both scales vary per output element here (sa per row, sb per column), so while the MMAs
-//     run each thread decodes one sb byte of the stage into the warpgroup's fp32 table (double-buffered, one named
-//     barrier per step), and the promotion is acc += (tmp * sb[col]) * sa[row]: two fp32 ops per element.
+//   * mainloop per consumer warpgroup (64 rows) as the fprop kernel's (blockwise_gemm.cu): block s's 4 x
+//     m64n128k32 into t[s % 2], then wait for block s - 1's, release its stage and promote it while block s's run.
+//     Both scales vary per output element here (sa per row, sb per column), so while the MMAs run each thread
+//     decodes one sb byte of the stage into the warpgroup's fp32 table (4 buffers, one named barrier per step),
+//     and the promotion is acc += (t * sb[col]) * sa[row]: two fp32 ops per element.
 //   * epilogue from registers: fp32 as 8-byte stores (a quad writes one 32-byte sector), bf16 as 16-byte stores
 //     after a quad transpose.
-// Shared memory (all dynamic): 6 x 33792 ring + 2 x 1024 scale tables + barriers + 9 GroupInfo = 205328 B.
+// Shared memory (all dynamic): 6 x 33792 ring + 2 x 2048 scale tables + barriers + 9 GroupInfo = 207376 B.
 
 #include "wgmma_fp8.cuh"
 
@@ -26,10 +27,10 @@
 #define WB_B 16384
 #define WB_SA 32768
 #define WB_SB 32896
-#define WB_TAB (WB_STAGES * WB_STAGE_BYTES)  // per consumer warpgroup: 2 x 128 fp32 decoded sb
-#define WB_BAR (WB_TAB + 2048)
+#define WB_TAB (WB_STAGES * WB_STAGE_BYTES)  // per consumer warpgroup: 4 x 128 fp32 decoded sb
+#define WB_BAR (WB_TAB + 4096)
 #define WB_GI (WB_BAR + 16 * WB_STAGES)
-#define WB_SMEM_BYTES (WB_GI + 9 * 48)  // 205328
+#define WB_SMEM_BYTES (WB_GI + 9 * 48)  // 207376
 
 static_assert(WB_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
@@ -75,6 +76,39 @@ __device__ __forceinline__ void wb_produce(GroupInfo* gi, const int* __restrict_
     }
 }
 
+// acc += (t * sb[col]) * sa[row] for the thread's 64 accumulators: sb from the warpgroup's decoded table (fp32 of
+// columns 8 j + 2 c, + 1: one 8-byte load per j), sa0 / sa1 for its rows r, r + 8.
+__device__ __forceinline__ void wb_promote(float* acc, const float* t, unsigned table, float sa0, float sa1, int c) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        float2 sb;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                     : "=f"(sb.x), "=f"(sb.y)
+                     : "r"(table + 4u * (unsigned)(8 * j + 2 * c)));
+        acc[4 * j] = fmaf(t[4 * j] * sb.x, sa0, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(t[4 * j + 1] * sb.y, sa0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(t[4 * j + 2] * sb.x, sa1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(t[4 * j + 3] * sb.y, sa1, acc[4 * j + 3]);
+    }
+}
+
+// wb_promote of t1 (odd) or t0: the last block's accumulator, chosen per element (no write to t0 / t1: registers
+// that only wgmma defines stay so, or ptxas serializes the MMAs).
+__device__ __forceinline__ void wb_promote_last(float* acc, const float* t0, const float* t1, int odd, unsigned table,
+                                                float sa0, float sa1, int c) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        float2 sb;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                     : "=f"(sb.x), "=f"(sb.y)
+                     : "r"(table + 4u * (unsigned)(8 * j + 2 * c)));
+        acc[4 * j] = fmaf((odd ? t1[4 * j] : t0[4 * j]) * sb.x, sa0, acc[4 * j]);
+        acc[4 * j + 1] = fmaf((odd ? t1[4 * j + 1] : t0[4 * j + 1]) * sb.y, sa0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf((odd ? t1[4 * j + 2] : t0[4 * j + 2]) * sb.x, sa1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf((odd ? t1[4 * j + 3] : t0[4 * j + 3]) * sb.y, sa1, acc[4 * j + 3]);
+    }
+}
+
 template <int OUT_F32>
 __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
                                           int N, int K, const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmSa,
@@ -98,10 +132,10 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
     const int r_in = wg * 64 + q * 16 + (lane >> 2);
     unsigned lane0 = lane == 0;
     asm volatile("" : "+r"(lane0));
-    const unsigned tab = sbase + WB_TAB + 1024u * (unsigned)wg;
+    const unsigned tab = sbase + WB_TAB + 2048u * (unsigned)wg;
     const int total = G * (N / 128) * (K / 128);
     int stage = 0;
-    unsigned phase = 0, tsel = 0;
+    unsigned phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int g, n0, k0, nks, kb0;
         wb_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nks, kb0);
@@ -109,37 +143,51 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
         float acc[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-        float tmp[64];
-        for (int s = 0; s < nks; ++s) {
-            mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
-            const unsigned st = sbase + (unsigned)stage * WB_STAGE_BYTES;
-            const unsigned long long da = wg_desc(st + 8192u * (unsigned)wg), db = wg_desc(st + WB_B);
-            wg_fence();
+        float t0[64], t1[64];  // block s's MMAs in flight, block s - 1's partial sum being promoted (alternating)
+        float ps0 = 0.f, ps1 = 0.f;  // the pending block's sa for the thread's two rows
+        int st_prev = 0;             // the pending block's stage
+        for (int s0 = 0; s0 < nks; s0 += 2) {
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(tmp, da + 2 * kk, db + 2 * kk, kk > 0);
-            wg_commit();
-            // while the MMAs run: this thread's sb byte -> the warpgroup's table (buffer tsel), its two sa bytes
-            const unsigned tb = tab + 512u * tsel;
-            sts32(tb + 4u * (unsigned)tw, __float_as_uint(e8m0_f32(lds8(st + WB_SB + (unsigned)tw))));
-            const float sa0 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in));
-            const float sa1 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in + 8u));
-            named_bar_sync(1 + wg, 128);  // the table is complete (and the other buffer's readers are done)
-            wg_wait<0>();
-            pin_acc64(tmp);
-            mbar_arrive_if(empty0 + 8u * (unsigned)stage, lane0);
+            for (int u = 0; u < 2; ++u) {
+                const int s = s0 + u;
+                if (s >= nks) break;
+                float* tn = u ? t1 : t0;
+                float* tp = u ? t0 : t1;
+                mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
+                const unsigned st = sbase + (unsigned)stage * WB_STAGE_BYTES;
+                {
+                    const unsigned long long da = wg_desc(st + 8192u * (unsigned)wg), db = wg_desc(st + WB_B);
+                    wg_fence();
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                float2 sb;
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
-                             : "=f"(sb.x), "=f"(sb.y)
-                             : "r"(tb + 4u * (unsigned)(8 * j + 2 * c)));
-                acc[4 * j] = fmaf(tmp[4 * j] * sb.x, sa0, acc[4 * j]);
-                acc[4 * j + 1] = fmaf(tmp[4 * j + 1] * sb.y, sa0, acc[4 * j + 1]);
-                acc[4 * j + 2] = fmaf(tmp[4 * j + 2] * sb.x, sa1, acc[4 * j + 2]);
-                acc[4 * j + 3] = fmaf(tmp[4 * j + 3] * sb.y, sa1, acc[4 * j + 3]);
+                    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(tn, da + 2 * kk, db + 2 * kk, kk > 0);
+                    wg_commit();
+                }
+                // while the MMAs run: block s's scales, sb through the warpgroup's table (buffer s % 4: a buffer is
+                // rewritten only after every thread has passed two more barriers, i.e. finished promoting with it)
+                sts32(tab + 512u * (unsigned)(s & 3) + 4u * (unsigned)tw,
+                      __float_as_uint(e8m0_f32(lds8(st + WB_SB + (unsigned)tw))));
+                const float ns0 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in));
+                const float ns1 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in + 8u));
+                const int st_cur = stage;
+                ring_next(stage, phase, WB_STAGES);
+                named_bar_sync(1 + wg, 128);  // block s's table is complete
+                wg_wait<1>();                 // block s - 1's MMAs retired (none at s = 0)
+                if (s > 0) {
+                    mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
+                    pin_acc64(tp);
+                    wb_promote(acc, tp, tab + 512u * (unsigned)((s - 1) & 3), ps0, ps1, c);
+                }
+                ps0 = ns0;
+                ps1 = ns1;
+                st_prev = st_cur;
             }
-            tsel ^= 1u;
-            ring_next(stage, phase, WB_STAGES);
+        }
+        wg_wait<0>();   // the last block (nothing pending when nks = 0)
+        pin_acc64(t0);
+        pin_acc64(t1);
+        if (nks > 0) {
+            mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
+            wb_promote_last(acc, t0, t1, (nks - 1) & 1, tab + 512u * (unsigned)((nks - 1) & 3), ps0, ps1, c);
         }
         // out[g] as rows g N + n0 + r of the [G N, K] matrix
         const long long orow = (long long)g * N + n0;

@@ -37,7 +37,7 @@ _WGRAD_FILE = "experts/sm90/blockwise_wgrad.cu"
 _THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup
 _BM = _BN = 128  # output tile of both kernels
 _GEMM_SMEM_BYTES = 197136  # 6 x 32768 + 96 + 9 x 48, blockwise_gemm.cu BW_SMEM_BYTES
-_WGRAD_SMEM_BYTES = 205328  # 6 x 33792 + 2048 + 96 + 9 x 48, blockwise_wgrad.cu WB_SMEM_BYTES
+_WGRAD_SMEM_BYTES = 207376  # 6 x 33792 + 4096 + 96 + 9 x 48, blockwise_wgrad.cu WB_SMEM_BYTES
 _WGRAD_KERNELS = {torch.float32: "bw_gmm_wgrad_f32", torch.bfloat16: "bw_gmm_wgrad_bf16"}
 _I32_MAX = 2**31 - 1
 
