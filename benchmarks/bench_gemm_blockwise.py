@@ -80,6 +80,10 @@ def _setup_mm(gemm, x, dy, w, sz, offs, sizes, starts, pick, det, quant):
     b, b_s = (data, scale) if gemm == "fprop" else (data_t, scale.transpose(1, 2))
     out = torch.empty(m, b.shape[1], dtype=torch.bfloat16, device=dev)
     ours["blockwise"] = lambda a=a, a_s=a_s, b=b, b_s=b_s, out=out: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out)
+    # the other build (default: the 2-CTA multicast one, bw.MULTICAST), in meta.details only
+    ours["blockwise_other_build"] = lambda: bw.grouped_mm_blockwise_out(
+        a, a_s, b, b_s, sz, out, _multicast=not bw.MULTICAST
+    )
     # check: the picked groups' rows against the dequantized fp32 product
     ours["blockwise"]()
     errs = {}
@@ -123,6 +127,9 @@ def _setup_wgrad(x, dy, sz, offs, sizes, pick, det, quant):
     out16 = torch.empty(g, n, k, dtype=torch.bfloat16, device=dev)
     ours["blockwise"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out)
     ours["blockwise_bf16out"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out16)
+    ours["blockwise_other_build"] = lambda: bw.grouped_wgrad_blockwise_out(
+        a_t, a_st, b_t, b_st, sz, out, _multicast=not bw.MULTICAST
+    )
     ours["blockwise"]()
     offp = ref.padded_group_offsets(sizes)
     errs = {}
@@ -237,15 +244,23 @@ def run_probe(args) -> dict:
     out = torch.empty(s, s, dtype=torch.bfloat16, device=dev)
     flops = 2.0 * s**3
     res: dict = {"shape": [s, s, s], "note": "TFLOP/s, median of CUDA-event times"}
-    fns = {
-        "fp8_blockwise_promote": lambda: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out),
-        "fp8_no_promote": lambda: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out, _options=("-DBW_NO_PROMOTE",)),
-    }
+    fns = {}
+    for mc in (False, True):
+        tag = "cluster2" if mc else "single"
+        fns[f"fp8_blockwise_promote_{tag}"] = lambda mc=mc: bw.grouped_mm_blockwise_out(
+            a, a_s, b, b_s, sz, out, _multicast=mc
+        )
+        fns[f"fp8_no_promote_{tag}"] = lambda mc=mc: bw.grouped_mm_blockwise_out(
+            a, a_s, b, b_s, sz, out, _options=("-DBW_NO_PROMOTE",), _multicast=mc
+        )
     cols = ref.colwise_cols(s, 1)
     a_t, a_st = ref.quantize_colwise_grouped_torch(x, [s], cols)
     b_t, b_st = ref.quantize_colwise_grouped_torch(w[0].t().contiguous(), [s], cols)
     wout = torch.empty(1, s, s, dtype=torch.float32, device=dev)
-    fns["fp8_wgrad_promote_f32out"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, wout)
+    for mc in (False, True):
+        fns[f"fp8_wgrad_promote_f32out_{'cluster2' if mc else 'single'}"] = lambda mc=mc: (
+            bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, wout, _multicast=mc)
+        )
     xb, wb = x.bfloat16(), w[0].bfloat16()
     fns["torch_bf16_matmul"] = lambda: xb @ wb.t()
     try:
@@ -261,8 +276,9 @@ def run_probe(args) -> dict:
     res["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items() if v}
     res["errors"] = errors
     tf = res["tflops"]
-    if "fp8_blockwise_promote" in tf and "fp8_no_promote" in tf:
-        res["promotion_cost"] = 1.0 - tf["fp8_blockwise_promote"] / tf["fp8_no_promote"]
+    for tag in ("single", "cluster2"):
+        if f"fp8_blockwise_promote_{tag}" in tf and f"fp8_no_promote_{tag}" in tf:
+            res[f"promotion_cost_{tag}"] = 1.0 - tf[f"fp8_blockwise_promote_{tag}"] / tf[f"fp8_no_promote_{tag}"]
     print(f"[probe] {res}", flush=True)
     return res
 
@@ -293,6 +309,7 @@ def main() -> None:
         "config": {"warmup": args.warmup, "reps": args.reps, "rounds": args.rounds},
         "shapes": {kk: SHAPES[kk] for kk in args.shapes.split(",") if kk},
         "shape_convention": "(M, K, N, G): fprop [M,K]x[G,N,K]->[M,N]; dgrad [M,N]xW->[M,K]; wgrad -> [G,N,K] fp32",
+        "multicast_default": bw.MULTICAST,
         "quant_note": qnote or "quant_ms: moe_ep.blockwise.cuda quantizers of the GEMM's fresh activation operands",
         "details": {},
     }

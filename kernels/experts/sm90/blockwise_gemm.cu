@@ -23,6 +23,12 @@
 //   * persistent: grid = min(tiles, SMs) over (ceil(M/128) + G) x N/128 tiles in gm_raster's order (bands of
 //     BW_RASTER row tiles); tiles past the groups zero-fill rows past sum(sizes) when zero_rest (there are always
 //     enough of them, see kernels/grouped_gemm.cu).
+//   * -DBW_CLUSTER=2 (the launcher's multicast build, when N / 128 is even): clusters of 2 CTAs take the two
+//     column tiles (n_t = 2 p, 2 p + 1) of the same row tile, so they share the A tile: each CTA's producer loads
+//     64 of its 128 rows by TMA multicast into both CTAs' stage (box 64 x 128 B), its own B tile alone: 24 KiB of
+//     L2 traffic per CTA and k block instead of 32. A stage is refilled only when the consumers of both CTAs have
+//     released it (empty barriers count the 16 consumer warps of the cluster: local + remote arrivals); the
+//     CTAs meet (barrier.cluster) after the barriers' initialization and before leaving.
 //   * epilogue: bf16 from registers (quad transpose, 16-byte stores of 8 rows x 64 contiguous bytes per warp),
 //     rows past the group masked; the producer meanwhile fills the ring for the next tile.
 //   * -DBW_NO_PROMOTE (the rate probe only, not a correct GEMM): the same mainloop accumulating straight into acc
@@ -41,20 +47,24 @@
 #define BW_GI (BW_BAR + 16 * BW_STAGES)      // one GroupInfo per warp (9)
 #define BW_SMEM_BYTES (BW_GI + 9 * 48)       // 197136
 #define BW_PF 4                              // scale prefetch distance (k blocks)
+#ifndef BW_CLUSTER  // -DBW_CLUSTER=2: CTA pairs share the A tile (TMA multicast), see the header comment
+#define BW_CLUSTER 1
+#endif
 
 static_assert(sizeof(GroupInfo) == 48, "BW_SMEM_BYTES assumes 48-byte GroupInfo entries");
 static_assert(BW_PF % 2 == 0, "the t0 / t1 alternation follows u, so BW_PF must be even");
 static_assert(BW_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
-// Tile t of the persistent schedule, computed by one warp into its own GroupInfo. Returns 1 when the tile has rows
+// Tile t of the persistent schedule (with clusters: the cluster's tile t, this CTA's column tile `rank` of it),
+// computed by one warp into its own GroupInfo. Returns 1 when the tile has rows
 // to compute (sets g, n0, mrows, arow0), 0 when it is a tile past the groups (sets r_zero: its first row past
 // sum(sizes)), -1 when it has nothing to do.
 __device__ __forceinline__ int bw_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N, int t,
-                                       int& g, int& n0, int& mrows, long long& arow0, long long& r_zero) {
-    const int n_tiles = N / BW_BN;
+                                       int rank, int& g, int& n0, int& mrows, long long& arow0, long long& r_zero) {
+    const int n_tiles = N / BW_BN / BW_CLUSTER;  // column tiles (BW_CLUSTER > 1: column tile groups of the cluster)
     int m_t, n_t;
     gm_raster(t, (int)((M + BW_BM - 1) / BW_BM) + G, n_tiles, BW_RASTER, m_t, n_t);
-    n0 = n_t * BW_BN;
+    n0 = (n_t * BW_CLUSTER + rank) * BW_BN;
     gm_scan_groups(sizes, G, M, GM_BY_TILE, m_t, gi);
     __syncwarp();
     g = gi->g;
@@ -69,26 +79,49 @@ __device__ __forceinline__ int bw_tile(GroupInfo* gi, const int* __restrict__ si
     return mrows > 0 ? 1 : -1;
 }
 
+// The persistent schedule: this CTA (cluster) walks tiles bw_first(), + bw_step(), ... < bw_total() (with clusters
+// the tiles are column-tile groups, one column tile per CTA of the cluster).
+__device__ __forceinline__ int bw_total(long long M, int G, int N) {
+    return ((int)((M + BW_BM - 1) / BW_BM) + G) * (N / BW_BN / BW_CLUSTER);
+}
+__device__ __forceinline__ int bw_first() { return blockIdx.x / BW_CLUSTER; }
+__device__ __forceinline__ int bw_step() { return gridDim.x / BW_CLUSTER; }
+
+// Release a stage: lane 0 of each consumer warp arrives on the stage's empty barrier, with clusters on both CTAs'
+// (the peer's producer multicasts into this CTA's copy of the stage too).
+__device__ __forceinline__ void bw_release(unsigned empty, unsigned lane0) {
+    mbar_arrive_if(empty, lane0);
+#if BW_CLUSTER > 1
+    mbar_arrive_cluster_if(mapa_shared(empty, cluster_ctarank() ^ 1u), lane0);
+#endif
+}
+
 // Producer (warp 8; lane 0 issues): for every tile of this CTA and every k block, wait for the stage to be free and
 // load A (rows arow0 .., the group's rows and whatever follows) and B (rows g N + n0 ..).
 __device__ __forceinline__ void bw_produce(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
                                            int K, const TmaMap* tmA, const TmaMap* tmB, unsigned sbase,
                                            unsigned full0, unsigned empty0) {
     const int lane = threadIdx.x & 31;
-    const int total = ((int)((M + BW_BM - 1) / BW_BM) + G) * (N / BW_BN), nk = K / 128;
+    const int total = bw_total(M, G, N), nk = K / 128;
+    const int rank = BW_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
     int stage = 0;
     unsigned phase = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = bw_first(); t < total; t += bw_step()) {
         int g, n0, mrows;
         long long arow0, r_zero;
-        if (bw_tile(gi, sizes, G, M, N, t, g, n0, mrows, arow0, r_zero) != 1) continue;
+        if (bw_tile(gi, sizes, G, M, N, t, rank, g, n0, mrows, arow0, r_zero) != 1) continue;
         const int brow0 = g * N + n0;
         for (int kb = 0; kb < nk; ++kb) {
             if (lane == 0) {
                 const unsigned st = sbase + (unsigned)stage * BW_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
                 mbar_wait(empty0 + 8u * (unsigned)stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
                 mbar_expect_tx(full, (unsigned)BW_STAGE_BYTES);
+#if BW_CLUSTER > 1
+                // this CTA's half of the shared A tile (64 rows) into both CTAs' stage; the peer sends the other
+                tma_2d_multicast(st + 8192u * (unsigned)rank, tmA, kb * 128, (int)arow0 + 64 * rank, full, 0x3);
+#else
                 tma_2d(st, tmA, kb * 128, (int)arow0, full);
+#endif
                 tma_2d(st + BW_B, tmB, kb * 128, brow0, full);
             }
             ring_next(stage, phase, BW_STAGES);
@@ -114,39 +147,28 @@ __device__ __forceinline__ void bw_epilogue(const float* acc, unsigned short* __
     }
 }
 
-// Kernel parameters: GM_TMA_ARGS (A [M, K] e4m3 via tmA: boxes 128 x 128 B, SW128; B [G N, K] e4m3 via tmB: the
-// same boxes; As = a_scale [M, K/128]; Bs = b_scale with element strides bs0, bs1, bs2 over [G, N/128, K/128]),
-// then those strides. N % 128 == 0, K % 128 == 0 (checked by the launcher).
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
-    bw_gmm_2d3d_bf16(GM_TMA_ARGS, long long bs0, long long bs1, long long bs2) {
-    extern __shared__ __align__(1024) unsigned char smem[];
+// The consumer warpgroups' side: every tile of this CTA (see the header comment).
+__device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* __restrict__ As,
+                                           const unsigned char* __restrict__ Bs, const int* __restrict__ sizes,
+                                           void* __restrict__ out, int G, long long M, int N, int K, int zero_rest,
+                                           long long bs0, long long bs1, long long bs2, unsigned sbase,
+                                           unsigned full0, unsigned empty0) {
     const int tid = threadIdx.x, lane = tid & 31;
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    const unsigned sbase = smem_u32(smem);
-    if (sbase & 1023u) __trap();  // the 128-byte swizzle needs 1024-aligned tiles (no static shared memory)
-    const unsigned full0 = sbase + BW_BAR, empty0 = full0 + 8u * BW_STAGES;
-    ring_init(full0, empty0, BW_STAGES);
-    GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + BW_GI) + warp;
-    if (warp >= WS_CONSUMER_WARPS) {
-        setmaxnreg_dec<56>();
-        if (warp == WS_CONSUMER_WARPS) bw_produce(gi, sizes, G, M, N, K, &tmA, &tmB, sbase, full0, empty0);
-        return;
-    }
-    setmaxnreg_inc<224>();  // 128 x 56 + 256 x 224 = 64512: all the registers of the CTA
-
     const int wg = warp >> 2, q = warp & 3;
     const int r_in = wg * 64 + q * 16 + (lane >> 2);  // tile row of accumulator half h = 0 (h = 1: + 8)
     unsigned lane0 = lane == 0;
     asm volatile("" : "+r"(lane0));
-    const int total = ((int)((M + BW_BM - 1) / BW_BM) + G) * (N / BW_BN), nk = K / 128;
+    const int total = bw_total(M, G, N), nk = K / 128;
+    const int rank = BW_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
     const int ks = K / 128;  // a_scale row stride
     int stage = 0;
     unsigned phase = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = bw_first(); t < total; t += bw_step()) {
         int g, n0, mrows;
         long long arow0, r_zero;
         const int kind =
-            __shfl_sync(0xffffffffu, bw_tile(gi, sizes, G, M, N, t, g, n0, mrows, arow0, r_zero), 0);
+            __shfl_sync(0xffffffffu, bw_tile(gi, sizes, G, M, N, t, rank, g, n0, mrows, arow0, r_zero), 0);
         if (kind == 0) {
             if (zero_rest) zero_rows(out, r_zero, M, N, n0);  // threads 0-255 = GM_ZERO_THREADS
             continue;
@@ -157,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             // keep the ring: the stage is full before it is released (so that no release runs ahead of a load)
             for (int kb = 0; kb < nk; ++kb) {
                 mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
-                mbar_arrive_if(empty0 + 8u * (unsigned)stage, lane0);
+                bw_release(empty0 + 8u * (unsigned)stage, lane0);
                 ring_next(stage, phase, BW_STAGES);
             }
             continue;
@@ -229,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 ring_next(stage, phase, BW_STAGES);
                 wg_wait<1>();  // block kb - 1's MMAs retired (none at kb = 0)
                 if (kb > 0) {
-                    mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);  // its stage is read: refill it
+                    bw_release(empty0 + 8u * (unsigned)st_prev, lane0);  // its stage is read: refill it
 #ifndef BW_NO_PROMOTE
                     pin_acc64(tp);
 #pragma unroll
@@ -247,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             }
         }
         wg_wait<0>();  // the last block
-        mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
+        bw_release(empty0 + 8u * (unsigned)st_prev, lane0);
 #ifndef BW_NO_PROMOTE
         {
             pin_acc64(t0);
@@ -270,4 +292,41 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #endif
         bw_epilogue(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, r_in);
     }
+}
+
+// Kernel parameters: GM_TMA_ARGS (A [M, K] e4m3 via tmA: boxes 128 x 128 B, SW128; B [G N, K] e4m3 via tmB: the
+// same boxes; As = a_scale [M, K/128]; Bs = b_scale with element strides bs0, bs1, bs2 over [G, N/128, K/128]),
+// then those strides. N % 128 == 0, K % 128 == 0 (checked by the launcher).
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+#if BW_CLUSTER > 1
+    __cluster_dims__(BW_CLUSTER, 1, 1)
+#endif
+    bw_gmm_2d3d_bf16(GM_TMA_ARGS, long long bs0, long long bs1, long long bs2) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0);
+    const unsigned sbase = smem_u32(smem);
+    if (sbase & 1023u) __trap();  // the 128-byte swizzle needs 1024-aligned tiles (no static shared memory)
+    const unsigned full0 = sbase + BW_BAR, empty0 = full0 + 8u * BW_STAGES;
+    if (threadIdx.x == 0) {  // full: the producer's arrival + bytes; empty: every consumer warp of the cluster
+        for (int j = 0; j < BW_STAGES; ++j) {
+            mbar_init(full0 + 8u * j, 1u);
+            mbar_init(empty0 + 8u * j, WS_CONSUMER_WARPS * BW_CLUSTER);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+#if BW_CLUSTER > 1
+    cluster_sync();  // the peer's barriers exist before anything is multicast or arrived on
+#endif
+    GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + BW_GI) + warp;
+    if (warp >= WS_CONSUMER_WARPS) {
+        setmaxnreg_dec<56>();
+        if (warp == WS_CONSUMER_WARPS) bw_produce(gi, sizes, G, M, N, K, &tmA, &tmB, sbase, full0, empty0);
+    } else {
+        setmaxnreg_inc<224>();  // 128 x 56 + 256 x 224 = 64512: all the registers of the CTA
+        bw_consume(gi, As, Bs, sizes, out, G, M, N, K, zero_rest, bs0, bs1, bs2, sbase, full0, empty0);
+    }
+#if BW_CLUSTER > 1
+    cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
+#endif
 }

@@ -16,6 +16,11 @@
 //     Both scales vary per output element here (sa per row, sb per column), so while the MMAs run each thread
 //     decodes one sb byte of the stage into the warpgroup's fp32 table (4 buffers, one named barrier per step),
 //     and the promotion is acc += (t * sb[col]) * sa[row]: two fp32 ops per element.
+//   * -DWB_CLUSTER=2 (the launcher's multicast build, when K / 128 is even): clusters of 2 CTAs take the column
+//     tiles k0, k0 + 128 of the same (group, row tile), so they share the A tile and its scale row: each producer
+//     multicasts 64 of the 128 A rows to both CTAs, rank 0 also the A scales; empty barriers count the consumer
+//     warps of both CTAs; the CTAs meet (barrier.cluster) after initialization and before leaving (as the fprop
+//     kernel's cluster build).
 //   * epilogue from registers: fp32 as 8-byte stores (a quad writes one 32-byte sector), bf16 as 16-byte stores
 //     after a quad transpose.
 // Shared memory (all dynamic): 6 x 33792 ring + 2 x 2048 scale tables + barriers + 9 GroupInfo = 207376 B.
@@ -32,17 +37,21 @@
 #define WB_GI (WB_BAR + 16 * WB_STAGES)
 #define WB_SMEM_BYTES (WB_GI + 9 * 48)  // 207376
 
+#ifndef WB_CLUSTER  // -DWB_CLUSTER=2: CTA pairs share the A tile and its scales (TMA multicast)
+#define WB_CLUSTER 1
+#endif
+
 static_assert(WB_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
-// Tile t -> group g, row tile n0 (of N), column tile k0 (of K); the group's first padded block and its k steps
-// from the warp's own scan.
+// Tile t -> group g, row tile n0 (of N), column tile k0 (of K; with clusters t is the cluster's tile and k0 this
+// CTA's column tile `rank` of it); the group's first padded block and its k steps from the warp's own scan.
 __device__ __forceinline__ void wb_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
-                                        int K, int t, int& g, int& n0, int& k0, int& nks, int& kb0) {
-    const int nt = N / 128, kt = K / 128;
+                                        int K, int t, int rank, int& g, int& n0, int& k0, int& nks, int& kb0) {
+    const int nt = N / 128, kt = K / 128 / WB_CLUSTER;
     g = t / (nt * kt);
     const int rem = t - g * nt * kt;
     n0 = (rem / kt) * 128;
-    k0 = (rem % kt) * 128;
+    k0 = ((rem % kt) * WB_CLUSTER + rank) * 128;
     gm_scan_groups(sizes, G, M, GM_BY_GROUP, g, gi);
     __syncwarp();
     nks = (int)(((unsigned)gi->rows + 127u) >> 7);
@@ -50,25 +59,43 @@ __device__ __forceinline__ void wb_tile(GroupInfo* gi, const int* __restrict__ s
     __syncwarp();
 }
 
+__device__ __forceinline__ int wb_total(int G, int N, int K) { return G * (N / 128) * (K / 128 / WB_CLUSTER); }
+
+// Release a stage on this CTA's empty barrier and, with clusters, on the peer's (it multicasts into this CTA).
+__device__ __forceinline__ void wb_release(unsigned empty, unsigned lane0) {
+    mbar_arrive_if(empty, lane0);
+#if WB_CLUSTER > 1
+    mbar_arrive_cluster_if(mapa_shared(empty, cluster_ctarank() ^ 1u), lane0);
+#endif
+}
+
 __device__ __forceinline__ void wb_produce(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
                                            int K, const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmSa,
                                            const TmaMap* tmSb, unsigned sbase, unsigned full0, unsigned empty0) {
     const int lane = threadIdx.x & 31;
-    const int total = G * (N / 128) * (K / 128);
+    const int total = wb_total(G, N, K);
+    const int rank = WB_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
     int stage = 0;
     unsigned phase = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = blockIdx.x / WB_CLUSTER; t < total; t += gridDim.x / WB_CLUSTER) {
         int g, n0, k0, nks, kb0;
-        wb_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nks, kb0);
+        wb_tile(gi, sizes, G, M, N, K, t, rank, g, n0, k0, nks, kb0);
         for (int s = 0; s < nks; ++s) {
             if (lane == 0) {
                 const unsigned st = sbase + (unsigned)stage * WB_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
                 mbar_wait(empty0 + 8u * (unsigned)stage, phase ^ 1u);
                 mbar_expect_tx(full, 32768u + 256u);
                 const int kb = kb0 + s;
+#if WB_CLUSTER > 1
+                // the shared A tile: this CTA's 64 rows into both CTAs' stage (the peer sends the other 64), and
+                // rank 0 sends the A scales to both
+                tma_2d_multicast(st + 8192u * (unsigned)rank, tmA, kb * 128, n0 + 64 * rank, full, 0x3);
+                if (rank == 0) tma_2d_multicast(st + WB_SA, tmSa, n0, kb, full, 0x3);
+#else
                 tma_2d(st, tmA, kb * 128, n0, full);
-                tma_2d(st + WB_B, tmB, kb * 128, k0, full);
                 tma_2d(st + WB_SA, tmSa, n0, kb, full);
+#endif
+                tma_2d(st + WB_B, tmB, kb * 128, k0, full);
                 tma_2d(st + WB_SB, tmSb, k0, kb, full);
             }
             ring_next(stage, phase, WB_STAGES);
@@ -110,35 +137,23 @@ __device__ __forceinline__ void wb_promote_last(float* acc, const float* t0, con
 }
 
 template <int OUT_F32>
-__device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
-                                          int N, int K, const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmSa,
-                                          const TmaMap* tmSb) {
-    extern __shared__ __align__(1024) unsigned char smem[];
+__device__ __forceinline__ void wb_consume(GroupInfo* gi, const int* __restrict__ sizes, void* __restrict__ out,
+                                           int G, long long M, int N, int K, unsigned sbase, unsigned full0,
+                                           unsigned empty0) {
     const int tid = threadIdx.x, lane = tid & 31;
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    const unsigned sbase = smem_u32(smem);
-    if (sbase & 1023u) __trap();
-    const unsigned full0 = sbase + WB_BAR, empty0 = full0 + 8u * WB_STAGES;
-    ring_init(full0, empty0, WB_STAGES);
-    GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + WB_GI) + warp;
-    if (warp >= WS_CONSUMER_WARPS) {
-        setmaxnreg_dec<56>();
-        if (warp == WS_CONSUMER_WARPS)
-            wb_produce(gi, sizes, G, M, N, K, tmA, tmB, tmSa, tmSb, sbase, full0, empty0);
-        return;
-    }
-    setmaxnreg_inc<224>();
     const int wg = warp >> 2, q = warp & 3, c = tid & 3, tw = tid & 127;
     const int r_in = wg * 64 + q * 16 + (lane >> 2);
     unsigned lane0 = lane == 0;
     asm volatile("" : "+r"(lane0));
     const unsigned tab = sbase + WB_TAB + 2048u * (unsigned)wg;
-    const int total = G * (N / 128) * (K / 128);
+    const int total = wb_total(G, N, K);
+    const int rank = WB_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
     int stage = 0;
     unsigned phase = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = blockIdx.x / WB_CLUSTER; t < total; t += gridDim.x / WB_CLUSTER) {
         int g, n0, k0, nks, kb0;
-        wb_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nks, kb0);
+        wb_tile(gi, sizes, G, M, N, K, t, rank, g, n0, k0, nks, kb0);
         nks = __shfl_sync(0xffffffffu, nks, 0);
         float acc[64];
 #pragma unroll
@@ -173,7 +188,7 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
                 named_bar_sync(1 + wg, 128);  // block s's table is complete
                 wg_wait<1>();                 // block s - 1's MMAs retired (none at s = 0)
                 if (s > 0) {
-                    mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
+                    wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
                     pin_acc64(tp);
                     wb_promote(acc, tp, tab + 512u * (unsigned)((s - 1) & 3), ps0, ps1, c);
                 }
@@ -186,7 +201,7 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
         pin_acc64(t0);
         pin_acc64(t1);
         if (nks > 0) {
-            mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
+            wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
             wb_promote_last(acc, t0, t1, (nks - 1) & 1, tab + 512u * (unsigned)((nks - 1) & 3), ps0, ps1, c);
         }
         // out[g] as rows g N + n0 + r of the [G N, K] matrix
@@ -216,9 +231,48 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
 // with the 128-byte swizzle; M = Mp, the padded token columns: an upper bound of the rows the groups cover), then
 // tmSa over a_st [Mp/128, N] and tmSb over b_st [Mp/128, K], boxes of 1 row x 128 B. N, K, Mp multiples of 128.
 #define WB_ARGS GM_TMA_ARGS, const __grid_constant__ TmaMap tmSa, const __grid_constant__ TmaMap tmSb
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) bw_gmm_wgrad_f32(WB_ARGS) {
+template <int OUT_F32>
+__device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* __restrict__ out, int G, long long M,
+                                          int N, int K, const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmSa,
+                                          const TmaMap* tmSb) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0);
+    const unsigned sbase = smem_u32(smem);
+    if (sbase & 1023u) __trap();
+    const unsigned full0 = sbase + WB_BAR, empty0 = full0 + 8u * WB_STAGES;
+    if (threadIdx.x == 0) {  // full: the producer's arrival + bytes; empty: every consumer warp of the cluster
+        for (int j = 0; j < WB_STAGES; ++j) {
+            mbar_init(full0 + 8u * j, 1u);
+            mbar_init(empty0 + 8u * j, WS_CONSUMER_WARPS * WB_CLUSTER);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+#if WB_CLUSTER > 1
+    cluster_sync();  // the peer's barriers exist before anything is multicast or arrived on
+#endif
+    GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + WB_GI) + warp;
+    if (warp >= WS_CONSUMER_WARPS) {
+        setmaxnreg_dec<56>();
+        if (warp == WS_CONSUMER_WARPS)
+            wb_produce(gi, sizes, G, M, N, K, tmA, tmB, tmSa, tmSb, sbase, full0, empty0);
+    } else {
+        setmaxnreg_inc<224>();
+        wb_consume<OUT_F32>(gi, sizes, out, G, M, N, K, sbase, full0, empty0);
+    }
+#if WB_CLUSTER > 1
+    cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
+#endif
+}
+
+#if WB_CLUSTER > 1
+#define WB_ATTR __launch_bounds__(WS_THREADS, 1) __cluster_dims__(WB_CLUSTER, 1, 1)
+#else
+#define WB_ATTR __launch_bounds__(WS_THREADS, 1)
+#endif
+extern "C" __global__ void WB_ATTR bw_gmm_wgrad_f32(WB_ARGS) {
     wb_kernel<1>(sizes, out, G, M, N, K, &tmA, &tmB, &tmSa, &tmSb);
 }
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) bw_gmm_wgrad_bf16(WB_ARGS) {
+extern "C" __global__ void WB_ATTR bw_gmm_wgrad_bf16(WB_ARGS) {
     wb_kernel<0>(sizes, out, G, M, N, K, &tmA, &tmB, &tmSa, &tmSb);
 }

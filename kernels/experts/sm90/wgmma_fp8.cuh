@@ -40,3 +40,41 @@ __device__ __forceinline__ unsigned ldg_u8(const unsigned char* p) {
     asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// 2-CTA clusters (TMA multicast of the operand tile both CTAs share)
+// ---------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned cluster_ctarank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Every thread of both CTAs (none may have exited): barriers initialized before the peer uses them, and no CTA
+// leaves while the peer may still write into its shared memory or arrive on its barriers.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The shared::cluster address of the same shared-memory offset in CTA `rank` of the cluster.
+__device__ __forceinline__ unsigned mapa_shared(unsigned addr, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+// Arrive on an mbarrier of any CTA of the cluster (release at cluster scope), predicated.
+__device__ __forceinline__ void mbar_arrive_cluster_if(unsigned cluster_addr, bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+                 "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n}\n" ::"r"(cluster_addr),
+                 "r"((unsigned)pred)
+                 : "memory");
+}
+// The TMA box at (c0, c1) into shared memory offset dst of every CTA in `mask`, each completing on its own
+// mbarrier at offset bar.
+__device__ __forceinline__ void tma_2d_multicast(unsigned dst, const TmaMap* map, int c0, int c1, unsigned bar,
+                                                 unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+        : "memory");
+}

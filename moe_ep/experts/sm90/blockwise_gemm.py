@@ -40,8 +40,12 @@ _GEMM_SMEM_BYTES = 197136  # 6 x 32768 + 96 + 9 x 48, blockwise_gemm.cu BW_SMEM_
 _WGRAD_SMEM_BYTES = 207376  # 6 x 33792 + 4096 + 96 + 9 x 48, blockwise_wgrad.cu WB_SMEM_BYTES
 _WGRAD_KERNELS = {torch.float32: "bw_gmm_wgrad_f32", torch.bfloat16: "bw_gmm_wgrad_bf16"}
 _I32_MAX = 2**31 - 1
+# the 2-CTA cluster builds (TMA multicast of the shared A tile) by default, where the pair of column tiles exists
+# (fprop / dgrad: N / 128 even; wgrad: K / 128 even)
+MULTICAST = True
 
 __all__ = [
+    "MULTICAST",
     "fprop_tiles",
     "grouped_mm_blockwise",
     "grouped_mm_blockwise_out",
@@ -69,7 +73,7 @@ def fprop_tiles(m: int, n: int, num_groups: int) -> int:
 
 
 def wgrad_tiles(num_groups: int, n: int, k: int) -> int:
-    """Tiles of the wgrad grid: G x N/128 x K/128 (an empty group's tiles store zeros)."""
+    """Output tiles of the wgrad: G x N/128 x K/128 (an empty group's tiles store zeros)."""
     return num_groups * (n // _BM) * (k // _BN)
 
 
@@ -255,10 +259,13 @@ def _gm_args(tensors: tuple, g: int, m: int, n: int, k: int, zero_rest: bool) ->
     return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))
 
 
-def grouped_mm_blockwise_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False, _options=()):
+def grouped_mm_blockwise_out(
+    a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False, _options=(), _multicast: bool | None = None
+):
     """out[rows of g] = deq(a)[rows of g] @ deq(b[g])^T (fprop; dgrad with b = data_t, b_scale =
     scale.transpose(1, 2)). Formats: module docstring. Rows >= sum(sizes) are left alone, or zero-filled with
-    ``zero_rest``. Returns ``out``. (``_options``: extra NVRTC defines, for the rate probe.)"""
+    ``zero_rest``. Returns ``out``. (``_options``: extra NVRTC defines, for the rate probe; ``_multicast``: the
+    2-CTA cluster build sharing the A tile, default :data:`MULTICAST`, used when N / 128 is even.)"""
     m, n, k, g = _check_mm(a, a_scale, b, b_scale, group_sizes, out)
     if m == 0:
         return out
@@ -268,12 +275,18 @@ def grouped_mm_blockwise_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest
         return out
     from ... import _cuda  # noqa: PLC0415
 
-    tiles = fprop_tiles(m, n, g)
-    grid = min(tiles, _cuda.num_sms(out.device))
-    maps = (_tma_map_2d(a, m, k, 128, 128, 1, True), _tma_map_2d(b, g * n, k, 128, 128, 1, True))
+    tiles, sms = fprop_tiles(m, n, g), _cuda.num_sms(out.device)
+    mc = (MULTICAST if _multicast is None else _multicast) and (n // _BN) % 2 == 0 and sms >= 2
+    if mc:  # clusters of 2 CTAs: one per column tile of a pair, each loading half of the shared A tile
+        grid = 2 * min(tiles // 2, sms // 2)
+        options = (*_options, "-DBW_CLUSTER=2")
+    else:
+        grid = min(tiles, sms)
+        options = tuple(_options)
+    maps = (_tma_map_2d(a, m, k, 64 if mc else 128, 128, 1, True), _tma_map_2d(b, g * n, k, 128, 128, 1, True))
     strides = tuple(_cuda.i64(s) for s in b_scale.stride())
     args = _gm_args((a, a_scale, b, b_scale, group_sizes, out), g, m, n, k, zero_rest) + maps + strides
-    _run(_GEMM_FILE, "bw_gmm_2d3d_bf16", grid, _GEMM_SMEM_BYTES, args, out.device, _options)
+    _run(_GEMM_FILE, "bw_gmm_2d3d_bf16", grid, _GEMM_SMEM_BYTES, args, out.device, options)
     return out
 
 
@@ -290,25 +303,29 @@ def grouped_mm_blockwise(
     return grouped_mm_blockwise_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest=zero_rest)
 
 
-def grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out):
+def grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out, _multicast: bool | None = None):
     """out[g] = deq(A_g) @ deq(B_g)^T over group g's padded token columns (formats: module docstring); out fp32 or
-    bf16 [G, N, K], every element written. Returns ``out``."""
+    bf16 [G, N, K], every element written. Returns ``out``. (``_multicast``: the 2-CTA cluster build sharing the
+    A tile, default :data:`MULTICAST`, used when K / 128 is even.)"""
     n, k, mp, g = _check_wgrad(a_t, a_st, b_t, b_st, group_sizes, out)
     tiles = wgrad_tiles(g, n, k)
     if tiles == 0:
         return out
     from ... import _cuda  # noqa: PLC0415
 
-    grid = min(tiles, _cuda.num_sms(out.device))
+    sms = _cuda.num_sms(out.device)
+    mc = (MULTICAST if _multicast is None else _multicast) and (k // _BN) % 2 == 0 and sms >= 2
+    grid = 2 * min(tiles // 2, sms // 2) if mc else min(tiles, sms)
     maps = (
-        _tma_map_2d(a_t, n, mp, 128, 128, 1, True),
+        _tma_map_2d(a_t, n, mp, 64 if mc else 128, 128, 1, True),
         _tma_map_2d(b_t, k, mp, 128, 128, 1, True),
         _tma_map_2d(a_st, mp // B, n, 1, 128),
         _tma_map_2d(b_st, mp // B, k, 1, 128),
     )
     # M = Mp: an upper bound of the rows the groups cover (the kernel's group scan clamps to it)
     args = _gm_args((a_t, a_st, b_t, b_st, group_sizes, out), g, mp, n, k, False) + maps
-    _run(_WGRAD_FILE, _WGRAD_KERNELS[out.dtype], grid, _WGRAD_SMEM_BYTES, args, out.device)
+    options = ("-DWB_CLUSTER=2",) if mc else ()
+    _run(_WGRAD_FILE, _WGRAD_KERNELS[out.dtype], grid, _WGRAD_SMEM_BYTES, args, out.device, options)
     return out
 
 
