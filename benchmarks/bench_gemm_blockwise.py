@@ -283,6 +283,39 @@ def run_probe(args) -> dict:
     return res
 
 
+def run_smoke() -> bool:
+    """Small fprop / dgrad / wgrad problems through both builds against the reference (exit code for scripts)."""
+    ok = True
+    sizes = [0, 130, 1, 0, 300, 0]
+    m, k, n = 512, 384, 256
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(m, k, generator=gen, device="cuda")
+    w = torch.randn(len(sizes), n, k, generator=gen, device="cuda") * 0.02
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    a, a_s = ref.quantize_rowwise_torch(x)
+    data, data_t, scale = ref.quantize_weight_torch(w)
+    dy, dy_s = ref.quantize_rowwise_torch(torch.randn(m, n, generator=gen, device="cuda"))
+    for mc in (False, True):
+        for what, args in (("fprop", (a, a_s, data, scale)), ("dgrad", (dy, dy_s, data_t, scale.transpose(1, 2)))):
+            want = ref.grouped_mm_torch(*args, sizes)[: sum(sizes)]
+            out = torch.empty(m, args[2].shape[1], dtype=torch.bfloat16, device="cuda")
+            got = bw.grouped_mm_blockwise_out(*args, sz, out, _multicast=mc)[: sum(sizes)]
+            torch.cuda.synchronize()
+            e = rel_err(got, want)
+            ok &= e < 5e-3
+            print(f"[smoke] {what} multicast={mc}: rel err {e:.2e}", flush=True)
+        a_t, a_st = ref.quantize_colwise_grouped_torch(torch.randn(m, n, generator=gen, device="cuda"), sizes)
+        b_t, b_st = ref.quantize_colwise_grouped_torch(x, sizes)
+        want = ref.grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes)
+        got = torch.empty(len(sizes), n, k, device="cuda")
+        bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, got, _multicast=mc)
+        torch.cuda.synchronize()
+        e = rel_err(got, want)
+        ok &= e < 1e-3
+        print(f"[smoke] wgrad multicast={mc}: rel err {e:.2e}", flush=True)
+    return bool(ok)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
@@ -290,6 +323,7 @@ def main() -> None:
     ap.add_argument("--groups", default="uniform,skewed")
     ap.add_argument("--gemms", default="fprop,dgrad,wgrad")
     ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="only the small checks of both builds (exit code)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keep-going", action="store_true", help="time our kernels even if the check fails")
@@ -298,6 +332,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.smoke:
+        raise SystemExit(0 if run_smoke() else 1)
     from moe_ep.provenance import code_version  # noqa: PLC0415
 
     quant, qnote = _quantizers()

@@ -28,6 +28,8 @@ E8M0 byte s scales by 2**(s-127) (s = 0: 2**-127), s = 255 marks a block that he
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...blockwise.reference import B
@@ -42,7 +44,8 @@ _WGRAD_KERNELS = {torch.float32: "bw_gmm_wgrad_f32", torch.bfloat16: "bw_gmm_wgr
 _I32_MAX = 2**31 - 1
 # the 2-CTA cluster builds (TMA multicast of the shared A tile) by default, where the pair of column tiles exists
 # (fprop / dgrad: N / 128 even; wgrad: K / 128 even)
-MULTICAST = True
+# (MOE_EP_BW_MULTICAST=0 selects the single-CTA builds)
+MULTICAST = os.environ.get("MOE_EP_BW_MULTICAST", "1") != "0"
 
 __all__ = [
     "MULTICAST",
