@@ -9,13 +9,15 @@
 //   * block = 384 threads: warpgroups 0 and 1 are the consumers (tile rows 64 wg .. 64 wg + 63), warp 8 the
 //     producer (it scans the groups; its lane 0 issues the TMA loads), warps 9-11 leave at once; registers move
 //     from the producer warpgroup to the consumers (setmaxnreg 56 / 224).
-//   * mainloop per consumer warpgroup and k block kb: 4 x wgmma.m64n128k32 e4m3 into a fresh accumulator
-//     (t0 / t1 alternating, scale-d = 0 on the first), then wait for block kb - 1's MMAs (wait_group 1), release
-//     its stage and promote it on the CUDA cores: acc += t * (sa[row] * sb) in fp32 (sa the row's 1x128 scale,
-//     sb the weight block's), while block kb's MMAs run. 3 x 64 fp32 accumulators per thread; each warpgroup keeps
-//     the tensor cores fed during its own promotion, and the other warpgroup's MMAs interleave. The consumers read
-//     their scale bytes straight from global memory, 4 k blocks ahead (the a_scale matrix's rows are K/128 bytes,
-//     too narrow and misaligned for TMA boxes in general).
+//   * mainloop per consumer warpgroup and k block kb (BW_PIPE 0, the default): 4 x wgmma.m64n128k32 e4m3 into a
+//     fresh accumulator tmp[64] (scale-d = 0 on the first), wait for them, release the stage, then promote on the
+//     CUDA cores: acc += tmp * (sa[row] * sb) in fp32 (sa the row's 1x128 scale, sb the weight block's). While one
+//     warpgroup promotes, the other's MMAs keep the tensor cores busy (DeepGEMM's schedule). -DBW_PIPE=1: two
+//     alternating tmp accumulators, block kb's MMAs issued before block kb - 1 is promoted (each warpgroup keeps
+//     MMAs queued during its own promotion; 192 fp32 accumulators per thread) -- measured slower on H200 for this
+//     kernel (988 vs 1078 TFLOP/s on the dense probe). The consumers read their scale bytes straight from global
+//     memory, 4 k blocks ahead (the a_scale matrix's rows are K/128 bytes, too narrow and misaligned for TMA
+//     boxes in general).
 //   * ragged groups, no padding: row tiles are per group (sum_g ceil(n_g / 128) of them, found by each warp's own
 //     scan of the device group sizes, gm_scan_groups); a group's last tile is partial: the TMA box also loads rows
 //     of the next group (or zeros past M), which are computed but never stored. In a last tile of <= 64 rows,
@@ -47,6 +49,9 @@
 #define BW_GI (BW_BAR + 16 * BW_STAGES)      // one GroupInfo per warp (9)
 #define BW_SMEM_BYTES (BW_GI + 9 * 48)       // 197136
 #define BW_PF 4                              // scale prefetch distance (k blocks)
+#ifndef BW_PIPE  // mainloop schedule, see the header comment (0: measured faster on H200)
+#define BW_PIPE 0
+#endif
 #ifndef BW_CLUSTER  // -DBW_CLUSTER=2: CTA pairs share the A tile (TMA multicast), see the header comment
 #define BW_CLUSTER 1
 #endif
@@ -205,6 +210,54 @@ __device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* _
         float acc[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#if BW_PIPE == 0  // one block in flight per warpgroup: issue, wait, promote
+#ifndef BW_NO_PROMOTE
+        float tmp[64];
+#endif
+        for (int kb0 = 0; kb0 < nk; kb0 += BW_PF) {
+#pragma unroll
+            for (int u = 0; u < BW_PF; ++u) {
+                const int kb = kb0 + u;
+                if (kb >= nk) break;
+                mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
+                const unsigned st = sbase + (unsigned)stage * BW_STAGE_BYTES;
+                const unsigned long long da = wg_desc(st + 8192u * (unsigned)wg), db = wg_desc(st + BW_B);
+                wg_fence();
+#ifdef BW_NO_PROMOTE
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(acc, da + 2 * kk, db + 2 * kk, 1u);
+                wg_commit();
+                wg_wait<0>();
+                pin_acc64(acc);
+                bw_release(empty0 + 8u * (unsigned)stage, lane0);
+#else
+                // k32 slice kk: + 32 bytes of the 128-byte swizzled rows = + 2 in the descriptors' start field
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(tmp, da + 2 * kk, db + 2 * kk, kk > 0);
+                wg_commit();
+                // the block's scales (loaded BW_PF blocks ago), and the load for block kb + BW_PF into their place
+                const float sbf = e8m0_f32(sb[u]);
+                const float sc0 = e8m0_f32(s0[u]) * sbf, sc1 = e8m0_f32(s1[u]) * sbf;
+                if (kb + BW_PF < nk) {
+                    s0[u] = ldg_u8(As + oa0 + (unsigned)(kb + BW_PF));
+                    s1[u] = ldg_u8(As + oa1 + (unsigned)(kb + BW_PF));
+                    sb[u] = ldg_u8(Bs + ob + (unsigned)(kb + BW_PF) * ostep);
+                }
+                wg_wait<0>();
+                pin_acc64(tmp);
+                bw_release(empty0 + 8u * (unsigned)stage, lane0);  // the stage is read: the producer may refill
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    acc[4 * j] = fmaf(tmp[4 * j], sc0, acc[4 * j]);
+                    acc[4 * j + 1] = fmaf(tmp[4 * j + 1], sc0, acc[4 * j + 1]);
+                    acc[4 * j + 2] = fmaf(tmp[4 * j + 2], sc1, acc[4 * j + 2]);
+                    acc[4 * j + 3] = fmaf(tmp[4 * j + 3], sc1, acc[4 * j + 3]);
+                }
+#endif
+                ring_next(stage, phase, BW_STAGES);
+            }
+        }
+#else  // BW_PIPE == 1: block kb's MMAs in flight while block kb - 1 is promoted
 #ifndef BW_NO_PROMOTE
         float t0[64], t1[64];  // block kb's MMAs in flight, block kb - 1's partial sum being promoted (alternating)
 #endif
@@ -289,6 +342,7 @@ __device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* _
         pin_acc64(acc);
         (void)pc0;
         (void)pc1;
+#endif
 #endif
         bw_epilogue(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, r_in);
     }

@@ -37,6 +37,9 @@
 #define WB_GI (WB_BAR + 16 * WB_STAGES)
 #define WB_SMEM_BYTES (WB_GI + 9 * 48)  // 207376
 
+#ifndef WB_PIPE  // 1: per-tile pipelined mainloop; 2: the step stream across tiles (wb_consume_stream)
+#define WB_PIPE 2
+#endif
 #ifndef WB_CLUSTER  // -DWB_CLUSTER=2: CTA pairs share the A tile and its scales (TMA multicast)
 #define WB_CLUSTER 1
 #endif
@@ -136,6 +139,37 @@ __device__ __forceinline__ void wb_promote_last(float* acc, const float* t0, con
     }
 }
 
+// Store one warpgroup's 64 x 128 part of output tile (g, n0, k0) -- rows g N + n0 + r of the [G N, K] matrix --
+// from acc, or zeros (zero: an empty group's tile). fp32: 8-byte stores (a quad writes one 32-byte sector); bf16:
+// 4-byte stores.
+template <int OUT_F32>
+__device__ __forceinline__ void wb_store(const float* acc, bool zero, void* __restrict__ out, int g, int n0, int k0,
+                                         int N, int K, int r_in, int c) {
+    const long long orow = (long long)g * N + n0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long row = orow + r_in + 8 * h;
+        if (OUT_F32) {
+            float* rowp = static_cast<float*>(out) + row * K + k0;
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+                *reinterpret_cast<float2*>(rowp + 8 * j + 2 * c) =
+                    zero ? make_float2(0.f, 0.f) : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        } else {
+            // 4-byte stores of bf16 pairs (a quad writes 16 contiguous bytes): no shuffles, so no extra registers
+            // next to the two MMA accumulators of the stream schedule
+            unsigned short* rowp = static_cast<unsigned short*>(out) + row * K + k0;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                unsigned pk = 0u;
+                if (!zero)
+                    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
+                *reinterpret_cast<unsigned*>(rowp + 8 * j + 2 * c) = pk;
+            }
+        }
+    }
+}
+
 template <int OUT_F32>
 __device__ __forceinline__ void wb_consume(GroupInfo* gi, const int* __restrict__ sizes, void* __restrict__ out,
                                            int G, long long M, int N, int K, unsigned sbase, unsigned full0,
@@ -204,26 +238,110 @@ __device__ __forceinline__ void wb_consume(GroupInfo* gi, const int* __restrict_
             wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
             wb_promote_last(acc, t0, t1, (nks - 1) & 1, tab + 512u * (unsigned)((nks - 1) & 3), ps0, ps1, c);
         }
-        // out[g] as rows g N + n0 + r of the [G N, K] matrix
-        const long long orow = (long long)g * N + n0;
+        wb_store<OUT_F32>(acc, false, out, g, n0, k0, N, K, r_in, c);
+    }
+}
+
+// WB_PIPE 2 (the default): the consumers' steps (tile, block) as one stream across the CTA's tiles. Step j issues
+// its MMAs into t[j % 2], then promotes step j - 1 into acc and, when that was its tile's last block, stores the
+// tile and clears acc -- while step j (the next tile's first block) is on the tensor cores: the epilogue no
+// longer drains the MMA pipe at every tile boundary (wgrad tiles are short: ceil(n_g / 128) blocks).
+template <int OUT_F32>
+__device__ __forceinline__ void wb_consume_stream(GroupInfo* gi, const int* __restrict__ sizes,
+                                                  void* __restrict__ out, int G, long long M, int N, int K,
+                                                  unsigned sbase, unsigned full0, unsigned empty0) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const int wg = warp >> 2, q = warp & 3, c = tid & 3, tw = tid & 127;
+    const int r_in = wg * 64 + q * 16 + (lane >> 2);
+    unsigned lane0 = lane == 0;
+    asm volatile("" : "+r"(lane0));
+    const unsigned tab = sbase + WB_TAB + 2048u * (unsigned)wg;
+    const int total = wb_total(G, N, K), tstep = gridDim.x / WB_CLUSTER;
+    const int rank = WB_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
+    int stage = 0;
+    unsigned phase = 0;
+    // the step iterator: tile t = (g, n0, k0) with nks blocks, block s of it; seek() moves t to the next tile
+    // with blocks, storing zeros for the empty ones on the way
+    int t = blockIdx.x / WB_CLUSTER, g = 0, n0 = 0, k0 = 0, nks = 0, s = 0;
+    bool have = false;
+    auto seek = [&]() {
+        for (have = false; t < total; t += tstep) {
+            int kb0;
+            wb_tile(gi, sizes, G, M, N, K, t, rank, g, n0, k0, nks, kb0);
+            nks = __shfl_sync(0xffffffffu, nks, 0);
+            if (nks > 0) {
+                have = true;
+                return;
+            }
+            wb_store<OUT_F32>(nullptr, true, out, g, n0, k0, N, K, r_in, c);
+        }
+    };
+    seek();
+    float acc[64];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const long long row = orow + r_in + 8 * h;
-            if (OUT_F32) {
-                float* rowp = static_cast<float*>(out) + row * K + k0;
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    float t0[64], t1[64];
+    float ps0 = 0.f, ps1 = 0.f;  // the previous step's sa for the thread's two rows
+    int st_prev = 0, pg = 0, pn0 = 0, pk0 = 0;  // its stage and tile
+    bool pvalid = false, plast = false;         // there is a previous step; it was its tile's last block
+    unsigned j = 0;                             // the step
+    while (have) {
 #pragma unroll
-                for (int j = 0; j < 16; ++j)
-                    *reinterpret_cast<float2*>(rowp + 8 * j + 2 * c) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            } else {
-                unsigned short* rowp = static_cast<unsigned short*>(out) + row * K + k0;
+        for (int u = 0; u < 2; ++u) {  // step j uses t[u] (j % 2 == u)
+            if (!have) break;
+            float* tn = u ? t1 : t0;
+            float* tp = u ? t0 : t1;
+            mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
+            const unsigned st = sbase + (unsigned)stage * WB_STAGE_BYTES;
+            {
+                const unsigned long long da = wg_desc(st + 8192u * (unsigned)wg), db = wg_desc(st + WB_B);
+                wg_fence();
 #pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    unsigned w[4];
-                    bf16_words_quad(acc, h, m, w);
-                    *reinterpret_cast<uint4*>(rowp + 32 * m + 8 * c) = make_uint4(w[0], w[1], w[2], w[3]);
+                for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(tn, da + 2 * kk, db + 2 * kk, kk > 0);
+                wg_commit();
+            }
+            sts32(tab + 512u * (j & 3u) + 4u * (unsigned)tw,
+                  __float_as_uint(e8m0_f32(lds8(st + WB_SB + (unsigned)tw))));
+            const float ns0 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in));
+            const float ns1 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in + 8u));
+            const int st_cur = stage;
+            ring_next(stage, phase, WB_STAGES);
+            named_bar_sync(1 + wg, 128);  // step j's table is complete
+            wg_wait<1>();                 // step j - 1's MMAs retired
+            if (pvalid) {
+                wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
+                pin_acc64(tp);
+                wb_promote(acc, tp, tab + 512u * ((j - 1u) & 3u), ps0, ps1, c);
+                if (plast) {
+                    wb_store<OUT_F32>(acc, false, out, pg, pn0, pk0, N, K, r_in, c);
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
                 }
             }
+            pvalid = true;
+            plast = s == nks - 1;
+            ps0 = ns0;
+            ps1 = ns1;
+            st_prev = st_cur;
+            pg = g;
+            pn0 = n0;
+            pk0 = k0;
+            ++j;
+            if (++s == nks) {
+                s = 0;
+                t += tstep;
+                seek();
+            }
         }
+    }
+    wg_wait<0>();
+    pin_acc64(t0);
+    pin_acc64(t1);
+    if (pvalid) {  // the last step (its tile's last block)
+        wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
+        wb_promote_last(acc, t0, t1, (int)((j - 1u) & 1u), tab + 512u * ((j - 1u) & 3u), ps0, ps1, c);
+        wb_store<OUT_F32>(acc, false, out, pg, pn0, pk0, N, K, r_in, c);
     }
 }
 
@@ -258,7 +376,11 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
             wb_produce(gi, sizes, G, M, N, K, tmA, tmB, tmSa, tmSb, sbase, full0, empty0);
     } else {
         setmaxnreg_inc<224>();
+#if WB_PIPE == 2
+        wb_consume_stream<OUT_F32>(gi, sizes, out, G, M, N, K, sbase, full0, empty0);
+#else
         wb_consume<OUT_F32>(gi, sizes, out, G, M, N, K, sbase, full0, empty0);
+#endif
     }
 #if WB_CLUSTER > 1
     cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
