@@ -11,7 +11,7 @@ scales; null with the reason in meta when it does not run), quant_ms (the CUDA q
 reads fresh, from moe_ep.blockwise.cuda when the tree has it; else null: meta.quant_note) and
 ratio_vs_bf16_with_quant. Our kernels are checked against the reference on a slice (two groups) before timing.
 
---sweep ENVFILE: the one tuning pass -- each kernel's candidate schedules (fprop / dgrad: BW_PIPE 0 / 1, single CTA
+--sweep ENVFILE: the one tuning pass -- each kernel's candidate schedules (fprop / dgrad: BW_PIPE 0 / 1 / 2, single CTA
 or 2-CTA multicast with the cluster grid from cuOccupancyMaxActiveClusters or forced to 60 / 64 clusters; wgrad:
 WB_PIPE 1 / 2, single or multicast), each checked first, then timed on a grouped shape with short per-tile
 reductions; the winners go to ENVFILE as exports (MOE_EP_BW_PIPE, ...) for the test and benchmark runs.
@@ -291,7 +291,9 @@ def run_probe(args) -> dict:
 SWEEP_FPROP = [  # (pipe, multicast, clusters override or None)
     (0, False, None),
     (1, False, None),
+    (2, False, None),
     (0, True, None),
+    (2, True, None),
     (0, True, 60),
     (0, True, 64),
 ]
@@ -432,6 +434,7 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="only the small checks of both builds (exit code)")
     ap.add_argument("--sweep", default=None, help="run the tuning sweep only; write the winners' exports here")
+    ap.add_argument("--attach-sweep", default=None, help="a --sweep --json result to embed as meta.sweep")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keep-going", action="store_true", help="time our kernels even if the check fails")
@@ -469,6 +472,9 @@ def main() -> None:
         "quant_note": qnote or "quant_ms: moe_ep.blockwise.cuda quantizers of the GEMM's fresh activation operands",
         "details": {},
     }
+    if args.attach_sweep and os.path.exists(args.attach_sweep):
+        with open(args.attach_sweep) as f:
+            meta["sweep"] = json.load(f)
     rows: list = []
     result = {"meta": meta, "results": rows, "probe": {}}
 

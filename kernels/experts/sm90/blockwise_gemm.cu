@@ -15,7 +15,8 @@
 //     warpgroup promotes, the other's MMAs keep the tensor cores busy (DeepGEMM's schedule). -DBW_PIPE=1: two
 //     alternating tmp accumulators, block kb's MMAs issued before block kb - 1 is promoted (each warpgroup keeps
 //     MMAs queued during its own promotion; 192 fp32 accumulators per thread) -- measured slower on H200 for this
-//     kernel (988 vs 1078 TFLOP/s on the dense probe). The consumers read their scale bytes straight from global
+//     kernel (988 vs 1078 TFLOP/s on the dense probe). -DBW_PIPE=2: BW_PIPE 0 with each tile's epilogue deferred
+//     into the next tile's first block (between its MMA issue and wait), so the stores overlap MMAs. The consumers read their scale bytes straight from global
 //     memory, 4 k blocks ahead (the a_scale matrix's rows are K/128 bytes, too narrow and misaligned for TMA
 //     boxes in general).
 //   * ragged groups, no padding: row tiles are per group (sum_g ceil(n_g / 128) of them, found by each warp's own
@@ -51,6 +52,13 @@
 #define BW_PF 4                              // scale prefetch distance (k blocks)
 #ifndef BW_PIPE  // mainloop schedule, see the header comment (0: measured faster on H200)
 #define BW_PIPE 0
+#endif
+// BW_PIPE 2: the BW_PIPE 0 mainloop with each tile's epilogue deferred into the next tile's first block (after its
+// MMAs are issued, before their wait), so that the stores overlap MMAs instead of draining the tensor pipe
+#if BW_PIPE == 2 && !defined(BW_NO_PROMOTE)
+#define BW_DEFER 1
+#else
+#define BW_DEFER 0
 #endif
 #ifndef BW_CLUSTER  // -DBW_CLUSTER=2: CTA pairs share the A tile (TMA multicast), see the header comment
 #define BW_CLUSTER 1
@@ -169,6 +177,14 @@ __device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* _
     const int ks = K / 128;  // a_scale row stride
     int stage = 0;
     unsigned phase = 0;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#if BW_DEFER
+    long long p_arow0 = 0;  // the tile whose epilogue is pending (acc holds it)
+    int p_mrows = 0, p_n0 = 0;
+    bool pending = false;
+#endif
     for (int t = bw_first(); t < total; t += bw_step()) {
         int g, n0, mrows;
         long long arow0, r_zero;
@@ -181,6 +197,14 @@ __device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* _
         if (kind < 0) continue;
         const bool active = __shfl_sync(0xffffffffu, mrows, 0) > 64 * wg;  // warpgroup 1 idles in tiles <= 64 rows
         if (!active) {
+#if BW_DEFER
+            if (pending) {  // no MMAs of this warpgroup to overlap: store now
+                bw_epilogue(acc, static_cast<unsigned short*>(out), p_arow0, p_mrows, p_n0, N, r_in);
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+                pending = false;
+            }
+#endif
             // keep the ring: the stage is full before it is released (so that no release runs ahead of a load)
             for (int kb = 0; kb < nk; ++kb) {
                 mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
@@ -207,10 +231,11 @@ __device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* _
                 sb[u] = ldg_u8(Bs + ob + u * ostep);
             }
         }
-        float acc[64];
+#if !BW_DEFER
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-#if BW_PIPE == 0  // one block in flight per warpgroup: issue, wait, promote
+#endif
+#if BW_PIPE == 0 || BW_PIPE == 2  // one block in flight per warpgroup: issue, wait, promote
 #ifndef BW_NO_PROMOTE
         float tmp[64];
 #endif
@@ -235,6 +260,14 @@ __device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* _
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(tmp, da + 2 * kk, db + 2 * kk, kk > 0);
                 wg_commit();
+#if BW_DEFER
+                if (kb == 0 && pending) {  // the previous tile's stores while this tile's first MMAs run
+                    bw_epilogue(acc, static_cast<unsigned short*>(out), p_arow0, p_mrows, p_n0, N, r_in);
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+                    pending = false;
+                }
+#endif
                 // the block's scales (loaded BW_PF blocks ago), and the load for block kb + BW_PF into their place
                 const float sbf = e8m0_f32(sb[u]);
                 const float sc0 = e8m0_f32(s0[u]) * sbf, sc1 = e8m0_f32(s1[u]) * sbf;
@@ -344,8 +377,18 @@ __device__ __forceinline__ void bw_consume(GroupInfo* gi, const unsigned char* _
         (void)pc1;
 #endif
 #endif
+#if BW_DEFER
+        pending = true;
+        p_arow0 = arow0;
+        p_mrows = mrows;
+        p_n0 = n0;
+#else
         bw_epilogue(acc, static_cast<unsigned short*>(out), arow0, mrows, n0, N, r_in);
+#endif
     }
+#if BW_DEFER
+    if (pending) bw_epilogue(acc, static_cast<unsigned short*>(out), p_arow0, p_mrows, p_n0, N, r_in);
+#endif
 }
 
 // Kernel parameters: GM_TMA_ARGS (A [M, K] e4m3 via tmA: boxes 128 x 128 B, SW128; B [G N, K] e4m3 via tmB: the
