@@ -36,7 +36,16 @@
 //     rows past the group masked; the producer meanwhile fills the ring for the next tile.
 //   * -DBW_NO_PROMOTE (the rate probe only, not a correct GEMM): the same mainloop accumulating straight into acc
 //     (no t0 / t1, no promotion): the plain FP8 wgmma rate with the same loads and waits.
-// Shared memory (all dynamic): 6 x 32768 ring + 2 x 6 x 8 barriers + 9 GroupInfo = 197136 B.
+// Shared memory (all dynamic): 6 x 32768 ring + 2 x 6 x 8 barriers + 9 GroupInfo = 197136 B; ptxas: 168 registers
+// at launch (setmaxnreg moves them: consumers 224), no spills, no wgmma serialization, in every build.
+//
+// Measured on one H200 (8541feb, benchmarks/results/bench_gemm_blockwise.json, meta.sweep: the one tuning pass):
+//   * dense 8192^3 probe: this schedule 1136 TFLOP/s, the same mainloop without the promotion (-DBW_NO_PROMOTE)
+//     1377, torch._scaled_mm rowwise 1367, torch bf16 691: the promotion costs 17.5 % of the plain FP8 rate.
+//   * BW_PIPE 0 (default) 1000 TFLOP/s on a dsv3_down-like grouped problem, BW_PIPE 1 956, BW_PIPE 2 886.
+//   * the cluster build runs at about half the single-CTA rate (dense 546; 505 / 555 with the grid forced to 60 /
+//     64 clusters; its no-promotion probe too: 522), so it is off by default (MOE_EP_BW_MULTICAST=1 selects it).
+//     Not resolved: consistent with only half of the clusters being co-resident, not with the L2 traffic it saves.
 
 #include "wgmma_fp8.cuh"
 

@@ -23,7 +23,13 @@
 //     kernel's cluster build).
 //   * epilogue from registers: fp32 as 8-byte stores (a quad writes one 32-byte sector), bf16 as 16-byte stores
 //     after a quad transpose.
-// Shared memory (all dynamic): 6 x 33792 ring + 2 x 2048 scale tables + barriers + 9 GroupInfo = 207376 B.
+// Shared memory (all dynamic): 6 x 33792 ring + 2 x 2048 scale tables + barriers + 9 GroupInfo = 207376 B; ptxas:
+// 168 registers at launch (consumers 224 after setmaxnreg), no spills, no wgmma serialization, in every build.
+//
+// Measured on one H200 (8541feb, benchmarks/results/bench_gemm_blockwise.json, meta.sweep): WB_PIPE 1 (default)
+// 633 TFLOP/s on a dsv3_up-like grouped problem (8 blocks per tile), WB_PIPE 2 609, the cluster builds 381 / 416;
+// dense 8192^3 (64 blocks per tile) 799. The two-scale promotion (2 fp32 ops per element, the scale table, one
+// named barrier per step) is the limit: the fprop kernel's one-FMA promotion on the same mainloop reaches 1136.
 
 #include "wgmma_fp8.cuh"
 
@@ -37,8 +43,8 @@
 #define WB_GI (WB_BAR + 16 * WB_STAGES)
 #define WB_SMEM_BYTES (WB_GI + 9 * 48)  // 207376
 
-#ifndef WB_PIPE  // 1: per-tile pipelined mainloop; 2: the step stream across tiles (wb_consume_stream)
-#define WB_PIPE 2
+#ifndef WB_PIPE  // 1: per-tile pipelined mainloop (measured faster); 2: the step stream across tiles (wb_consume_stream)
+#define WB_PIPE 1
 #endif
 #ifndef WB_CLUSTER  // -DWB_CLUSTER=2: CTA pairs share the A tile and its scales (TMA multicast)
 #define WB_CLUSTER 1
@@ -242,7 +248,7 @@ __device__ __forceinline__ void wb_consume(GroupInfo* gi, const int* __restrict_
     }
 }
 
-// WB_PIPE 2 (the default): the consumers' steps (tile, block) as one stream across the CTA's tiles. Step j issues
+// WB_PIPE 2: the consumers' steps (tile, block) as one stream across the CTA's tiles. Step j issues
 // its MMAs into t[j % 2], then promotes step j - 1 into acc and, when that was its tile's last block, stores the
 // tile and clears acc -- while step j (the next tile's first block) is on the tensor cores: the epilogue no
 // longer drains the MMA pipe at every tile boundary (wgrad tiles are short: ceil(n_g / 128) blocks).

@@ -46,11 +46,13 @@ _I32_MAX = 2**31 - 1
 # dgrad: N / 128 even; wgrad: K / 128 even): MOE_EP_BW_MULTICAST / MOE_EP_WB_MULTICAST = 1 (fprop / dgrad, wgrad)
 MULTICAST = os.environ.get("MOE_EP_BW_MULTICAST", "0") != "0"
 WGRAD_MULTICAST = os.environ.get("MOE_EP_WB_MULTICAST", "0") != "0"
+# Defaults: the winners of the tuning pass on H200 (bench_gemm_blockwise.py --sweep; the kernel headers give the
+# numbers): single-CTA builds, BW_PIPE 0, WB_PIPE 1.
 # mainloop schedules (kernel headers): fprop / dgrad BW_PIPE 0 (issue, wait, promote), 1 (two accumulators) or 2
 # (0 with each tile's epilogue deferred under the next tile's first MMAs);
 # wgrad WB_PIPE 1 (two accumulators, per tile) or 2 (one step stream across tiles: epilogues overlap MMAs)
 FPROP_PIPE = int(os.environ.get("MOE_EP_BW_PIPE", "0"))
-WGRAD_PIPE = int(os.environ.get("MOE_EP_WB_PIPE", "2"))
+WGRAD_PIPE = int(os.environ.get("MOE_EP_WB_PIPE", "1"))
 # clusters resident at once (the persistent grid of a cluster build): cuOccupancyMaxActiveClusters unless set
 _CLUSTERS_ENV = os.environ.get("MOE_EP_BW_CLUSTERS")
 
