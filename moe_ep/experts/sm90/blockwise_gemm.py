@@ -1,0 +1,409 @@
+"""Blockwise FP8 grouped GEMMs on Hopper (recipe row :data:`moe_ep.recipe.BLOCKWISE`): CuPy launchers for
+``kernels/experts/sm90/blockwise_gemm.cu`` (fprop / dgrad) and ``kernels/experts/sm90/blockwise_wgrad.cu`` (wgrad).
+
+The specification is :mod:`moe_ep.blockwise.reference` (byte layouts; ``grouped_mm_torch``, ``grouped_wgrad_torch``):
+the kernels multiply the e4m3 bytes exactly on the FP8 tensor cores, sum 128 of K there (fp32 accumulation with the
+tensor cores' limited alignment precision) and promote each 128-block's partial sum into an fp32 accumulator with
+the product of its two E8M0 scales, so they differ from the reference only in summation order and in that
+in-block accumulation.
+
+Operand formats (CUDA tensors on one device; ``group_sizes`` int32 [G] on the device, never read on the host;
+groups are contiguous, expert-sorted rows from row 0, sum(sizes) <= M; B = 128):
+
+fprop / dgrad  :func:`grouped_mm_blockwise_out`: out[rows of g] = deq(a)[rows of g] @ deq(b[g])^T
+    a        e4m3 [M, K], contiguous; a_scale u8 [M, K/B] contiguous (one E8M0 byte per 1x128 block of a row)
+    b        e4m3 [G, N, K], contiguous (K-major: fprop's weight ``data``; dgrad's ``data_t`` [G, K_w, N_w])
+    b_scale  u8 [G, N/B, K/B], any strides (fprop: ``scale``; dgrad: ``scale.transpose(1, 2)``)
+    out      bf16 [M, N], contiguous; rows >= sum(sizes) untouched, or zero-filled with ``zero_rest``
+    K % 128 == 0, N % 128 == 0.
+wgrad  :func:`grouped_wgrad_blockwise_out`: out[g] = sum over the group's 128-blocks of the token axis of
+    (A_blk @ B_blk^T) * sa[blk, n] * sb[blk, k]
+    a_t e4m3 [N, Mp], a_st u8 [Mp/B, N], b_t e4m3 [K, Mp], b_st u8 [Mp/B, K]: the colwise grouped transposed
+    layout (``quantize_colwise_grouped_torch``: group g at columns P_g .., P_g = B sum_{h<g} ceil(n_h/B), zero pad
+    columns; each CTA computes P_g from the device sizes); out fp32 or bf16 [G, N, K], every element written (zeros
+    for empty groups). N, K, Mp multiples of 128.
+
+E8M0 byte s scales by 2**(s-127) (s = 0: 2**-127), s = 255 marks a block that held NaN/Inf: its outputs are NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...blockwise.reference import B
+
+_GEMM_FILE = "experts/sm90/blockwise_gemm.cu"
+_WGRAD_FILE = "experts/sm90/blockwise_wgrad.cu"
+_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup
+_BM = _BN = 128  # output tile of both kernels
+_GEMM_SMEM_BYTES = 197136  # 6 x 32768 + 96 + 9 x 48, blockwise_gemm.cu BW_SMEM_BYTES
+_WGRAD_SMEM_BYTES = 207376  # 6 x 33792 + 4096 + 96 + 9 x 48, blockwise_wgrad.cu WB_SMEM_BYTES
+_WGRAD_KERNELS = {torch.float32: "bw_gmm_wgrad_f32", torch.bfloat16: "bw_gmm_wgrad_bf16"}
+_I32_MAX = 2**31 - 1
+# the 2-CTA cluster builds (TMA multicast of the shared A tile), where the pair of column tiles exists (fprop /
+# dgrad: N / 128 even; wgrad: K / 128 even): MOE_EP_BW_MULTICAST / MOE_EP_WB_MULTICAST = 1 (fprop / dgrad, wgrad)
+MULTICAST = os.environ.get("MOE_EP_BW_MULTICAST", "0") != "0"
+WGRAD_MULTICAST = os.environ.get("MOE_EP_WB_MULTICAST", "0") != "0"
+# Defaults: the winners of the tuning pass on H200 (bench_gemm_blockwise.py --sweep; the kernel headers give the
+# numbers): single-CTA builds, BW_PIPE 0, WB_PIPE 1.
+# mainloop schedules (kernel headers): fprop / dgrad BW_PIPE 0 (issue, wait, promote), 1 (two accumulators) or 2
+# (0 with each tile's epilogue deferred under the next tile's first MMAs);
+# wgrad WB_PIPE 1 (two accumulators, per tile) or 2 (one step stream across tiles: epilogues overlap MMAs)
+FPROP_PIPE = int(os.environ.get("MOE_EP_BW_PIPE", "0"))
+WGRAD_PIPE = int(os.environ.get("MOE_EP_WB_PIPE", "1"))
+# clusters resident at once (the persistent grid of a cluster build): cuOccupancyMaxActiveClusters unless set
+_CLUSTERS_ENV = os.environ.get("MOE_EP_BW_CLUSTERS")
+
+__all__ = [
+    "FPROP_PIPE",
+    "MULTICAST",
+    "WGRAD_MULTICAST",
+    "WGRAD_PIPE",
+    "fprop_tiles",
+    "grouped_mm_blockwise",
+    "grouped_mm_blockwise_out",
+    "grouped_wgrad_blockwise",
+    "grouped_wgrad_blockwise_out",
+    "max_active_clusters",
+    "tile_schedule",
+    "wgrad_tiles",
+]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# host-side plan (what the kernels compute on the device, for tests and for sizing the grid)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def fprop_tiles(m: int, n: int, num_groups: int) -> int:
+    """Tiles of the fprop / dgrad grid: (ceil(M/128) + G) row tiles x N/128 column tiles. The row tiles of the
+    groups are sum_g ceil(n_g/128) <= ceil(M/128) + G - 1 (each group wastes less than one tile); the rest zero-fill
+    rows past sum(sizes) when ``zero_rest``. Example: M = 300, N = 256, G = 3 -> (3 + 3) * 2 = 12."""
+    return (_cdiv(m, _BM) + num_groups) * (n // _BN) if num_groups else 0
+
+
+def wgrad_tiles(num_groups: int, n: int, k: int) -> int:
+    """Output tiles of the wgrad: G x N/128 x K/128 (an empty group's tiles store zeros)."""
+    return num_groups * (n // _BM) * (k // _BN)
+
+
+def _raster(t: int, m_tiles: int, n_tiles: int, band: int = 8) -> tuple[int, int]:
+    """gm_raster (kernels/gemm_common.cuh): linear tile -> (row tile, column tile), row tiles in bands."""
+    if band <= 1:
+        return t // n_tiles, t % n_tiles
+    b = t // (band * n_tiles)
+    rows = min(band, m_tiles - b * band)
+    r = t - b * band * n_tiles
+    return b * band + r % rows, r // rows
+
+
+def tile_schedule(group_sizes, m: int, n: int) -> list[tuple]:
+    """The fprop / dgrad kernel's work list, emulated on the host: for every linear tile t, ``("mm", g, row0, rows,
+    n0)`` (rows row0 .. row0 + rows - 1 of group g, columns n0 .. n0 + 127), ``("zero", row0, n0)`` (a tile past the
+    groups: zero-fills up to 128 rows from row0 when zero_rest and row0 < M) or ``("none",)``.
+
+    Example: sizes [130, 0, 5], M = 140, N = 128: row tiles (g0: 0-127, g0: 128-129, g2: 130-134, then tiles past
+    the groups from row 135) -> [("mm", 0, 0, 128, 0), ("mm", 0, 128, 2, 0), ("mm", 2, 130, 5, 0),
+    ("zero", 135, 0), ("zero", 263, 0), ...].
+    """
+    sizes = [max(int(v), 0) for v in group_sizes]
+    g = len(sizes)
+    m_tiles, n_tiles = _cdiv(m, _BM) + g, n // _BN
+    tiles, starts, row = [], [], 0
+    for gi, s in enumerate(sizes):
+        for i in range(_cdiv(s, _BM)):
+            rows = max(0, min(_BM, min(s, max(m - row, 0)) - i * _BM))
+            tiles.append((gi, row + i * _BM, rows))
+        starts.append(row)
+        row += s
+    out = []
+    for t in range((m_tiles * n_tiles) if g else 0):
+        mt, nt = _raster(t, m_tiles, n_tiles)
+        if mt < len(tiles):
+            gi, r0, rows = tiles[mt]
+            out.append(("mm", gi, r0, rows, nt * _BN) if rows > 0 else ("none",))
+        else:
+            out.append(("zero", row + (mt - len(tiles)) * _BM, nt * _BN))
+    return out
+
+
+def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> fp32 exactly as the kernels decode them (wgmma_fp8.cuh e8m0_f32): bits s << 23, s = 0 ->
+    2**-127 (subnormal bit 22), s = 255 -> NaN."""
+    s = s.to(torch.int32)
+    bits = torch.where(s == 0, torch.full_like(s, 0x00400000), s << 23)
+    bits = torch.where(s == 255, torch.full_like(s, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _dtype(name: str, t, dtypes: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+
+
+def _shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def _mult(what: str, v: int) -> None:
+    if v <= 0 or v % B:
+        raise ValueError(f"blockwise GEMM: {what} ({v}) must be a positive multiple of {B}")
+
+
+def _devices(named: tuple, contiguous: tuple[str, ...]) -> torch.device:
+    """All on one CUDA device (group sizes included: the kernels read them there, no host sync); the named ones
+    contiguous and 16-byte aligned (TMA and vector stores)."""
+    dev = None
+    for name, t in named:
+        if t.device.type != "cuda":
+            hint = " (the kernel reads the sizes on the device: no host sync)" if name == "group_sizes" else ""
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}{hint}")
+        if dev is not None and t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, expected {dev}")
+        dev = t.device
+        if name in contiguous:
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
+    return dev
+
+
+def _check_mm(a, a_scale, b, b_scale, group_sizes, out) -> tuple[int, int, int, int]:
+    for name, t, dts in (
+        ("a", a, (torch.float8_e4m3fn,)),
+        ("a_scale", a_scale, (torch.uint8,)),
+        ("b", b, (torch.float8_e4m3fn,)),
+        ("b_scale", b_scale, (torch.uint8,)),
+        ("group_sizes", group_sizes, (torch.int32,)),
+        ("out", out, (torch.bfloat16,)),
+    ):
+        _dtype(name, t, dts)
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"expected a [M, K] and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
+    m, k = a.shape
+    g, n, kb = b.shape
+    if kb != k:
+        raise ValueError(f"reduction sizes differ: a {list(a.shape)}, b {list(b.shape)}")
+    _mult("K", k)
+    _mult("N", n)
+    if group_sizes.dim() != 1 or group_sizes.numel() != g:
+        raise ValueError(f"group_sizes must be [G] = [{g}] (b's groups), got {list(group_sizes.shape)}")
+    _shape("a_scale", a_scale, (m, k // B))
+    _shape("b_scale", b_scale, (g, n // B, k // B))
+    _shape("out", out, (m, n))
+    if any(s < 0 for s in b_scale.stride()):
+        raise ValueError(f"b_scale strides must be non-negative, got {b_scale.stride()}")
+    extent = sum((d - 1) * s for d, s in zip(b_scale.shape, b_scale.stride(), strict=True))
+    if m * (k // B) > _I32_MAX or extent > _I32_MAX:
+        raise ValueError("scale tensors larger than 2**31 bytes are not supported (32-bit offsets in the kernel)")
+    _devices(
+        (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_sizes", group_sizes), ("out", out)),
+        ("a", "a_scale", "b", "group_sizes", "out"),
+    )
+    return m, n, k, g
+
+
+def _check_wgrad(a_t, a_st, b_t, b_st, group_sizes, out) -> tuple[int, int, int, int]:
+    for name, t, dts in (
+        ("a_t", a_t, (torch.float8_e4m3fn,)),
+        ("a_st", a_st, (torch.uint8,)),
+        ("b_t", b_t, (torch.float8_e4m3fn,)),
+        ("b_st", b_st, (torch.uint8,)),
+        ("group_sizes", group_sizes, (torch.int32,)),
+        ("out", out, tuple(_WGRAD_KERNELS)),
+    ):
+        _dtype(name, t, dts)
+    if a_t.dim() != 2 or b_t.dim() != 2 or a_t.shape[1] != b_t.shape[1]:
+        raise ValueError(f"expected a_t [N, Mp] and b_t [K, Mp], got {list(a_t.shape)} and {list(b_t.shape)}")
+    n, mp = a_t.shape
+    k = b_t.shape[0]
+    _mult("N", n)
+    _mult("K", k)
+    _mult("Mp (the padded token columns)", mp)
+    if group_sizes.dim() != 1:
+        raise ValueError(f"group_sizes must be 1-D [G], got {list(group_sizes.shape)}")
+    g = group_sizes.numel()
+    _shape("a_st", a_st, (mp // B, n))
+    _shape("b_st", b_st, (mp // B, k))
+    _shape("out", out, (g, n, k))
+    _devices(
+        (("a_t", a_t), ("a_st", a_st), ("b_t", b_t), ("b_st", b_st), ("group_sizes", group_sizes), ("out", out)),
+        ("a_t", "a_st", "b_t", "b_st", "group_sizes", "out"),
+    )
+    return n, k, mp, g
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tma_map_2d(*args, **kwargs):
+    try:  # the MXFP8 launcher's encoder (moved to experts/sm90 by the tree restructure, issue 39)
+        from ..gemm import _tma_map_2d as enc  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - depends on the tree layout
+        from .gemm import _tma_map_2d as enc  # noqa: PLC0415
+    return enc(*args, **kwargs)
+
+
+_max_clusters: dict[tuple, int] = {}
+
+
+def max_active_clusters(fn, smem: int, device: torch.device, grid: int) -> int:
+    """Clusters of 2 CTAs of ``fn`` (a cluster build, ``smem`` dynamic bytes) resident at once on the device:
+    cuOccupancyMaxActiveClusters through the driver (cached); $MOE_EP_BW_CLUSTERS overrides it; 0 if the query
+    fails. A persistent cluster grid larger than this would run its last clusters as a second wave."""
+    if _CLUSTERS_ENV:
+        return int(_CLUSTERS_ENV)
+    key = (id(fn), smem, device.index)
+    if key not in _max_clusters:
+        import ctypes  # noqa: PLC0415
+
+        class _Cfg(ctypes.Structure):
+            _fields_ = [  # CUlaunchConfig
+                ("gx", ctypes.c_uint),
+                ("gy", ctypes.c_uint),
+                ("gz", ctypes.c_uint),
+                ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint),
+                ("bz", ctypes.c_uint),
+                ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p),
+                ("nattrs", ctypes.c_uint),
+            ]
+
+        n = ctypes.c_int(0)
+        try:
+            fn.max_dynamic_shared_size_bytes = smem
+            lib = ctypes.CDLL("libcuda.so.1")
+            cfg = _Cfg(grid, 1, 1, _THREADS, 1, 1, smem, None, None, 0)
+            res = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.byref(cfg))
+            _max_clusters[key] = n.value if res == 0 else 0
+        except Exception:  # noqa: BLE001  (no driver entry point / CuPy attribute: the caller falls back)
+            _max_clusters[key] = 0
+    return _max_clusters[key]
+
+
+def _run(
+    file: str, kernel: str, grid: int, smem: int, args: tuple, device: torch.device, options=(), pairs: int = 0
+) -> None:
+    """Launch; ``pairs`` > 0: a cluster build over that many column-tile pairs (the grid is then sized here: at
+    most the clusters resident at once)."""
+    from ... import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
+
+    fn = _cuda.get_function(file, kernel, extra_options=tuple(options), device=device.index, arch="sm_90a")
+    if pairs:
+        k = max_active_clusters(fn, smem, device, grid)
+        grid = 2 * min(pairs, k if k > 0 else grid // 2)
+    _cuda.launch(fn, grid, _THREADS, args, shared_mem=smem, device=device)
+
+
+def _gm_args(tensors: tuple, g: int, m: int, n: int, k: int, zero_rest: bool) -> tuple:
+    from ... import _cuda  # noqa: PLC0415
+
+    ptrs = tuple(_cuda.ptr(t) for t in tensors)
+    return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))
+
+
+def grouped_mm_blockwise_out(
+    a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False, _options=(), _multicast: bool | None = None
+):
+    """out[rows of g] = deq(a)[rows of g] @ deq(b[g])^T (fprop; dgrad with b = data_t, b_scale =
+    scale.transpose(1, 2)). Formats: module docstring. Rows >= sum(sizes) are left alone, or zero-filled with
+    ``zero_rest``. Returns ``out``. (``_options``: extra NVRTC defines, for the rate probe; ``_multicast``: the
+    2-CTA cluster build sharing the A tile, default :data:`MULTICAST`, used when N / 128 is even.)"""
+    m, n, k, g = _check_mm(a, a_scale, b, b_scale, group_sizes, out)
+    if m == 0:
+        return out
+    if g == 0:
+        if zero_rest:
+            out.zero_()
+        return out
+    from ... import _cuda  # noqa: PLC0415
+
+    tiles, sms = fprop_tiles(m, n, g), _cuda.num_sms(out.device)
+    mc = (MULTICAST if _multicast is None else _multicast) and (n // _BN) % 2 == 0 and sms >= 2
+    if mc:  # clusters of 2 CTAs: one per column tile of a pair, each loading half of the shared A tile
+        grid = 2 * (sms // 2)
+        options = (*_options, "-DBW_CLUSTER=2")
+    else:
+        grid = min(tiles, sms)
+        options = tuple(_options)
+    options = (*options, f"-DBW_PIPE={FPROP_PIPE}")
+    maps = (_tma_map_2d(a, m, k, 64 if mc else 128, 128, 1, True), _tma_map_2d(b, g * n, k, 128, 128, 1, True))
+    strides = tuple(_cuda.i64(s) for s in b_scale.stride())
+    args = _gm_args((a, a_scale, b, b_scale, group_sizes, out), g, m, n, k, zero_rest) + maps + strides
+    _run(_GEMM_FILE, "bw_gmm_2d3d_bf16", grid, _GEMM_SMEM_BYTES, args, out.device, options, tiles // 2 if mc else 0)
+    return out
+
+
+def grouped_mm_blockwise(
+    a, a_scale, b, b_scale, group_sizes, out_dtype: torch.dtype = torch.bfloat16, zero_rest: bool = False
+):
+    """Allocating :func:`grouped_mm_blockwise_out`: -> bf16 [M, N] (rows past sum(sizes) are zero only with
+    ``zero_rest``; otherwise uninitialized)."""
+    if out_dtype != torch.bfloat16:
+        raise TypeError(f"the blockwise fprop / dgrad kernel writes bf16 only, got out_dtype={out_dtype}")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 2 or b.dim() != 3:
+        raise ValueError("expected a [M, K] and b [G, N, K] tensors")
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    return grouped_mm_blockwise_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest=zero_rest)
+
+
+def grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out, _multicast: bool | None = None):
+    """out[g] = deq(A_g) @ deq(B_g)^T over group g's padded token columns (formats: module docstring); out fp32 or
+    bf16 [G, N, K], every element written. Returns ``out``. (``_multicast``: the 2-CTA cluster build sharing the
+    A tile, default :data:`WGRAD_MULTICAST`, used when K / 128 is even.)"""
+    n, k, mp, g = _check_wgrad(a_t, a_st, b_t, b_st, group_sizes, out)
+    tiles = wgrad_tiles(g, n, k)
+    if tiles == 0:
+        return out
+    from ... import _cuda  # noqa: PLC0415
+
+    sms = _cuda.num_sms(out.device)
+    mc = (WGRAD_MULTICAST if _multicast is None else _multicast) and (k // _BN) % 2 == 0 and sms >= 2
+    grid = 2 * (sms // 2) if mc else min(tiles, sms)
+    maps = (
+        _tma_map_2d(a_t, n, mp, 64 if mc else 128, 128, 1, True),
+        _tma_map_2d(b_t, k, mp, 128, 128, 1, True),
+        _tma_map_2d(a_st, mp // B, n, 1, 128),
+        _tma_map_2d(b_st, mp // B, k, 1, 128),
+    )
+    # M = Mp: an upper bound of the rows the groups cover (the kernel's group scan clamps to it)
+    args = _gm_args((a_t, a_st, b_t, b_st, group_sizes, out), g, mp, n, k, False) + maps
+    options = (f"-DWB_PIPE={WGRAD_PIPE}", *(("-DWB_CLUSTER=2",) if mc else ()))
+    _run(
+        _WGRAD_FILE,
+        _WGRAD_KERNELS[out.dtype],
+        grid,
+        _WGRAD_SMEM_BYTES,
+        args,
+        out.device,
+        options,
+        tiles // 2 if mc else 0,
+    )
+    return out
+
+
+def grouped_wgrad_blockwise(a_t, a_st, b_t, b_st, group_sizes, out_dtype: torch.dtype = torch.float32):
+    """Allocating :func:`grouped_wgrad_blockwise_out`: -> ``out_dtype`` (fp32 or bf16) [G, N, K]."""
+    if out_dtype not in _WGRAD_KERNELS:
+        raise TypeError(f"wgrad out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
+    out = torch.empty(group_sizes.numel(), a_t.shape[0], b_t.shape[0], dtype=out_dtype, device=a_t.device)
+    return grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out)
