@@ -119,7 +119,7 @@ class _MoEQuantized(torch.autograd.Function):
         if saved is None:
             raise RuntimeError("the MoE layer's backward ran twice (retain_graph=True): its intermediates are freed")
         h, tr, gemms = ctx.handle, ctx.transport, ctx.gemms
-        dout, dwr = tr.combine_bwd(dy.contiguous(), saved.pop("out"), saved.pop("wr"), h, True)
+        dout, dwr = tr.combine_bwd(dy.contiguous(), saved.pop("out"), saved.pop("wr"), h, gemms.recipe)
         del dy
         saved["dout"] = dout
         del dout

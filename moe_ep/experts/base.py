@@ -57,6 +57,7 @@ class ExpertGemms(Protocol):
 # (compute capability major, recipe name) -> "module:attribute" of the implementation, imported on first use
 _IMPLEMENTATIONS: dict[tuple[int, str], str] = {
     (9, "mxfp8"): "moe_ep.experts.sm90.mlp:HOPPER_MXFP8",
+    (9, "blockwise"): "moe_ep.experts.sm90.blockwise:HOPPER_BLOCKWISE",
 }
 
 

@@ -266,12 +266,14 @@ def dispatch_fwd_quantized(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The quantized payload as the expert GEMMs read it: x [T, H] -> (data [N, H] e4m3 expert-sorted, scales in the
     recipe's dispatch layout, row weights [N] fp32). MXFP8: ``to_blocked_grouped`` of the rows' [N, H/32] scales along
-    the groups (the layout :func:`moe_ep.transport.nvshmem.buffer.dispatch_fwd_mxfp8` writes). Host-synced splits, as
-    every pass of this transport."""
-    if recipe != "mxfp8":
-        raise NotImplementedError(f"the reference transport dispatches the mxfp8 payload only, not {recipe!r}")
-    recv: RecvBuffers = dispatch_send(x, topk_w, handle, True)
-    scale = mxfp8.to_blocked_grouped(recv.scale[handle.expand_row], handle.group_sizes, "m")
+    the groups (the layout :func:`moe_ep.transport.nvshmem.buffer.dispatch_fwd_mxfp8` writes); blockwise: the plain
+    [N, H/128] scales. Host-synced splits, as every pass of this transport."""
+    from ..recipe import get_recipe  # noqa: PLC0415
+
+    recv: RecvBuffers = dispatch_send(x, topk_w, handle, get_recipe(recipe))
+    scale = recv.scale[handle.expand_row]
+    if recipe == "mxfp8":  # the MXFP8 GEMMs read per-group blocked scales; blockwise reads them plain [N, H/128]
+        scale = mxfp8.to_blocked_grouped(scale, handle.group_sizes, "m")
     return recv.data[handle.expand_row], scale, recv.weight[handle.expand_row, handle.expand_slot]
 
 

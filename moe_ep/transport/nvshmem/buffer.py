@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from ... import _cuda
+from ... import _cuda, mxfp8
 from ...mxfp8 import grouped_blocked_size
+from ..reference import payload_block
 from .kernels import COMBINE_NAMES, DISPATCH_NAMES, MODE_BWD, MODE_VAL, fn, i32, i64, p
 from .layout import CudaEPHandle, _check_capacity, build_layout, fit_to_count
 from .runtime import EPRuntime, init_runtime  # noqa: F401  (init_runtime: the transport's entry point, re-exported)
@@ -216,9 +217,17 @@ def dispatch_fwd_quantized(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The :class:`~moe_ep.transport.autograd.Transport` entry of the fused quantize + dispatch (MXFP8:
     :func:`dispatch_fwd_mxfp8`)."""
-    if recipe != "mxfp8":
-        raise NotImplementedError(f"the NVSHMEM dispatch has no fused {recipe!r} payload yet")
-    return dispatch_fwd_mxfp8(x, topk_w, handle)
+    if recipe == "mxfp8":
+        return dispatch_fwd_mxfp8(x, topk_w, handle)
+    if recipe == "blockwise":
+        # Not fused yet: bf16 rows cross NVLink and are quantized on arrival (2 bytes per element on the wire instead
+        # of 1 + 1/128). Per-row 1x128 quantization gives the same bytes on either side of the transfer.
+        from ...blockwise import cuda as bw  # noqa: PLC0415
+
+        rows, w = dispatch_fwd(x, topk_w, handle, False)
+        data, scale = bw.quantize_rowwise(rows)
+        return data, scale, w
+    raise NotImplementedError(f"the NVSHMEM dispatch has no {recipe!r} payload")
 
 
 def _dispatch_mx(
@@ -255,11 +264,25 @@ def _dispatch_mx(
     )
 
 
+def _wire_payload(x: torch.Tensor, quantize) -> tuple[torch.Tensor, bool]:
+    """(rows to send, whether the kernels quantize them to MXFP8): ``quantize`` True / a recipe / False. The kernels'
+    quantized payload is MXFP8; a recipe with other blocks (blockwise: 1x128) rounds the rows at the source (the same
+    values the receiver would get) and sends them unquantized."""
+    blk = payload_block(quantize)
+    if blk is None or blk == mxfp8.BLOCK:
+        return x, blk is not None
+    from ...blockwise import cuda as bw  # noqa: PLC0415
+
+    return bw.fake_quantize_rowwise(x), False
+
+
 def combine_bwd(
-    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize: bool
+    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: CudaEPHandle, quantize
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 dispatch of dy [T, H] -> (dy_rows * w [expand_capacity, H] y.dtype, dw [expand_capacity] fp32)."""
+    """Quantized dispatch of dy [T, H] (``quantize``: True = MXFP8, a recipe, or False) -> (dy_rows * w
+    [expand_capacity, H] y.dtype, dw [expand_capacity] fp32)."""
     handle.runtime.raise_pending()
+    dy, quantize = _wire_payload(dy, quantize)
     y = _check_rows(y, "y", None)
     dy = _check_rows(dy.to(y.dtype), "dy", y.shape[1])
     out = torch.empty_like(y)  # allocations before the use starts (see dispatch_fwd)
