@@ -1,0 +1,278 @@
+// Blockwise FP8 quantizers (recipe row moe_ep.recipe.BLOCKWISE; the byte layouts and the specification are
+// moe_ep/blockwise/reference.py; launchers moe_ep/blockwise/cuda.py). E4M3 elements, E8M0 scales (RCEIL), one scale
+// per block; the per-block math is quant_blockwise.cuh's. Every kernel reads its input once and writes only what the
+// recipe's GEMMs read.
+//
+//   bw_quant_rowwise<IN>    x [M, K] (fp32 / bf16) -> data [M, K], scale [M, K/128]: 1x128 blocks. Elementwise over
+//                           16-byte chunks (a block = 16 bf16 / 32 fp32 consecutive chunks = lanes of one warp), 4
+//                           chunks per thread in flight, 256 threads.
+//   bw_quant_colwise<SRC>   expert-sorted rows x [M, K] (bf16, or the 1x128 e4m3 bytes + scales of the dispatch,
+//                           dequantized exactly and requantized) -> data_t [K, cols], scale_t [cols/128, K]: 128x1
+//                           blocks along each group's rows, transposed and group padded. One CTA per (padded
+//                           128-column tile T, 128-wide K tile); the group of T from the device sizes
+//                           (bw_tile_lookup); grid (ceil(M/128) + G) x K/128, tiles past the groups exit.
+//   bw_quant_weight<IN>     w [G, N, K] (fp32 / bf16) -> data [G, N, K], data_t [G, K, N], scale [G, N/128, K/128]:
+//                           one CTA per 128x128 tile, grid (N/128 * K/128, G).
+//   bw_swiglu<BWD, GROUPED, NT>  the SwiGLU forward h = silu(gate) * up [M, F] (BWD = 0) or backward
+//                           dA = swiglu_bwd(a, dh) [M, 2F] (BWD = 1) computed in registers and quantized 1x128
+//                           row-wise, and with GROUPED also 128x1 grouped column-wise (transposed, padded) in the
+//                           same pass. One CTA per 128 x 128 tile of h.
+//
+// The tiled kernels stage a 128 x 128 tile in shared memory by cp.async (rows past the group / M zero-filled) in
+// 32-bit words, word w of row r at r W + (w ^ (r / R) (32 / S)): thread (u, q) = (word column, row segment of R
+// rows) then reads its R words conflict-free (the XOR spreads the S segments of a warp over the 32 banks), and the
+// 16-byte chunks stay contiguous (32 / S >= 4).
+#include "quant_blockwise.cuh"
+
+#define BW_F32 0
+#define BW_BF16 1
+#define BW_E4M3 3  // 1x128-quantized rows: e4m3 data [M, K] + u8 scale [M, K/128] (requantized column-wise)
+#define BW_NT 256
+
+#ifndef BW_DYN_SMEM  // the CPU emulator (tests/blockwise_emu.py) provides its own
+#define BW_DYN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+#ifndef BW_CHECK_THREADS  // the emulator checks that a launch has the CTA size the kernel was built for
+#define BW_CHECK_THREADS(n)
+#endif
+
+// Tile layout of a 128 x 128 tile of ES-byte elements staged as 32-bit words (see the file comment).
+template <int ES>
+struct BwTile {
+    static constexpr int W = BW_BLOCK * ES / 4;      // words per row
+    static constexpr int S = BW_NT / W;              // row segments (threads per word column)
+    static constexpr int R = BW_BLOCK / S;           // rows per segment
+    static constexpr int C = 4 / ES;                 // columns per word
+    static constexpr int CPR = W / 4;                // 16-byte chunks per row
+    static constexpr int PER = BW_BLOCK * CPR / BW_NT;  // chunks per thread
+    static_assert(S >= 2 && S <= 8 && R % 16 == 0, "tile shape");
+    static __device__ __forceinline__ int word(int r, int w) { return r * W + (w ^ ((r / R) * (32 / S))); }
+};
+
+// ------------------------------------------------------------------------------------------------------------
+// 1x128 row-wise
+// ------------------------------------------------------------------------------------------------------------
+
+// x: [M, K] IN (BW_F32 / BW_BF16) as nchunks 16-byte chunks (K % 128 == 0); q: [M, K] e4m3; s: [M, K/128] u8 (flat
+// block index = chunk / (chunks per block)). Grid: ceil(nchunks / (4 * 256)).
+template <int IN>
+__global__ void __launch_bounds__(BW_NT) bw_quant_rowwise(const unsigned char* __restrict__ x, long long nchunks,
+                                                          unsigned char* __restrict__ q,
+                                                          unsigned char* __restrict__ s) {
+    constexpr int V = IN == BW_F32 ? 4 : 8;  // values per chunk
+    constexpr int CPB = BW_BLOCK / V;        // chunks (lanes) per block
+    constexpr int U = 4;                     // chunks per thread, all loads issued before use
+    BW_CHECK_THREADS(BW_NT);
+    const int tid = threadIdx.x, lane = tid & 31;
+    const long long c0 = (long long)blockIdx.x * (U * BW_NT) + tid;
+    uint4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+        const long long c = c0 + (long long)j * BW_NT;
+        v[j] = c < nchunks ? bw_ld16(x + c * 16) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+        const long long c = c0 + (long long)j * BW_NT;  // whole blocks are in or out: nchunks % CPB == 0
+        float f[V];
+        bw_chunk_vals<V>(v[j], f);
+        unsigned o[V / 4];
+        const unsigned sb = bw_quant_1x128<V>(f, o);
+        if (c < nchunks) {
+            if (V == 8) *reinterpret_cast<uint2*>(q + c * V) = make_uint2(o[0], o[V / 4 - 1]);
+            else *reinterpret_cast<unsigned*>(q + c * V) = o[0];
+            if ((lane & (CPB - 1)) == 0) s[c / CPB] = (unsigned char)sb;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 128x1 grouped column-wise, transposed and padded
+// ------------------------------------------------------------------------------------------------------------
+
+// x: [M, K] bf16 (SRC = BW_BF16) or e4m3 (BW_E4M3, with xs: [M, K/128] u8 its 1x128 scales); gsizes: [G] int32;
+// qt: [K, cols] e4m3, st: [cols/128, K] u8. Grid: (ceil(M/128) + G) * (K/128), K tile fastest; dynamic shared
+// memory 128 * 128 * ES bytes. CTA (T, kt) writes padded columns 128 T .. 128 T + 127 of rows kt*128 .. of qt (the
+// group's rows, then zero columns up to the tile's end) and the 128 scale bytes st[T, kt*128 ..]; tiles past the
+// groups' last tile, or past cols, write nothing.
+template <int SRC>
+__global__ void __launch_bounds__(BW_NT) bw_quant_colwise(const unsigned char* __restrict__ x,
+                                                          const unsigned char* __restrict__ xs, long long M, int K,
+                                                          const int* __restrict__ gsizes, int G, long long cols,
+                                                          unsigned char* __restrict__ qt,
+                                                          unsigned char* __restrict__ st) {
+    constexpr int ES = SRC == BW_E4M3 ? 1 : 2;
+    using L = BwTile<ES>;
+    constexpr int R = L::R, C = L::C, S = L::S;
+    BW_CHECK_THREADS(BW_NT);
+    BW_DYN_SMEM(smem);
+    __shared__ float s_mul[BW_BLOCK];  // BW_E4M3: the dequantization multiplier of each row (0 past the rows)
+    const unsigned* tile = reinterpret_cast<const unsigned*>(smem);
+    const int ktiles = K / BW_BLOCK;
+    const long long T = blockIdx.x / ktiles;
+    const int kt = (int)(blockIdx.x % ktiles), tid = threadIdx.x;
+    long long row0;
+    int nrows;
+    const int kind = bw_tile_lookup<BW_NT>(gsizes, G, M, T, row0, nrows);
+    if (kind != 0 || (T + 1) * BW_BLOCK > cols) return;  // uniform over the CTA
+    const int k0 = kt * BW_BLOCK;
+
+    const unsigned char* src = x + (row0 * K + k0) * ES;
+#pragma unroll
+    for (int j = 0; j < L::PER; ++j) {
+        const int m = j * BW_NT + tid, r = m / L::CPR, cc = m % L::CPR;
+        const bool ok = r < nrows;
+        cp_async16(smem + 4 * L::word(r, 4 * cc), ok ? src + (long long)r * K * ES + 16 * cc : x, ok);
+    }
+    cp_async_commit();
+    if (SRC == BW_E4M3 && tid < BW_BLOCK)
+        s_mul[tid] = tid < nrows ? bw_deq_mul(xs[(row0 + tid) * ktiles + kt]) : 0.0f;
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // thread (u, qs): word column u (C columns), rows qs R .. qs R + R - 1; the S segments of a column are lanes
+    // tid ^ 1 .. ^ (S - 1)
+    const int u = tid / S, qs = tid % S;
+    float v[R][C];
+    unsigned key[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) key[c] = 0u;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const int r = qs * R + i;
+        const unsigned w = tile[L::word(r, u)];
+        if (SRC == BW_E4M3) {
+            float f[4];
+            bw_e4m3x4(w, f);
+#pragma unroll
+            for (int c = 0; c < C; ++c) v[i][c] = mx_mul(f[c], s_mul[r]);
+        } else {
+#pragma unroll
+            for (int c = 0; c < C; ++c) v[i][c] = bw_bf16(w, c);
+        }
+#pragma unroll
+        for (int c = 0; c < C; ++c) key[c] = max(key[c], bw_key(v[i][c]));
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int off = 1; off < S; off <<= 1) key[c] = max(key[c], __shfl_xor_sync(0xFFFFFFFFu, key[c], off));
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        float mul;
+        const unsigned sb = bw_scale_of(key[c], mul);
+        const bool bad = key[c] >= BW_BAD;
+        unsigned o[R / 4];
+#pragma unroll
+        for (int w = 0; w < R / 4; ++w) {
+            const float f[4] = {v[4 * w][c], v[4 * w + 1][c], v[4 * w + 2][c], v[4 * w + 3][c]};
+            unsigned ow[1];
+            bw_quant_vals<4>(f, mul, bad, ow);
+            o[w] = ow[0];
+        }
+        const int k = k0 + u * C + c;
+        uint4* dst = reinterpret_cast<uint4*>(qt + (long long)k * cols + T * BW_BLOCK + qs * R);
+#pragma unroll
+        for (int h = 0; h < R / 16; ++h) dst[h] = make_uint4(o[4 * h], o[4 * h + 1], o[4 * h + 2], o[4 * h + 3]);
+        if (qs == 0) st[T * K + k] = (unsigned char)sb;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 128x128 weights: data, its transpose and the scales in one pass
+// ------------------------------------------------------------------------------------------------------------
+
+// w: [G, N, K] IN (BW_F32 / BW_BF16), N % 128 == K % 128 == 0; q: [G, N, K] e4m3; qt: [G, K, N] e4m3;
+// s: [G, N/128, K/128] u8. Grid (N/128 * K/128, G), K tile fastest; dynamic shared memory 128 * 128 * ES bytes.
+template <int IN>
+__global__ void __launch_bounds__(BW_NT) bw_quant_weight(const unsigned char* __restrict__ w, int N, int K,
+                                                         unsigned char* __restrict__ q,
+                                                         unsigned char* __restrict__ qt,
+                                                         unsigned char* __restrict__ s) {
+    constexpr int ES = IN == BW_F32 ? 4 : 2;
+    constexpr int V = 16 / ES;  // values per chunk
+    using L = BwTile<ES>;
+    constexpr int R = L::R, C = L::C, S = L::S, PER = L::PER, CPR = L::CPR;
+    BW_CHECK_THREADS(BW_NT);
+    BW_DYN_SMEM(smem);
+    __shared__ unsigned s_key[BW_NT / 32];
+    const unsigned* tile = reinterpret_cast<const unsigned*>(smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ktl = K / BW_BLOCK, ntl = N / BW_BLOCK;
+    const int tn = (int)(blockIdx.x / ktl), tk = (int)(blockIdx.x % ktl);
+    const long long g = blockIdx.y;
+    const long long n0 = g * N + (long long)tn * BW_BLOCK;  // first row of the tile in [G * N, K]
+    const int k0 = tk * BW_BLOCK;
+
+    const unsigned char* src = w + (n0 * K + k0) * ES;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int m = j * BW_NT + tid, r = m / CPR, cc = m % CPR;
+        cp_async16(smem + 4 * L::word(r, 4 * cc), src + (long long)r * K * ES + 16 * cc, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+
+    // amax of the tile: each thread over the chunks it copied (visible to itself after the wait), then the CTA
+    unsigned key = 0u;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int m = j * BW_NT + tid, r = m / CPR, cc = m % CPR;
+        const uint4 c = *reinterpret_cast<const uint4*>(smem + 4 * L::word(r, 4 * cc));
+        float f[V];
+        bw_chunk_vals<V>(c, f);
+#pragma unroll
+        for (int i = 0; i < V; ++i) key = max(key, bw_key(f[i]));
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
+    if (lane == 0) s_key[warp] = key;
+    __syncthreads();  // also: every thread's tile copies are visible to the CTA (the column pass reads them)
+    key = s_key[0];
+#pragma unroll
+    for (int i = 1; i < BW_NT / 32; ++i) key = max(key, s_key[i]);
+    float mul;
+    const unsigned sb = bw_scale_of(key, mul);
+    const bool bad = key >= BW_BAD;
+
+    // data [G, N, K]: the thread's own chunks, row-major
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int m = j * BW_NT + tid, r = m / CPR, cc = m % CPR;
+        const uint4 c = *reinterpret_cast<const uint4*>(smem + 4 * L::word(r, 4 * cc));
+        float f[V];
+        bw_chunk_vals<V>(c, f);
+        unsigned o[V / 4];
+        bw_quant_vals<V>(f, mul, bad, o);
+        unsigned char* dst = q + (n0 + r) * K + k0 + cc * V;
+        if (V == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[V / 4 - 1]);
+        else *reinterpret_cast<unsigned*>(dst) = o[0];
+    }
+
+    // data_t [G, K, N]: thread (u, qs) quantizes rows qs R .. of word column u, i.e. R contiguous bytes of each of
+    // its C rows of the transpose
+    const int u = tid / S, qs = tid % S;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        unsigned o[R / 4];
+#pragma unroll
+        for (int i4 = 0; i4 < R / 4; ++i4) {
+            float f[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned wd = tile[L::word(qs * R + 4 * i4 + i, u)];
+                f[i] = ES == 4 ? __uint_as_float(wd) : bw_bf16(wd, c);
+            }
+            unsigned ow[1];
+            bw_quant_vals<4>(f, mul, bad, ow);
+            o[i4] = ow[0];
+        }
+        const long long kr = g * K + k0 + u * C + c;  // row of qt viewed as [G * K, N]
+        uint4* dst = reinterpret_cast<uint4*>(qt + kr * N + (long long)tn * BW_BLOCK + qs * R);
+#pragma unroll
+        for (int h = 0; h < R / 16; ++h) dst[h] = make_uint4(o[4 * h], o[4 * h + 1], o[4 * h + 2], o[4 * h + 3]);
+    }
+    if (tid == 0) s[(g * ntl + tn) * ktl + tk] = (unsigned char)sb;
+}
+
+#include "quant_blockwise_swiglu.cuh"
