@@ -72,7 +72,12 @@ __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool co
 #pragma unroll
         for (int i = 0; i < RPT; ++i) f[i] = v[i][e];
         unsigned o[RPT / 4];
-        bw_quant_vals<RPT>(f, mul, k >= BW_BAD, o);
+        const bool bad = k >= BW_BAD;
+        bw_quant_vals<RPT>(f, mul, bad, o);
+        if (bad) {
+#pragma unroll
+            for (int w = 0; w < RPT / 4; ++w) o[w] &= bw_rows_mask(tr * RPT + 4 * w, nrows);
+        }
         unsigned char* dst = cq + (long long)(oc + 8 * tc + e) * cols + T * BW_BLOCK + tr * RPT;
         if (RPT == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[RPT / 4 - 1]);
         else *reinterpret_cast<unsigned*>(dst) = o[0];

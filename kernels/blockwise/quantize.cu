@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(BW_NT) bw_quant_colwise(const unsigned char* _
             const float f[4] = {v[4 * w][c], v[4 * w + 1][c], v[4 * w + 2][c], v[4 * w + 3][c]};
             unsigned ow[1];
             bw_quant_vals<4>(f, mul, bad, ow);
-            o[w] = ow[0];
+            o[w] = bad ? ow[0] & bw_rows_mask(qs * R + 4 * w, nrows) : ow[0];
         }
         const int k = k0 + u * C + c;
         uint4* dst = reinterpret_cast<uint4*>(qt + (long long)k * cols + T * BW_BLOCK + qs * R);
