@@ -39,7 +39,7 @@ static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define __align__(n) alignas(n)
 thread_local dim3 threadIdx, blockIdx;
 static dim3 gridDim, blockDim;
-alignas(128) static unsigned char g_smem[96 * 1024];
+alignas(128) static unsigned char g_smem[128 * 1024];  // >= every launch's dynamic shared memory
 #define BW_DYN_SMEM(name) unsigned char* name = g_smem
 static bool g_bad_threads;
 #define BW_CHECK_THREADS(n) if (blockDim.x != (unsigned)(n)) g_bad_threads = true

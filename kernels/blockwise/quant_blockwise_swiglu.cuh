@@ -84,52 +84,106 @@ __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool co
     }
 }
 
-template <bool FAST, int RPT>
-__device__ __forceinline__ void bw_swiglu_fwd_vals(const uint4 (&gv)[RPT], const uint4 (&uv)[RPT],
-                                                   float (&h)[RPT][8]) {
+// The thread's inputs: chunk i (row tr RPT + i, columns 8 tc ..) of stream s (0 gate, 1 up, 2 dh) as 8 fp32.
+// STAGED = 0: the chunks were loaded into registers up front; 1: they landed in the CTA's shared-memory stage by
+// cp.async (each thread reads back only the chunks it copied: no barrier), so bytes in flight cost no registers and
+// more CTAs fit on an SM (the block scheduler overlaps one CTA's loads with another's arithmetic).
+template <int STAGED, int NS, int RPT>
+struct BwSwSrc {
+    uint4 r[STAGED ? 1 : NS][STAGED ? 1 : RPT];
+    const unsigned char* stage;  // STAGED: [NS][128 rows][16 chunks] x 16 bytes
+    int tr, tc;
+    __device__ __forceinline__ uint4 chunk(int s, int i) const {
+        if constexpr (STAGED) {
+            return *reinterpret_cast<const uint4*>(stage + ((s * BW_BLOCK + tr * RPT + i) * 16 + tc) * 16);
+        } else {
+            return r[s][i];
+        }
+    }
+    __device__ __forceinline__ void vals(int s, int i, float (&f)[8]) const { bw_chunk_vals<8>(chunk(s, i), f); }
+};
+
+template <bool FAST, class Src, int RPT>
+__device__ __forceinline__ void bw_swiglu_fwd_vals(const Src& src, float (&h)[RPT][8]) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
         float g[8], u[8];
-        bw_chunk_vals<8>(gv[i], g);
-        bw_chunk_vals<8>(uv[i], u);
+        src.vals(0, i, g);
+        src.vals(1, i, u);
 #pragma unroll
         for (int e = 0; e < 8; ++e) h[i][e] = bw_swiglu<FAST>(g[e], u[e]);
     }
 }
 
-// dg = swiglu_bwd's gate half and silu = g * sig (du = dh * silu: bw_swiglu_du's operations) from one sigmoid.
-template <bool FAST, int RPT>
-__device__ __forceinline__ void bw_swiglu_bwd_vals(const uint4 (&gv)[RPT], const uint4 (&uv)[RPT],
-                                                   const uint4 (&dv)[RPT], float (&dg)[RPT][8],
-                                                   float (&silu)[RPT][8]) {
+// Row i of h (the row-wise-only forward: row by row, fewer live registers).
+template <bool FAST, class Src>
+__device__ __forceinline__ void bw_swiglu_fwd_row(const Src& src, int i, float (&h)[8]) {
+    float g[8], u[8];
+    src.vals(0, i, g);
+    src.vals(1, i, u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = bw_swiglu<FAST>(g[e], u[e]);
+}
+
+// dg (swiglu_bwd's gate half) and, KEEP, silu = g * sig (du = dh * silu: bw_swiglu_du's operations) from one
+// sigmoid; without KEEP the up half recomputes the sigmoid (bw_swiglu_du_vals) instead of holding silu.
+template <bool FAST, bool KEEP, class Src, int RPT, int RK>
+__device__ __forceinline__ void bw_swiglu_dg_vals(const Src& src, float (&dg)[RPT][8], float (&silu)[RK][8]) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
-        float g[8], u[8], y[8];
-        bw_chunk_vals<8>(gv[i], g);
-        bw_chunk_vals<8>(uv[i], u);
-        bw_chunk_vals<8>(dv[i], y);
+        // raw words, widened per element (fewer live registers than 24 fp32 values)
+        const uint4 gc = src.chunk(0, i), uc = src.chunk(1, i), yc = src.chunk(2, i);
+        const unsigned gw[4] = {gc.x, gc.y, gc.z, gc.w}, uw[4] = {uc.x, uc.y, uc.z, uc.w};
+        const unsigned yw[4] = {yc.x, yc.y, yc.z, yc.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            const float sig = bw_sigmoid<FAST>(g[e]);
-            dg[i][e] = bw_swiglu_dg(g[e], u[e], y[e], sig);
-            silu[i][e] = mx_mul(g[e], sig);
+            const float g = bw_bf16(gw[e >> 1], e & 1);
+            const float sig = bw_sigmoid<FAST>(g);
+            dg[i][e] = bw_swiglu_dg(g, bw_bf16(uw[e >> 1], e & 1), bw_bf16(yw[e >> 1], e & 1), sig);
+            if constexpr (KEEP) silu[i][e] = mx_mul(g, sig);
+        }
+    }
+}
+template <bool FAST, class Src, int RPT>
+__device__ __forceinline__ void bw_swiglu_du_vals(const Src& src, float (&du)[RPT][8]) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const uint4 gc = src.chunk(0, i), yc = src.chunk(2, i);
+        const unsigned gw[4] = {gc.x, gc.y, gc.z, gc.w}, yw[4] = {yc.x, yc.y, yc.z, yc.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float g = bw_bf16(gw[e >> 1], e & 1);
+            du[i][e] = bw_swiglu_du(g, bw_bf16(yw[e >> 1], e & 1), bw_sigmoid<FAST>(g));
         }
     }
 }
 
+// Launch configurations (NT threads, STAGED): the launcher picks one per direction (moe_ep/blockwise/cuda.py).
+template <int BWD, int NT, int STAGED>
+struct BwSwCfg {
+    static constexpr int RPT = BW_BLOCK * 16 / NT;  // rows per thread: 8 (256 threads) or 4 (512)
+    static constexpr int NS = BWD ? 3 : 2;          // input streams
+    static constexpr int MINB = NT == 512 ? 1 : 2;
+    // the backward keeps silu in registers only where that fits (4 rows a thread)
+    static constexpr bool KEEP = RPT == 4;
+    static constexpr int SMEM = STAGED ? NS * BW_BLOCK * 256 : 0;  // dynamic shared memory bytes
+};
+
 // a: [M, 2F] bf16 (gate | up), F % 128 == 0; dh (BWD): [M, F] bf16. Outputs (KO = F forward, 2F backward):
 // rq [M, KO] e4m3, rs [M, KO/128] u8; GROUPED: cq [KO, cols] e4m3, cs [cols/128, KO] u8 (grouped padded layout of
 // gsizes [G] int32). Grid: (GROUPED ? ceil(M/128) + G + 1 : ceil(M/128)) * (F/128), h column tile fastest; NT
-// threads (256 forward, 512 backward).
-template <int BWD, int GROUPED, int NT>
-__global__ void __launch_bounds__(NT, BWD ? 1 : 2)
+// threads (256 or 512); dynamic shared memory BwSwCfg::SMEM.
+template <int BWD, int GROUPED, int NT, int STAGED>
+__global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
     bw_swiglu(const unsigned char* __restrict__ a, const unsigned char* __restrict__ dh, long long M, int F,
               const int* __restrict__ gsizes, int G, long long cols, unsigned char* __restrict__ rq,
               unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs) {
-    constexpr int RPT = BW_BLOCK * 16 / NT;
+    using Cfg = BwSwCfg<BWD, NT, STAGED>;
+    constexpr int RPT = Cfg::RPT, NS = Cfg::NS;
     constexpr int NW = NT / 32;
     static_assert(RPT == 8 || RPT == 4, "256 or 512 threads");
     BW_CHECK_THREADS(NT);
+    BW_DYN_SMEM(smem);
     __shared__ unsigned s_ck[NW][BW_BLOCK];  // per-warp column keys
     __shared__ unsigned s_cf[BW_BLOCK];      // the tile's column keys
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -149,54 +203,66 @@ __global__ void __launch_bounds__(NT, BWD ? 1 : 2)
     if (!col && nrows == 0) return;  // uniform over the CTA
     const int fc = ft * BW_BLOCK + 8 * tc;
 
-    uint4 gv[RPT], uv[RPT], dv[RPT];
+    // rows past the group / M read as zeros: h = 0 and dA = 0 there (+0: zero bytes, the reference's padding)
+    BwSwSrc<STAGED, NS, RPT> src;
+    src.stage = smem;
+    src.tr = tr;
+    src.tc = tc;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
         const int r = tr * RPT + i;
         const bool ok = r < nrows;
-        const unsigned char* pa = a + ((row0 + r) * (2LL * F) + fc) * 2;
-        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-        gv[i] = ok ? bw_ld16(pa) : z;
-        uv[i] = ok ? bw_ld16(pa + 2LL * F) : z;
-        if (BWD) dv[i] = ok ? bw_ld16(dh + ((row0 + r) * F + fc) * 2) : z;
+        const unsigned char* p[3] = {a + ((row0 + r) * (2LL * F) + fc) * 2, a + ((row0 + r) * (2LL * F) + F + fc) * 2,
+                                     BWD ? dh + ((row0 + r) * F + fc) * 2 : a};
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+            if constexpr (STAGED) {
+                cp_async16(smem + ((s * BW_BLOCK + r) * 16 + tc) * 16, ok ? p[s] : a, ok);
+            } else {
+                src.r[s][i] = ok ? bw_ld16(p[s]) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    }
+    if constexpr (STAGED) {
+        cp_async_commit();
+        cp_async_wait<0>();
     }
     BwDomain dom;
 #pragma unroll
-    for (int i = 0; i < RPT; ++i) dom.add(gv[i]);
-    const bool fast = dom.ok(!BWD);
+    for (int i = 0; i < RPT; ++i) dom.add(src.chunk(0, i));
+    const bool fast = dom.ok(!BWD);  // else (rare: some |g| > 69 or tiny, NaN/Inf) the IEEE division
 
-    if (!BWD && !GROUPED) {  // row-wise only: row by row (fewer live registers)
+    if (!BWD && !GROUPED) {
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
-            float g[8], u[8], h[8];
-            bw_chunk_vals<8>(gv[i], g);
-            bw_chunk_vals<8>(uv[i], u);
-            if (fast) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) h[e] = bw_swiglu<true>(g[e], u[e]);
-            } else {  // rare: some |g| > 69 or tiny, NaN/Inf
-#pragma unroll
-                for (int e = 0; e < 8; ++e) h[e] = bw_swiglu<false>(g[e], u[e]);
-            }
+            float h[8];
+            if (fast) bw_swiglu_fwd_row<true>(src, i, h);
+            else bw_swiglu_fwd_row<false>(src, i, h);
             bw_swiglu_row(h, tr * RPT + i, row0, nrows, F, ft * BW_BLOCK, rq, rs);
         }
     } else if (!BWD) {
         float h[RPT][8];
-        if (fast) bw_swiglu_fwd_vals<true, RPT>(gv, uv, h);
-        else bw_swiglu_fwd_vals<false, RPT>(gv, uv, h);  // rare: some |g| > 69 or tiny, NaN/Inf
+        if (fast) bw_swiglu_fwd_vals<true>(src, h);
+        else bw_swiglu_fwd_vals<false>(src, h);
         bw_swiglu_emit<RPT, NW>(h, col, row0, nrows, T, F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf);
     } else {
-        // dg and silu = g * sig from one sigmoid; du = dh * silu later (keeps silu and dh live, not g, u and sig)
-        float d[RPT][8], silu[RPT][8];
-        if (fast) bw_swiglu_bwd_vals<true, RPT>(gv, uv, dv, d, silu);
-        else bw_swiglu_bwd_vals<false, RPT>(gv, uv, dv, d, silu);  // rare: some |g| > 69, NaN/Inf
+        constexpr bool KEEP = Cfg::KEEP;
+        float d[RPT][8], silu[KEEP ? RPT : 1][8];
+        if (fast) bw_swiglu_dg_vals<true, KEEP>(src, d, silu);
+        else bw_swiglu_dg_vals<false, KEEP>(src, d, silu);
         bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf);
+        if constexpr (KEEP) {
 #pragma unroll
-        for (int i = 0; i < RPT; ++i) {
-            float y[8];
-            bw_chunk_vals<8>(dv[i], y);
+            for (int i = 0; i < RPT; ++i) {
+                float y[8];
+                src.vals(2, i, y);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) d[i][e] = mx_mul(y[e], silu[i][e]);  // bw_swiglu_du: dh * (g * sig)
+                for (int e = 0; e < 8; ++e) d[i][e] = mx_mul(y[e], silu[i][e]);  // bw_swiglu_du: dh * (g * sig)
+            }
+        } else if (fast) {
+            bw_swiglu_du_vals<true>(src, d);
+        } else {
+            bw_swiglu_du_vals<false>(src, d);
         }
         bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, F + ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck,
                                 s_cf);

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(BW_NT) bw_quant_rowwise(const unsigned char* _
 // group's rows, then zero columns up to the tile's end) and the 128 scale bytes st[T, kt*128 ..]; tiles past the
 // groups' last tile, or past cols, write nothing.
 template <int SRC>
-__global__ void __launch_bounds__(BW_NT) bw_quant_colwise(const unsigned char* __restrict__ x,
+__global__ void __launch_bounds__(BW_NT, SRC == BW_E4M3 ? 3 : 4) bw_quant_colwise(const unsigned char* __restrict__ x,
                                                           const unsigned char* __restrict__ xs, long long M, int K,
                                                           const int* __restrict__ gsizes, int G, long long cols,
                                                           unsigned char* __restrict__ qt,
@@ -133,48 +133,73 @@ __global__ void __launch_bounds__(BW_NT) bw_quant_colwise(const unsigned char* _
     // thread (u, qs): word column u (C columns), rows qs R .. qs R + R - 1; the S segments of a column are lanes
     // tid ^ 1 .. ^ (S - 1)
     const int u = tid / S, qs = tid % S;
-    float v[R][C];
-    unsigned key[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) key[c] = 0u;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        const int r = qs * R + i;
+    // the C values of row r of the thread's word column (exact fp32)
+    auto vals = [&](int r, float (&v)[C]) {
         const unsigned w = tile[L::word(r, u)];
-        if (SRC == BW_E4M3) {
+        if constexpr (SRC == BW_E4M3) {
             float f[4];
             bw_e4m3x4(w, f);
 #pragma unroll
-            for (int c = 0; c < C; ++c) v[i][c] = mx_mul(f[c], s_mul[r]);
+            for (int c = 0; c < C; ++c) v[c] = mx_mul(f[c], s_mul[r]);
         } else {
 #pragma unroll
-            for (int c = 0; c < C; ++c) v[i][c] = bw_bf16(w, c);
+            for (int c = 0; c < C; ++c) v[c] = bw_bf16(w, c);
         }
+    };
+    // pass 1: the column keys (the words are read again in pass 2 rather than held: fewer registers, more CTAs)
+    unsigned key[C];
 #pragma unroll
-        for (int c = 0; c < C; ++c) key[c] = max(key[c], bw_key(v[i][c]));
+    for (int c = 0; c < C; ++c) key[c] = 0u;
+#pragma unroll 8
+    for (int i = 0; i < R; ++i) {
+        float v[C];
+        vals(qs * R + i, v);
+#pragma unroll
+        for (int c = 0; c < C; ++c) key[c] = max(key[c], bw_key(v[c]));
     }
-#pragma unroll
-    for (int c = 0; c < C; ++c)
-#pragma unroll
-        for (int off = 1; off < S; off <<= 1) key[c] = max(key[c], __shfl_xor_sync(0xFFFFFFFFu, key[c], off));
+    float mul[C];
+    unsigned sb[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-        float mul;
-        const unsigned sb = bw_scale_of(key[c], mul);
-        const bool bad = key[c] >= BW_BAD;
-        unsigned o[R / 4];
 #pragma unroll
-        for (int w = 0; w < R / 4; ++w) {
-            const float f[4] = {v[4 * w][c], v[4 * w + 1][c], v[4 * w + 2][c], v[4 * w + 3][c]};
-            unsigned ow[1];
-            bw_quant_vals<4>(f, mul, bad, ow);
-            o[w] = bad ? ow[0] & bw_rows_mask(qs * R + 4 * w, nrows) : ow[0];
+        for (int off = 1; off < S; off <<= 1) key[c] = max(key[c], __shfl_xor_sync(0xFFFFFFFFu, key[c], off));
+        sb[c] = bw_scale_of(key[c], mul[c]);
+        if (qs == 0) st[T * K + k0 + u * C + c] = (unsigned char)sb[c];
+    }
+    // pass 2: quantize 16 rows at a time into 16 contiguous bytes of each of the C rows k of qt. The words are read
+    // once (bf16: 2 columns a word) or, e4m3 (4 columns a word, each widened with its row's multiplier), once per
+    // column: whichever keeps the registers within the CTAs per SM of the launch bounds without spilling.
+    constexpr int CG = SRC == BW_E4M3 ? 1 : C;  // columns quantized per read of the words
+#pragma unroll
+    for (int c0 = 0; c0 < C; c0 += CG) {
+#pragma unroll
+        for (int h = 0; h < R / 16; ++h) {
+            unsigned o[CG][4];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                float f[CG][4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float v[C];
+                    vals(qs * R + 16 * h + 4 * w + i, v);
+#pragma unroll
+                    for (int c = 0; c < CG; ++c) f[c][i] = v[c0 + c];
+                }
+#pragma unroll
+                for (int c = 0; c < CG; ++c) {
+                    const bool bad = key[c0 + c] >= BW_BAD;
+                    unsigned ow[1];
+                    bw_quant_vals<4>(f[c], mul[c0 + c], bad, ow);
+                    o[c][w] = bad ? ow[0] & bw_rows_mask(qs * R + 16 * h + 4 * w, nrows) : ow[0];
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < CG; ++c) {
+                const int k = k0 + u * C + c0 + c;
+                *reinterpret_cast<uint4*>(qt + (long long)k * cols + T * BW_BLOCK + qs * R + 16 * h) =
+                    make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);
+            }
         }
-        const int k = k0 + u * C + c;
-        uint4* dst = reinterpret_cast<uint4*>(qt + (long long)k * cols + T * BW_BLOCK + qs * R);
-#pragma unroll
-        for (int h = 0; h < R / 16; ++h) dst[h] = make_uint4(o[4 * h], o[4 * h + 1], o[4 * h + 2], o[4 * h + 3]);
-        if (qs == 0) st[T * K + k] = (unsigned char)sb;
     }
 }
 

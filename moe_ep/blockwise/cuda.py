@@ -28,9 +28,14 @@ from .. import _cuda
 from .reference import B, colwise_cols
 
 _SRC = "blockwise/quantize.cu"
-_NT = 256  # kernels/blockwise/quantize.cu BW_NT (bw_swiglu's backward: 512)
+_NT = 256  # kernels/blockwise/quantize.cu BW_NT (bw_swiglu: SWIGLU_CFG)
 _IN = {torch.float32: 0, torch.bfloat16: 1}  # BW_F32, BW_BF16
 _E4M3 = 3  # BW_E4M3
+# bw_swiglu's launch configurations (threads, staged): staged = the inputs land in shared memory by cp.async (bytes in
+# flight cost no registers: more CTAs per SM) instead of registers. SWIGLU_CFG is the one each direction runs
+# (chosen by benchmarks/bench_quant_blockwise.py, which times them all).
+SWIGLU_CONFIGS = {False: ((256, 0), (256, 1)), True: ((512, 0), (512, 1), (256, 1))}
+SWIGLU_CFG = {False: (256, 1), True: (256, 1)}
 NAMES = (
     "bw_quant_rowwise<0>",
     "bw_quant_rowwise<1>",
@@ -38,9 +43,8 @@ NAMES = (
     "bw_quant_colwise<3>",
     "bw_quant_weight<0>",
     "bw_quant_weight<1>",
-    "bw_swiglu<0,0,256>",
-    "bw_swiglu<0,1,256>",
-    "bw_swiglu<1,1,512>",
+    *(f"bw_swiglu<0,{g},{nt},{st}>" for g in (0, 1) for nt, st in SWIGLU_CONFIGS[False]),
+    *(f"bw_swiglu<1,1,{nt},{st}>" for nt, st in SWIGLU_CONFIGS[True]),
 )
 ROWWISE_CHUNKS_PER_CTA = 4 * _NT  # bw_quant_rowwise: 4 chunks of 16 bytes per thread
 
@@ -288,8 +292,9 @@ def _swiglu_launch(bwd, a, dh, m, f, group_sizes, data, scale, data_t, scale_t) 
     args = (
         p(a), p(dh), i64(m), i32(f), p(group_sizes), i32(g), i64(cols), p(data), p(scale), p(data_t), p(scale_t),
     )  # fmt: skip
-    nt = 512 if bwd else 256
-    _launch(f"bw_swiglu<{int(bwd)},{int(grouped)},{nt}>", grid, nt, args, 0, a.device)
+    nt, staged = SWIGLU_CFG[bwd]
+    smem = (3 if bwd else 2) * B * 256 if staged else 0  # kernels: BwSwCfg::SMEM (NS streams of 128 x 256 bytes)
+    _launch(f"bw_swiglu<{int(bwd)},{int(grouped)},{nt},{staged}>", grid, nt, args, smem, a.device)
 
 
 def swiglu_quantize_into(
@@ -307,7 +312,8 @@ def swiglu_quantize_into(
     data: [M, F] float8_e4m3fn, scale: [M, F/128] u8: h in 1x128 rows (fprop2's A), every row written.
     With group_sizes ([G] int32 on a's device), also data_t: [F, cols] float8_e4m3fn, scale_t: [cols/128, F] u8:
     h in 128x1 grouped blocks, transposed and padded (wgrad2's B; layout and contract of
-    :func:`quantize_colwise_grouped_into`). Grid: (ceil(M/128) [+ G + 1 grouped]) x F/128 CTAs of 256 threads.
+    :func:`quantize_colwise_grouped_into`). Grid: (ceil(M/128) [+ G + 1 grouped]) x F/128 CTAs (threads and
+    staging: :data:`SWIGLU_CFG`).
     """
     m, f = _swiglu_a(a, "swiglu_quantize")
     _check_out(data, "data", (m, f), torch.float8_e4m3fn, a.device)
@@ -362,7 +368,8 @@ def swiglu_bwd_quantize_into(
     data: [M, 2F] float8_e4m3fn, scale: [M, 2F/128] u8: dA in 1x128 rows (dgrad1's A), every row written.
     data_t: [2F, cols] float8_e4m3fn, scale_t: [cols/128, 2F] u8: dA in 128x1 grouped blocks, transposed and padded
     (wgrad1's A; contract of :func:`quantize_colwise_grouped_into`).
-    Grid: (ceil(M/128) + G + 1) x F/128 CTAs of 512 threads, one 128 x 128 tile of h (dA's gate and up tiles) each.
+    Grid: (ceil(M/128) + G + 1) x F/128 CTAs, one 128 x 128 tile of h (dA's gate and up tiles) each (threads and
+    staging: :data:`SWIGLU_CFG`).
     """
     m, f = _swiglu_a(a, "swiglu_bwd_quantize")
     _check_in(dh, "swiglu_bwd_quantize: dh", 2, (torch.bfloat16,))
