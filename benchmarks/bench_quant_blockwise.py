@@ -14,11 +14,12 @@ H = 2048, F = 768, 32 experts; group sizes uniform (M / E rows each). Kernels:
   swiglu_bwd         swiglu_bwd_quantize(a, dh, sizes)                   (dA row-wise + colwise grouped)
 
 The SwiGLU kernels run in each launch configuration (moe_ep.blockwise.cuda.SWIGLU_CONFIGS: threads, inputs staged
-in registers or by cp.async in shared memory), named kernel[config]. Each kernel's bytes are checked against moe_ep.blockwise.reference first (on the GPU; the weights on 4 experts), then
-timed with CUDA events (median of --reps, L2 flushed by a 256 MiB read before each rep, the CPU kept ahead by a spin
-kernel). Bytes moved = input bytes read + e4m3 data and scale bytes written. The same-size copy is a torch
-device-to-device copy of (bytes moved) / 2 bytes (its read + write equals the kernel's traffic), timed the same way;
-pct_of_copy = kernel GB/s / copy GB/s. Writes JSON {"meta": {...}, "results": [...]}.
+in registers or by cp.async in shared memory), named kernel[config]. Each kernel's bytes are checked against
+moe_ep.blockwise.reference first (on the GPU; the weights on 4 experts), then timed with CUDA events (median of
+--reps, L2 flushed by a 256 MiB read before each rep, the CPU kept ahead by a spin kernel). Bytes moved = input bytes
+read + e4m3 data and scale bytes written. The same-size copy is a torch device-to-device copy of (bytes moved) / 2
+bytes (its read + write equals the kernel's traffic), timed the same way; pct_of_copy = kernel GB/s / copy GB/s.
+Writes JSON {"meta": {...}, "results": [...]}.
 """
 
 from __future__ import annotations
