@@ -191,6 +191,7 @@ def install(monkeypatch, workdir: Path) -> list[str]:
 
     monkeypatch.setattr(bw_cuda, "_launch", launch)
     monkeypatch.setattr(bw_cuda, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(bw_cuda, "_sm_count", lambda d: 2)  # persistent grids of a few CTAs, several tiles each
     return names
 
 

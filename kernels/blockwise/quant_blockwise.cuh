@@ -257,3 +257,72 @@ __device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, in
     nrows = (int)max(0LL, min(nr, M - r0));
     return kind;
 }
+
+// The whole table of the grouped layout in shared memory, for CTAs that walk many tiles (bw_quant_colwise):
+// tstart[g] = t_g (first tile of group g), rstart[g] = first row of group g, entries 0 .. G (entry G: the totals).
+// Built by a block-wide scan of the device-resident sizes (every thread calls it; NT threads; negative sizes count as
+// 0); ends with a barrier.
+template <int NT>
+__device__ __forceinline__ void bw_group_table(const int* __restrict__ gsizes, int G, int* tstart,
+                                               long long* rstart) {
+    __shared__ long long s_wt[NT / 32], s_wn[NT / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    long long carry_t = 0, carry_n = 0;
+    for (int base = 0; base < G; base += NT) {
+        const int g = base + tid;
+        const long long n = g < G ? (long long)max(gsizes[g], 0) : 0LL;
+        const long long t = (n + BW_BLOCK - 1) / BW_BLOCK;
+        long long it = t, in = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
+            const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+            if (lane >= o) {
+                it += yt;
+                in += yn;
+            }
+        }
+        if (lane == 31) {
+            s_wt[warp] = it;
+            s_wn[warp] = in;
+        }
+        __syncthreads();
+        long long tot_t = 0, tot_n = 0;
+#pragma unroll
+        for (int w = 0; w < NT / 32; ++w) {
+            if (w < warp) {
+                it += s_wt[w];
+                in += s_wn[w];
+            }
+            tot_t += s_wt[w];
+            tot_n += s_wn[w];
+        }
+        if (g < G) {
+            tstart[g] = (int)(carry_t + it - t);
+            rstart[g] = carry_n + in - n;
+        }
+        carry_t += tot_t;
+        carry_n += tot_n;
+        __syncthreads();
+    }
+    if (tid == 0) {
+        tstart[G] = (int)carry_t;
+        rstart[G] = carry_n;
+    }
+    __syncthreads();
+}
+
+// Tile T (< tstart[G]) of the table above -> its rows [row0, row0 + nrows) (nrows <= 128, cut at M): the largest g
+// with tstart[g] <= T by binary search.
+__device__ __forceinline__ void bw_table_tile(const int* tstart, const long long* rstart, int G, long long M, int T,
+                                              long long& row0, int& nrows) {
+    int lo = 0, hi = G - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tstart[mid] <= T) lo = mid;
+        else hi = mid - 1;
+    }
+    row0 = rstart[lo] + (long long)(T - tstart[lo]) * BW_BLOCK;
+    nrows = (int)max(0LL, min(min((long long)BW_BLOCK, rstart[lo + 1] - row0), M - row0));
+}
+

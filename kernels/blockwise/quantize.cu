@@ -8,9 +8,9 @@
 //                           chunks per thread in flight, 256 threads.
 //   bw_quant_colwise<SRC>   expert-sorted rows x [M, K] (bf16, or the 1x128 e4m3 bytes + scales of the dispatch,
 //                           dequantized exactly and requantized) -> data_t [K, cols], scale_t [cols/128, K]: 128x1
-//                           blocks along each group's rows, transposed and group padded. One CTA per (padded
-//                           128-column tile T, 128-wide K tile); the group of T from the device sizes
-//                           (bw_tile_lookup); grid (ceil(M/128) + G) x K/128, tiles past the groups exit.
+//                           blocks along each group's rows, transposed and group padded. Persistent CTAs (2 per SM)
+//                           build the group table from the device sizes once (bw_group_table) and walk the (padded
+//                           128-column tile, 128-wide K tile) pairs with a cp.async pipeline S deep.
 //   bw_quant_weight<IN>     w [G, N, K] (fp32 / bf16) -> data [G, N, K], data_t [G, K, N], scale [G, N/128, K/128]:
 //                           one CTA per 128x128 tile, grid (N/128 * K/128, G).
 //   bw_swiglu<BWD, GROUPED, NT>  the SwiGLU forward h = silu(gate) * up [M, F] (BWD = 0) or backward
@@ -90,116 +90,184 @@ __global__ void __launch_bounds__(BW_NT) bw_quant_rowwise(const unsigned char* _
 // 128x1 grouped column-wise, transposed and padded
 // ------------------------------------------------------------------------------------------------------------
 
-// x: [M, K] bf16 (SRC = BW_BF16) or e4m3 (BW_E4M3, with xs: [M, K/128] u8 its 1x128 scales); gsizes: [G] int32;
-// qt: [K, cols] e4m3, st: [cols/128, K] u8. Grid: (ceil(M/128) + G) * (K/128), K tile fastest; dynamic shared
-// memory 128 * 128 * ES bytes. CTA (T, kt) writes padded columns 128 T .. 128 T + 127 of rows kt*128 .. of qt (the
-// group's rows, then zero columns up to the tile's end) and the 128 scale bytes st[T, kt*128 ..]; tiles past the
-// groups' last tile, or past cols, write nothing.
+// cp.async of 4 bytes (zero-filled when !ok): the aligned word holding a 1x128 scale byte of the requantized input.
+__device__ __forceinline__ void bw_cp_async4(unsigned char* smem_dst, const unsigned char* src, bool ok) {
+#if defined(__CUDA_ARCH__)
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+#else
+    if (ok) memcpy(smem_dst, src, 4);
+    else memset(smem_dst, 0, 4);
+#endif
+}
+
+// Pipeline depth of bw_quant_colwise (tiles in shared memory per CTA, S - 1 of them loading while one is quantized)
+// and its dynamic shared memory: S tiles of 128 * 128 * ES bytes, (e4m3) S x 128 scale words, then the group table
+// (16 (G + 1) bytes); the launcher computes the same (moe_ep/blockwise/cuda.py).
 template <int SRC>
-__global__ void __launch_bounds__(BW_NT, SRC == BW_E4M3 ? 3 : 4) bw_quant_colwise(const unsigned char* __restrict__ x,
-                                                          const unsigned char* __restrict__ xs, long long M, int K,
-                                                          const int* __restrict__ gsizes, int G, long long cols,
-                                                          unsigned char* __restrict__ qt,
-                                                          unsigned char* __restrict__ st) {
-    constexpr int ES = SRC == BW_E4M3 ? 1 : 2;
+struct BwColCfg {
+    static constexpr int ES = SRC == BW_E4M3 ? 1 : 2;
+    static constexpr int S = SRC == BW_E4M3 ? 4 : 3;
+    static constexpr int TILE_BYTES = BW_BLOCK * BW_BLOCK * ES;
+    static constexpr int FIXED = S * TILE_BYTES + (SRC == BW_E4M3 ? S * BW_BLOCK * 4 : 0);
+};
+
+// x: [M, K] bf16 (SRC = BW_BF16) or e4m3 (BW_E4M3, with xs: [M, K/128] u8 its 1x128 scales, 16-byte aligned);
+// gsizes: [G] int32; qt: [K, cols] e4m3, st: [cols/128, K] u8. Persistent: grid = min(tiles, 2 per SM) CTAs walk the
+// (padded 128-column tile T, 128-wide K tile kt) pairs, kt fastest, up to the groups' last tile (tstart[G]; the grid
+// is sized from M and G alone, ceil(M/128) + G bounding the tiles), with S - 1 tiles in flight by cp.async while one
+// is quantized. Tile (T, kt) writes padded columns 128 T .. 128 T + 127 of rows kt*128 .. of qt (the group's rows,
+// then zero columns up to the tile's end) and the 128 scale bytes st[T, kt*128 ..]; nothing past the groups' tiles
+// or past cols is written.
+template <int SRC>
+__global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char* __restrict__ x,
+                                                             const unsigned char* __restrict__ xs, long long M, int K,
+                                                             const int* __restrict__ gsizes, int G, long long cols,
+                                                             unsigned char* __restrict__ qt,
+                                                             unsigned char* __restrict__ st) {
+    using Cf = BwColCfg<SRC>;
+    constexpr int ES = Cf::ES, S = Cf::S;
     using L = BwTile<ES>;
-    constexpr int R = L::R, C = L::C, S = L::S;
+    constexpr int R = L::R, C = L::C, SG = L::S;
     BW_CHECK_THREADS(BW_NT);
     BW_DYN_SMEM(smem);
-    __shared__ float s_mul[BW_BLOCK];  // BW_E4M3: the dequantization multiplier of each row (0 past the rows)
-    const unsigned* tile = reinterpret_cast<const unsigned*>(smem);
+    __shared__ float s_mul[BW_BLOCK];  // BW_E4M3: the current tile's row multipliers (0 past its rows)
+    unsigned* sw = reinterpret_cast<unsigned*>(smem + S * Cf::TILE_BYTES);  // BW_E4M3: [S][128] scale words
+    long long* rstart = reinterpret_cast<long long*>(smem + Cf::FIXED);
+    int* tstart = reinterpret_cast<int*>(rstart + G + 1);
+    const int tid = threadIdx.x;
     const int ktiles = K / BW_BLOCK;
-    const long long T = blockIdx.x / ktiles;
-    const int kt = (int)(blockIdx.x % ktiles), tid = threadIdx.x;
-    long long row0;
-    int nrows;
-    const int kind = bw_tile_lookup<BW_NT>(gsizes, G, M, T, row0, nrows);
-    if (kind != 0 || (T + 1) * BW_BLOCK > cols) return;  // uniform over the CTA
-    const int k0 = kt * BW_BLOCK;
+    bw_group_table<BW_NT>(gsizes, G, tstart, rstart);
+    // valid tiles: the groups' padded tiles that fit in cols, times the K tiles
+    const long long nt = min((long long)tstart[G], cols / BW_BLOCK) * ktiles;
 
-    const unsigned char* src = x + (row0 * K + k0) * ES;
+    auto coords = [&](long long t, long long& T, int& kt, long long& row0, int& nrows) {
+        T = t / ktiles;
+        kt = (int)(t - T * ktiles);
+        bw_table_tile(tstart, rstart, G, M, (int)T, row0, nrows);
+    };
+    auto issue = [&](long long t, int b) {  // the tile's rows by cp.async (rows past the group zero-filled)
+        long long T, row0;
+        int kt, nrows;
+        coords(t, T, kt, row0, nrows);
+        const unsigned char* src = x + (row0 * K + (long long)kt * BW_BLOCK) * ES;
+        unsigned char* stg = smem + b * Cf::TILE_BYTES;
 #pragma unroll
-    for (int j = 0; j < L::PER; ++j) {
-        const int m = j * BW_NT + tid, r = m / L::CPR, cc = m % L::CPR;
-        const bool ok = r < nrows;
-        cp_async16(smem + 4 * L::word(r, 4 * cc), ok ? src + (long long)r * K * ES + 16 * cc : x, ok);
-    }
-    cp_async_commit();
-    if (SRC == BW_E4M3 && tid < BW_BLOCK)
-        s_mul[tid] = tid < nrows ? bw_deq_mul(xs[(row0 + tid) * ktiles + kt]) : 0.0f;
-    cp_async_wait<0>();
-    __syncthreads();
-
-    // thread (u, qs): word column u (C columns), rows qs R .. qs R + R - 1; the S segments of a column are lanes
-    // tid ^ 1 .. ^ (S - 1)
-    const int u = tid / S, qs = tid % S;
-    // the C values of row r of the thread's word column (exact fp32)
-    auto vals = [&](int r, float (&v)[C]) {
-        const unsigned w = tile[L::word(r, u)];
-        if constexpr (SRC == BW_E4M3) {
-            float f[4];
-            bw_e4m3x4(w, f);
-#pragma unroll
-            for (int c = 0; c < C; ++c) v[c] = mx_mul(f[c], s_mul[r]);
-        } else {
-#pragma unroll
-            for (int c = 0; c < C; ++c) v[c] = bw_bf16(w, c);
+        for (int j = 0; j < L::PER; ++j) {
+            const int m = j * BW_NT + tid, r = m / L::CPR, cc = m % L::CPR;
+            const bool ok = r < nrows;
+            cp_async16(stg + 4 * L::word(r, 4 * cc), ok ? src + (long long)r * K * ES + 16 * cc : x, ok);
+        }
+        if (SRC == BW_E4M3 && tid < BW_BLOCK) {
+            const bool ok = tid < nrows;
+            const long long a = (row0 + tid) * ktiles + kt;  // its aligned word: within the allocation's 16 bytes
+            bw_cp_async4(reinterpret_cast<unsigned char*>(sw + b * BW_BLOCK + tid), ok ? xs + (a & ~3LL) : xs, ok);
         }
     };
-    // pass 1: the column keys (the words are read again in pass 2 rather than held: fewer registers, more CTAs)
-    unsigned key[C];
+
+    const long long t0 = blockIdx.x, step = gridDim.x;
 #pragma unroll
-    for (int c = 0; c < C; ++c) key[c] = 0u;
-#pragma unroll 8
-    for (int i = 0; i < R; ++i) {
-        float v[C];
-        vals(qs * R + i, v);
-#pragma unroll
-        for (int c = 0; c < C; ++c) key[c] = max(key[c], bw_key(v[c]));
+    for (int s = 0; s < S - 1; ++s) {
+        if (t0 + s * step < nt) issue(t0 + s * step, s);
+        cp_async_commit();  // (an empty group past the end keeps the group count uniform)
     }
-    float mul[C];
-    unsigned sb[C];
+    for (long long i = 0;; ++i) {
+        const long long t = t0 + i * step;
+        if (t >= nt) break;
+        const int b = (int)(i % S);
+        if (t + (S - 1) * step < nt) issue(t + (S - 1) * step, (int)((i + S - 1) % S));  // the stage freed last
+        cp_async_commit();
+        cp_async_wait<S - 1>();  // all but the S - 1 newest groups: tile t has landed
+        __syncthreads();
+        long long T, row0;
+        int kt, nrows;
+        coords(t, T, kt, row0, nrows);
+        if (SRC == BW_E4M3) {
+            if (tid < BW_BLOCK) {
+                const long long a = (row0 + tid) * ktiles + kt;
+                const unsigned sb = (sw[b * BW_BLOCK + tid] >> (8 * (int)(a & 3))) & 0xFFu;
+                s_mul[tid] = tid < nrows ? bw_deq_mul(sb) : 0.0f;
+            }
+            __syncthreads();
+        }
+        const unsigned* tile = reinterpret_cast<const unsigned*>(smem + b * Cf::TILE_BYTES);
+        const int k0 = kt * BW_BLOCK;
+        // thread (u, qs): word column u (C columns), rows qs R .. qs R + R - 1; the SG segments of a column are
+        // lanes tid ^ 1 .. ^ (SG - 1)
+        const int u = tid / SG, qs = tid % SG;
+        // the column values (exact fp32): e4m3 words are widened once and kept in registers (R x C = 64 values);
+        // bf16 words are re-read in pass 2 (widening them is two integer operations)
+        float v[SRC == BW_E4M3 ? R : 1][C];
+        auto vals = [&](int i, float (&f)[C]) {
+            const int r = qs * R + i;
+            const unsigned w = tile[L::word(r, u)];
+            if constexpr (SRC == BW_E4M3) {
+                float e[4];
+                bw_e4m3x4(w, e);
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
+                for (int c = 0; c < C; ++c) f[c] = mx_mul(e[c], s_mul[r]);
+            } else {
 #pragma unroll
-        for (int off = 1; off < S; off <<= 1) key[c] = max(key[c], __shfl_xor_sync(0xFFFFFFFFu, key[c], off));
-        sb[c] = bw_scale_of(key[c], mul[c]);
-        if (qs == 0) st[T * K + k0 + u * C + c] = (unsigned char)sb[c];
-    }
-    // pass 2: quantize 16 rows at a time into 16 contiguous bytes of each of the C rows k of qt. The words are read
-    // once (bf16: 2 columns a word) or, e4m3 (4 columns a word, each widened with its row's multiplier), once per
-    // column: whichever keeps the registers within the CTAs per SM of the launch bounds without spilling.
-    constexpr int CG = SRC == BW_E4M3 ? 1 : C;  // columns quantized per read of the words
+                for (int c = 0; c < C; ++c) f[c] = bw_bf16(w, c);
+            }
+        };
+        unsigned key[C];
 #pragma unroll
-    for (int c0 = 0; c0 < C; c0 += CG) {
+        for (int c = 0; c < C; ++c) key[c] = 0u;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            float f[C];
+            vals(i, f);
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                key[c] = max(key[c], bw_key(f[c]));
+                if constexpr (SRC == BW_E4M3) v[i][c] = f[c];
+            }
+        }
+        float mul[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+#pragma unroll
+            for (int off = 1; off < SG; off <<= 1) key[c] = max(key[c], __shfl_xor_sync(0xFFFFFFFFu, key[c], off));
+            const unsigned sb = bw_scale_of(key[c], mul[c]);
+            if (qs == 0) st[T * K + k0 + u * C + c] = (unsigned char)sb;
+        }
+        // pass 2: 16 rows at a time into 16 contiguous bytes of each of the C rows k of qt
 #pragma unroll
         for (int h = 0; h < R / 16; ++h) {
-            unsigned o[CG][4];
+            unsigned o[C][4];
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                float f[CG][4];
+                float f[C][4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float v[C];
-                    vals(qs * R + 16 * h + 4 * w + i, v);
+                    float g[C];
+                    if constexpr (SRC == BW_E4M3) {
 #pragma unroll
-                    for (int c = 0; c < CG; ++c) f[c][i] = v[c0 + c];
+                        for (int c = 0; c < C; ++c) g[c] = v[16 * h + 4 * w + i][c];
+                    } else {
+                        vals(16 * h + 4 * w + i, g);
+                    }
+#pragma unroll
+                    for (int c = 0; c < C; ++c) f[c][i] = g[c];
                 }
 #pragma unroll
-                for (int c = 0; c < CG; ++c) {
-                    const bool bad = key[c0 + c] >= BW_BAD;
+                for (int c = 0; c < C; ++c) {
+                    const bool bad = key[c] >= BW_BAD;
                     unsigned ow[1];
-                    bw_quant_vals<4>(f[c], mul[c0 + c], bad, ow);
+                    bw_quant_vals<4>(f[c], mul[c], bad, ow);
+                    // a NaN block's 0x7F bytes only on the group's rows: the pad columns stay zero
                     o[c][w] = bad ? ow[0] & bw_rows_mask(qs * R + 16 * h + 4 * w, nrows) : ow[0];
                 }
             }
 #pragma unroll
-            for (int c = 0; c < CG; ++c) {
-                const int k = k0 + u * C + c0 + c;
+            for (int c = 0; c < C; ++c) {
+                const int k = k0 + u * C + c;
                 *reinterpret_cast<uint4*>(qt + (long long)k * cols + T * BW_BLOCK + qs * R + 16 * h) =
                     make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);
             }
         }
+        __syncthreads();  // stage b is refilled by the next iteration's issue
     }
 }
 

@@ -47,10 +47,17 @@ NAMES = (
     *(f"bw_swiglu<1,1,{nt},{st}>" for nt, st in SWIGLU_CONFIGS[True]),
 )
 ROWWISE_CHUNKS_PER_CTA = 4 * _NT  # bw_quant_rowwise: 4 chunks of 16 bytes per thread
+_COLWISE_CTAS_PER_SM = 2  # bw_quant_colwise: persistent, __launch_bounds__(256, 2)
+_SMEM_MAX = 227 * 1024  # dynamic shared memory of one CTA (sm_90)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (sizes the persistent grids; the CPU emulator replaces this)."""
+    return _cuda.num_sms(device)
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -198,7 +205,8 @@ def quantize_colwise_grouped_into(
         ``cols >= colwise_cols(M, G)``. Written: columns [0, P_G) and scale rows [0, P_G/128), the bytes of
         :func:`moe_ep.blockwise.reference.quantize_colwise_grouped_torch` there (group g at columns P_g .., its last
         block's pad columns zero); the rest is left as it was.
-    Grid: (ceil(M/128) + G) x K/128 CTAs of 256 threads, one padded 128-column tile x 128 K values each.
+    Grid: persistent, min((ceil(M/128) + G) * K/128, 2 per SM) CTAs of 256 threads walking the (padded 128-column
+    tile, 128 K values) pairs; shared memory 3 x 32 KB (bf16) / 4 x 16 KB (e4m3) of tile stages + 16 (G + 1) bytes.
     """
     src, xs, code = _colwise_src(x)
     m, k = src.shape
@@ -206,12 +214,17 @@ def quantize_colwise_grouped_into(
     g = group_sizes.numel()
     cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
     _colwise_out(data_t, scale_t, "quantize_colwise_grouped", k, cols, m, g, src.device)
-    grid = (_cdiv(m, B) + g) * (k // B)
-    if grid == 0:
+    tiles = (_cdiv(m, B) + g) * (k // B)  # a bound on the (padded 128-column tile, K tile) pairs from M and G
+    if tiles == 0:
         return
+    stages = 4 if code == _E4M3 else 3  # kernels: BwColCfg (S tiles in shared memory, S - 1 loading)
+    smem = stages * B * B * src.element_size() + (stages * B * 4 if code == _E4M3 else 0) + 16 * (g + 1)
+    if smem > _SMEM_MAX:
+        raise ValueError(f"quantize_colwise_grouped: {g} groups need {smem} bytes of shared memory (max {_SMEM_MAX})")
+    grid = min(tiles, _COLWISE_CTAS_PER_SM * _sm_count(src.device))
     p, i32, i64 = _cuda.ptr, _cuda.i32, _cuda.i64
     args = (p(src), p(xs), i64(m), i32(k), p(group_sizes), i32(g), i64(cols), p(data_t), p(scale_t))
-    _launch(f"bw_quant_colwise<{code}>", grid, _NT, args, B * B * src.element_size(), src.device)
+    _launch(f"bw_quant_colwise<{code}>", grid, _NT, args, smem, src.device)
 
 
 def quantize_colwise_grouped(
