@@ -29,13 +29,15 @@ __device__ __forceinline__ void bw_swiglu_row(const float (&v)[8], int r, long l
 }
 
 // The 1x128 row-wise and (col) 128x1 column-wise bytes of a thread's RPT x 8 values v (rows tr RPT + i of the
-// tile, output columns oc + 8 tc + e of an output of KO columns).
+// tile, output columns oc + 8 tc + e of an output of KO columns). s_tq (16 KB of shared memory no thread reads any
+// more, or null): the column bytes are transposed through it, so that each 128-byte row of cq is written by 8 lanes
+// as whole 16-byte pieces, instead of by 16 threads of 8 warps in 8- or 4-byte pieces (partial L2 sectors).
 template <int RPT, int NW>
 __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool col, long long row0, int nrows,
                                                long long T, int KO, int oc, long long cols,
                                                unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
                                                unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
-                                               unsigned (*s_ck)[BW_BLOCK], unsigned* s_cf) {
+                                               unsigned (*s_ck)[BW_BLOCK], unsigned* s_cf, unsigned char* s_tq) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tc = lane & 15, tr = 2 * warp + (lane >> 4);
 #pragma unroll
@@ -78,9 +80,38 @@ __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool co
 #pragma unroll
             for (int w = 0; w < RPT / 4; ++w) o[w] &= bw_rows_mask(tr * RPT + 4 * w, nrows);
         }
-        unsigned char* dst = cq + (long long)(oc + 8 * tc + e) * cols + T * BW_BLOCK + tr * RPT;
-        if (RPT == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[RPT / 4 - 1]);
-        else *reinterpret_cast<unsigned*>(dst) = o[0];
+        if (s_tq) {
+            // row c = 8 tc + e of the transposed tile, its RPT-byte unit tr stored at unit tr ^ tc (the 16 tc lanes
+            // of a warp write distinct banks)
+            unsigned char* d = s_tq + (8 * tc + e) * BW_BLOCK + (tr ^ tc) * RPT;
+            if (RPT == 8) *reinterpret_cast<uint2*>(d) = make_uint2(o[0], o[RPT / 4 - 1]);
+            else *reinterpret_cast<unsigned*>(d) = o[0];
+        } else {
+            unsigned char* dst = cq + (long long)(oc + 8 * tc + e) * cols + T * BW_BLOCK + tr * RPT;
+            if (RPT == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[RPT / 4 - 1]);
+            else *reinterpret_cast<unsigned*>(dst) = o[0];
+        }
+    }
+    if (!s_tq) return;
+    __syncthreads();
+    constexpr int UPP = 16 / RPT;  // units per 16-byte piece
+#pragma unroll
+    for (int j = 0; j < BW_BLOCK * 8 / (NW * 32); ++j) {
+        const int q = j * NW * 32 + tid, c = q >> 3, piece = q & 7;
+        unsigned w[4];
+#pragma unroll
+        for (int l = 0; l < UPP; ++l) {
+            const unsigned char* sp = s_tq + c * BW_BLOCK + ((piece * UPP + l) ^ (c >> 3)) * RPT;
+            if (RPT == 8) {
+                const uint2 t = *reinterpret_cast<const uint2*>(sp);
+                w[2 * l] = t.x;
+                w[2 * l + 1] = t.y;
+            } else {
+                w[l] = *reinterpret_cast<const unsigned*>(sp);
+            }
+        }
+        *reinterpret_cast<uint4*>(cq + (long long)(oc + c) * cols + T * BW_BLOCK + 16 * piece) =
+            make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
@@ -227,6 +258,9 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         cp_async_commit();
         cp_async_wait<0>();
     }
+    // STAGED: the column bytes are transposed through a stream of the stage that is no longer read when they are
+    // written (forward: gate, after h; backward: up, after dg), behind bw_swiglu_emit's barriers
+    unsigned char* s_tq = STAGED ? smem + (BWD ? 1 : 0) * BW_BLOCK * 256 : nullptr;
     BwDomain dom;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) dom.add(src.chunk(0, i));
@@ -244,13 +278,14 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         float h[RPT][8];
         if (fast) bw_swiglu_fwd_vals<true>(src, h);
         else bw_swiglu_fwd_vals<false>(src, h);
-        bw_swiglu_emit<RPT, NW>(h, col, row0, nrows, T, F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf);
+        bw_swiglu_emit<RPT, NW>(h, col, row0, nrows, T, F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf, s_tq);
     } else {
         constexpr bool KEEP = Cfg::KEEP;
         float d[RPT][8], silu[KEEP ? RPT : 1][8];
         if (fast) bw_swiglu_dg_vals<true, KEEP>(src, d, silu);
         else bw_swiglu_dg_vals<false, KEEP>(src, d, silu);
-        bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf);
+        bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf,
+                                s_tq);
         if constexpr (KEEP) {
 #pragma unroll
             for (int i = 0; i < RPT; ++i) {
@@ -265,6 +300,6 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
             bw_swiglu_du_vals<false>(src, d);
         }
         bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, F + ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck,
-                                s_cf);
+                                s_cf, s_tq);
     }
 }
