@@ -160,7 +160,9 @@ __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char
         }
         if (SRC == BW_E4M3 && tid < BW_BLOCK) {
             const bool ok = tid < nrows;
-            const long long a = (row0 + tid) * ktiles + kt;  // its aligned word: within the allocation's 16 bytes
+            // the aligned word holding the byte (xs is 16-byte aligned): at most 3 bytes past the tensor's last
+            // byte, inside its 16-byte granule of the allocation
+            const long long a = (row0 + tid) * ktiles + kt;
             bw_cp_async4(reinterpret_cast<unsigned char*>(sw + b * BW_BLOCK + tid), ok ? xs + (a & ~3LL) : xs, ok);
         }
     };

@@ -32,8 +32,10 @@ _NT = 256  # kernels/blockwise/quantize.cu BW_NT (bw_swiglu: SWIGLU_CFG)
 _IN = {torch.float32: 0, torch.bfloat16: 1}  # BW_F32, BW_BF16
 _E4M3 = 3  # BW_E4M3
 # bw_swiglu's launch configurations (threads, staged): staged = the inputs land in shared memory by cp.async (bytes in
-# flight cost no registers: more CTAs per SM) instead of registers. SWIGLU_CFG is the one each direction runs
-# (chosen by benchmarks/bench_quant_blockwise.py, which times them all).
+# flight cost no registers: more CTAs per SM) instead of registers. SWIGLU_CFG is the one each direction runs, chosen
+# by benchmarks/bench_quant_blockwise.py, which times them all (H200, benchmarks/results/bench_quant_blockwise.json:
+# forward staged 256 fastest at both shapes; backward staged 256 fastest at dsv3, 321 vs 355-364 us, 5% behind the
+# 512-thread register variant at the small shape).
 SWIGLU_CONFIGS = {False: ((256, 0), (256, 1)), True: ((512, 0), (512, 1), (256, 1))}
 SWIGLU_CFG = {False: (256, 1), True: (256, 1)}
 NAMES = (
