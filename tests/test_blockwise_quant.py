@@ -220,6 +220,31 @@ def test_colwise_wider_cols_and_alloc(dev):
     assert_bytes("alloc scale_t", s_t[: pg // 128], want[1][: pg // 128])
 
 
+def test_grouped_many_groups(dev, tmp_path_factory):
+    """More groups than a CTA has threads (the device-side scan of the sizes takes two rounds): mostly empty groups,
+    1-row groups, one large group late; the colwise kernel and (GPU) the grouped SwiGLU forward's per-tile lookup."""
+    g = torch.Generator().manual_seed(7)
+    sizes = [0] * 300
+    for i in torch.randint(0, 300, (40,), generator=g).tolist():
+        sizes[i] = 1
+    sizes[290] = 200
+    m, k = sum(sizes) + 9, 128
+    x = make_input(m, k, torch.bfloat16, seed=80)
+    got_t, got_st, cols = _colwise_run(dev, x.to(dev), sizes, m, k)
+    check_colwise(got_t, got_st, *quantize_colwise_grouped_torch(x, sizes, cols), sizes, "300 groups")
+    if not _big(dev):  # the SwiGLU grid has a CTA per tile bound (303 here): too slow to emulate in CI
+        return
+    a = _swiglu_input(m, 128, seed=81)
+    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
+    got = bw_cuda.swiglu_quantize(a.to(dev), st, colwise=True)
+    h = _swiglu_ref_vals(dev, tmp_path_factory, a)
+    pg = padded_group_offsets(sizes)[-1]
+    want_t, want_st = quantize_colwise_grouped_torch(h, sizes, got[2].shape[1])
+    assert_bytes("swiglu data", got[0], quantize_rowwise_torch(h)[0])
+    assert_bytes("swiglu data_t", got[2][:, :pg], want_t[:, :pg])
+    assert_bytes("swiglu scale_t", got[3][: pg // 128], want_st[: pg // 128])
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 128x128 weights
 # ------------------------------------------------------------------------------------------------------------
