@@ -1,5 +1,7 @@
 """The blockwise FP8 recipe (1x128 activations, 128x128 weights, 128x1 wgrad operands): its byte layouts
-(:mod:`.reference`, the specification) and their CUDA quantizers. Recipe row: :data:`moe_ep.recipe.BLOCKWISE`."""
+(:mod:`.reference`, the specification) and their CUDA quantizers (:mod:`.cuda`, imported lazily: the names in
+``_CUDA_NAMES`` resolve on first use, so ``import moe_ep.blockwise`` needs no CuPy). Recipe row:
+:data:`moe_ep.recipe.BLOCKWISE`."""
 
 from .reference import (
     B,
@@ -13,7 +15,31 @@ from .reference import (
     quantize_weight_torch,
 )
 
+# the CUDA launchers (moe_ep.blockwise.cuda), resolved on first attribute access
+_CUDA_NAMES = (
+    "quantize_rowwise",
+    "quantize_rowwise_into",
+    "quantize_colwise_grouped",
+    "quantize_colwise_grouped_into",
+    "quantize_weight",
+    "quantize_weight_into",
+    "swiglu_quantize",
+    "swiglu_quantize_into",
+    "swiglu_bwd_quantize",
+    "swiglu_bwd_quantize_into",
+)
+
+
+def __getattr__(name: str):
+    if name in _CUDA_NAMES:
+        from . import cuda  # noqa: PLC0415
+
+        return getattr(cuda, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    *_CUDA_NAMES,
     "B",
     "colwise_cols",
     "dequantize_colwise_grouped_torch",

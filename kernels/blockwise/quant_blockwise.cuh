@@ -1,0 +1,328 @@
+// Device helpers of the blockwise FP8 quantizers (kernels/blockwise/quantize.cu; recipe row moe_ep.recipe.BLOCKWISE,
+// byte layouts moe_ep/blockwise/reference.py): the per-block math of one 1x128 row block (bw_quant_1x128, meant to be
+// included by the dispatch kernel as well), element loads and conversions, the SwiGLU forward / backward arithmetic
+// (bit for bit as torch on CUDA, the formulas of kernels/quant_elem.cuh and quant_swiglu.cuh) and the device-side
+// group lookup of the grouped column-wise layout. Everything is prefixed bw_ so that this header can sit next to the
+// MXFP8 headers in one translation unit. The host fallbacks of the asm helpers exist for the CPU emulator
+// (tests/blockwise_emu.py), which compiles this file as C++.
+//
+// The quantization rule is common.cuh's (moe_ep.mxfp8.reference.quantize_blocks_torch): the block key is the largest
+// |v| as fp32 bits (a key >= 0x7F800000 means a NaN/Inf block: scale 0xFF, bytes 0x7F), E = mx_block_exp(amax)
+// (RCEIL: the smallest power of two >= amax / 448, clamped to [-127, 127]), scale byte E + 127, bytes
+// e4m3(v * 2**-E) with saturation.
+#pragma once
+
+#include "common.cuh"
+
+#define BW_BLOCK 128         // values per scale along the quantized axis
+#define BW_BAD 0x7F800000u   // a key at or above this is NaN/Inf
+
+// ------------------------------------------------------------------------------------------------------------
+// loads and element conversions
+// ------------------------------------------------------------------------------------------------------------
+
+// 16-byte streaming load (read once: not kept in L1).
+__device__ __forceinline__ uint4 bw_ld16(const unsigned char* p) {
+    uint4 r;
+#if defined(__CUDA_ARCH__)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+#else
+    memcpy(&r, p, 16);
+#endif
+    return r;
+}
+
+// Element e (0/1) of a word of two bf16 values as fp32 (exact).
+__device__ __forceinline__ float bw_bf16(unsigned w, int e) {
+    return __uint_as_float(e ? (w & 0xFFFF0000u) : (w << 16));
+}
+
+// A 16-byte chunk as fp32 values: 8 bf16 (V = 8) or 4 fp32 (V = 4), in memory order.
+template <int V>
+__device__ __forceinline__ void bw_chunk_vals(uint4 c, float (&f)[V]) {
+    const unsigned w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < V; ++i) f[i] = V == 8 ? bw_bf16(w[i >> 1], i & 1) : __uint_as_float(w[i & 3]);
+}
+
+// Four e4m3 bytes of a word (byte 0 first) -> fp32 (exact; 0x7F / 0xFF give NaN).
+__device__ __forceinline__ void bw_e4m3x4(unsigned w, float (&f)[4]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        unsigned h2;
+        const unsigned short p = (unsigned short)(w >> (16 * h));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(p));
+        const unsigned short lo = (unsigned short)(h2 & 0xFFFFu), hi = (unsigned short)(h2 >> 16);
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f[2 * h]) : "h"(lo));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f[2 * h + 1]) : "h"(hi));
+    }
+#else
+    for (int i = 0; i < 4; ++i) f[i] = mx_e4m3_to_f32_soft((w >> (8 * i)) & 0xFFu);
+#endif
+}
+
+// Dequantization multiplier of a 1x128 scale byte: 2**(s - 127) (exact, 2**-127 is an fp32 subnormal), NaN for 0xFF.
+// e4m3 * this multiplier is exact in fp32 (products are 0 or >= 2**-136), so a requantized block sees exactly the
+// values of moe_ep.blockwise.reference.dequantize_rowwise_torch.
+__device__ __forceinline__ float bw_deq_mul(unsigned s) {
+    return s == 0xFFu ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)s - 127);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// block quantization
+// ------------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned bw_key(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+// Scale byte of a block with key ``key`` and its multiplier 2**-E (unused for a NaN/Inf block).
+__device__ __forceinline__ unsigned bw_scale_of(unsigned key, float& mul) {
+    const int e = mx_block_exp(__uint_as_float(key));
+    mul = mx_exp2i(-e);
+    return key >= BW_BAD ? MX_SCALE_NAN : (unsigned)(e + 127);
+}
+
+// V values (V % 4 == 0) times ``mul`` -> V e4m3 bytes in V / 4 words (value 0 in the low byte); a bad block gives
+// 0x7F bytes.
+template <int V>
+__device__ __forceinline__ void bw_quant_vals(const float (&v)[V], float mul, bool bad, unsigned (&o)[V / 4]) {
+#pragma unroll
+    for (int w = 0; w < V / 4; ++w)
+        o[w] = bad ? 0x7F7F7F7Fu
+                   : mx_cvt4_e4m3(mx_mul(v[4 * w], mul), mx_mul(v[4 * w + 1], mul), mx_mul(v[4 * w + 2], mul),
+                                  mx_mul(v[4 * w + 3], mul));
+}
+
+// Byte mask of the rows r0 .. r0 + 3 of a 4-row word that are < nrows: a NaN block of the grouped column-wise layout
+// gets 0x7F bytes only on its group's rows (the pad columns of the reference stay zero).
+__device__ __forceinline__ unsigned bw_rows_mask(int r0, int nrows) {
+    const int nv = nrows - r0;
+    return nv >= 4 ? 0xFFFFFFFFu : (nv <= 0 ? 0u : (1u << (8 * nv)) - 1u);
+}
+
+// One 1x128 row block held by 128 / V consecutive lanes of a warp, V values each (V = 8: 16 lanes, e.g. a bf16
+// 16-byte chunk per lane; V = 4: the whole warp). Every lane of the warp must call it (the amax is reduced with
+// shuffles over the block's lanes; lanes / (128 / V) is the block). Returns the block's scale byte (in every lane)
+// and the lane's V e4m3 bytes in o. Example: a bf16 row of K = 256 read by one warp as 16-byte chunks: lanes 0-15
+// hold block 0 (columns 0-127), lanes 16-31 block 1; lane l writes o to bytes 8 l .. 8 l + 7 and lanes 0 and 16
+// write the two scale bytes.
+template <int V>
+__device__ __forceinline__ unsigned bw_quant_1x128(const float (&v)[V], unsigned (&o)[V / 4]) {
+    unsigned key = 0u;
+#pragma unroll
+    for (int i = 0; i < V; ++i) key = max(key, bw_key(v[i]));
+#pragma unroll
+    for (int off = 1; off < BW_BLOCK / V; off <<= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
+    float mul;
+    const unsigned sb = bw_scale_of(key, mul);
+    bw_quant_vals<V>(v, mul, key >= BW_BAD, o);
+    return sb;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// SwiGLU arithmetic (moe_ep.experts.reference swiglu / swiglu_bwd as torch evaluates them on CUDA, each operation
+// rounded to fp32; the formulas of kernels/quant_elem.cuh, whose GPU tests check them against torch bit for bit):
+//   h  = (g / (1 + expf(-g))) * u
+//   sig = 1 / (1 + expf(-g)),  dg = (dh * u) * (sig * (1 + g * (1 - sig))),  du = dh * (g * sig)
+// ------------------------------------------------------------------------------------------------------------
+
+// x / d rounded as div.rn.f32 without its slow-path branch: kernels/quant_swiglu.cuh swd_div (the same
+// instructions), equal to div.rn for x = g or 1 and d = 1 + expf(-g) while BwDomain::ok holds (checked for every bf16
+// g by tests/test_quant_dual_cuda.py test_swiglu_branch_free_division_every_bf16). Why: each IEEE division is its
+// own branch region, which serialized the element chains. The host build divides exactly.
+__device__ __forceinline__ float bw_div_fast(float x, float d) {
+#if defined(__CUDA_ARCH__)
+    float r, t, q, rem, res;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    asm("fma.rn.f32 %0, %1, %2, 0f3F800000;" : "=f"(t) : "f"(-d), "f"(r));
+    asm("fma.rn.f32 %0, %1, %2, %1;" : "=f"(r) : "f"(r), "f"(t));
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(r));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(rem) : "f"(-d), "f"(q), "f"(x));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(res) : "f"(r), "f"(rem), "f"(q));
+    return __float_as_uint(x) << 1 ? res : x;  // the correction turns -0 into +0; x / d keeps a zero's sign
+#else
+    return x / d;
+#endif
+}
+
+// FAST: the branch-free division (inside BwDomain only), else IEEE div.rn.
+template <bool FAST>
+__device__ __forceinline__ float bw_div(float x, float d) {
+    return FAST ? bw_div_fast(x, d) : mx_div(x, d);
+}
+template <bool FAST>
+__device__ __forceinline__ float bw_swiglu(float g, float u) {
+    return mx_mul(bw_div<FAST>(g, mx_add(1.0f, expf(-g))), u);
+}
+template <bool FAST>
+__device__ __forceinline__ float bw_sigmoid(float g) {
+    return bw_div<FAST>(1.0f, mx_add(1.0f, expf(-g)));
+}
+__device__ __forceinline__ float bw_swiglu_dg(float g, float u, float dh, float sig) {
+    return mx_mul(mx_mul(dh, u), mx_mul(sig, mx_add(1.0f, mx_mul(g, mx_add(1.0f, -sig)))));
+}
+__device__ __forceinline__ float bw_swiglu_du(float g, float dh, float sig) { return mx_mul(dh, mx_mul(g, sig)); }
+
+// Where bw_div_fast equals div.rn, over the bf16 gate words a thread reads (kernels/quant_swiglu.cuh SwdDomain):
+// |g| <= 69.0 (0x428A), and in the forward (which divides g itself) also g zero or |g| >= 2**-100 (0x0D80).
+struct BwDomain {
+    unsigned amax = 0u, cmin = 0xFFFFFFFFu;
+    __device__ __forceinline__ void add(unsigned w) {
+        const unsigned a = w & 0x7FFF7FFFu;
+        amax = __vmaxu2(amax, a);
+        cmin = __vminu2(cmin, ((a | 0x80008000u) - 0x00010001u) ^ 0x80008000u);
+    }
+    __device__ __forceinline__ void add(uint4 c) {
+        add(c.x);
+        add(c.y);
+        add(c.z);
+        add(c.w);
+    }
+    __device__ __forceinline__ bool ok(bool fwd) const {
+        const bool big = max(amax & 0xFFFFu, amax >> 16) > 0x428Au;
+        const bool tiny = min(cmin & 0xFFFFu, cmin >> 16) < 0x0D7Fu;
+        return !big && !(fwd && tiny);
+    }
+};
+
+// ------------------------------------------------------------------------------------------------------------
+// grouped column-wise layout: which rows a padded 128-column tile holds
+// ------------------------------------------------------------------------------------------------------------
+
+// Tile T of the padded grouped layout (moe_ep.blockwise.reference: group g owns the tiles t_g .. t_g + ceil(n_g/128)
+// - 1, t_g = sum_{h<g} ceil(n_h/128), i.e. padded columns P_g = 128 t_g ..), found from the device-resident group
+// sizes by a block-wide scan (every thread of the CTA calls it; NT threads; negative sizes count as 0). Returns
+// 0: T is tile T - t_g of group g, whose rows are [row0, row0 + nrows) (nrows <= 128; cut at M);
+// 1: T is past the groups' tiles (T >= t_G): row0 = sum(n) + 128 (T - t_G), nrows the rows of [row0, M) in that
+//    128-row span (0 when past M): the "tail" rows that belong to no group (sum(sizes) < M).
+// Example: sizes [130, 0, 5], M = 200: T = 0 -> (0, rows 0-127), T = 1 -> (0, rows 128-129), T = 2 -> (0, rows
+// 130-134), T = 3 -> (1, rows 135-199), T = 4 -> (1, nrows 0).
+template <int NT>
+__device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, int G, long long M, long long T,
+                                              long long& row0, int& nrows) {
+    __shared__ long long s_res[2];
+    __shared__ long long s_wt[NT / 32], s_wn[NT / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) s_res[0] = -1;
+    __syncthreads();
+    long long carry_t = 0, carry_n = 0;
+    for (int base = 0; base < G; base += NT) {
+        const int g = base + tid;
+        const long long n = g < G ? (long long)max(gsizes[g], 0) : 0LL;
+        const long long t = (n + BW_BLOCK - 1) / BW_BLOCK;
+        long long it = t, in = n;  // inclusive scans over the warp, then over the warps
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
+            const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+            if (lane >= o) {
+                it += yt;
+                in += yn;
+            }
+        }
+        if (lane == 31) {
+            s_wt[warp] = it;
+            s_wn[warp] = in;
+        }
+        __syncthreads();
+        long long tot_t = 0, tot_n = 0;
+#pragma unroll
+        for (int w = 0; w < NT / 32; ++w) {
+            if (w < warp) {
+                it += s_wt[w];
+                in += s_wn[w];
+            }
+            tot_t += s_wt[w];
+            tot_n += s_wn[w];
+        }
+        const long long t0 = carry_t + it - t;  // the group's first tile
+        if (g < G && T >= t0 && T < t0 + t) {
+            s_res[0] = carry_n + in - n + (T - t0) * BW_BLOCK;
+            s_res[1] = min((long long)BW_BLOCK, n - (T - t0) * BW_BLOCK);
+        }
+        carry_t += tot_t;
+        carry_n += tot_n;
+        __syncthreads();  // s_wt / s_wn are rewritten by the next round; s_res is complete after the last one
+    }
+    long long r0 = s_res[0], nr = s_res[1];
+    int kind = 0;
+    if (r0 < 0) {
+        kind = 1;
+        r0 = carry_n + (T - carry_t) * BW_BLOCK;
+        nr = BW_BLOCK;
+    }
+    row0 = r0;
+    nrows = (int)max(0LL, min(nr, M - r0));
+    return kind;
+}
+
+// The whole table of the grouped layout in shared memory, for CTAs that walk many tiles (bw_quant_colwise):
+// tstart[g] = t_g (first tile of group g), rstart[g] = first row of group g, entries 0 .. G (entry G: the totals).
+// Built by a block-wide scan of the device-resident sizes (every thread calls it; NT threads; negative sizes count as
+// 0); ends with a barrier.
+template <int NT>
+__device__ __forceinline__ void bw_group_table(const int* __restrict__ gsizes, int G, int* tstart,
+                                               long long* rstart) {
+    __shared__ long long s_wt[NT / 32], s_wn[NT / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    long long carry_t = 0, carry_n = 0;
+    for (int base = 0; base < G; base += NT) {
+        const int g = base + tid;
+        const long long n = g < G ? (long long)max(gsizes[g], 0) : 0LL;
+        const long long t = (n + BW_BLOCK - 1) / BW_BLOCK;
+        long long it = t, in = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
+            const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+            if (lane >= o) {
+                it += yt;
+                in += yn;
+            }
+        }
+        if (lane == 31) {
+            s_wt[warp] = it;
+            s_wn[warp] = in;
+        }
+        __syncthreads();
+        long long tot_t = 0, tot_n = 0;
+#pragma unroll
+        for (int w = 0; w < NT / 32; ++w) {
+            if (w < warp) {
+                it += s_wt[w];
+                in += s_wn[w];
+            }
+            tot_t += s_wt[w];
+            tot_n += s_wn[w];
+        }
+        if (g < G) {
+            tstart[g] = (int)(carry_t + it - t);
+            rstart[g] = carry_n + in - n;
+        }
+        carry_t += tot_t;
+        carry_n += tot_n;
+        __syncthreads();
+    }
+    if (tid == 0) {
+        tstart[G] = (int)carry_t;
+        rstart[G] = carry_n;
+    }
+    __syncthreads();
+}
+
+// Tile T (< tstart[G]) of the table above -> its rows [row0, row0 + nrows) (nrows <= 128, cut at M): the largest g
+// with tstart[g] <= T by binary search.
+__device__ __forceinline__ void bw_table_tile(const int* tstart, const long long* rstart, int G, long long M, int T,
+                                              long long& row0, int& nrows) {
+    int lo = 0, hi = G - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tstart[mid] <= T) lo = mid;
+        else hi = mid - 1;
+    }
+    row0 = rstart[lo] + (long long)(T - tstart[lo]) * BW_BLOCK;
+    nrows = (int)max(0LL, min(min((long long)BW_BLOCK, rstart[lo + 1] - row0), M - row0));
+}
+

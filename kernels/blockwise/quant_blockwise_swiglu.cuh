@@ -1,0 +1,305 @@
+// The fused SwiGLU quantizers of kernels/blockwise/quantize.cu (included at its end): h = silu(gate) * up (forward)
+// or dA = swiglu_bwd(a, dh) (backward) computed in fp32 registers, bit for bit as moe_ep.experts.reference on CUDA
+// (quant_blockwise.cuh), and quantized in the same pass into what the blockwise recipe reads:
+//   forward   h [M, F]:  1x128 row-wise (fprop2's A) and, GROUPED, 128x1 grouped column-wise (wgrad2's B);
+//   backward  dA [M, 2F]: 1x128 row-wise (dgrad1's A) and 128x1 grouped column-wise (wgrad1's A).
+// Nothing else is written (no bf16 copy of h or dA).
+//
+// One CTA per 128 x 128 tile of h (rows x h columns f0 .. f0 + 127; the backward's tile yields dA's gate tile at
+// columns f0 and its up tile at F + f0). Thread (tr, tc) = (2 warp + lane / 16, lane % 16) holds RPT rows x 8
+// columns (RPT = 8 with 256 threads, 4 with 512), loaded as 16-byte chunks of gate / up (/ dh) straight into
+// registers (a warp reads 256 contiguous bytes of each row). A 1x128 row block is 16 lanes of one warp (shuffles
+// ^1..^8); a 128x1 column block is 2 lanes of each warp (^16, then across warps through shared memory). Grouped
+// tiles follow the padded grouped layout (bw_tile_lookup): tile T is a group's 128-row block (writes padded columns
+// 128 T ..), and the spare tiles of the grid (sized ceil(M/128) + G + 1 from M and G only) cover the rows past
+// sum(sizes) row-wise, so the row-wise output is complete for all M rows.
+#pragma once
+
+// The 1x128 row-wise bytes of row r of the tile (8 values of the thread, output columns oc + 8 tc .. of an output
+// of KO columns); every lane of the warp calls it.
+__device__ __forceinline__ void bw_swiglu_row(const float (&v)[8], int r, long long row0, int nrows, int KO, int oc,
+                                              unsigned char* __restrict__ rq, unsigned char* __restrict__ rs) {
+    const int tc = threadIdx.x & 15;
+    unsigned o[2];
+    const unsigned sb = bw_quant_1x128<8>(v, o);
+    if (r < nrows) {
+        *reinterpret_cast<uint2*>(rq + (row0 + r) * KO + oc + 8 * tc) = make_uint2(o[0], o[1]);
+        if (tc == 0) rs[(row0 + r) * (KO / BW_BLOCK) + oc / BW_BLOCK] = (unsigned char)sb;
+    }
+}
+
+// The 1x128 row-wise and (col) 128x1 column-wise bytes of a thread's RPT x 8 values v (rows tr RPT + i of the
+// tile, output columns oc + 8 tc + e of an output of KO columns). s_tq (16 KB of shared memory no thread reads any
+// more, or null): the column bytes are transposed through it, so that each 128-byte row of cq is written by 8 lanes
+// as whole 16-byte pieces, instead of by 16 threads of 8 warps in 8- or 4-byte pieces (partial L2 sectors).
+template <int RPT, int NW>
+__device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool col, long long row0, int nrows,
+                                               long long T, int KO, int oc, long long cols,
+                                               unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
+                                               unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
+                                               unsigned (*s_ck)[BW_BLOCK], unsigned* s_cf, unsigned char* s_tq) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tc = lane & 15, tr = 2 * warp + (lane >> 4);
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) bw_swiglu_row(v[i], tr * RPT + i, row0, nrows, KO, oc, rq, rs);
+    if (!col) return;  // uniform over the CTA
+    unsigned ck[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        ck[e] = 0u;
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) ck[e] = max(ck[e], bw_key(v[i][e]));
+        ck[e] = max(ck[e], __shfl_xor_sync(0xFFFFFFFFu, ck[e], 16));
+    }
+    if (lane < 16) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s_ck[warp][8 * tc + e] = ck[e];
+    }
+    __syncthreads();
+    if (tid < BW_BLOCK) {
+        unsigned k = 0u;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) k = max(k, s_ck[w][tid]);
+        s_cf[tid] = k;
+        float m;
+        cs[T * KO + oc + tid] = (unsigned char)bw_scale_of(k, m);
+    }
+    __syncthreads();  // (s_ck / s_cf are rewritten only after the next emit's first barrier: no third one needed)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const unsigned k = s_cf[8 * tc + e];
+        float mul;
+        bw_scale_of(k, mul);
+        float f[RPT];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) f[i] = v[i][e];
+        unsigned o[RPT / 4];
+        const bool bad = k >= BW_BAD;
+        bw_quant_vals<RPT>(f, mul, bad, o);
+        if (bad) {
+#pragma unroll
+            for (int w = 0; w < RPT / 4; ++w) o[w] &= bw_rows_mask(tr * RPT + 4 * w, nrows);
+        }
+        if (s_tq) {
+            // row c = 8 tc + e of the transposed tile, its RPT-byte unit tr stored at unit tr ^ tc (the 16 tc lanes
+            // of a warp write distinct banks)
+            unsigned char* d = s_tq + (8 * tc + e) * BW_BLOCK + (tr ^ tc) * RPT;
+            if (RPT == 8) *reinterpret_cast<uint2*>(d) = make_uint2(o[0], o[RPT / 4 - 1]);
+            else *reinterpret_cast<unsigned*>(d) = o[0];
+        } else {
+            unsigned char* dst = cq + (long long)(oc + 8 * tc + e) * cols + T * BW_BLOCK + tr * RPT;
+            if (RPT == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[RPT / 4 - 1]);
+            else *reinterpret_cast<unsigned*>(dst) = o[0];
+        }
+    }
+    if (!s_tq) return;
+    __syncthreads();
+    constexpr int UPP = 16 / RPT;  // units per 16-byte piece
+#pragma unroll
+    for (int j = 0; j < BW_BLOCK * 8 / (NW * 32); ++j) {
+        const int q = j * NW * 32 + tid, c = q >> 3, piece = q & 7;
+        unsigned w[4];
+#pragma unroll
+        for (int l = 0; l < UPP; ++l) {
+            const unsigned char* sp = s_tq + c * BW_BLOCK + ((piece * UPP + l) ^ (c >> 3)) * RPT;
+            if (RPT == 8) {
+                const uint2 t = *reinterpret_cast<const uint2*>(sp);
+                w[2 * l] = t.x;
+                w[2 * l + 1] = t.y;
+            } else {
+                w[l] = *reinterpret_cast<const unsigned*>(sp);
+            }
+        }
+        *reinterpret_cast<uint4*>(cq + (long long)(oc + c) * cols + T * BW_BLOCK + 16 * piece) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// The thread's inputs: chunk i (row tr RPT + i, columns 8 tc ..) of stream s (0 gate, 1 up, 2 dh) as 8 fp32.
+// STAGED = 0: the chunks were loaded into registers up front; 1: they landed in the CTA's shared-memory stage by
+// cp.async (each thread reads back only the chunks it copied: no barrier), so bytes in flight cost no registers and
+// more CTAs fit on an SM (the block scheduler overlaps one CTA's loads with another's arithmetic).
+template <int STAGED, int NS, int RPT>
+struct BwSwSrc {
+    uint4 r[STAGED ? 1 : NS][STAGED ? 1 : RPT];
+    const unsigned char* stage;  // STAGED: [NS][128 rows][16 chunks] x 16 bytes
+    int tr, tc;
+    __device__ __forceinline__ uint4 chunk(int s, int i) const {
+        if constexpr (STAGED) {
+            return *reinterpret_cast<const uint4*>(stage + ((s * BW_BLOCK + tr * RPT + i) * 16 + tc) * 16);
+        } else {
+            return r[s][i];
+        }
+    }
+    __device__ __forceinline__ void vals(int s, int i, float (&f)[8]) const { bw_chunk_vals<8>(chunk(s, i), f); }
+};
+
+template <bool FAST, class Src, int RPT>
+__device__ __forceinline__ void bw_swiglu_fwd_vals(const Src& src, float (&h)[RPT][8]) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        float g[8], u[8];
+        src.vals(0, i, g);
+        src.vals(1, i, u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[i][e] = bw_swiglu<FAST>(g[e], u[e]);
+    }
+}
+
+// Row i of h (the row-wise-only forward: row by row, fewer live registers).
+template <bool FAST, class Src>
+__device__ __forceinline__ void bw_swiglu_fwd_row(const Src& src, int i, float (&h)[8]) {
+    float g[8], u[8];
+    src.vals(0, i, g);
+    src.vals(1, i, u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = bw_swiglu<FAST>(g[e], u[e]);
+}
+
+// dg (swiglu_bwd's gate half) and, KEEP, silu = g * sig (du = dh * silu: bw_swiglu_du's operations) from one
+// sigmoid; without KEEP the up half recomputes the sigmoid (bw_swiglu_du_vals) instead of holding silu.
+template <bool FAST, bool KEEP, class Src, int RPT, int RK>
+__device__ __forceinline__ void bw_swiglu_dg_vals(const Src& src, float (&dg)[RPT][8], float (&silu)[RK][8]) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        // raw words, widened per element (fewer live registers than 24 fp32 values)
+        const uint4 gc = src.chunk(0, i), uc = src.chunk(1, i), yc = src.chunk(2, i);
+        const unsigned gw[4] = {gc.x, gc.y, gc.z, gc.w}, uw[4] = {uc.x, uc.y, uc.z, uc.w};
+        const unsigned yw[4] = {yc.x, yc.y, yc.z, yc.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float g = bw_bf16(gw[e >> 1], e & 1);
+            const float sig = bw_sigmoid<FAST>(g);
+            dg[i][e] = bw_swiglu_dg(g, bw_bf16(uw[e >> 1], e & 1), bw_bf16(yw[e >> 1], e & 1), sig);
+            if constexpr (KEEP) silu[i][e] = mx_mul(g, sig);
+        }
+    }
+}
+template <bool FAST, class Src, int RPT>
+__device__ __forceinline__ void bw_swiglu_du_vals(const Src& src, float (&du)[RPT][8]) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const uint4 gc = src.chunk(0, i), yc = src.chunk(2, i);
+        const unsigned gw[4] = {gc.x, gc.y, gc.z, gc.w}, yw[4] = {yc.x, yc.y, yc.z, yc.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float g = bw_bf16(gw[e >> 1], e & 1);
+            du[i][e] = bw_swiglu_du(g, bw_bf16(yw[e >> 1], e & 1), bw_sigmoid<FAST>(g));
+        }
+    }
+}
+
+// Launch configurations (NT threads, STAGED): the launcher picks one per direction (moe_ep/blockwise/cuda.py).
+template <int BWD, int NT, int STAGED>
+struct BwSwCfg {
+    static constexpr int RPT = BW_BLOCK * 16 / NT;  // rows per thread: 8 (256 threads) or 4 (512)
+    static constexpr int NS = BWD ? 3 : 2;          // input streams
+    static constexpr int MINB = NT == 512 ? 1 : 2;
+    // the backward keeps silu in registers only where that fits (4 rows a thread)
+    static constexpr bool KEEP = RPT == 4;
+    static constexpr int SMEM = STAGED ? NS * BW_BLOCK * 256 : 0;  // dynamic shared memory bytes
+};
+
+// a: [M, 2F] bf16 (gate | up), F % 128 == 0; dh (BWD): [M, F] bf16. Outputs (KO = F forward, 2F backward):
+// rq [M, KO] e4m3, rs [M, KO/128] u8; GROUPED: cq [KO, cols] e4m3, cs [cols/128, KO] u8 (grouped padded layout of
+// gsizes [G] int32). Grid: (GROUPED ? ceil(M/128) + G + 1 : ceil(M/128)) * (F/128), h column tile fastest; NT
+// threads (256 or 512); dynamic shared memory BwSwCfg::SMEM.
+template <int BWD, int GROUPED, int NT, int STAGED>
+__global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
+    bw_swiglu(const unsigned char* __restrict__ a, const unsigned char* __restrict__ dh, long long M, int F,
+              const int* __restrict__ gsizes, int G, long long cols, unsigned char* __restrict__ rq,
+              unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs) {
+    using Cfg = BwSwCfg<BWD, NT, STAGED>;
+    constexpr int RPT = Cfg::RPT, NS = Cfg::NS;
+    constexpr int NW = NT / 32;
+    static_assert(RPT == 8 || RPT == 4, "256 or 512 threads");
+    BW_CHECK_THREADS(NT);
+    BW_DYN_SMEM(smem);
+    __shared__ unsigned s_ck[NW][BW_BLOCK];  // per-warp column keys
+    __shared__ unsigned s_cf[BW_BLOCK];      // the tile's column keys
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tc = lane & 15, tr = 2 * warp + (lane >> 4);
+    const int ftiles = F / BW_BLOCK;
+    const long long T = blockIdx.x / ftiles;
+    const int ft = (int)(blockIdx.x % ftiles);
+    long long row0;
+    int nrows;
+    bool col = false;
+    if (GROUPED) {
+        col = bw_tile_lookup<NT>(gsizes, G, M, T, row0, nrows) == 0 && (T + 1) * BW_BLOCK <= cols;
+    } else {
+        row0 = T * BW_BLOCK;
+        nrows = (int)max(0LL, min((long long)BW_BLOCK, M - row0));
+    }
+    if (!col && nrows == 0) return;  // uniform over the CTA
+    const int fc = ft * BW_BLOCK + 8 * tc;
+
+    // rows past the group / M read as zeros: h = 0 and dA = 0 there (+0: zero bytes, the reference's padding)
+    BwSwSrc<STAGED, NS, RPT> src;
+    src.stage = smem;
+    src.tr = tr;
+    src.tc = tc;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const int r = tr * RPT + i;
+        const bool ok = r < nrows;
+        const unsigned char* p[3] = {a + ((row0 + r) * (2LL * F) + fc) * 2, a + ((row0 + r) * (2LL * F) + F + fc) * 2,
+                                     BWD ? dh + ((row0 + r) * F + fc) * 2 : a};
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+            if constexpr (STAGED) {
+                cp_async16(smem + ((s * BW_BLOCK + r) * 16 + tc) * 16, ok ? p[s] : a, ok);
+            } else {
+                src.r[s][i] = ok ? bw_ld16(p[s]) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    }
+    if constexpr (STAGED) {
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+    // STAGED: the column bytes are transposed through a stream of the stage that is no longer read when they are
+    // written (forward: gate, after h; backward: up, after dg), behind bw_swiglu_emit's barriers
+    unsigned char* s_tq = STAGED ? smem + (BWD ? 1 : 0) * BW_BLOCK * 256 : nullptr;
+    BwDomain dom;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) dom.add(src.chunk(0, i));
+    const bool fast = dom.ok(!BWD);  // else (rare: some |g| > 69 or tiny, NaN/Inf) the IEEE division
+
+    if (!BWD && !GROUPED) {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+            float h[8];
+            if (fast) bw_swiglu_fwd_row<true>(src, i, h);
+            else bw_swiglu_fwd_row<false>(src, i, h);
+            bw_swiglu_row(h, tr * RPT + i, row0, nrows, F, ft * BW_BLOCK, rq, rs);
+        }
+    } else if (!BWD) {
+        float h[RPT][8];
+        if (fast) bw_swiglu_fwd_vals<true>(src, h);
+        else bw_swiglu_fwd_vals<false>(src, h);
+        bw_swiglu_emit<RPT, NW>(h, col, row0, nrows, T, F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf, s_tq);
+    } else {
+        constexpr bool KEEP = Cfg::KEEP;
+        float d[RPT][8], silu[KEEP ? RPT : 1][8];
+        if (fast) bw_swiglu_dg_vals<true, KEEP>(src, d, silu);
+        else bw_swiglu_dg_vals<false, KEEP>(src, d, silu);
+        bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf,
+                                s_tq);
+        if constexpr (KEEP) {
+#pragma unroll
+            for (int i = 0; i < RPT; ++i) {
+                float y[8];
+                src.vals(2, i, y);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d[i][e] = mx_mul(y[e], silu[i][e]);  // bw_swiglu_du: dh * (g * sig)
+            }
+        } else if (fast) {
+            bw_swiglu_du_vals<true>(src, d);
+        } else {
+            bw_swiglu_du_vals<false>(src, d);
+        }
+        bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, F + ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck,
+                                s_cf, s_tq);
+    }
+}

@@ -1,0 +1,415 @@
+"""CUDA launchers of the blockwise FP8 quantizers (``kernels/blockwise/quantize.cu``): the bytes of
+:mod:`moe_ep.blockwise.reference` (recipe row :data:`moe_ep.recipe.BLOCKWISE`), byte for byte.
+
+Each ``*_into`` function checks its preallocated outputs (shape, dtype, device, contiguity, 16-byte alignment) and
+launches on torch's current stream; the function without ``_into`` allocates. Nothing here synchronizes with the host:
+group sizes stay on the device and the grids are sized from M and G alone.
+
+Entry points (``B = 128``):
+  * :func:`quantize_rowwise`: x [M, K] -> 1x128 rows (the activations of fprop / dgrad).
+  * :func:`quantize_colwise_grouped`: expert-sorted rows, bf16 or 1x128 bytes (requantized) -> 128x1 blocks per
+    group, transposed and group padded (the wgrad operands).
+  * :func:`quantize_weight`: w [G, N, K] -> 128x128 blocks, data and its byte transpose (fprop's and dgrad's B).
+  * :func:`swiglu_quantize` / :func:`swiglu_bwd_quantize`: the SwiGLU forward / backward fused with the
+    quantizations the recipe reads of h / dA.
+
+Colwise outputs (``data_t [K, cols]``, ``scale_t [cols/128, K]``): the kernels write the columns ``[0, P_G)`` (each
+group's rows and the zero columns padding its last block, which the GEMM reads) and scale rows ``[0, P_G/128)``;
+columns past ``P_G`` and their scale rows are left as they were (the allocating functions return them uninitialized).
+``cols`` must be a multiple of 128 and at least ``colwise_cols(M, G)``, so that any group sizes summing to at most M
+fit. Group sizes summing to more than M are a caller error: rows past M are treated as absent (never read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _cuda
+from .reference import B, colwise_cols
+
+_SRC = "blockwise/quantize.cu"
+_NT = 256  # kernels/blockwise/quantize.cu BW_NT (bw_swiglu: SWIGLU_CFG)
+_IN = {torch.float32: 0, torch.bfloat16: 1}  # BW_F32, BW_BF16
+_E4M3 = 3  # BW_E4M3
+# bw_swiglu's launch configurations (threads, staged): staged = the inputs land in shared memory by cp.async (bytes in
+# flight cost no registers: more CTAs per SM) instead of registers. SWIGLU_CFG is the one each direction runs, chosen
+# by benchmarks/bench_quant_blockwise.py, which times them all (H200, benchmarks/results/bench_quant_blockwise.json:
+# forward staged 256 fastest at both shapes; backward staged 256 fastest at dsv3, 321 vs 355-364 us, 5% behind the
+# 512-thread register variant at the small shape).
+SWIGLU_CONFIGS = {False: ((256, 0), (256, 1)), True: ((512, 0), (512, 1), (256, 1))}
+SWIGLU_CFG = {False: (256, 1), True: (256, 1)}
+NAMES = (
+    "bw_quant_rowwise<0>",
+    "bw_quant_rowwise<1>",
+    "bw_quant_colwise<1>",
+    "bw_quant_colwise<3>",
+    "bw_quant_weight<0>",
+    "bw_quant_weight<1>",
+    *(f"bw_swiglu<0,{g},{nt},{st}>" for g in (0, 1) for nt, st in SWIGLU_CONFIGS[False]),
+    *(f"bw_swiglu<1,1,{nt},{st}>" for nt, st in SWIGLU_CONFIGS[True]),
+)
+ROWWISE_CHUNKS_PER_CTA = 4 * _NT  # bw_quant_rowwise: 4 chunks of 16 bytes per thread
+_COLWISE_CTAS_PER_SM = 2  # bw_quant_colwise: persistent, __launch_bounds__(256, 2)
+_SMEM_MAX = 227 * 1024  # dynamic shared memory of one CTA (sm_90)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (sizes the persistent grids; the CPU emulator replaces this)."""
+    return _cuda.num_sms(device)
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether t is a CUDA tensor (the CPU emulator, tests/blockwise_emu.py, replaces this)."""
+    return t.device.type == "cuda"
+
+
+def _launch(name: str, grid: int | tuple[int, int], threads: int, args: tuple, smem: int, device: torch.device) -> None:
+    """Launch kernel ``name`` (one of :data:`NAMES`); the CPU emulator replaces this."""
+    fn = _cuda.get_function(_SRC, name, NAMES, (), device.index)
+    _cuda.launch(fn, grid, threads, args, shared_mem=smem, device=device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# argument checks
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _check_in(x, what: str, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{what}: dtype must be one of {[str(d) for d in dtypes]}, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{what}: expected a {ndim}-D tensor, got shape {tuple(x.shape)}")
+    if not _on_gpu(x):
+        raise ValueError(f"{what}: must be a CUDA tensor, got device {x.device}")
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        raise ValueError(f"{what}: must be contiguous and 16-byte aligned")
+
+
+def _check_out(t, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError(f"{name}: must be contiguous and 16-byte aligned")
+
+
+def _check_mult(what: str, name: str, v: int) -> None:
+    if v % B:
+        raise ValueError(f"{what}: {name} = {v} is not a multiple of {B} (blocks are never padded silently)")
+
+
+def _check_groups(group_sizes, device: torch.device) -> torch.Tensor:
+    """group_sizes: [G] int32 on ``device`` (read there by the kernels: no host sync)."""
+    if not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int32:
+        raise TypeError(f"group_sizes must be an int32 tensor, got {getattr(group_sizes, 'dtype', type(group_sizes))}")
+    if group_sizes.dim() != 1:
+        raise ValueError(f"group_sizes must be 1-D, got shape {tuple(group_sizes.shape)}")
+    if group_sizes.device != device:
+        raise ValueError(
+            f"group_sizes must be on {device} (read by the kernel, no host sync), got {group_sizes.device}"
+        )
+    return group_sizes.contiguous()
+
+
+def _check_cols(what: str, cols: int, m: int, g: int) -> None:
+    if cols % B or cols < colwise_cols(m, g):
+        raise ValueError(
+            f"{what}: cols = {cols} must be a multiple of {B} and >= colwise_cols(M, G) = {colwise_cols(m, g)}"
+        )
+
+
+def _colwise_out(data_t, scale_t, what: str, k: int, cols: int, m: int, g: int, device: torch.device) -> None:
+    if not isinstance(data_t, torch.Tensor) or data_t.dim() != 2:
+        raise TypeError(f"{what}: data_t must be a 2-D tensor [K, cols]")
+    _check_cols(what, cols, m, g)
+    _check_out(data_t, "data_t", (k, cols), torch.float8_e4m3fn, device)
+    _check_out(scale_t, "scale_t", (cols // B, k), torch.uint8, device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 1x128 row-wise
+# ------------------------------------------------------------------------------------------------------------
+
+
+def quantize_rowwise_into(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """x: [M, K] bf16 or fp32 (K % 128 == 0) -> data: [M, K] float8_e4m3fn, scale: [M, K/128] u8 (written in place),
+    the bytes of :func:`moe_ep.blockwise.reference.quantize_rowwise_torch`."""
+    _check_in(x, "quantize_rowwise: x", 2, tuple(_IN))
+    m, k = x.shape
+    _check_mult("quantize_rowwise", "K", k)
+    _check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
+    _check_out(scale, "scale", (m, k // B), torch.uint8, x.device)
+    nchunks = m * k * x.element_size() // 16
+    if nchunks == 0:
+        return
+    p = _cuda.ptr
+    args = (p(x), _cuda.i64(nchunks), p(data), p(scale))
+    _launch(f"bw_quant_rowwise<{_IN[x.dtype]}>", _cdiv(nchunks, ROWWISE_CHUNKS_PER_CTA), _NT, args, 0, x.device)
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] bf16 / fp32 -> (data [M, K] float8_e4m3fn, scale [M, K/128] u8): 1x128 blocks along K."""
+    _check_in(x, "quantize_rowwise: x", 2, tuple(_IN))
+    m, k = x.shape
+    data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, k // B), dtype=torch.uint8, device=x.device)
+    quantize_rowwise_into(x, data, scale)
+    return data, scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 128x1 grouped column-wise (transposed, padded)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _colwise_src(x) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """x as (rows, 1x128 scales or None, kernel source code)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise TypeError(
+                "quantize_colwise_grouped: a quantized input is a pair (data [M, K] e4m3, scale [M, K/128])"
+            )
+        data, scale = x
+        _check_in(data, "quantize_colwise_grouped: x data", 2, (torch.float8_e4m3fn,))
+        m, k = data.shape
+        _check_mult("quantize_colwise_grouped", "K", k)
+        _check_out(scale, "x scale", (m, k // B), torch.uint8, data.device)
+        return data, scale, _E4M3
+    _check_in(x, "quantize_colwise_grouped: x", 2, (torch.bfloat16,))
+    _check_mult("quantize_colwise_grouped", "K", x.shape[1])
+    return x, None, _IN[torch.bfloat16]
+
+
+def quantize_colwise_grouped_into(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    group_sizes: torch.Tensor,
+    data_t: torch.Tensor,
+    scale_t: torch.Tensor,
+) -> None:
+    """128x1 blocks along each group's rows, transposed and group padded (the wgrad operands).
+
+    x: [M, K] bf16 expert-sorted rows, or the pair (data [M, K] float8_e4m3fn, scale [M, K/128] u8) of their 1x128
+        quantization (the dispatched x or dy: dequantized exactly in the kernel, then requantized; the bytes of the
+        reference applied to ``dequantize_rowwise_torch(data, scale)``).
+    group_sizes: [G] int32 on x's device (rows of each group in order, summing to at most M; not read on the host).
+    data_t: [K, cols] float8_e4m3fn, scale_t: [cols/128, K] u8 with ``cols % 128 == 0`` and
+        ``cols >= colwise_cols(M, G)``. Written: columns [0, P_G) and scale rows [0, P_G/128), the bytes of
+        :func:`moe_ep.blockwise.reference.quantize_colwise_grouped_torch` there (group g at columns P_g .., its last
+        block's pad columns zero); the rest is left as it was.
+    Grid: persistent, min((ceil(M/128) + G) * K/128, 2 per SM) CTAs of 256 threads walking the (padded 128-column
+    tile, 128 K values) pairs; shared memory 3 x 32 KB (bf16) / 4 x 16 KB (e4m3) of tile stages + 16 (G + 1) bytes.
+    """
+    src, xs, code = _colwise_src(x)
+    m, k = src.shape
+    group_sizes = _check_groups(group_sizes, src.device)
+    g = group_sizes.numel()
+    cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
+    _colwise_out(data_t, scale_t, "quantize_colwise_grouped", k, cols, m, g, src.device)
+    tiles = (_cdiv(m, B) + g) * (k // B)  # a bound on the (padded 128-column tile, K tile) pairs from M and G
+    if tiles == 0:
+        return
+    stages = 4 if code == _E4M3 else 3  # kernels: BwColCfg (S tiles in shared memory, S - 1 loading)
+    smem = stages * B * B * src.element_size() + (stages * B * 4 if code == _E4M3 else 0) + 16 * (g + 1)
+    if smem > _SMEM_MAX:
+        raise ValueError(f"quantize_colwise_grouped: {g} groups need {smem} bytes of shared memory (max {_SMEM_MAX})")
+    grid = min(tiles, _COLWISE_CTAS_PER_SM * _sm_count(src.device))
+    p, i32, i64 = _cuda.ptr, _cuda.i32, _cuda.i64
+    args = (p(src), p(xs), i64(m), i32(k), p(group_sizes), i32(g), i64(cols), p(data_t), p(scale_t))
+    _launch(f"bw_quant_colwise<{code}>", grid, _NT, args, smem, src.device)
+
+
+def quantize_colwise_grouped(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], group_sizes: torch.Tensor, cols: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocating form of :func:`quantize_colwise_grouped_into` -> (data_t [K, cols] float8_e4m3fn,
+    scale_t [cols/128, K] u8), ``cols`` default ``colwise_cols(M, G)``; columns past P_G uninitialized."""
+    src, _, _ = _colwise_src(x)
+    m, k = src.shape
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    cols = colwise_cols(m, g) if cols is None else cols
+    _check_cols("quantize_colwise_grouped", cols, m, g)
+    data_t = torch.empty((k, cols), dtype=torch.float8_e4m3fn, device=src.device)
+    scale_t = torch.empty((cols // B, k), dtype=torch.uint8, device=src.device)
+    quantize_colwise_grouped_into(x, group_sizes, data_t, scale_t)
+    return data_t, scale_t
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 128x128 weights
+# ------------------------------------------------------------------------------------------------------------
+
+
+def quantize_weight_into(w: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, scale: torch.Tensor) -> None:
+    """w: [G, N, K] bf16 / fp32 master weights (N, K % 128 == 0) -> data: [G, N, K] float8_e4m3fn (fprop's B),
+    data_t: [G, K, N] float8_e4m3fn (the same bytes transposed: dgrad's B), scale: [G, N/128, K/128] u8 (dgrad
+    reads ``scale.transpose(1, 2)``); the bytes of :func:`moe_ep.blockwise.reference.quantize_weight_torch`.
+    One pass: each CTA reads one 128x128 tile once (grid (N/128 * K/128, G), 256 threads) and writes the tile and
+    its transpose; bytes moved per element: 2 + 2 (bf16), 4 + 2 (fp32)."""
+    _check_in(w, "quantize_weight: w", 3, tuple(_IN))
+    g, n, k = w.shape
+    _check_mult("quantize_weight", "N", n)
+    _check_mult("quantize_weight", "K", k)
+    _check_out(data, "data", (g, n, k), torch.float8_e4m3fn, w.device)
+    _check_out(data_t, "data_t", (g, k, n), torch.float8_e4m3fn, w.device)
+    _check_out(scale, "scale", (g, n // B, k // B), torch.uint8, w.device)
+    if w.numel() == 0:
+        return
+    p, i32 = _cuda.ptr, _cuda.i32
+    args = (p(w), i32(n), i32(k), p(data), p(data_t), p(scale))
+    grid = ((n // B) * (k // B), g)
+    _launch(f"bw_quant_weight<{_IN[w.dtype]}>", grid, _NT, args, B * B * w.element_size(), w.device)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w: [G, N, K] bf16 / fp32 -> (data [G, N, K] e4m3, data_t [G, K, N] e4m3, scale [G, N/128, K/128] u8)."""
+    _check_in(w, "quantize_weight: w", 3, tuple(_IN))
+    g, n, k = w.shape
+    data = torch.empty((g, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    data_t = torch.empty((g, k, n), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((g, n // B, k // B), dtype=torch.uint8, device=w.device)
+    quantize_weight_into(w, data, data_t, scale)
+    return data, data_t, scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fused SwiGLU
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _swiglu_a(a, what: str) -> tuple[int, int]:
+    _check_in(a, f"{what}: a", 2, (torch.bfloat16,))
+    m, f2 = a.shape
+    if f2 % (2 * B):
+        raise ValueError(f"{what}: a must be [M, 2F] (gate | up) with F % {B} == 0, got {tuple(a.shape)}")
+    return m, f2 // 2
+
+
+def _swiglu_launch(bwd, a, dh, m, f, group_sizes, data, scale, data_t, scale_t) -> None:
+    grouped = group_sizes is not None
+    g = group_sizes.numel() if grouped else 0
+    rows = _cdiv(m, B) + g + 1 if grouped else _cdiv(m, B)  # grouped: + the tiles of rows past sum(sizes)
+    grid = rows * (f // B)
+    if grid == 0 or (m == 0 and not grouped):
+        return
+    cols = data_t.shape[1] if grouped else 0
+    p, i32, i64 = _cuda.ptr, _cuda.i32, _cuda.i64
+    args = (
+        p(a), p(dh), i64(m), i32(f), p(group_sizes), i32(g), i64(cols), p(data), p(scale), p(data_t), p(scale_t),
+    )  # fmt: skip
+    nt, staged = SWIGLU_CFG[bwd]
+    smem = (3 if bwd else 2) * B * 256 if staged else 0  # kernels: BwSwCfg::SMEM (NS streams of 128 x 256 bytes)
+    _launch(f"bw_swiglu<{int(bwd)},{int(grouped)},{nt},{staged}>", grid, nt, args, smem, a.device)
+
+
+def swiglu_quantize_into(
+    a: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    group_sizes: torch.Tensor | None = None,
+    data_t: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
+) -> None:
+    """h = silu(gate) * up, computed in fp32 bit for bit as ``moe_ep.experts.reference.swiglu`` on CUDA, quantized in
+    the same pass (h is never written in bf16).
+
+    a: [M, 2F] bf16 (gate | up), F % 128 == 0.
+    data: [M, F] float8_e4m3fn, scale: [M, F/128] u8: h in 1x128 rows (fprop2's A), every row written.
+    With group_sizes ([G] int32 on a's device), also data_t: [F, cols] float8_e4m3fn, scale_t: [cols/128, F] u8:
+    h in 128x1 grouped blocks, transposed and padded (wgrad2's B; layout and contract of
+    :func:`quantize_colwise_grouped_into`). Grid: (ceil(M/128) [+ G + 1 grouped]) x F/128 CTAs (threads and
+    staging: :data:`SWIGLU_CFG`).
+    """
+    m, f = _swiglu_a(a, "swiglu_quantize")
+    _check_out(data, "data", (m, f), torch.float8_e4m3fn, a.device)
+    _check_out(scale, "scale", (m, f // B), torch.uint8, a.device)
+    if group_sizes is not None:
+        group_sizes = _check_groups(group_sizes, a.device)
+        cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
+        _colwise_out(data_t, scale_t, "swiglu_quantize", f, cols, m, group_sizes.numel(), a.device)
+    elif data_t is not None or scale_t is not None:
+        raise ValueError("swiglu_quantize: data_t / scale_t (the colwise output) need group_sizes")
+    _swiglu_launch(False, a, None, m, f, group_sizes, data, scale, data_t, scale_t)
+
+
+def swiglu_quantize(
+    a: torch.Tensor, group_sizes: torch.Tensor | None = None, colwise: bool = False, cols: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """a: [M, 2F] bf16 -> (data [M, F] e4m3, scale [M, F/128] u8) of h = swiglu(a) in 1x128 rows; with
+    ``colwise=True`` (needs group_sizes) also (data_t [F, cols] e4m3, scale_t [cols/128, F] u8), ``cols`` default
+    ``colwise_cols(M, G)``. See :func:`swiglu_quantize_into`."""
+    m, f = _swiglu_a(a, "swiglu_quantize")
+    if colwise and group_sizes is None:
+        raise ValueError("swiglu_quantize: colwise=True needs group_sizes")
+    dev = a.device
+    data = torch.empty((m, f), dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.empty((m, f // B), dtype=torch.uint8, device=dev)
+    if not colwise:
+        swiglu_quantize_into(a, data, scale)
+        return data, scale
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    cols = colwise_cols(m, g) if cols is None else cols
+    _check_cols("swiglu_quantize", cols, m, g)
+    data_t = torch.empty((f, cols), dtype=torch.float8_e4m3fn, device=dev)
+    scale_t = torch.empty((cols // B, f), dtype=torch.uint8, device=dev)
+    swiglu_quantize_into(a, data, scale, group_sizes, data_t, scale_t)
+    return data, scale, data_t, scale_t
+
+
+def swiglu_bwd_quantize_into(
+    a: torch.Tensor,
+    dh: torch.Tensor,
+    group_sizes: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    data_t: torch.Tensor,
+    scale_t: torch.Tensor,
+) -> None:
+    """dA = swiglu_bwd(a, dh), computed in fp32 bit for bit as ``moe_ep.experts.reference.swiglu_bwd`` on CUDA (dh
+    widened exactly), quantized both ways in one pass (one sigmoid per element, a, dh read once; no bf16 dA).
+
+    a: [M, 2F] bf16 (gate | up), F % 128 == 0; dh: [M, F] bf16 (the dgrad2 GEMM's output);
+    group_sizes: [G] int32 on a's device.
+    data: [M, 2F] float8_e4m3fn, scale: [M, 2F/128] u8: dA in 1x128 rows (dgrad1's A), every row written.
+    data_t: [2F, cols] float8_e4m3fn, scale_t: [cols/128, 2F] u8: dA in 128x1 grouped blocks, transposed and padded
+    (wgrad1's A; contract of :func:`quantize_colwise_grouped_into`).
+    Grid: (ceil(M/128) + G + 1) x F/128 CTAs, one 128 x 128 tile of h (dA's gate and up tiles) each (threads and
+    staging: :data:`SWIGLU_CFG`).
+    """
+    m, f = _swiglu_a(a, "swiglu_bwd_quantize")
+    _check_in(dh, "swiglu_bwd_quantize: dh", 2, (torch.bfloat16,))
+    _check_out(dh, "dh", (m, f), torch.bfloat16, a.device)
+    group_sizes = _check_groups(group_sizes, a.device)
+    _check_out(data, "data", (m, 2 * f), torch.float8_e4m3fn, a.device)
+    _check_out(scale, "scale", (m, 2 * f // B), torch.uint8, a.device)
+    cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
+    _colwise_out(data_t, scale_t, "swiglu_bwd_quantize", 2 * f, cols, m, group_sizes.numel(), a.device)
+    _swiglu_launch(True, a, dh, m, f, group_sizes, data, scale, data_t, scale_t)
+
+
+def swiglu_bwd_quantize(
+    a: torch.Tensor, dh: torch.Tensor, group_sizes: torch.Tensor, cols: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a: [M, 2F] bf16, dh: [M, F] bf16, group_sizes: [G] int32 -> (data [M, 2F] e4m3, scale [M, 2F/128] u8,
+    data_t [2F, cols] e4m3, scale_t [cols/128, 2F] u8) of dA; see :func:`swiglu_bwd_quantize_into`."""
+    m, f = _swiglu_a(a, "swiglu_bwd_quantize")
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    cols = colwise_cols(m, g) if cols is None else cols
+    _check_cols("swiglu_bwd_quantize", cols, m, g)
+    dev = a.device
+    data = torch.empty((m, 2 * f), dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.empty((m, 2 * f // B), dtype=torch.uint8, device=dev)
+    data_t = torch.empty((2 * f, cols), dtype=torch.float8_e4m3fn, device=dev)
+    scale_t = torch.empty((cols // B, 2 * f), dtype=torch.uint8, device=dev)
+    swiglu_bwd_quantize_into(a, dh, group_sizes, data, scale, data_t, scale_t)
+    return data, scale, data_t, scale_t
