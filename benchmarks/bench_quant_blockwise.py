@@ -13,7 +13,7 @@ H = 2048, F = 768, 32 experts; group sizes uniform (M / E rows each). Kernels:
   swiglu_fwd_col     swiglu_quantize(a, sizes, colwise=True)             (h row-wise + colwise grouped)
   swiglu_bwd         swiglu_bwd_quantize(a, dh, sizes)                   (dA row-wise + colwise grouped)
 
-The SwiGLU kernels run in each launch configuration (moe_ep.blockwise.cuda.SWIGLU_CONFIGS: threads, inputs staged
+The SwiGLU kernels run in their launch configuration (moe_ep.blockwise.cuda.SWIGLU_CFG: threads, inputs staged
 in registers or by cp.async in shared memory), named kernel[config]. Each kernel's bytes are checked against
 moe_ep.blockwise.reference first (on the GPU; the weights on 4 experts), then timed with CUDA events (median of
 --reps, L2 flushed by a 256 MiB read before each rep, the CPU kept ahead by a spin kernel). Bytes moved = input bytes
@@ -190,16 +190,8 @@ def main() -> None:
         label = f"{shape} M={m} H={h} F={f} E={e}"
         runs = []
         for kernel, fn, check, nbytes in cases(shape, dev):
-            if kernel.startswith("swiglu"):  # every launch configuration of the SwiGLU kernels (SWIGLU_CONFIGS)
-                bwd = kernel == "swiglu_bwd"
-                for cfg in bw.SWIGLU_CONFIGS[bwd]:
-                    name = f"{kernel}[{cfg[0]}thr{'_staged' if cfg[1] else ''}]"
-                    runs.append((name, fn, check, nbytes, (bwd, cfg)))
-            else:
-                runs.append((kernel, fn, check, nbytes, None))
-        for kernel, fn, check, nbytes, cfg in runs:
-            if cfg is not None:
-                bw.SWIGLU_CFG[cfg[0]] = cfg[1]
+            runs.append((kernel, fn, check, nbytes))
+        for kernel, fn, check, nbytes in runs:
             ok = bool(check())
             torch.cuda.empty_cache()
             ms = timer(fn)

@@ -13,6 +13,10 @@ import subprocess
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+# every kernel folder on the include path (headers are included by bare name from common/ and their own folder)
+INCLUDES = [
+    f"-I{d}" for d in (KERNELS, *sorted(p for p in KERNELS.rglob("*") if p.is_dir() and p.name != "__pycache__"))
+]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 SHIM = r"""
@@ -153,7 +157,7 @@ def build(workdir: Path):
     src.write_text(SHIM.replace("KERNEL_CASES", cases))
     lib = workdir / "libbwemu.so"
     cmd = [CXX, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
-    subprocess.run([*cmd, f"-I{KERNELS}", str(src), "-o", str(lib)], check=True)
+    subprocess.run([*cmd, *INCLUDES, str(src), "-o", str(lib)], check=True)
     so = ctypes.CDLL(str(lib))
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     so.emu_run.argtypes = [i, i, i, i, ll, p]

@@ -286,15 +286,9 @@ def _swiglu_ref_vals(dev, tmp_path_factory, a, dh=None) -> torch.Tensor:
     return blockwise_emu.swiglu_vals(_emu_dir(tmp_path_factory), a, dh)
 
 
-def _cfg_id(c) -> str:
-    return f"{c[0]}thr{'_staged' if c[1] else ''}"
-
-
-@pytest.mark.parametrize("cfg", bw_cuda.SWIGLU_CONFIGS[False], ids=_cfg_id)
 @pytest.mark.parametrize("colwise", [False, True], ids=["rowwise", "grouped"])
-def test_swiglu_fwd(dev, colwise, cfg, tmp_path_factory, monkeypatch):
-    """Every launch configuration of the kernel (SWIGLU_CONFIGS: registers or cp.async stage, 256 / 512 threads)."""
-    monkeypatch.setitem(bw_cuda.SWIGLU_CFG, False, cfg)
+def test_swiglu_fwd(dev, colwise, tmp_path_factory):
+    """The forward kernel in its launch configuration (SWIGLU_CFG), with and without the grouped column output."""
     f = 512 if _big(dev) else 256
     for i, (m, sizes) in enumerate(_sizes(dev, swiglu=True)):
         a = _swiglu_input(m, f, seed=50 + i)
@@ -316,9 +310,7 @@ def test_swiglu_fwd(dev, colwise, cfg, tmp_path_factory, monkeypatch):
         assert_bytes(f"M={m} scale", scale, want_s)
 
 
-@pytest.mark.parametrize("cfg", bw_cuda.SWIGLU_CONFIGS[True], ids=_cfg_id)
-def test_swiglu_bwd(dev, cfg, tmp_path_factory, monkeypatch):
-    monkeypatch.setitem(bw_cuda.SWIGLU_CFG, True, cfg)
+def test_swiglu_bwd(dev, tmp_path_factory):
     f = 512 if _big(dev) else 128
     for i, (m, sizes) in enumerate(_sizes(dev, swiglu=True)):
         a = _swiglu_input(m, f, seed=60 + i)

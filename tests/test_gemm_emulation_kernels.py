@@ -169,13 +169,14 @@ def test_launcher_shared_memory_sizes():
     """The launchers' dynamic shared memory per CTA: ring stages of [B bf16 256 x 128 B | A raw 128 x 64 B] (fprop /
     dgrad) or [A 2 x 64 x 128 B | B 4 x 64 x 128 B] (wgrad), the output staging, one 512-byte A scale tile per stage
     (fprop / dgrad), two 8-byte mbarriers per stage and one 48-byte GroupInfo per warp (12 warps, the 9 first used);
-    all within the 232448 bytes an H100/H200 CTA may have."""
+    all within the 232448 bytes an H100/H200 CTA may have. (The launchers read these sizes from the kernels' sources
+    through _cuda.kernel_constant; this recomputes them from the layout.)"""
     stage = 256 * 128 + 128 * 64
     assert stage % 1024 == 0  # every stage 1024-aligned (the 128-byte swizzle)
     tile = 2 * 4 * 64 * 128  # bf16 output staging: 2 warpgroups x 4 boxes of 64 rows x 128 B
     assert gemm_cuda._GEMM_SMEM_BYTES == 4 * stage + tile + 512 * 4 + 16 * 4 + 9 * 48 <= 232448
     assert gemm_cuda._DEEP_SMEM_BYTES == 5 * stage + 0 + 512 * 5 + 16 * 5 + 9 * 48 <= 232448  # register epilogue
-    assert gemm_cuda._DEEP_OPTIONS == ("-DGG_STAGES=5", "-DGG_REG_EPI")
+    assert gemm_cuda._DEEP_OPTIONS == ("-DGG_STAGES=5", "-DGG_REG_EPI=1")
     wstage = 2 * 64 * 128 + 4 * 64 * 128
     assert gemm_cuda._WGRAD_SMEM_BYTES == 4 * wstage + 2 * 16384 + 16 * 4 + 9 * 48 <= 232448
     assert gemm_cuda._THREADS == 384

@@ -27,6 +27,7 @@ _CUDA_NAMES = (
     "swiglu_quantize_into",
     "swiglu_bwd_quantize",
     "swiglu_bwd_quantize_into",
+    "fake_quantize_rowwise",
 )
 
 

@@ -28,15 +28,14 @@ from .. import _cuda
 from .reference import B, colwise_cols
 
 _SRC = "blockwise/quantize.cu"
-_NT = 256  # kernels/blockwise/quantize.cu BW_NT (bw_swiglu: SWIGLU_CFG)
-_IN = {torch.float32: 0, torch.bfloat16: 1}  # BW_F32, BW_BF16
-_E4M3 = 3  # BW_E4M3
-# bw_swiglu's launch configurations (threads, staged): staged = the inputs land in shared memory by cp.async (bytes in
-# flight cost no registers: more CTAs per SM) instead of registers. SWIGLU_CFG is the one each direction runs, chosen
-# by benchmarks/bench_quant_blockwise.py, which times them all (H200, benchmarks/results/bench_quant_blockwise.json:
-# forward staged 256 fastest at both shapes; backward staged 256 fastest at dsv3, 321 vs 355-364 us, 5% behind the
-# 512-thread register variant at the small shape).
-SWIGLU_CONFIGS = {False: ((256, 0), (256, 1)), True: ((512, 0), (512, 1), (256, 1))}
+# the kernels' constants, read from the source (never copied by hand)
+_NT = _cuda.kernel_constant(_SRC, "BW_NT")
+_IN = {torch.float32: _cuda.kernel_constant(_SRC, "BW_F32"), torch.bfloat16: _cuda.kernel_constant(_SRC, "BW_BF16")}
+_E4M3 = _cuda.kernel_constant(_SRC, "BW_E4M3")
+# bw_swiglu's launch configuration (threads, staged: the inputs land in shared memory by cp.async, so bytes in flight
+# cost no registers and more CTAs fit per SM), per direction: the fastest of the configurations timed on an H200
+# (benchmarks/results/bench_quant_blockwise.json; the register-staged and 512-thread builds lost and are gone from the
+# launcher, git keeps them at a4aef65).
 SWIGLU_CFG = {False: (256, 1), True: (256, 1)}
 NAMES = (
     "bw_quant_rowwise<0>",
@@ -45,8 +44,8 @@ NAMES = (
     "bw_quant_colwise<3>",
     "bw_quant_weight<0>",
     "bw_quant_weight<1>",
-    *(f"bw_swiglu<0,{g},{nt},{st}>" for g in (0, 1) for nt, st in SWIGLU_CONFIGS[False]),
-    *(f"bw_swiglu<1,1,{nt},{st}>" for nt, st in SWIGLU_CONFIGS[True]),
+    *(f"bw_swiglu<0,{g},{SWIGLU_CFG[False][0]},{SWIGLU_CFG[False][1]}>" for g in (0, 1)),
+    f"bw_swiglu<1,1,{SWIGLU_CFG[True][0]},{SWIGLU_CFG[True][1]}>",
 )
 ROWWISE_CHUNKS_PER_CTA = 4 * _NT  # bw_quant_rowwise: 4 chunks of 16 bytes per thread
 _COLWISE_CTAS_PER_SM = 2  # bw_quant_colwise: persistent, __launch_bounds__(256, 2)
@@ -413,3 +412,13 @@ def swiglu_bwd_quantize(
     scale_t = torch.empty((cols // B, 2 * f), dtype=torch.uint8, device=dev)
     swiglu_bwd_quantize_into(a, dh, group_sizes, data, scale, data_t, scale_t)
     return data, scale, data_t, scale_t
+
+
+def fake_quantize_rowwise(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 -> the 1x128 round trip in bf16 (exact: e4m3 times a power of two fits bf16 down to 2**-133): the
+    values a quantized payload delivers, for a transport that moves them unquantized."""
+    data, scale = quantize_rowwise(x)
+    s = scale.to(torch.int32)
+    mult = torch.where(s == 255, float("nan"), torch.exp2((s - 127).to(torch.float32)))
+    m, k = x.shape
+    return (data.to(torch.float32).view(m, k // B, B) * mult[..., None]).view(m, k).to(x.dtype)

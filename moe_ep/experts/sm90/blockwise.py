@@ -93,7 +93,7 @@ def expert_mlp_bw_bwd(saved, w13, w2, w13o: BlockwiseWeight, w2o: BlockwiseWeigh
     del dq, ds
     profiling.mark("dgrad2")
     a = saved.pop("a")
-    hc = bw.swiglu_quantize(a, group_sizes, colwise=True, rowwise=False)[2:]
+    hc = bw.swiglu_quantize(a, group_sizes, colwise=True)[2:]  # (its 1x128 rows are not read here)
     dw2 = gemm.grouped_wgrad_blockwise_out(*dc, *hc, group_sizes, _wgrad_out(w2))
     del dc, hc
     profiling.mark("wgrad2")
