@@ -11,17 +11,18 @@ scales; null with the reason in meta when it does not run), quant_ms (the CUDA q
 reads fresh, from moe_ep.blockwise.cuda when the tree has it; else null: meta.quant_note) and
 ratio_vs_bf16_with_quant. Our kernels are checked against the reference on a slice (two groups) before timing.
 
---sweep ENVFILE: the one tuning pass -- each kernel's candidate schedules (fprop / dgrad: BW_PIPE 0 / 1 / 2, single CTA
-or 2-CTA multicast with the cluster grid from cuOccupancyMaxActiveClusters or forced to 60 / 64 clusters; wgrad:
-WB_PIPE 1 / 2, single or multicast), each checked first, then timed on a grouped shape with short per-tile
-reductions; the winners go to ENVFILE as exports (MOE_EP_BW_PIPE, ...) for the test and benchmark runs.
-
 --probe: the rate probe (the promotion schedule's ceiling) on a dense M = N = K = 8192 problem (one group): the
 fprop kernel with its per-128 promotion vs the same mainloop without it (-DBW_NO_PROMOTE: plain FP8 wgmma
 accumulation), the wgrad kernel (two-sided promotion), torch bf16 matmul and torch._scaled_mm rowwise.
 
+--smoke: small fprop / dgrad / wgrad problems against the reference (exit code).
+
+The one tuning pass (--sweep: fprop / dgrad schedules, wgrad schedules, 2-CTA multicast builds; its result is
+meta.sweep of benchmarks/results/bench_gemm_blockwise.json, whose probe keys carry the _single / _cluster2 suffixes
+of the two builds) lives in git history at 8541feb / f74eaac; the losing variants were deleted after it.
+
 Usage: python benchmarks/bench_gemm_blockwise.py [--shapes dsv3_up,small] [--groups uniform,skewed]
-       [--gemms fprop,dgrad,wgrad] [--probe] [--quick] --json PATH
+       [--gemms fprop,dgrad,wgrad] [--probe] [--smoke] [--quick] --json PATH
 """
 
 from __future__ import annotations
@@ -85,10 +86,6 @@ def _setup_mm(gemm, x, dy, w, sz, offs, sizes, starts, pick, det, quant):
     b, b_s = (data, scale) if gemm == "fprop" else (data_t, scale.transpose(1, 2))
     out = torch.empty(m, b.shape[1], dtype=torch.bfloat16, device=dev)
     ours["blockwise"] = lambda a=a, a_s=a_s, b=b, b_s=b_s, out=out: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out)
-    # the other build (single CTA or 2-CTA multicast: the one bw.MULTICAST does not pick), in meta.details only
-    ours["blockwise_other_build"] = lambda: bw.grouped_mm_blockwise_out(
-        a, a_s, b, b_s, sz, out, _multicast=not bw.MULTICAST
-    )
     # check: the picked groups' rows against the dequantized fp32 product
     ours["blockwise"]()
     errs = {}
@@ -132,9 +129,6 @@ def _setup_wgrad(x, dy, sz, offs, sizes, pick, det, quant):
     out16 = torch.empty(g, n, k, dtype=torch.bfloat16, device=dev)
     ours["blockwise"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out)
     ours["blockwise_bf16out"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out16)
-    ours["blockwise_other_build"] = lambda: bw.grouped_wgrad_blockwise_out(
-        a_t, a_st, b_t, b_st, sz, out, _multicast=not bw.WGRAD_MULTICAST
-    )
     ours["blockwise"]()
     offp = ref.padded_group_offsets(sizes)
     errs = {}
@@ -249,23 +243,15 @@ def run_probe(args) -> dict:
     out = torch.empty(s, s, dtype=torch.bfloat16, device=dev)
     flops = 2.0 * s**3
     res: dict = {"shape": [s, s, s], "note": "TFLOP/s, median of CUDA-event times"}
-    fns = {}
-    for mc in (False, True):
-        tag = "cluster2" if mc else "single"
-        fns[f"fp8_blockwise_promote_{tag}"] = lambda mc=mc: bw.grouped_mm_blockwise_out(
-            a, a_s, b, b_s, sz, out, _multicast=mc
-        )
-        fns[f"fp8_no_promote_{tag}"] = lambda mc=mc: bw.grouped_mm_blockwise_out(
-            a, a_s, b, b_s, sz, out, _options=("-DBW_NO_PROMOTE",), _multicast=mc
-        )
+    fns = {
+        "fp8_blockwise_promote": lambda: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out),
+        "fp8_no_promote": lambda: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out, _options=("-DBW_NO_PROMOTE",)),
+    }
     cols = ref.colwise_cols(s, 1)
     a_t, a_st = ref.quantize_colwise_grouped_torch(x, [s], cols)
     b_t, b_st = ref.quantize_colwise_grouped_torch(w[0].t().contiguous(), [s], cols)
     wout = torch.empty(1, s, s, dtype=torch.float32, device=dev)
-    for mc in (False, True):
-        fns[f"fp8_wgrad_promote_f32out_{'cluster2' if mc else 'single'}"] = lambda mc=mc: (
-            bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, wout, _multicast=mc)
-        )
+    fns["fp8_wgrad_promote_f32out"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, wout)
     xb, wb = x.bfloat16(), w[0].bfloat16()
     fns["torch_bf16_matmul"] = lambda: xb @ wb.t()
     try:
@@ -281,118 +267,17 @@ def run_probe(args) -> dict:
     res["tflops"] = {kk: flops / statistics.median(v) / 1e9 for kk, v in times.items() if v}
     res["errors"] = errors
     tf = res["tflops"]
-    for tag in ("single", "cluster2"):
-        if f"fp8_blockwise_promote_{tag}" in tf and f"fp8_no_promote_{tag}" in tf:
-            res[f"promotion_cost_{tag}"] = 1.0 - tf[f"fp8_blockwise_promote_{tag}"] / tf[f"fp8_no_promote_{tag}"]
+    if "fp8_blockwise_promote" in tf and "fp8_no_promote" in tf:
+        res["promotion_cost"] = 1.0 - tf["fp8_blockwise_promote"] / tf["fp8_no_promote"]
     print(f"[probe] {res}", flush=True)
     return res
 
 
-SWEEP_FPROP = [  # (pipe, multicast, clusters override or None)
-    (0, False, None),
-    (1, False, None),
-    (2, False, None),
-    (0, True, None),
-    (2, True, None),
-    (0, True, 60),
-    (0, True, 64),
-]
-SWEEP_WGRAD = [(1, False, None), (2, False, None), (2, True, None), (1, True, None)]
-
-
-def _set_config(gemm: str, pipe: int, mc: bool, clusters) -> None:
-    if gemm == "fprop":
-        bw.FPROP_PIPE, bw.MULTICAST = pipe, mc
-    else:
-        bw.WGRAD_PIPE, bw.WGRAD_MULTICAST = pipe, mc
-    bw._CLUSTERS_ENV = None if clusters is None else str(clusters)
-
-
-def run_sweep(args, env_path: str) -> dict:
-    """One tuning pass: every candidate schedule of each kernel, first checked (run_smoke's problems), then timed
-    on a grouped shape with short per-tile reductions and on the dense 8192^3 probe; the fastest correct one on
-    the grouped shape wins and is written to env_path as shell exports."""
-    res: dict = {"fprop": [], "wgrad": []}
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(5)
-    # fprop: dsv3_down-like (16 groups of 1024 rows, K 2048, N 7168): 16 blocks per tile
-    m, k, n, g = 16384, 2048, 7168, 16
-    sz = torch.tensor([m // g] * g, dtype=torch.int32, device=dev)
-    a, a_s = ref.quantize_rowwise_torch(torch.randn(m, k, generator=gen, device=dev))
-    b, _, b_s = ref.quantize_weight_torch(torch.randn(g, n, k, generator=gen, device=dev) * 0.02)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    s = 8192
-    da, da_s = ref.quantize_rowwise_torch(torch.randn(s, s, generator=gen, device=dev))
-    db, _, db_s = ref.quantize_weight_torch(torch.randn(1, s, s, generator=gen, device=dev) * 0.02)
-    dsz = torch.tensor([s], dtype=torch.int32, device=dev)
-    dout = torch.empty(s, s, dtype=torch.bfloat16, device=dev)
-    for pipe, mc, cl in SWEEP_FPROP:
-        _set_config("fprop", pipe, mc, cl)
-        row = {"pipe": pipe, "multicast": mc, "clusters": cl}
-        try:
-            row["ok"] = run_smoke(("fprop", "dgrad"), (mc,))
-            row["grouped_tflops"] = (
-                2.0 * m * n * k / time_ms(lambda: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out), 3, 10) / 1e9
-            )
-            row["dense_tflops"] = (
-                2.0 * s**3 / time_ms(lambda: bw.grouped_mm_blockwise_out(da, da_s, db, db_s, dsz, dout), 3, 10) / 1e9
-            )
-        except Exception as e:  # noqa: BLE001
-            row["ok"], row["error"] = False, f"{type(e).__name__}: {str(e)[:300]}"
-        print(f"[sweep] fprop {row}", flush=True)
-        res["fprop"].append(row)
-    a = b = out = da = db = dout = None  # free the fprop operands before the wgrad ones
-    torch.cuda.empty_cache()
-    # wgrad: dsv3_up-like (16 groups of 1024 tokens, N 4096, K 7168): 8 blocks per tile, fp32 output
-    m, n, k, g = 16384, 4096, 7168, 16
-    sizes = [m // g] * g
-    sz = torch.tensor(sizes, dtype=torch.int32, device=dev)
-    a_t, a_st = ref.quantize_colwise_grouped_torch(torch.randn(m, n, generator=gen, device=dev), sizes)
-    b_t, b_st = ref.quantize_colwise_grouped_torch(torch.randn(m, k, generator=gen, device=dev), sizes)
-    wout = torch.empty(g, n, k, device=dev)
-    for pipe, mc, cl in SWEEP_WGRAD:
-        _set_config("wgrad", pipe, mc, cl)
-        row = {"pipe": pipe, "multicast": mc, "clusters": cl}
-        try:
-            row["ok"] = run_smoke(("wgrad",), (mc,))
-            row["grouped_tflops"] = (
-                2.0
-                * m
-                * n
-                * k
-                / time_ms(lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, wout), 3, 10)
-                / 1e9
-            )
-        except Exception as e:  # noqa: BLE001
-            row["ok"], row["error"] = False, f"{type(e).__name__}: {str(e)[:300]}"
-        print(f"[sweep] wgrad {row}", flush=True)
-        res["wgrad"].append(row)
-    exports = []
-    for gemm, names in (
-        ("fprop", ("MOE_EP_BW_PIPE", "MOE_EP_BW_MULTICAST")),
-        ("wgrad", ("MOE_EP_WB_PIPE", "MOE_EP_WB_MULTICAST")),
-    ):
-        good = [r for r in res[gemm] if r.get("ok") and "grouped_tflops" in r]
-        best = (
-            max(good, key=lambda r: r["grouped_tflops"])
-            if good
-            else {"pipe": 0 if gemm == "fprop" else 1, "multicast": False, "clusters": None}
-        )
-        res[f"{gemm}_choice"] = best
-        exports += [f"export {names[0]}={best['pipe']}", f"export {names[1]}={int(best['multicast'])}"]
-        if gemm == "fprop" and best.get("clusters") is not None:
-            exports.append(f"export MOE_EP_BW_CLUSTERS={best['clusters']}")
-    with open(env_path, "w") as f:
-        f.write("\n".join(exports) + "\n")
-    print(f"[sweep] chose: {exports}", flush=True)
-    return res
-
-
-def run_smoke(gemms=("fprop", "dgrad", "wgrad"), builds=(False, True)) -> bool:
-    """Small fprop / dgrad / wgrad problems through both builds against the reference (exit code for scripts)."""
+def run_smoke() -> bool:
+    """Small fprop / dgrad / wgrad problems against the reference (exit code for scripts)."""
     ok = True
     sizes = [0, 130, 1, 0, 300, 0]
-    m, k, n = 512, 512, 256  # even tile counts (N / 128, K / 128): the cluster builds run as such
+    m, k, n = 512, 512, 256
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(m, k, generator=gen, device="cuda")
     w = torch.randn(len(sizes), n, k, generator=gen, device="cuda") * 0.02
@@ -400,28 +285,23 @@ def run_smoke(gemms=("fprop", "dgrad", "wgrad"), builds=(False, True)) -> bool:
     a, a_s = ref.quantize_rowwise_torch(x)
     data, data_t, scale = ref.quantize_weight_torch(w)
     dy, dy_s = ref.quantize_rowwise_torch(torch.randn(m, n, generator=gen, device="cuda"))
-    for mc in builds:
-        for what, args in (("fprop", (a, a_s, data, scale)), ("dgrad", (dy, dy_s, data_t, scale.transpose(1, 2)))):
-            if what not in gemms:
-                continue
-            want = ref.grouped_mm_torch(*args, sizes)[: sum(sizes)]
-            out = torch.empty(m, args[2].shape[1], dtype=torch.bfloat16, device="cuda")
-            got = bw.grouped_mm_blockwise_out(*args, sz, out, _multicast=mc)[: sum(sizes)]
-            torch.cuda.synchronize()
-            e = rel_err(got, want)
-            ok &= e < 5e-3
-            print(f"[smoke] {what} multicast={mc}: rel err {e:.2e}", flush=True)
-        if "wgrad" not in gemms:
-            continue
-        a_t, a_st = ref.quantize_colwise_grouped_torch(torch.randn(m, n, generator=gen, device="cuda"), sizes)
-        b_t, b_st = ref.quantize_colwise_grouped_torch(x, sizes)
-        want = ref.grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes)
-        got = torch.empty(len(sizes), n, k, device="cuda")
-        bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, got, _multicast=mc)
+    for what, args in (("fprop", (a, a_s, data, scale)), ("dgrad", (dy, dy_s, data_t, scale.transpose(1, 2)))):
+        want = ref.grouped_mm_torch(*args, sizes)[: sum(sizes)]
+        out = torch.empty(m, args[2].shape[1], dtype=torch.bfloat16, device="cuda")
+        got = bw.grouped_mm_blockwise_out(*args, sz, out)[: sum(sizes)]
         torch.cuda.synchronize()
         e = rel_err(got, want)
-        ok &= e < 1e-3
-        print(f"[smoke] wgrad multicast={mc}: rel err {e:.2e}", flush=True)
+        ok &= e < 5e-3
+        print(f"[smoke] {what}: rel err {e:.2e}", flush=True)
+    a_t, a_st = ref.quantize_colwise_grouped_torch(torch.randn(m, n, generator=gen, device="cuda"), sizes)
+    b_t, b_st = ref.quantize_colwise_grouped_torch(x, sizes)
+    want = ref.grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes)
+    got = torch.empty(len(sizes), n, k, device="cuda")
+    bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, got)
+    torch.cuda.synchronize()
+    e = rel_err(got, want)
+    ok &= e < 1e-3
+    print(f"[smoke] wgrad: rel err {e:.2e}", flush=True)
     return bool(ok)
 
 
@@ -432,9 +312,7 @@ def main() -> None:
     ap.add_argument("--groups", default="uniform,skewed")
     ap.add_argument("--gemms", default="fprop,dgrad,wgrad")
     ap.add_argument("--probe", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="only the small checks of both builds (exit code)")
-    ap.add_argument("--sweep", default=None, help="run the tuning sweep only; write the winners' exports here")
-    ap.add_argument("--attach-sweep", default=None, help="a --sweep --json result to embed as meta.sweep")
+    ap.add_argument("--smoke", action="store_true", help="only the small checks against the reference (exit code)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keep-going", action="store_true", help="time our kernels even if the check fails")
@@ -445,12 +323,6 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.smoke:
         raise SystemExit(0 if run_smoke() else 1)
-    if args.sweep:
-        res = run_sweep(args, args.sweep)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
     from moe_ep.provenance import code_version  # noqa: PLC0415
 
     quant, qnote = _quantizers()
@@ -462,19 +334,9 @@ def main() -> None:
         "config": {"warmup": args.warmup, "reps": args.reps, "rounds": args.rounds},
         "shapes": {kk: SHAPES[kk] for kk in args.shapes.split(",") if kk},
         "shape_convention": "(M, K, N, G): fprop [M,K]x[G,N,K]->[M,N]; dgrad [M,N]xW->[M,K]; wgrad -> [G,N,K] fp32",
-        "kernel_config": {
-            "fprop_dgrad_multicast": bw.MULTICAST,
-            "fprop_dgrad_pipe": bw.FPROP_PIPE,
-            "wgrad_multicast": bw.WGRAD_MULTICAST,
-            "wgrad_pipe": bw.WGRAD_PIPE,
-            "clusters_override": os.environ.get("MOE_EP_BW_CLUSTERS"),
-        },
         "quant_note": qnote or "quant_ms: moe_ep.blockwise.cuda quantizers of the GEMM's fresh activation operands",
         "details": {},
     }
-    if args.attach_sweep and os.path.exists(args.attach_sweep):
-        with open(args.attach_sweep) as f:
-            meta["sweep"] = json.load(f)
     rows: list = []
     result = {"meta": meta, "results": rows, "probe": {}}
 

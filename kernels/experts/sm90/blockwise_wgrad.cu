@@ -11,25 +11,21 @@
 //   * tile 128 (rows of N) x 128 (columns of K) per group, persistent grid over G x N/128 x K/128 tiles; each warp
 //     scans the device group sizes itself (gm_scan_groups by group: toff = P_g / 128, rows = n_g): no host read.
 //     ceil(n_g / 128) k steps; an empty group's tiles store zeros without touching the ring.
-//   * mainloop per consumer warpgroup (64 rows) as the fprop kernel's (blockwise_gemm.cu): block s's 4 x
-//     m64n128k32 into t[s % 2], then wait for block s - 1's, release its stage and promote it while block s's run.
+//   * mainloop per consumer warpgroup (64 rows), pipelined within each tile: block s's 4 x m64n128k32 into
+//     t[s % 2] (two alternating accumulators: acc, t0, t1 = 192 fp32 per thread), then wait for block s - 1's,
+//     release its stage and promote it while block s's MMAs run; the tile's last block is promoted after a full
+//     wait, then the epilogue (the MMA pipe drains at every tile boundary).
 //     Both scales vary per output element here (sa per row, sb per column), so while the MMAs run each thread
 //     decodes one sb byte of the stage into the warpgroup's fp32 table (4 buffers, one named barrier per step),
 //     and the promotion is acc += (t * sb[col]) * sa[row]: two fp32 ops per element.
-//   * -DWB_CLUSTER=2 (the launcher's multicast build, when K / 128 is even): clusters of 2 CTAs take the column
-//     tiles k0, k0 + 128 of the same (group, row tile), so they share the A tile and its scale row: each producer
-//     multicasts 64 of the 128 A rows to both CTAs, rank 0 also the A scales; empty barriers count the consumer
-//     warps of both CTAs; the CTAs meet (barrier.cluster) after initialization and before leaving (as the fprop
-//     kernel's cluster build).
-//   * epilogue from registers: fp32 as 8-byte stores (a quad writes one 32-byte sector), bf16 as 16-byte stores
-//     after a quad transpose.
+//   * epilogue from registers: fp32 as 8-byte stores (a quad writes one 32-byte sector), bf16 as 4-byte stores
+//     of bf16 pairs (a quad writes 16 contiguous bytes).
 // Shared memory (all dynamic): 6 x 33792 ring + 2 x 2048 scale tables + barriers + 9 GroupInfo = 207376 B; ptxas:
-// 168 registers at launch (consumers 224 after setmaxnreg), no spills, no wgmma serialization, in every build.
-//
-// Measured on one H200 (8541feb, benchmarks/results/bench_gemm_blockwise.json, meta.sweep): WB_PIPE 1 (default)
-// 633 TFLOP/s on a dsv3_up-like grouped problem (8 blocks per tile), WB_PIPE 2 609, the cluster builds 381 / 416;
-// dense 8192^3 (64 blocks per tile) 799. The two-scale promotion (2 fp32 ops per element, the scale table, one
-// named barrier per step) is the limit: the fprop kernel's one-FMA promotion on the same mainloop reaches 1136.
+// 168 registers at launch (consumers 224 after setmaxnreg), no spills, no wgmma serialization.
+// The two-scale promotion (2 fp32 ops per element, the scale table, one named barrier per step) is what limits
+// this kernel below the fprop one on the same mainloop. Measured rates and the schedules tried and dropped (one step
+// stream across tiles, 2-CTA clusters multicasting A; their code is at f74eaac): docs/design-kernels.md,
+// "Blockwise FP8 grouped GEMMs".
 
 #include "wgmma_fp8.cuh"
 
@@ -43,24 +39,17 @@
 #define WB_GI (WB_BAR + 16 * WB_STAGES)
 #define WB_SMEM_BYTES (WB_GI + 9 * 48)  // 207376
 
-#ifndef WB_PIPE  // 1: per-tile pipelined mainloop (measured faster); 2: the step stream across tiles (wb_consume_stream)
-#define WB_PIPE 1
-#endif
-#ifndef WB_CLUSTER  // -DWB_CLUSTER=2: CTA pairs share the A tile and its scales (TMA multicast)
-#define WB_CLUSTER 1
-#endif
-
 static_assert(WB_SMEM_BYTES <= 232448, "more shared memory than an H100/H200 CTA may have");
 
-// Tile t -> group g, row tile n0 (of N), column tile k0 (of K; with clusters t is the cluster's tile and k0 this
-// CTA's column tile `rank` of it); the group's first padded block and its k steps from the warp's own scan.
+// Tile t -> group g, row tile n0 (of N), column tile k0 (of K); the group's first padded block and its k steps
+// from the warp's own scan.
 __device__ __forceinline__ void wb_tile(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
-                                        int K, int t, int rank, int& g, int& n0, int& k0, int& nks, int& kb0) {
-    const int nt = N / 128, kt = K / 128 / WB_CLUSTER;
+                                        int K, int t, int& g, int& n0, int& k0, int& nks, int& kb0) {
+    const int nt = N / 128, kt = K / 128;
     g = t / (nt * kt);
     const int rem = t - g * nt * kt;
     n0 = (rem / kt) * 128;
-    k0 = ((rem % kt) * WB_CLUSTER + rank) * 128;
+    k0 = (rem % kt) * 128;
     gm_scan_groups(sizes, G, M, GM_BY_GROUP, g, gi);
     __syncwarp();
     nks = (int)(((unsigned)gi->rows + 127u) >> 7);
@@ -68,42 +57,26 @@ __device__ __forceinline__ void wb_tile(GroupInfo* gi, const int* __restrict__ s
     __syncwarp();
 }
 
-__device__ __forceinline__ int wb_total(int G, int N, int K) { return G * (N / 128) * (K / 128 / WB_CLUSTER); }
-
-// Release a stage on this CTA's empty barrier and, with clusters, on the peer's (it multicasts into this CTA).
-__device__ __forceinline__ void wb_release(unsigned empty, unsigned lane0) {
-    mbar_arrive_if(empty, lane0);
-#if WB_CLUSTER > 1
-    mbar_arrive_cluster_if(mapa_shared(empty, cluster_ctarank() ^ 1u), lane0);
-#endif
-}
+__device__ __forceinline__ int wb_total(int G, int N, int K) { return G * (N / 128) * (K / 128); }
 
 __device__ __forceinline__ void wb_produce(GroupInfo* gi, const int* __restrict__ sizes, int G, long long M, int N,
                                            int K, const TmaMap* tmA, const TmaMap* tmB, const TmaMap* tmSa,
                                            const TmaMap* tmSb, unsigned sbase, unsigned full0, unsigned empty0) {
     const int lane = threadIdx.x & 31;
     const int total = wb_total(G, N, K);
-    const int rank = WB_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
     int stage = 0;
     unsigned phase = 0;
-    for (int t = blockIdx.x / WB_CLUSTER; t < total; t += gridDim.x / WB_CLUSTER) {
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int g, n0, k0, nks, kb0;
-        wb_tile(gi, sizes, G, M, N, K, t, rank, g, n0, k0, nks, kb0);
+        wb_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nks, kb0);
         for (int s = 0; s < nks; ++s) {
             if (lane == 0) {
                 const unsigned st = sbase + (unsigned)stage * WB_STAGE_BYTES, full = full0 + 8u * (unsigned)stage;
                 mbar_wait(empty0 + 8u * (unsigned)stage, phase ^ 1u);
                 mbar_expect_tx(full, 32768u + 256u);
                 const int kb = kb0 + s;
-#if WB_CLUSTER > 1
-                // the shared A tile: this CTA's 64 rows into both CTAs' stage (the peer sends the other 64), and
-                // rank 0 sends the A scales to both
-                tma_2d_multicast(st + 8192u * (unsigned)rank, tmA, kb * 128, n0 + 64 * rank, full, 0x3);
-                if (rank == 0) tma_2d_multicast(st + WB_SA, tmSa, n0, kb, full, 0x3);
-#else
                 tma_2d(st, tmA, kb * 128, n0, full);
                 tma_2d(st + WB_SA, tmSa, n0, kb, full);
-#endif
                 tma_2d(st + WB_B, tmB, kb * 128, k0, full);
                 tma_2d(st + WB_SB, tmSb, k0, kb, full);
             }
@@ -146,11 +119,11 @@ __device__ __forceinline__ void wb_promote_last(float* acc, const float* t0, con
 }
 
 // Store one warpgroup's 64 x 128 part of output tile (g, n0, k0) -- rows g N + n0 + r of the [G N, K] matrix --
-// from acc, or zeros (zero: an empty group's tile). fp32: 8-byte stores (a quad writes one 32-byte sector); bf16:
+// from acc (an empty group's tile: acc is zeros). fp32: 8-byte stores (a quad writes one 32-byte sector); bf16:
 // 4-byte stores.
 template <int OUT_F32>
-__device__ __forceinline__ void wb_store(const float* acc, bool zero, void* __restrict__ out, int g, int n0, int k0,
-                                         int N, int K, int r_in, int c) {
+__device__ __forceinline__ void wb_store(const float* acc, void* __restrict__ out, int g, int n0, int k0, int N,
+                                         int K, int r_in, int c) {
     const long long orow = (long long)g * N + n0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -160,16 +133,14 @@ __device__ __forceinline__ void wb_store(const float* acc, bool zero, void* __re
 #pragma unroll
             for (int j = 0; j < 16; ++j)
                 *reinterpret_cast<float2*>(rowp + 8 * j + 2 * c) =
-                    zero ? make_float2(0.f, 0.f) : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         } else {
-            // 4-byte stores of bf16 pairs (a quad writes 16 contiguous bytes): no shuffles, so no extra registers
-            // next to the two MMA accumulators of the stream schedule
+            // 4-byte stores of bf16 pairs (a quad writes 16 contiguous bytes): no shuffles
             unsigned short* rowp = static_cast<unsigned short*>(out) + row * K + k0;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                unsigned pk = 0u;
-                if (!zero)
-                    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
+                unsigned pk;
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(acc[4 * j + 2 * h + 1]), "f"(acc[4 * j + 2 * h]));
                 *reinterpret_cast<unsigned*>(rowp + 8 * j + 2 * c) = pk;
             }
         }
@@ -188,12 +159,11 @@ __device__ __forceinline__ void wb_consume(GroupInfo* gi, const int* __restrict_
     asm volatile("" : "+r"(lane0));
     const unsigned tab = sbase + WB_TAB + 2048u * (unsigned)wg;
     const int total = wb_total(G, N, K);
-    const int rank = WB_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
     int stage = 0;
     unsigned phase = 0;
-    for (int t = blockIdx.x / WB_CLUSTER; t < total; t += gridDim.x / WB_CLUSTER) {
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int g, n0, k0, nks, kb0;
-        wb_tile(gi, sizes, G, M, N, K, t, rank, g, n0, k0, nks, kb0);
+        wb_tile(gi, sizes, G, M, N, K, t, g, n0, k0, nks, kb0);
         nks = __shfl_sync(0xffffffffu, nks, 0);
         float acc[64];
 #pragma unroll
@@ -228,7 +198,7 @@ __device__ __forceinline__ void wb_consume(GroupInfo* gi, const int* __restrict_
                 named_bar_sync(1 + wg, 128);  // block s's table is complete
                 wg_wait<1>();                 // block s - 1's MMAs retired (none at s = 0)
                 if (s > 0) {
-                    wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
+                    mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
                     pin_acc64(tp);
                     wb_promote(acc, tp, tab + 512u * (unsigned)((s - 1) & 3), ps0, ps1, c);
                 }
@@ -241,113 +211,10 @@ __device__ __forceinline__ void wb_consume(GroupInfo* gi, const int* __restrict_
         pin_acc64(t0);
         pin_acc64(t1);
         if (nks > 0) {
-            wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
+            mbar_arrive_if(empty0 + 8u * (unsigned)st_prev, lane0);
             wb_promote_last(acc, t0, t1, (nks - 1) & 1, tab + 512u * (unsigned)((nks - 1) & 3), ps0, ps1, c);
         }
-        wb_store<OUT_F32>(acc, false, out, g, n0, k0, N, K, r_in, c);
-    }
-}
-
-// WB_PIPE 2: the consumers' steps (tile, block) as one stream across the CTA's tiles. Step j issues
-// its MMAs into t[j % 2], then promotes step j - 1 into acc and, when that was its tile's last block, stores the
-// tile and clears acc -- while step j (the next tile's first block) is on the tensor cores: the epilogue no
-// longer drains the MMA pipe at every tile boundary (wgrad tiles are short: ceil(n_g / 128) blocks).
-template <int OUT_F32>
-__device__ __forceinline__ void wb_consume_stream(GroupInfo* gi, const int* __restrict__ sizes,
-                                                  void* __restrict__ out, int G, long long M, int N, int K,
-                                                  unsigned sbase, unsigned full0, unsigned empty0) {
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    const int wg = warp >> 2, q = warp & 3, c = tid & 3, tw = tid & 127;
-    const int r_in = wg * 64 + q * 16 + (lane >> 2);
-    unsigned lane0 = lane == 0;
-    asm volatile("" : "+r"(lane0));
-    const unsigned tab = sbase + WB_TAB + 2048u * (unsigned)wg;
-    const int total = wb_total(G, N, K), tstep = gridDim.x / WB_CLUSTER;
-    const int rank = WB_CLUSTER > 1 ? (int)cluster_ctarank() : 0;
-    int stage = 0;
-    unsigned phase = 0;
-    // the step iterator: tile t = (g, n0, k0) with nks blocks, block s of it; seek() moves t to the next tile
-    // with blocks, storing zeros for the empty ones on the way
-    int t = blockIdx.x / WB_CLUSTER, g = 0, n0 = 0, k0 = 0, nks = 0, s = 0;
-    bool have = false;
-    auto seek = [&]() {
-        for (have = false; t < total; t += tstep) {
-            int kb0;
-            wb_tile(gi, sizes, G, M, N, K, t, rank, g, n0, k0, nks, kb0);
-            nks = __shfl_sync(0xffffffffu, nks, 0);
-            if (nks > 0) {
-                have = true;
-                return;
-            }
-            wb_store<OUT_F32>(nullptr, true, out, g, n0, k0, N, K, r_in, c);
-        }
-    };
-    seek();
-    float acc[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    float t0[64], t1[64];
-    float ps0 = 0.f, ps1 = 0.f;  // the previous step's sa for the thread's two rows
-    int st_prev = 0, pg = 0, pn0 = 0, pk0 = 0;  // its stage and tile
-    bool pvalid = false, plast = false;         // there is a previous step; it was its tile's last block
-    unsigned j = 0;                             // the step
-    while (have) {
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {  // step j uses t[u] (j % 2 == u)
-            if (!have) break;
-            float* tn = u ? t1 : t0;
-            float* tp = u ? t0 : t1;
-            mbar_wait_warp(full0 + 8u * (unsigned)stage, phase);
-            const unsigned st = sbase + (unsigned)stage * WB_STAGE_BYTES;
-            {
-                const unsigned long long da = wg_desc(st + 8192u * (unsigned)wg), db = wg_desc(st + WB_B);
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(tn, da + 2 * kk, db + 2 * kk, kk > 0);
-                wg_commit();
-            }
-            sts32(tab + 512u * (j & 3u) + 4u * (unsigned)tw,
-                  __float_as_uint(e8m0_f32(lds8(st + WB_SB + (unsigned)tw))));
-            const float ns0 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in));
-            const float ns1 = e8m0_f32(lds8(st + WB_SA + (unsigned)r_in + 8u));
-            const int st_cur = stage;
-            ring_next(stage, phase, WB_STAGES);
-            named_bar_sync(1 + wg, 128);  // step j's table is complete
-            wg_wait<1>();                 // step j - 1's MMAs retired
-            if (pvalid) {
-                wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
-                pin_acc64(tp);
-                wb_promote(acc, tp, tab + 512u * ((j - 1u) & 3u), ps0, ps1, c);
-                if (plast) {
-                    wb_store<OUT_F32>(acc, false, out, pg, pn0, pk0, N, K, r_in, c);
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-                }
-            }
-            pvalid = true;
-            plast = s == nks - 1;
-            ps0 = ns0;
-            ps1 = ns1;
-            st_prev = st_cur;
-            pg = g;
-            pn0 = n0;
-            pk0 = k0;
-            ++j;
-            if (++s == nks) {
-                s = 0;
-                t += tstep;
-                seek();
-            }
-        }
-    }
-    wg_wait<0>();
-    pin_acc64(t0);
-    pin_acc64(t1);
-    if (pvalid) {  // the last step (its tile's last block)
-        wb_release(empty0 + 8u * (unsigned)st_prev, lane0);
-        wb_promote_last(acc, t0, t1, (int)((j - 1u) & 1u), tab + 512u * ((j - 1u) & 3u), ps0, ps1, c);
-        wb_store<OUT_F32>(acc, false, out, pg, pn0, pk0, N, K, r_in, c);
+        wb_store<OUT_F32>(acc, out, g, n0, k0, N, K, r_in, c);
     }
 }
 
@@ -364,17 +231,14 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
     const unsigned sbase = smem_u32(smem);
     if (sbase & 1023u) __trap();
     const unsigned full0 = sbase + WB_BAR, empty0 = full0 + 8u * WB_STAGES;
-    if (threadIdx.x == 0) {  // full: the producer's arrival + bytes; empty: every consumer warp of the cluster
+    if (threadIdx.x == 0) {  // full: the producer's arrival + bytes; empty: every consumer warp
         for (int j = 0; j < WB_STAGES; ++j) {
             mbar_init(full0 + 8u * j, 1u);
-            mbar_init(empty0 + 8u * j, WS_CONSUMER_WARPS * WB_CLUSTER);
+            mbar_init(empty0 + 8u * j, WS_CONSUMER_WARPS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-#if WB_CLUSTER > 1
-    cluster_sync();  // the peer's barriers exist before anything is multicast or arrived on
-#endif
     GroupInfo* gi = reinterpret_cast<GroupInfo*>(smem + WB_GI) + warp;
     if (warp >= WS_CONSUMER_WARPS) {
         setmaxnreg_dec<56>();
@@ -382,22 +246,11 @@ __device__ __forceinline__ void wb_kernel(const int* __restrict__ sizes, void* _
             wb_produce(gi, sizes, G, M, N, K, tmA, tmB, tmSa, tmSb, sbase, full0, empty0);
     } else {
         setmaxnreg_inc<224>();
-#if WB_PIPE == 2
-        wb_consume_stream<OUT_F32>(gi, sizes, out, G, M, N, K, sbase, full0, empty0);
-#else
         wb_consume<OUT_F32>(gi, sizes, out, G, M, N, K, sbase, full0, empty0);
-#endif
     }
-#if WB_CLUSTER > 1
-    cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
-#endif
 }
 
-#if WB_CLUSTER > 1
-#define WB_ATTR __launch_bounds__(WS_THREADS, 1) __cluster_dims__(WB_CLUSTER, 1, 1)
-#else
 #define WB_ATTR __launch_bounds__(WS_THREADS, 1)
-#endif
 extern "C" __global__ void WB_ATTR bw_gmm_wgrad_f32(WB_ARGS) {
     wb_kernel<1>(sizes, out, G, M, N, K, &tmA, &tmB, &tmSa, &tmSb);
 }

@@ -28,8 +28,6 @@ E8M0 byte s scales by 2**(s-127) (s = 0: 2**-127), s = 255 marks a block that he
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ...blockwise.reference import B
@@ -42,31 +40,12 @@ _GEMM_SMEM_BYTES = 197136  # 6 x 32768 + 96 + 9 x 48, blockwise_gemm.cu BW_SMEM_
 _WGRAD_SMEM_BYTES = 207376  # 6 x 33792 + 4096 + 96 + 9 x 48, blockwise_wgrad.cu WB_SMEM_BYTES
 _WGRAD_KERNELS = {torch.float32: "bw_gmm_wgrad_f32", torch.bfloat16: "bw_gmm_wgrad_bf16"}
 _I32_MAX = 2**31 - 1
-# the 2-CTA cluster builds (TMA multicast of the shared A tile), where the pair of column tiles exists (fprop /
-# dgrad: N / 128 even; wgrad: K / 128 even): MOE_EP_BW_MULTICAST / MOE_EP_WB_MULTICAST = 1 (fprop / dgrad, wgrad)
-MULTICAST = os.environ.get("MOE_EP_BW_MULTICAST", "0") != "0"
-WGRAD_MULTICAST = os.environ.get("MOE_EP_WB_MULTICAST", "0") != "0"
-# Defaults: the winners of the tuning pass on H200 (bench_gemm_blockwise.py --sweep; the kernel headers give the
-# numbers): single-CTA builds, BW_PIPE 0, WB_PIPE 1.
-# mainloop schedules (kernel headers): fprop / dgrad BW_PIPE 0 (issue, wait, promote), 1 (two accumulators) or 2
-# (0 with each tile's epilogue deferred under the next tile's first MMAs);
-# wgrad WB_PIPE 1 (two accumulators, per tile) or 2 (one step stream across tiles: epilogues overlap MMAs)
-FPROP_PIPE = int(os.environ.get("MOE_EP_BW_PIPE", "0"))
-WGRAD_PIPE = int(os.environ.get("MOE_EP_WB_PIPE", "1"))
-# clusters resident at once (the persistent grid of a cluster build): cuOccupancyMaxActiveClusters unless set
-_CLUSTERS_ENV = os.environ.get("MOE_EP_BW_CLUSTERS")
-
 __all__ = [
-    "FPROP_PIPE",
-    "MULTICAST",
-    "WGRAD_MULTICAST",
-    "WGRAD_PIPE",
     "fprop_tiles",
     "grouped_mm_blockwise",
     "grouped_mm_blockwise_out",
     "grouped_wgrad_blockwise",
     "grouped_wgrad_blockwise_out",
-    "max_active_clusters",
     "tile_schedule",
     "wgrad_tiles",
 ]
@@ -261,56 +240,10 @@ def _tma_map_2d(*args, **kwargs):
     return enc(*args, **kwargs)
 
 
-_max_clusters: dict[tuple, int] = {}
-
-
-def max_active_clusters(fn, smem: int, device: torch.device, grid: int) -> int:
-    """Clusters of 2 CTAs of ``fn`` (a cluster build, ``smem`` dynamic bytes) resident at once on the device:
-    cuOccupancyMaxActiveClusters through the driver (cached); $MOE_EP_BW_CLUSTERS overrides it; 0 if the query
-    fails. A persistent cluster grid larger than this would run its last clusters as a second wave."""
-    if _CLUSTERS_ENV:
-        return int(_CLUSTERS_ENV)
-    key = (id(fn), smem, device.index)
-    if key not in _max_clusters:
-        import ctypes  # noqa: PLC0415
-
-        class _Cfg(ctypes.Structure):
-            _fields_ = [  # CUlaunchConfig
-                ("gx", ctypes.c_uint),
-                ("gy", ctypes.c_uint),
-                ("gz", ctypes.c_uint),
-                ("bx", ctypes.c_uint),
-                ("by", ctypes.c_uint),
-                ("bz", ctypes.c_uint),
-                ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.c_void_p),
-                ("nattrs", ctypes.c_uint),
-            ]
-
-        n = ctypes.c_int(0)
-        try:
-            fn.max_dynamic_shared_size_bytes = smem
-            lib = ctypes.CDLL("libcuda.so.1")
-            cfg = _Cfg(grid, 1, 1, _THREADS, 1, 1, smem, None, None, 0)
-            res = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.byref(cfg))
-            _max_clusters[key] = n.value if res == 0 else 0
-        except Exception:  # noqa: BLE001  (no driver entry point / CuPy attribute: the caller falls back)
-            _max_clusters[key] = 0
-    return _max_clusters[key]
-
-
-def _run(
-    file: str, kernel: str, grid: int, smem: int, args: tuple, device: torch.device, options=(), pairs: int = 0
-) -> None:
-    """Launch; ``pairs`` > 0: a cluster build over that many column-tile pairs (the grid is then sized here: at
-    most the clusters resident at once)."""
+def _run(file: str, kernel: str, grid: int, smem: int, args: tuple, device: torch.device, options=()) -> None:
     from ... import _cuda  # noqa: PLC0415  (CuPy is imported lazily)
 
     fn = _cuda.get_function(file, kernel, extra_options=tuple(options), device=device.index, arch="sm_90a")
-    if pairs:
-        k = max_active_clusters(fn, smem, device, grid)
-        grid = 2 * min(pairs, k if k > 0 else grid // 2)
     _cuda.launch(fn, grid, _THREADS, args, shared_mem=smem, device=device)
 
 
@@ -321,13 +254,10 @@ def _gm_args(tensors: tuple, g: int, m: int, n: int, k: int, zero_rest: bool) ->
     return ptrs + (_cuda.i32(g), _cuda.i64(m), _cuda.i32(n), _cuda.i32(k), _cuda.i32(int(zero_rest)))
 
 
-def grouped_mm_blockwise_out(
-    a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False, _options=(), _multicast: bool | None = None
-):
+def grouped_mm_blockwise_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest: bool = False, _options=()):
     """out[rows of g] = deq(a)[rows of g] @ deq(b[g])^T (fprop; dgrad with b = data_t, b_scale =
     scale.transpose(1, 2)). Formats: module docstring. Rows >= sum(sizes) are left alone, or zero-filled with
-    ``zero_rest``. Returns ``out``. (``_options``: extra NVRTC defines, for the rate probe; ``_multicast``: the
-    2-CTA cluster build sharing the A tile, default :data:`MULTICAST`, used when N / 128 is even.)"""
+    ``zero_rest``. Returns ``out``. (``_options``: extra NVRTC defines, for the rate probe's -DBW_NO_PROMOTE.)"""
     m, n, k, g = _check_mm(a, a_scale, b, b_scale, group_sizes, out)
     if m == 0:
         return out
@@ -337,19 +267,12 @@ def grouped_mm_blockwise_out(
         return out
     from ... import _cuda  # noqa: PLC0415
 
-    tiles, sms = fprop_tiles(m, n, g), _cuda.num_sms(out.device)
-    mc = (MULTICAST if _multicast is None else _multicast) and (n // _BN) % 2 == 0 and sms >= 2
-    if mc:  # clusters of 2 CTAs: one per column tile of a pair, each loading half of the shared A tile
-        grid = 2 * (sms // 2)
-        options = (*_options, "-DBW_CLUSTER=2")
-    else:
-        grid = min(tiles, sms)
-        options = tuple(_options)
-    options = (*options, f"-DBW_PIPE={FPROP_PIPE}")
-    maps = (_tma_map_2d(a, m, k, 64 if mc else 128, 128, 1, True), _tma_map_2d(b, g * n, k, 128, 128, 1, True))
+    tiles = fprop_tiles(m, n, g)
+    grid = min(tiles, _cuda.num_sms(out.device))
+    maps = (_tma_map_2d(a, m, k, 128, 128, 1, True), _tma_map_2d(b, g * n, k, 128, 128, 1, True))
     strides = tuple(_cuda.i64(s) for s in b_scale.stride())
     args = _gm_args((a, a_scale, b, b_scale, group_sizes, out), g, m, n, k, zero_rest) + maps + strides
-    _run(_GEMM_FILE, "bw_gmm_2d3d_bf16", grid, _GEMM_SMEM_BYTES, args, out.device, options, tiles // 2 if mc else 0)
+    _run(_GEMM_FILE, "bw_gmm_2d3d_bf16", grid, _GEMM_SMEM_BYTES, args, out.device, _options)
     return out
 
 
@@ -366,38 +289,25 @@ def grouped_mm_blockwise(
     return grouped_mm_blockwise_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest=zero_rest)
 
 
-def grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out, _multicast: bool | None = None):
+def grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out):
     """out[g] = deq(A_g) @ deq(B_g)^T over group g's padded token columns (formats: module docstring); out fp32 or
-    bf16 [G, N, K], every element written. Returns ``out``. (``_multicast``: the 2-CTA cluster build sharing the
-    A tile, default :data:`WGRAD_MULTICAST`, used when K / 128 is even.)"""
+    bf16 [G, N, K], every element written. Returns ``out``."""
     n, k, mp, g = _check_wgrad(a_t, a_st, b_t, b_st, group_sizes, out)
     tiles = wgrad_tiles(g, n, k)
     if tiles == 0:
         return out
     from ... import _cuda  # noqa: PLC0415
 
-    sms = _cuda.num_sms(out.device)
-    mc = (WGRAD_MULTICAST if _multicast is None else _multicast) and (k // _BN) % 2 == 0 and sms >= 2
-    grid = 2 * (sms // 2) if mc else min(tiles, sms)
+    grid = min(tiles, _cuda.num_sms(out.device))
     maps = (
-        _tma_map_2d(a_t, n, mp, 64 if mc else 128, 128, 1, True),
+        _tma_map_2d(a_t, n, mp, 128, 128, 1, True),
         _tma_map_2d(b_t, k, mp, 128, 128, 1, True),
         _tma_map_2d(a_st, mp // B, n, 1, 128),
         _tma_map_2d(b_st, mp // B, k, 1, 128),
     )
     # M = Mp: an upper bound of the rows the groups cover (the kernel's group scan clamps to it)
     args = _gm_args((a_t, a_st, b_t, b_st, group_sizes, out), g, mp, n, k, False) + maps
-    options = (f"-DWB_PIPE={WGRAD_PIPE}", *(("-DWB_CLUSTER=2",) if mc else ()))
-    _run(
-        _WGRAD_FILE,
-        _WGRAD_KERNELS[out.dtype],
-        grid,
-        _WGRAD_SMEM_BYTES,
-        args,
-        out.device,
-        options,
-        tiles // 2 if mc else 0,
-    )
+    _run(_WGRAD_FILE, _WGRAD_KERNELS[out.dtype], grid, _WGRAD_SMEM_BYTES, args, out.device)
     return out
 
 
