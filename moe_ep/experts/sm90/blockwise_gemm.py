@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import torch
 
+from ..._cuda import kernel_constant
 from ...blockwise.reference import B
 
 _GEMM_FILE = "experts/sm90/blockwise_gemm.cu"
 _WGRAD_FILE = "experts/sm90/blockwise_wgrad.cu"
-_THREADS = 384  # 2 consumer warpgroups + 1 producer warpgroup
-_BM = _BN = 128  # output tile of both kernels
-_GEMM_SMEM_BYTES = 197136  # 6 x 32768 + 96 + 9 x 48, blockwise_gemm.cu BW_SMEM_BYTES
-_WGRAD_SMEM_BYTES = 207376  # 6 x 33792 + 4096 + 96 + 9 x 48, blockwise_wgrad.cu WB_SMEM_BYTES
+# the kernels' constants, read from their sources (never copied by hand)
+_THREADS = kernel_constant(_GEMM_FILE, "WS_THREADS")  # 2 consumer warpgroups + 1 producer warpgroup
+_BM, _BN = kernel_constant(_GEMM_FILE, "BW_BM"), kernel_constant(_GEMM_FILE, "BW_BN")  # output tile of both kernels
+_GEMM_SMEM_BYTES = kernel_constant(_GEMM_FILE, "BW_SMEM_BYTES")
+_WGRAD_SMEM_BYTES = kernel_constant(_WGRAD_FILE, "WB_SMEM_BYTES")
 _WGRAD_KERNELS = {torch.float32: "bw_gmm_wgrad_f32", torch.bfloat16: "bw_gmm_wgrad_bf16"}
 _I32_MAX = 2**31 - 1
 __all__ = [
