@@ -140,14 +140,21 @@ def kernel_constant(name: str, macro: str, defines: dict[str, int] | None = None
     Example: ``kernel_constant("experts/sm90/grouped_gemm.cu", "GG_SMEM_BYTES")`` -> 231920; with
     ``{"GG_STAGES": 5, "GG_REG_EPI": 1}`` -> the long-reduction build's bytes.
     """
-    table = _defines(name, kernels_dir(), tuple((k, str(v)) for k, v in (defines or {}).items()))
+    return _kernel_constant(name, macro, tuple(sorted((defines or {}).items())), kernels_dir())
+
+
+@functools.cache
+def _kernel_constant(name: str, macro: str, defines: tuple[tuple[str, int], ...], kdir: Path) -> int:
+    table = _defines(name, kdir, tuple((k, str(v)) for k, v in defines))
 
     def value(sym: str, depth: int = 0) -> int:
         if depth > 32:
             raise ValueError(f"{name}: {macro} does not reduce to an integer (macro loop at {sym})")
         expr = table.get(sym)
-        if expr is None:
+        if expr is None and depth == 0:
             raise KeyError(f"{name} defines no {sym}")
+        if expr is None:
+            raise ValueError(f"{name}: {macro} refers to {sym}, which is not an integer macro")
         expr = re.sub(r"//.*", "", expr)
         expr = re.sub(r"\b([A-Za-z_]\w*)\b", lambda m: str(value(m.group(1), depth + 1)), expr)
         if not re.fullmatch(r"[\d\s()+\-*/%<>]*", expr):

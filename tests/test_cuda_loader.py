@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import types
 
+import pytest
+
 from moe_ep import _cuda
 
 
@@ -74,3 +76,18 @@ def test_includes_resolve_across_folders(tmp_path):
     src = _cuda.read_source("impl/k.cu", tmp_path)
     assert src.count("int c;") == 1 and "int h;" in src and "int k;" in src
     assert "#include <cuda.h>" in src and "already included: c.cuh" in src
+
+
+def test_kernel_constant_follows_the_preprocessor(tmp_path, monkeypatch):
+    """kernel_constant evaluates a macro through other macros, #ifdef / #ifndef / #else and -D overrides, across an
+    include; a non-integer macro raises naming it."""
+    (tmp_path / "h.cuh").write_text("#define TILE 128\n#define NAME foo\n")
+    (tmp_path / "k.cu").write_text(
+        '#include "h.cuh"\n#ifndef STAGES\n#define STAGES 4\n#endif\n#ifdef REG_EPI\n#define EPI 0\n#else\n'
+        "#define EPI (2 * TILE)  // bytes\n#endif\n#define SMEM (STAGES * TILE + EPI)\n"
+    )
+    monkeypatch.setenv("MOE_EP_KERNELS_DIR", str(tmp_path))
+    assert _cuda.kernel_constant("k.cu", "SMEM") == 4 * 128 + 256
+    assert _cuda.kernel_constant("k.cu", "SMEM", {"STAGES": 5, "REG_EPI": 1}) == 5 * 128
+    with pytest.raises(ValueError, match="NAME"):
+        _cuda.kernel_constant("h.cuh", "NAME")

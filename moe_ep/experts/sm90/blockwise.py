@@ -8,11 +8,11 @@
   backward  dq = rowwise(dout), dc = colwise(dout)            dy: 1x128 rows for dgrad, 128x1 per group for wgrad
             dh = dgrad(dq, W2^T)                              [M, F] bf16 (the weight's transposed bytes)
             hc = swiglu_quantize(a, colwise)                  h^T recomputed from a (not held from the forward)
-            dW2 = wgrad(dc, hc)                               [E, H, F] fp32
+            dW2 = wgrad(dc, hc)                               [E, H, F] in W's dtype
             aq, ac = swiglu_bwd_quantize(a, dh)               dA, both operands in one pass
             dx = dgrad(aq, W13^T)                             [M, H] bf16
             xc = colwise(xq, xs)                              x^T from the saved 1x128 bytes (a second rounding)
-            dW13 = wgrad(ac, xc)                              [E, 2F, H] fp32
+            dW13 = wgrad(ac, xc)                              [E, 2F, H] in W's dtype
 
 Weights: one 128x128 quantization per weight version serves fprop (``data``) and dgrad (``data_t``, the same bytes
 transposed, with the scales' transposed view): 2 bytes + 2/16384 per element held. Saved for the backward: the
@@ -56,7 +56,11 @@ def weight_operands(w: torch.Tensor, cache=None) -> BlockwiseWeight:
 
 
 def _wgrad_out(w: torch.Tensor) -> torch.Tensor:
-    return torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    """The weight gradient's buffer in the weight's dtype (the kernel's epilogue rounds the fp32 sums once, as a cast
+    would): a bf16 gradient written directly is half the bytes of an fp32 one, and no cast pass follows."""
+    return torch.empty(
+        w.shape, dtype=w.dtype if w.dtype in (torch.bfloat16, torch.float32) else torch.float32, device=w.device
+    )
 
 
 def expert_mlp_bw_fwd(xq, xs, w13o: BlockwiseWeight, w2o: BlockwiseWeight, group_sizes):
