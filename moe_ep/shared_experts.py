@@ -26,6 +26,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+OVERLAP = True  # False: the cuda backend runs the shared SwiGLU after the routed part (A/B runs of the overlap)
 
 
 class SharedExperts(nn.Module):
@@ -62,7 +63,7 @@ def with_shared_experts(
     only): the shared SwiGLU runs on the device's side stream, forked before ``routed()`` and joined after it (see
     the module docstring). Otherwise it runs after ``routed()`` on the current stream.
     """
-    if not (overlap and x.is_cuda):
+    if not (overlap and OVERLAP and x.is_cuda):
         y = routed()
         return y, shared(x)
     cur = torch.cuda.current_stream(x.device)
