@@ -83,9 +83,9 @@ def _our_grads(block) -> dict:
     return g
 
 
-def check_family(family: str, rank: int, world: int) -> None:
-    """Block outputs and gradients, model logits and unswap on this rank (world 1: no mesh)."""
-    mesh = init_ep(ep_size=world) if world > 1 else None
+def check_family(family: str, rank: int, world: int, mesh=None) -> None:
+    """Block outputs and gradients, model logits and unswap on this rank (mesh: ("dp", "ep") with ep = world; None
+    on one process)."""
     ref = tiny_model(family)
     ours = copy.deepcopy(ref)
     n = hf.swap_moe_blocks(ours, mesh=mesh, **SWAP)
@@ -143,15 +143,6 @@ def test_swap_matches_hf_one_process(family):
     check_family(family, 0, 1)
 
 
-def _two_ranks(rank: int, world: int) -> None:
-    for family in hf.FAMILIES:
-        check_family(family, rank, world)
-
-
-def test_swap_matches_hf_two_ranks():
-    run_distributed(_two_ranks, 2)
-
-
 def test_config_mapping_and_errors():
     c = hf.moe_config_from_hf(tiny_config("deepseek_v3"), quantize=False)
     assert (c.score_func, c.n_group, c.topk_group, c.route_scale, c.expert_bias) == ("sigmoid", 4, 2, 2.5, True)
@@ -173,10 +164,10 @@ def test_config_mapping_and_errors():
     assert isinstance(m.model.layers[0].mlp.moe, MoE)
 
 
-def _train(rank: int, world: int) -> None:
+def train_qwen3(rank: int, mesh) -> None:
+    """6 AdamW steps of a tiny Qwen3-MoE with our layer (EP over the mesh) under FSDP2 on a fixed batch per rank."""
     from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noqa: PLC0415
 
-    mesh = init_ep(ep_size=2)
     model = tiny_model("qwen3_moe")
     assert hf.swap_moe_blocks(model, mesh=mesh, **SWAP) == 2
     broadcast_params(model, mesh)
@@ -196,5 +187,13 @@ def _train(rank: int, world: int) -> None:
     assert losses[-1] < 0.9 * losses[0], losses  # 6 AdamW steps on a fixed batch: the loss falls well below start
 
 
-def test_fsdp2_training_reduces_loss_two_ranks():
-    run_distributed(_train, 2)
+def _two_ranks(rank: int, world: int) -> None:
+    mesh = init_ep(ep_size=world)
+    for family in hf.FAMILIES:
+        check_family(family, rank, world, mesh)
+    train_qwen3(rank, mesh)
+
+
+def test_two_ranks_swap_matches_hf_and_fsdp2_training_reduces_loss():
+    """One spawn for every 2-rank check (each process imports torch + transformers: ~8 s of CPU)."""
+    run_distributed(_two_ranks, 2)
