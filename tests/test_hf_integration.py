@@ -197,3 +197,24 @@ def _two_ranks(rank: int, world: int) -> None:
 def test_two_ranks_swap_matches_hf_and_fsdp2_training_reduces_loss():
     """One spawn for every 2-rank check (each process imports torch + transformers: ~8 s of CPU)."""
     run_distributed(_two_ranks, 2)
+
+
+def test_train_script_hf_deepseek_v3_two_ranks(tmp_path):
+    """launch/train.py --model hf:deepseek_v3 on 2 CPU ranks (EP 2, FSDP2, expert-bias updates): the preset's log."""
+    from tests.test_train import run_train  # noqa: PLC0415
+
+    log = run_train(tmp_path, 2, "--model", "hf:deepseek_v3", "--steps", "4", "--log-every", "2", "--ep", "2")
+    assert log["model"] == "hf:deepseek_v3" and log["variant"] == "reference_deepseek_v3" and log["ep"] == 2
+    assert len(log["loss"]) == 4 and log["summary"]["finite"]
+    assert log["summary"]["final_loss"] < log["summary"]["first_loss"], log["loss"]
+
+
+@pytest.mark.parametrize(
+    "argv", [["--model", "hf:llama"], ["--model", "qwen3_moe"], ["--model", "hf:mixtral", "--compile"]]
+)
+def test_train_script_bad_model_fails_in_parsing(argv, capsys):
+    from tests.test_train import TRAIN, _script  # noqa: PLC0415
+
+    with pytest.raises(SystemExit):
+        _script(TRAIN).parse_args(argv)
+    assert "--model" in capsys.readouterr().err

@@ -234,3 +234,71 @@ def unswap_moe_blocks(model: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, hf_block)
     return len(targets)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training a tiny model of a family (launch/train.py --model hf:<family>)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tiny_config(family: str, *, dim: int, n_layers: int, n_heads: int, ffn_hidden: int, num_experts: int, top_k: int,
+                vocab_size: int, seq_len: int) -> Any:  # fmt: skip
+    """An HF config of ``family`` with our preset's sizes: every layer sparse, untied embeddings, ``head_dim`` =
+    dim / n_heads. DeepSeek-V3: 2 expert groups when they hold top_k experts each (topk_group 1, else 2), one shared
+    expert, MLA ranks from the head size."""
+    import transformers  # noqa: PLC0415
+
+    common = dict(vocab_size=vocab_size, hidden_size=dim, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                  num_key_value_heads=n_heads, num_experts_per_tok=top_k, max_position_embeddings=seq_len,
+                  tie_word_embeddings=False)  # fmt: skip
+    hd = dim // n_heads
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, head_dim=hd, intermediate_size=ffn_hidden,
+                                           moe_intermediate_size=ffn_hidden, num_experts=num_experts,
+                                           norm_topk_prob=True)  # fmt: skip
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=ffn_hidden, num_local_experts=num_experts)
+    if family == "deepseek_v3":
+        groups = 2 if num_experts % 2 == 0 else 1
+        return transformers.DeepseekV3Config(
+            **common, intermediate_size=ffn_hidden, moe_intermediate_size=ffn_hidden, n_routed_experts=num_experts,
+            n_group=groups, topk_group=1 if top_k <= num_experts // groups else groups, n_shared_experts=1,
+            first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=max(16, hd), qk_nope_head_dim=hd // 2,
+            qk_rope_head_dim=hd // 2, v_head_dim=hd,
+        )  # fmt: skip
+    raise ValueError(f"unsupported family {family!r}: one of {FAMILIES}")
+
+
+class HFCausalLM(nn.Module):
+    """An HF causal LM with swapped MoE blocks, with the training interface of ``launch/train.py``'s model:
+    forward(tokens [B, S] int64, targets [B, S] int64) -> (mean cross-entropy fp32, weighted aux loss fp32);
+    ``blocks``: the decoder layers (the FSDP2 units); ``dropped_slots()``: slots dropped in the last forward, summed
+    over the layers (device tensor or int, no host sync)."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.hf.model.layers
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.hf(input_ids=tokens).logits
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return loss, aux_loss(self).to(loss.device)
+
+    def dropped_slots(self) -> torch.Tensor | int:
+        return sum(m.moe._num_dropped for m in self.modules() if isinstance(m, HFMoEBlock))
+
+
+def build_causal_lm(
+    family: str, mesh: DeviceMesh | None, sizes: dict[str, int], **moe_config_overrides: Any
+) -> HFCausalLM:
+    """A tiny HF model of ``family`` (:func:`tiny_config` with ``sizes``), built from its config (HF's init; seed the
+    global generator first for the same weights on every rank), its MoE blocks swapped on ``mesh``."""
+    import transformers  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **sizes))
+    swap_moe_blocks(model, mesh=mesh, **moe_config_overrides)
+    return HFCausalLM(model)
