@@ -218,3 +218,17 @@ def test_train_script_bad_model_fails_in_parsing(argv, capsys):
     with pytest.raises(SystemExit):
         _script(TRAIN).parse_args(argv)
     assert "--model" in capsys.readouterr().err
+
+
+def test_readme_hf_swap_runs_as_written():
+    """The README's Hugging Face section (issue 37's three-line swap), executed exactly as printed there."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "## Hugging Face models" in readme, "the README lost issue 37's Hugging Face section: re-apply it"
+    code = readme.split("## Hugging Face models", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "2 (8, 64, 64)"
