@@ -167,9 +167,8 @@ class MoE(nn.Module):
         The counts are summed over ``group``, default: every rank of the layer's mesh (all of them route their tokens
         through this router); no host sync. See :meth:`moe_ep.router.Router.update_bias`."""
         if group is None and self.mesh is not None and self.mesh.size() > 1:
-            from .parallel import world_mesh  # noqa: PLC0415  (parallel imports this module)
-
-            group = world_mesh(self.mesh).get_group()
+            # = moe_ep.parallel.world_mesh(mesh) (not imported: parallel imports this module)
+            group = self.mesh._flatten("dp_ep").get_group()
         self.router.update_bias(self.cfg.bias_update_rate, group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
