@@ -4,14 +4,17 @@
     (N = 2 or 4; needs CuPy + nvshmem4py and transformers; MOE_EP_TRACE_DIR=DIR writes rank 0's profile trace there)
 
 Cases (every rank runs every case; verdicts agreed as in tests/multigpu/moe_cuda.py, whose helpers this reuses):
-  - cuda backend vs HF's block (Qwen3-MoE, DeepSeek-V3, Mixtral; bf16 weights, hidden 256, 8 experts on an EP mesh
-    of every rank): each rank passes its own tokens through the swapped block and compares with HF's block run on
-    that rank's tokens; output, input gradient and every weight gradient.
-      bf16 (quantize=False): ||gap||_F <= 2^-6 ||hf||_F (the bf16 SwiGLU / grouped-GEMM roundings of
-        tests/multigpu/moe_cuda.py's bound; HF's eager experts round differently again, at the same resolution).
+  - cuda backend vs HF's block (Qwen3-MoE, DeepSeek-V3, Mixtral; hidden 256, 8 experts on an EP mesh of every
+    rank): each rank passes its own tokens through the swapped block and compares with HF's block run on that rank's
+    tokens; output, input gradient and every weight gradient. The oracle is HF's model in fp32 (HF's Qwen3 / Mixtral
+    routers compute their logits in the model dtype: in bf16, near-ties would pick other experts than our fp32
+    router, a difference of routing, not of the layer); ours is the same fp32 model with the experts' weights in
+    bf16 (the cuda backend computes the experts in bf16 / MXFP8, the router in fp32, and returns fp32).
+      bf16 (quantize=False): ||gap||_F <= 2^-6 ||hf||_F (bf16 roundings of the operands and of the SwiGLU, as in
+        tests/multigpu/moe_cuda.py's bf16 bound).
       MXFP8 (quantize=True): within the recipe's own error, measured on the same inputs as our reference backend's
         MXFP8 layer (the specification) against HF: ||cuda - hf|| <= 1.25 ||ref_mx - hf|| + 2^-6 ||hf||.
-  - the whole swapped model's logits vs HF's (bf16 bound as above).
+  - the whole swapped model's logits vs HF's (same setup, bf16 bound as above).
   - shared experts overlap the dispatch: the shared SwiGLU's kernels run on a second stream (asserted), results with
     and without the overlap are bitwise equal (asserted); the overlapped kernel time and the step time with and
     without the overlap are printed (timing: not asserted); rank 0's Chrome trace goes to $MOE_EP_TRACE_DIR.
@@ -43,7 +46,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def hf_model(family: str):
-    """A bf16 HF model of ``family`` on this GPU (hidden 256, expert FFN 128, 8 experts top-2, 2 layers)."""
+    """An fp32 HF model of ``family`` on this GPU (hidden 256, expert FFN 128, 8 experts top-2, 2 layers)."""
     import transformers  # noqa: PLC0415
 
     from moe_ep.integrations.hf import tiny_config  # noqa: PLC0415
@@ -56,7 +59,20 @@ def hf_model(family: str):
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.2)
-    return model.to(device=mc.DEV, dtype=torch.bfloat16)
+    return model.to(device=mc.DEV)
+
+
+def swapped(ref_model, backend: str, quantize: bool):
+    """A copy of ``ref_model`` with our layer (cuda backend: the expert weights in bf16)."""
+    from moe_ep.integrations import hf  # noqa: PLC0415
+
+    model = copy.deepcopy(ref_model)
+    hf.swap_moe_blocks(model, mesh=mc.MESH, quantize=quantize, backend=backend, max_tokens_per_rank=mc.TMAX)
+    if backend == "cuda":
+        for b in model.modules():
+            if isinstance(b, hf.HFMoEBlock):
+                b.moe.experts.to(torch.bfloat16)
+    return model
 
 
 def _block_run(block, x: torch.Tensor, g: torch.Tensor, names: list[str]) -> dict:
@@ -84,15 +100,13 @@ def case_hf_block(family: str, quantize: bool) -> None:
     from moe_ep.integrations import hf  # noqa: PLC0415
 
     ref_model = hf_model(family)
-    ours, spec = copy.deepcopy(ref_model), copy.deepcopy(ref_model)
-    hf.swap_moe_blocks(ours, mesh=mc.MESH, quantize=quantize, backend="cuda", max_tokens_per_rank=mc.TMAX)
-    hf.swap_moe_blocks(spec, mesh=mc.MESH, quantize=quantize, backend="reference", max_tokens_per_rank=mc.TMAX)
+    ours, spec = swapped(ref_model, "cuda", quantize), swapped(ref_model, "reference", quantize)
     cls = hf._block_class(family)
     hf_block = next(m for m in ref_model.modules() if isinstance(m, cls))
     block = next(m for m in ours.modules() if isinstance(m, hf.HFMoEBlock))
     spec_block = next(m for m in spec.modules() if isinstance(m, hf.HFMoEBlock))
     x, g = mc.tokens([96, 64, 128, 40], 256, seed=31)
-    x, g = x.reshape(1, -1, 256), g.reshape(1, -1, 256)
+    x, g = x.float().reshape(1, -1, 256), g.reshape(1, -1, 256)
     names = _hf_names(family)
     mine = mc.attempt(lambda: _block_run(block, x, g, list(names)), "the cuda block")
     if not mc.agree(mine is not None):
@@ -130,11 +144,9 @@ def case_hf_block(family: str, quantize: bool) -> None:
 
 
 def case_hf_logits(family: str) -> None:
-    from moe_ep.integrations import hf  # noqa: PLC0415
 
     ref_model = hf_model(family)
-    ours = copy.deepcopy(ref_model)
-    hf.swap_moe_blocks(ours, mesh=mc.MESH, quantize=False, backend="cuda", max_tokens_per_rank=mc.TMAX)
+    ours = swapped(ref_model, "cuda", False)
     gen = torch.Generator().manual_seed(40 + mc.RANK)
     ids = torch.randint(0, 256, (2, 64), generator=gen).to(mc.DEV)
     with torch.no_grad():
