@@ -695,6 +695,10 @@ def main() -> int:
         ("CUDA graph with shared experts (side stream): replays = eager, mxfp8", lambda: case_graph(True, **SHARED_KW)),
         ("CUDA graph with shared experts (side stream): replays = eager, bf16", lambda: case_graph(False, **SHARED_KW)),
         (
+            "CUDA graph with shared experts + DeepSeek-V3 routing (expert-bias counts in the graph): replays = eager",
+            lambda: case_graph(True, **SHARED_KW, **DSV3_KW),
+        ),
+        (
             "layer with shared experts + DeepSeek-V3 routing, cuda vs reference, nvshmem, mxfp8",
             lambda: case_layer("nvshmem", True, **SHARED_KW, **DSV3_KW),
         ),
