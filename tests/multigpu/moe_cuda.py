@@ -13,9 +13,11 @@ Cases: the layer (router included) cuda vs reference for both transports, quanti
 experts, every token on one expert, unequal counts, a rank or every rank with no tokens, H = 160 / 224 with F = 96,
 top_k 1 and 8, int32 ids); drop mode (``capacity_factor``) with ``num_dropped`` exact; no host sync under
 ``torch.cuda.set_sync_debug_mode("error")`` with a capacity; a CUDA graph of forward + backward replayed on new
-inputs equals eager bitwise, also after an in-place weight update; the experts as an FSDP2 unit on "dp" (ep = world
-/ 2), gathered plain and in MXFP8, over two weight versions; two runs are bitwise equal; 1000 iterations with flat
-memory; an invalid expert id raises ValueError naming it; last, a rank that skips a call makes the others raise
+inputs equals eager bitwise, also after an in-place weight update and with shared experts (their side-stream fork /
+join inside the capture) and DeepSeek-V3 routing (sigmoid, groups, expert bias); the layer with shared experts and
+that routing cuda vs reference; the experts as an FSDP2 unit on "dp" (ep = world / 2), gathered plain and in MXFP8,
+over two weight versions; two runs are bitwise equal (also with shared experts); 1000 iterations with flat memory; an
+invalid expert id raises ValueError naming it; last, a rank that skips a call makes the others raise
 EPTransportError("timeout...") instead of hanging (the runtime is unusable afterwards, so nothing runs after it).
 
 The reference runs with MOE_EP_FORCE_REFERENCE=1 (the pure-PyTorch quantizer, the specification) set only around its
