@@ -199,12 +199,13 @@ def test_two_ranks_swap_matches_hf_and_fsdp2_training_reduces_loss():
     run_distributed(_two_ranks, 2)
 
 
-def test_train_script_hf_deepseek_v3_two_ranks(tmp_path):
-    """launch/train.py --model hf:deepseek_v3 on 2 CPU ranks (EP 2, FSDP2, expert-bias updates): the preset's log."""
+def test_train_script_hf_deepseek_v3(tmp_path):
+    """launch/train.py --model hf:deepseek_v3 under torchrun (1 CPU rank: the CLI path; EP + FSDP2 of an HF model are
+    tested above): the preset's log, the loss falls."""
     from tests.test_train import run_train  # noqa: PLC0415
 
-    log = run_train(tmp_path, 2, "--model", "hf:deepseek_v3", "--steps", "4", "--log-every", "2", "--ep", "2")
-    assert log["model"] == "hf:deepseek_v3" and log["variant"] == "reference_deepseek_v3" and log["ep"] == 2
+    log = run_train(tmp_path, 1, "--model", "hf:deepseek_v3", "--steps", "4", "--log-every", "2")
+    assert log["model"] == "hf:deepseek_v3" and log["variant"] == "reference_deepseek_v3" and log["ep"] == 1
     assert len(log["loss"]) == 4 and log["summary"]["finite"]
     assert log["summary"]["final_loss"] < log["summary"]["first_loss"], log["loss"]
 
@@ -222,13 +223,14 @@ def test_train_script_bad_model_fails_in_parsing(argv, capsys):
 
 def test_readme_hf_swap_runs_as_written():
     """The README's Hugging Face section (issue 37's three-line swap), executed exactly as printed there."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "## Hugging Face models" in readme, "the README lost issue 37's Hugging Face section: re-apply it"
     code = readme.split("## Hugging Face models", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "2 (8, 64, 64)"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})  # in this process: no second import of torch + transformers
+    assert out.getvalue().strip() == "2 (8, 64, 64)"

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moe_ep import MoE, MoEConfig, init_ep
+from moe_ep import MoE, MoEConfig, init_ep, update_expert_bias
 from moe_ep.shared_experts import SharedExperts, with_shared_experts
 from tests._dist import run_distributed
 
@@ -79,7 +79,36 @@ def _ep(rank: int, world: int) -> None:
     mine = slice(4 * rank, 4 * rank + 4)
     torch.testing.assert_close(moe.experts.w13.grad, full.experts.w13.grad[mine], **TIGHT)
     torch.testing.assert_close(moe.experts.w2.grad, full.experts.w2.grad[mine], **TIGHT)
+    # the expert-bias update: counts summed over both ranks = the one process's counts of every token
+    assert update_expert_bias(moe) == 1 and update_expert_bias(full) == 1
+    assert not moe.router.expert_counts.any()
+    torch.testing.assert_close(moe.router.expert_bias, full.router.expert_bias, rtol=0, atol=0)
+    assert not torch.equal(full.router.expert_bias, bias)  # it moved
 
 
-def test_shared_experts_and_dsv3_routing_under_ep_two_ranks():
-    run_distributed(_ep, 2)
+def _bias_hand_table(rank: int) -> None:
+    """Hand-worked: rank 0 routes 4 tokens to expert 0, rank 1 2 tokens to expert 2 -> load [4 0 2 0], mean 1.5 ->
+    sign(mean - load) = [-1 +1 -1 +1] -> bias = 0.5 * that on both ranks."""
+    cfg = MoEConfig(hidden=32, ffn_hidden=32, num_experts=4, top_k=1, quantize=False, backend="reference",
+                    expert_bias=True, bias_update_rate=0.5, max_tokens_per_rank=16)  # fmt: skip
+    moe = MoE(cfg, mesh=init_ep(ep_size=2))
+    with torch.no_grad():  # token t goes to the expert of its one-hot row
+        moe.router.weight.zero_()
+        moe.router.weight[:, :4] = torch.eye(4) * 10
+    experts = [[0, 0, 0, 0], [2, 2]][rank]
+    x = torch.zeros(len(experts), 32)
+    for t, e in enumerate(experts):
+        x[t, e] = 1.0
+    moe.train()
+    moe(x)
+    update_expert_bias(moe)
+    assert moe.router.expert_bias.tolist() == [-0.5, 0.5, -0.5, 0.5], moe.router.expert_bias
+
+
+def _two_ranks(rank: int, world: int) -> None:
+    _ep(rank, world)
+    _bias_hand_table(rank)
+
+
+def test_shared_experts_dsv3_routing_and_bias_update_under_ep_two_ranks():
+    run_distributed(_two_ranks, 2)
