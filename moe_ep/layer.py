@@ -168,7 +168,8 @@ class MoE(nn.Module):
         through this router); no host sync. See :meth:`moe_ep.router.Router.update_bias`."""
         if group is None and self.mesh is not None and self.mesh.size() > 1:
             # = moe_ep.parallel.world_mesh(mesh) (not imported: parallel imports this module)
-            group = self.mesh._flatten("dp_ep").get_group()
+            mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten("dp_ep")
+            group = mesh.get_group()
         self.router.update_bias(self.cfg.bias_update_rate, group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
