@@ -18,6 +18,8 @@ Variants (the log's ``variant``; the default log name carries it):
   reference   moe_ep's pure-PyTorch reference backend (CPU, or ``--backend reference``); ``reference_bf16`` with
               ``--no-quantize``.
 Same ``--seed``: same initial weights and the same data order for every variant.
+``--model hf:<family>`` (qwen3_moe, deepseek_v3, mixtral) trains a Hugging Face model of that family with the preset's
+sizes instead (HF's init; its MoE blocks swapped by ``moe_ep.integrations.hf``; the variant gets ``_<family>``).
 
 Data: every step draws one global batch of ``batch_size * world_size`` random windows of the corpus from a
 generator seeded by (seed, step); rank r takes windows [r*B, (r+1)*B). So a run is reproducible, every rank
