@@ -323,7 +323,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.smoke:
         raise SystemExit(0 if run_smoke() else 1)
-    from moe_ep.provenance import code_version  # noqa: PLC0415
+    from launch.provenance import code_version  # noqa: PLC0415
 
     quant, qnote = _quantizers()
     meta = {

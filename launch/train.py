@@ -18,6 +18,8 @@ Variants (the log's ``variant``; the default log name carries it):
   reference   moe_ep's pure-PyTorch reference backend (CPU, or ``--backend reference``); ``reference_bf16`` with
               ``--no-quantize``.
 Same ``--seed``: same initial weights and the same data order for every variant.
+``--model hf:<family>`` (qwen3_moe, deepseek_v3, mixtral) trains a Hugging Face model of that family with the preset's
+sizes instead (HF's init; its MoE blocks swapped by ``moe_ep.integrations.hf``; the variant gets ``_<family>``).
 
 Data: every step draws one global batch of ``batch_size * world_size`` random windows of the corpus from a
 generator seeded by (seed, step); rank r takes windows [r*B, (r+1)*B). So a run is reproducible, every rank
@@ -54,7 +56,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 from launch.model import ModelConfig, MoETransformer  # noqa: E402
-from moe_ep import MoE, init_ep  # noqa: E402
+from moe_ep import MoE, init_ep, update_expert_bias  # noqa: E402
 from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_, finish  # noqa: E402
 
 # Model and optimizer presets. "tiny" runs in seconds on 2 CPU cores; "small" is a GPU-sized model
@@ -105,6 +107,8 @@ PRESETS: dict[str, dict] = {
         log_every=10,
     ),
 }
+# the MoEConfig fields of a preset run that an HF model (--model hf:<family>) takes over from the command line
+_HF_MOE_FIELDS = ("max_tokens_per_rank", "capacity_factor", "quantize", "backend", "transport")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -172,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["torchtitan"],
         default=None,
         help="replace every MoE by the torchtitan-style bf16 layer of benchmarks/torchtitan_moe.py",
+    )
+    p.add_argument(
+        "--model",
+        default="moe_ep",
+        help="moe_ep (our transformer) or hf:<family> (qwen3_moe, deepseek_v3, mixtral): a Hugging Face model of "
+        "that family built from its config with the preset's sizes, its MoE blocks swapped for moe_ep's layer",
     )
     p.add_argument(
         "--log-json",
@@ -257,6 +267,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --top-k: {args.top_k} exceeds --num-experts {args.num_experts}")
     if args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
         p.error(f"argument --n-heads: --dim {args.dim} does not split into {args.n_heads} heads of even size")
+    if args.model != "moe_ep":
+        family = args.model.removeprefix("hf:")
+        if not args.model.startswith("hf:") or family not in ("qwen3_moe", "deepseek_v3", "mixtral"):
+            p.error(f"argument --model: moe_ep or hf:qwen3_moe / hf:deepseek_v3 / hf:mixtral, got {args.model!r}")
+        if args.baseline or args.compile:
+            p.error("argument --model: an HF model runs without --baseline / --compile")
     if args.baseline == "torchtitan":
         if args.capacity_factor is not None:
             p.error("argument --capacity-factor: the torchtitan baseline is dropless")
@@ -414,7 +430,7 @@ def shard_factory_experts(model: MoETransformer, mesh, param_dtype, reduce_dtype
     dp = mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for blk in model.blocks:
-        if not isinstance(blk.moe, MoE):
+        if hasattr(blk, "moe") and not isinstance(blk.moe, MoE):
             fully_shard(blk.moe.experts, mesh=dp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
             blk.moe.experts.set_gradient_divide_factor(float(dist.get_world_size()))
             blk.moe.experts.set_force_sum_reduction_for_comms(_needs_sum_only(dp.size()))
@@ -513,6 +529,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     variant, backend = resolve_variant(args, cfg, device)
+    if args.model != "moe_ep":
+        variant = f"{variant}_{args.model[3:]}"  # e.g. reference_deepseek_v3: the log name and plot label
     if rank == 0 and use_cuda and args.backend == "auto" and backend == "reference":
         from moe_ep.layer_cuda import missing_gpu_packages  # noqa: PLC0415
 
@@ -527,7 +545,15 @@ def main(argv: list[str] | None = None) -> dict:
     # only the safety net); experts are then re-drawn per global expert index, independent of the EP size
     # and of the MoE implementation (the baseline starts from the same weights).
     torch.manual_seed(args.seed)
-    model = MoETransformer(cfg, mesh, moe_factory=moe_factory, seed=args.seed)
+    if args.model.startswith("hf:"):  # a tiny HF model of the family with our layer (moe_ep.integrations.hf)
+        from moe_ep.integrations.hf import build_causal_lm  # noqa: PLC0415
+
+        sizes = dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, ffn_hidden=cfg.ffn_hidden,
+                     num_experts=cfg.num_experts, top_k=cfg.top_k, vocab_size=256, seq_len=cfg.seq_len)  # fmt: skip
+        mc = cfg.moe_config()
+        model = build_causal_lm(args.model[3:], mesh, sizes, **{k: getattr(mc, k) for k in _HF_MOE_FIELDS})
+    else:
+        model = MoETransformer(cfg, mesh, moe_factory=moe_factory, seed=args.seed)
     model.to(device)
     # Parameter counts of the global model (this rank holds E/ep experts per layer; top_k are active).
     n_local = sum(p.numel() for p in model.parameters())
@@ -566,6 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"args": vars(args), "model": asdict(cfg)},
         "variant": variant,
         "preset": args.preset,
+        "model": args.model,
         "backend": backend,
         "transport": cfg.transport if backend == "cuda" else None,
         "quantize": cfg.quantize,
@@ -624,6 +651,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Global norm over both meshes (logged; also the clipping input). --clip 0 only disables clipping.
         gnorm = clip_grad_norm_(model, args.clip if args.clip > 0 else math.inf)
         opt.step()
+        update_expert_bias(model)  # the layers with cfg.expert_bias (DeepSeek-V3): device-side, no host sync
         sched.step()
         opt.zero_grad(set_to_none=True)
         pending.append(torch.stack([loss.detach().float(), aux.detach().float(), gnorm.float()]))

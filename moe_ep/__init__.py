@@ -4,7 +4,7 @@ GPU packages (CuPy, nvshmem4py) are imported lazily: ``import moe_ep`` works on 
 """
 
 from .config import MoEConfig
-from .layer import MoE
+from .layer import MoE, update_expert_bias
 from .mxfp8 import MXFP8Tensor, dequantize, quantize, to_blocked, to_blocked_grouped
 from .parallel import finish, init_ep
 
@@ -18,5 +18,6 @@ __all__ = [
     "quantize",
     "to_blocked",
     "to_blocked_grouped",
+    "update_expert_bias",
 ]
 __version__ = "0.1.0"

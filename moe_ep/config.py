@@ -8,6 +8,7 @@ from fractions import Fraction
 
 BACKENDS = ("auto", "reference", "cuda")
 TRANSPORTS = ("nvshmem", "nccl")
+SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 def _finite(v: object) -> bool:
@@ -31,8 +32,34 @@ class MoEConfig:
                          source token) are dropped: they contribute zero to the output and get zero gradient.
                          ``MoE.num_dropped`` counts them. The order is expert-major, so the drops fall on the rank's
                          highest-numbered local experts that have slots, whichever expert is overloaded.
-    renormalize:         renormalize the top-k gate weights to sum to 1.
-    aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e).
+    renormalize:         renormalize the top-k gate weights to sum to 1 (w / (sum + 1e-20)).
+    aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e); 0 turns it off
+                         (the router then does not compute it and returns a zero).
+    Routing options (names as Hugging Face / DeepSeek-V3 / torchtitan use them; the defaults are the router above:
+    softmax over all experts, top-k, renormalized). The math is in :func:`moe_ep.router.route`, in fp32 on the device.
+    score_func:          "softmax" (over all experts) or "sigmoid" (per expert, DeepSeek-V3).
+    norm_topk_prob:      alias of ``renormalize`` under its Hugging Face name, accepted at construction only: when
+                         given (not None) it sets ``renormalize`` and is stored back as None, so
+                         ``dataclasses.replace(cfg, renormalize=...)`` keeps working. Read ``renormalize``.
+    route_scale:         factor applied to the top-k weights after the renormalization (DeepSeek-V3's
+                         ``routed_scaling_factor``, torchtitan's ``route_scale``).
+    n_group, topk_group: group-limited top-k (DeepSeek-V3): the E experts form n_group groups of E / n_group
+                         consecutive experts; a group's score is the sum of its two best selection scores (its best one
+                         when it has one expert); only the experts of the topk_group best groups can be chosen.
+                         1, 1: no limit.
+    expert_bias:         aux-loss-free load balancing (DeepSeek-V3): a per-expert bias buffer
+                         (``MoE.router.expert_bias``, fp32 [E], not trainable) added to the scores for the top-k
+                         SELECTION only (the weights are the unbiased scores). Training forwards accumulate the
+                         per-expert counts on the device;
+                         :meth:`moe_ep.MoE.update_expert_bias` (or :func:`moe_ep.update_expert_bias` on a model), called
+                         once after each optimizer step, all-reduces them over the ranks that route and applies
+                         ``bias += bias_update_rate * sign(mean_load - load)``, with no host sync.
+    bias_update_rate:    the rate of that update (DeepSeek-V3: 1e-3).
+    Shared experts (DeepSeek-V3 / Qwen-MoE style; :mod:`moe_ep.shared_experts`):
+    num_shared_experts:  0: none. n > 0: one dense SwiGLU run on every token, its output added to the routed output.
+    shared_ffn_hidden:   the width of that SwiGLU (all shared experts merged, as DeepSeek-V3 does); None:
+                         num_shared_experts * ffn_hidden. It computes in x's dtype (bf16 on the cuda backend, no MXFP8),
+                         on a side CUDA stream overlapping the dispatch on the cuda backend.
     recipe:              the quantization recipe of the dispatch payloads and the expert GEMMs, a row of
                          :data:`moe_ep.recipe.RECIPES` or "bf16": "mxfp8" (default; E4M3 with one E8M0 scale per 32
                          values, exact on Hopper, native on Blackwell), "blockwise" (1x128 activations, 128x128
@@ -63,8 +90,21 @@ class MoEConfig:
     recipe: str = "mxfp8"
     transport: str = "nvshmem"
     init_std: float = 0.02
+    score_func: str = "softmax"
+    norm_topk_prob: bool | None = None
+    route_scale: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    num_shared_experts: int = 0
+    shared_ffn_hidden: int | None = None
 
     def __post_init__(self) -> None:
+        if self.norm_topk_prob is not None:  # the alias: sets renormalize, then steps aside (see the docstring)
+            if not isinstance(self.norm_topk_prob, bool):
+                raise ValueError(f"MoEConfig.norm_topk_prob must be a bool or None, got {self.norm_topk_prob!r}")
+            self.renormalize, self.norm_topk_prob = self.norm_topk_prob, None
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k", "max_tokens_per_rank"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -101,6 +141,47 @@ class MoEConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        """The routing and shared-expert options (see the class docstring)."""
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"MoEConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+        if not _finite(self.route_scale) or self.route_scale <= 0:
+            raise ValueError(f"MoEConfig.route_scale must be a finite number > 0, got {self.route_scale!r}")
+        if not _finite(self.bias_update_rate) or self.bias_update_rate < 0:
+            raise ValueError(f"MoEConfig.bias_update_rate must be a finite number >= 0, got {self.bias_update_rate!r}")
+        if not isinstance(self.expert_bias, bool):
+            raise ValueError(f"MoEConfig.expert_bias must be a bool, got {self.expert_bias!r}")
+        for name in ("n_group", "topk_group"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {v!r}")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        if self.top_k > reachable:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the experts of the topk_group={self.topk_group} best groups "
+                f"({self.topk_group} x {self.num_experts // self.n_group} = {reachable})"
+            )
+        n = self.num_shared_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts must be an int >= 0, got {n!r}")
+        f = self.shared_ffn_hidden
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f <= 0):
+            raise ValueError(f"MoEConfig.shared_ffn_hidden must be None or a positive int, got {f!r}")
+        if f is not None and n == 0:
+            raise ValueError("MoEConfig.shared_ffn_hidden is set but num_shared_experts is 0")
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the merged shared-expert SwiGLU (0: no shared experts)."""
+        if not self.num_shared_experts:
+            return 0
+        return self.shared_ffn_hidden or self.num_shared_experts * self.ffn_hidden
 
     @property
     def recipe_row(self):

@@ -13,6 +13,7 @@ from .config import MoEConfig
 from .experts.reference import expert_mlp
 from .experts.weight_cache import WeightQuantCache
 from .router import Router
+from .shared_experts import SharedExperts, with_shared_experts
 from .transport import combine, dispatch
 
 
@@ -42,6 +43,15 @@ class Experts(nn.Module):
 
 def _is_fsdp_unit(m: nn.Module) -> bool:
     return isinstance(m, FSDPModule)
+
+
+def update_expert_bias(model: nn.Module) -> int:
+    """:meth:`MoE.update_expert_bias` on every MoE of ``model`` with ``cfg.expert_bias``; returns how many. Call it
+    once after each ``optimizer.step()``, on every rank."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.cfg.expert_bias]
+    for m in layers:
+        m.update_expert_bias()
+    return len(layers)
 
 
 def routed_experts(
@@ -97,7 +107,9 @@ class MoE(nn.Module):
     statistic of the last forward for logs: the slots this rank dropped at its capacity (``cfg.capacity_factor``;
     always 0 when dropless); on the cuda backend reading it is a host sync.
     Backends (``cfg.backend``, resolved per call): see :class:`MoEConfig`; the cuda backend is
-    :mod:`moe_ep.layer_cuda`.
+    :mod:`moe_ep.layer_cuda`. Routing options: :mod:`moe_ep.router` (shared by both backends); with
+    ``cfg.expert_bias`` call :meth:`update_expert_bias` after each optimizer step. ``cfg.num_shared_experts``:
+    ``shared_experts`` (:mod:`moe_ep.shared_experts`), overlapped with the dispatch on the cuda backend.
     """
 
     def __init__(self, cfg: MoEConfig, mesh: DeviceMesh | None = None, device=None, dtype=None, seed: int = 0) -> None:
@@ -114,8 +126,12 @@ class MoE(nn.Module):
         if cfg.num_experts % self.ep_size:
             raise ValueError(f"num_experts {cfg.num_experts} is not divisible by the EP size {self.ep_size}")
         self.num_local_experts = cfg.num_experts // self.ep_size
-        self.router = Router(cfg.hidden, cfg.num_experts, cfg.top_k, cfg.renormalize, device=device, dtype=dtype)
+        self.mesh = mesh
+        self.router = Router.from_config(cfg, device=device, dtype=dtype)
         self.experts = Experts(self.num_local_experts, cfg.hidden, cfg.ffn_hidden, device=device, dtype=dtype)
+        self.shared_experts = (
+            SharedExperts(cfg.hidden, cfg.shared_width, device=device, dtype=dtype) if cfg.shared_width else None
+        )
         self._num_dropped: torch.Tensor | int = 0
         self.reset_parameters(seed)
 
@@ -140,6 +156,23 @@ class MoE(nn.Module):
             gen.manual_seed(seed + 1 + self.first_expert + i)
             self.experts.w13[i].copy_(torch.randn(self.experts.w13[i].shape, generator=gen) * std)
             self.experts.w2[i].copy_(torch.randn(self.experts.w2[i].shape, generator=gen) * std)
+        if self.shared_experts is not None:  # drawn after every expert's seed: the same on every rank
+            gen.manual_seed(seed + 1 + self.cfg.num_experts)
+            for w in (self.shared_experts.w13, self.shared_experts.w2):
+                w.copy_(torch.randn(w.shape, generator=gen) * std)
+        if self.router.expert_bias is not None:
+            self.router.expert_bias.zero_()
+            self.router.expert_counts.zero_()
+
+    def update_expert_bias(self, group: torch.distributed.ProcessGroup | None = None) -> None:
+        """The aux-loss-free balancing step (``cfg.expert_bias``): call once after each optimizer step, on every rank.
+        The counts are summed over ``group``, default: every rank of the layer's mesh (all of them route their tokens
+        through this router); no host sync. See :meth:`moe_ep.router.Router.update_bias`."""
+        if group is None and self.mesh is not None and self.mesh.size() > 1:
+            # = moe_ep.parallel.world_mesh(mesh) (not imported: parallel imports this module)
+            mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten("dp_ep")
+            group = mesh.get_group()
+        self.router.update_bias(self.cfg.bias_update_rate, group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -173,8 +206,19 @@ class MoE(nn.Module):
         cfg = self.cfg
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)
-        r = self.router(x2)
-        profiling.mark("router")
         xe = x2.to(torch.bfloat16) if backend == "cuda" else x2  # the cuda backend computes in bf16
-        y, self._num_dropped = routed_experts(xe, r.topk_idx, r.topk_w, self.experts, cfg, self.ep_group, backend)
-        return y.to(x.dtype).reshape(shape), r.aux_loss * cfg.aux_loss_coef
+        aux = []
+
+        def routed() -> torch.Tensor:
+            r = self.router(x2)
+            aux.append(r.aux_loss)
+            profiling.mark("router")
+            y, self._num_dropped = routed_experts(xe, r.topk_idx, r.topk_w, self.experts, cfg, self.ep_group, backend)
+            return y
+
+        if self.shared_experts is None:
+            y = routed()
+        else:  # on the cuda backend the shared SwiGLU runs on a side stream, overlapping router .. combine
+            y, ys = with_shared_experts(self.shared_experts, xe, routed, overlap=backend == "cuda")
+            y = y + ys
+        return y.to(x.dtype).reshape(shape), aux[0] * cfg.aux_loss_coef

@@ -13,9 +13,11 @@ Cases: the layer (router included) cuda vs reference for both transports, quanti
 experts, every token on one expert, unequal counts, a rank or every rank with no tokens, H = 160 / 224 with F = 96,
 top_k 1 and 8, int32 ids); drop mode (``capacity_factor``) with ``num_dropped`` exact; no host sync under
 ``torch.cuda.set_sync_debug_mode("error")`` with a capacity; a CUDA graph of forward + backward replayed on new
-inputs equals eager bitwise, also after an in-place weight update; the experts as an FSDP2 unit on "dp" (ep = world
-/ 2), gathered plain and in MXFP8, over two weight versions; two runs are bitwise equal; 1000 iterations with flat
-memory; an invalid expert id raises ValueError naming it; last, a rank that skips a call makes the others raise
+inputs equals eager bitwise, also after an in-place weight update and with shared experts (their side-stream fork /
+join inside the capture) and DeepSeek-V3 routing (sigmoid, groups, expert bias); the layer with shared experts and
+that routing cuda vs reference; the experts as an FSDP2 unit on "dp" (ep = world / 2), gathered plain and in MXFP8,
+over two weight versions; two runs are bitwise equal (also with shared experts); 1000 iterations with flat memory; an
+invalid expert id raises ValueError naming it; last, a rank that skips a call makes the others raise
 EPTransportError("timeout...") instead of hanging (the runtime is unusable afterwards, so nothing runs after it).
 
 The reference runs with MOE_EP_FORCE_REFERENCE=1 (the pure-PyTorch quantizer, the specification) set only around its
@@ -75,6 +77,8 @@ from moe_ep import MoE, MoEConfig, finish, init_ep  # noqa: E402
 from moe_ep.transport.nvshmem import runtime as nvs  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 
+SHARED_KW = dict(num_shared_experts=1, shared_ffn_hidden=192)
+DSV3_KW = dict(score_func="sigmoid", n_group=4, topk_group=2, route_scale=2.5, expert_bias=True)
 TMAX = 512  # max_tokens_per_rank of every layer here (sizes the NVSHMEM buffers)
 TIMEOUT_S = 2.0  # the runtime's timeout in the missing-peer case
 RANK = WORLD = 0
@@ -82,6 +86,11 @@ DEV = None
 MESH = None
 _HALF_MESH = []  # the ("dp", "ep") mesh with ep = world / 2, made on first use
 PARAMS = ("router.weight", "experts.w13", "experts.w2")
+SHARED = ("shared_experts.w13", "shared_experts.w2")  # the layers with num_shared_experts > 0 also have these
+
+
+def _param_names(layer: MoE) -> tuple[str, ...]:
+    return PARAMS + (SHARED if layer.shared_experts is not None else ())
 
 
 class CheckError(AssertionError):
@@ -264,7 +273,7 @@ def run_layer(layer: MoE, x: torch.Tensor, g: torch.Tensor, spec: bool = False) 
         ((y.float() * g).sum() + aux).backward()
     params = dict(layer.named_parameters())
     out = {"y": y.detach(), "aux": aux.detach(), "x.grad": _grad(xx)}
-    out.update({f"{n}.grad": _grad(params[n]) for n in PARAMS})
+    out.update({f"{n}.grad": _grad(params[n]) for n in _param_names(layer)})
     _zero_grads(layer)
     return out
 
@@ -390,10 +399,11 @@ def case_sync_free(quantize: bool) -> None:
     nvs.get_runtime(fast.ep_group).check_errors()
 
 
-def case_graph(quantize: bool) -> None:
+def case_graph(quantize: bool, **kw) -> None:
     """capacity_factor set, nvshmem: forward + backward captured once, replayed on new inputs copied into the static
-    input; every replay equals the eager run on the same input bitwise, with eager calls between replays."""
-    fast, _, _ = make_layers(None, seed=5, quantize=quantize, capacity_factor=0.75)
+    input; every replay equals the eager run on the same input bitwise, with eager calls between replays.
+    kw: more MoEConfig fields (num_shared_experts: the side-stream fork / join inside the capture)."""
+    fast, _, _ = make_layers(None, seed=5, quantize=quantize, capacity_factor=0.75, **kw)
     counts = [40, 17, 33, 8]
     sets = [tokens(counts, fast.cfg.hidden, seed=s)[0] for s in (21, 22, 23)]
     g = tokens(counts, fast.cfg.hidden, seed=24)[1]
@@ -419,7 +429,7 @@ def case_graph(quantize: bool) -> None:
     with torch.cuda.graph(graph):
         y_s, aux_s = step()
     static = {"y": y_s, "aux": aux_s, "x.grad": xs.grad}
-    static.update({f"{n}.grad": params[n].grad for n in PARAMS})
+    static.update({f"{n}.grad": params[n].grad for n in _param_names(fast)})
     xs.grad = None  # eager runs allocate their own gradients; the graph keeps writing the static ones
     _zero_grads(fast)
     for i, j in enumerate((1, 2, 0, 1)):
@@ -520,8 +530,8 @@ def case_fsdp(reshard: bool, mx: bool = False) -> None:
             fail(f"MXFP8 gather: the shards were quantized {counts} times over 2 weight versions")
 
 
-def case_determinism(transport: str, quantize: bool, capacity) -> None:
-    fast, _, _ = make_layers(None, seed=6, transport=transport, quantize=quantize, capacity_factor=capacity)
+def case_determinism(transport: str, quantize: bool, capacity, **kw) -> None:
+    fast, _, _ = make_layers(None, seed=6, transport=transport, quantize=quantize, capacity_factor=capacity, **kw)
     x, g = tokens([64, 37, 100, 5], fast.cfg.hidden, seed=6)
     first = attempt(lambda: run_layer(fast, x, g), "the first run")
     if not agree(first is not None):
@@ -684,6 +694,20 @@ def main() -> int:
         ("CUDA graph of forward + backward: replays = eager, mxfp8", lambda: case_graph(True)),
         ("CUDA graph of forward + backward: replays = eager, bf16", lambda: case_graph(False)),
         ("CUDA graph replay after an in-place weight update = eager, mxfp8", case_graph_weight_update),
+        ("CUDA graph with shared experts (side stream): replays = eager, mxfp8", lambda: case_graph(True, **SHARED_KW)),
+        ("CUDA graph with shared experts (side stream): replays = eager, bf16", lambda: case_graph(False, **SHARED_KW)),
+        (
+            "CUDA graph with shared experts + DeepSeek-V3 routing (expert-bias counts in the graph): replays = eager",
+            lambda: case_graph(True, **SHARED_KW, **DSV3_KW),
+        ),
+        (
+            "layer with shared experts + DeepSeek-V3 routing, cuda vs reference, nvshmem, mxfp8",
+            lambda: case_layer("nvshmem", True, **SHARED_KW, **DSV3_KW),
+        ),
+        (
+            "layer with shared experts + DeepSeek-V3 routing, cuda vs reference, nccl, bf16",
+            lambda: case_layer("nccl", False, **SHARED_KW, **DSV3_KW),
+        ),
         ("FSDP2 experts on dp (ep = world / 2), reshard after forward", lambda: case_fsdp(True)),
         ("FSDP2 experts on dp (ep = world / 2), kept after forward", lambda: case_fsdp(False)),
         ("FSDP2 experts on dp, MXFP8 all-gather, reshard after forward", lambda: case_fsdp(True, mx=True)),
@@ -691,6 +715,10 @@ def main() -> int:
         ("deterministic: nvshmem dropless", lambda: case_determinism("nvshmem", True, None)),
         ("deterministic: nccl dropless", lambda: case_determinism("nccl", True, None)),
         ("deterministic: nvshmem capacity bf16", lambda: case_determinism("nvshmem", False, 0.5)),
+        (
+            "deterministic: shared experts, nvshmem dropless",
+            lambda: case_determinism("nvshmem", True, None, **SHARED_KW),
+        ),
         ("1000 iterations, flat memory: dropless", lambda: case_memory(None, False)),
         ("1000 iterations, flat memory: capacity, new weight versions", lambda: case_memory(0.75, True)),
         ("invalid expert id raises ValueError naming it: nvshmem", lambda: case_invalid_expert("nvshmem")),
