@@ -44,7 +44,7 @@ class ModelConfig:
     init_std:    std of the normal init of every non-expert matrix (output projections are scaled down by
                  ``1/sqrt(2*n_layers)``, GPT-2 style, so the residual stream does not grow with depth).
     ffn_hidden, num_experts, top_k, max_tokens_per_rank, capacity_factor, renormalize, aux_loss_coef, quantize,
-    backend, transport:
+    backend, transport, recipe:
                  passed to every layer's :class:`MoEConfig` (see there).
     """
 
@@ -67,6 +67,7 @@ class ModelConfig:
     quantize: bool = True
     backend: str = "auto"
     transport: str = "nvshmem"
+    recipe: str = "mxfp8"
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "n_layers", "n_heads", "seq_len"):
@@ -92,6 +93,7 @@ class ModelConfig:
             backend=self.backend,
             transport=self.transport,
             init_std=self.init_std,
+            recipe=self.recipe,
         )
 
 
