@@ -14,6 +14,15 @@ Variants, all on the same router and expert weights (copied from one layer) and 
                        sizes, NCCL all_to_all_single_autograd of bf16 rows, index permutation, torch._grouped_mm
                        SwiGLU experts, deterministic scatter_add); torchtitan_bf16_align<N>: with groups padded to N
                        rows, as torchtitan did before April 2026 (N = 8 for bf16)
+  torchtitan_fp8_rowwise the same layer with torchao's FP8 rowwise grouped GEMMs for its experts, the FP8 MoE a
+                       Hopper user has today (torchtitan ``--model.converters quantize.grouped_mm.float8`` with torchao
+                       0.18; ``TorchtitanMoE(gemm="fp8_rowwise")``): torchao's
+                       ``moe_training.utils._quantize_then_scaled_grouped_mm`` with ``Float8TrainingOpConfig()`` per
+                       GEMM, quantizing activations, weights and gradients in every call (forward and backward, as in
+                       training; nothing cached), groups padded to 16 rows by torchao's ``ep.permute.permute_and_pad``
+                       (torchtitan's TorchAOTokenDispatcher); eager, no torch.compile. Needs torchao (and triton):
+                       without it the variant is skipped (``error`` and ``skipped`` in its row; the run goes on and
+                       its exit status ignores it); ``meta.torchao`` records the version and functions that ran
   bf16                 moe_ep.MoE, backend="cuda", quantize=False: our transport with bf16 payloads, torch._grouped_mm
   mxfp8                backend="cuda", quantize=True, ``layer.experts.weight_cache.clear()`` before every step: the
                        weights' MXFP8 operands re-prepared every step (every step under FSDP2, whose all-gather
@@ -34,6 +43,15 @@ Per shape:
      rounds the SwiGLU product and every scatter-add partial sum to bf16), MXFP8_BOUND for the FP8 ones (E4M3
      keeps 3 mantissa bits: each quantized operand is off by up to 2^-4 relative, and the expert MLP's recipe error
      against bf16 measured 6.6-6.8 % norm-relative in bench_expert_mlp, so the bound is about twice that).
+     torchtitan_fp8_rowwise has the same bound (FP8_ROWWISE_BOUND = MXFP8_BOUND): the same E4M3 elements, so the
+     same 2^-4 relative rounding of every element that stays normal; its power-of-2 scales (as MXFP8's E8M0) cover a
+     whole row of K (or a column over an expert's rows in the weight gradient) instead of 32 elements, so an element
+     falls into E4M3's subnormals only when it is below ~2^-14 of its row's largest: for these random Gaussian
+     tokens, weights and dy a fraction ~1e-4 of elements, far too small to move the norm. An fp32 emulation of the
+     recipe (E4M3, power-of-2 scales per row along K in the forward, along N for dx, per column over the rows for
+     dw) on the small shape's expert MLP (2048 Gaussian rows) gives 6.6-6.9 % norm-relative for y, dx, dw1, dw3,
+     dw2 against the unquantized MLP: MXFP8's error, so MXFP8's bound (torch._scaled_grouped_mm's
+     use_fast_accum=True accumulation adds ~1e-3); a broken layer (a wrong scale, group or transpose) is off by O(1).
   2. --warmup rounds, then --steps rounds; a round times one step of every variant, in bench_gemm.round_order (the
      order rotates and reverses so that no variant always runs first or after the same one). A step: parameter
      gradients and x.grad set to None (and the weight cache cleared for mxfp8), ranks aligned (all_reduce +
@@ -49,11 +67,14 @@ Per shape:
   4. one more step per variant under ``moe_ep.profiling.record_phases()`` (torchtitan: its own marks, same
      convention): ``phases`` {name: ms} as recorded, ``phase_groups`` summed into router, layout, dispatch, gemms,
      swiglu_quant, combine, weight_prep, other (bf16 and torchtitan do not separate SwiGLU from the GEMMs: their
-     experts_fwd / experts_bwd count as gemms). ``router_bwd`` is what is left of the backward after the layer's
-     last mark (the router's and aux loss's backward; torchtitan: also the row gather's).
+     experts_fwd / experts_bwd count as gemms; torchtitan_fp8_rowwise's also hold all of torchao's quantization,
+     activations' and weights', which runs inside torchao's GEMM function: its swiglu_quant and weight_prep are 0).
+     ``router_bwd`` is what is left of the backward after the layer's last mark (the router's and aux loss's
+     backward; torchtitan: also the row gather's).
 Output (--out, rank 0): {"meta": {...}, "results": [{"shape", "variant", "fwd_ms", "fwd_bwd_ms", "act_mem_gb",
-"phases", ...}, ...]}; benchmarks/results/README.md ("Layer") lists every field. A table on stdout; exit 1 when a
-check fails, a slot was dropped or a variant raised.
+"phases", ...}, ...]}; benchmarks/results/README.md ("Layer") lists every field; torchtitan rows add ``gemm`` (what
+their experts ran: bf16, or torchao's version and functions). A table on stdout; exit 1 when a check fails, a slot
+was dropped or a variant raised (a variant skipped for a missing package does not count).
 """
 
 from __future__ import annotations
@@ -75,15 +96,24 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import relaunch_under_torchrun, round_order  # noqa: E402
-from torchtitan_moe import PhaseRecorder, TorchtitanMoE  # noqa: E402
+from torchtitan_moe import PhaseRecorder, TorchtitanMoE, torchao_fp8_rowwise_info  # noqa: E402
 
 SHAPES = {
     "dsv3": dict(T=4096, H=7168, F=2048, E=256, K=8),
     "small": dict(T=8192, H=2048, F=768, E=128, K=8),
     "tiny": dict(T=48, H=64, F=64, E=8, K=3),  # --dry-cpu
 }
-VARIANTS = ("torchtitan_bf16", "bf16", "mxfp8", "mxfp8_cached", "blockwise", "blockwise_cached")
+VARIANTS = (
+    "torchtitan_bf16",
+    "torchtitan_fp8_rowwise",
+    "bf16",
+    "mxfp8",
+    "mxfp8_cached",
+    "blockwise",
+    "blockwise_cached",
+)
 FP8 = ("mxfp8", "mxfp8_cached", "blockwise", "blockwise_cached")  # the quantized variants (recipe = name w/o "_cached")
+PEER_FP8 = ("torchtitan_fp8_rowwise",)  # FP8 peers (torchtitan's layer on torchao's FP8 grouped GEMMs)
 DRY_VARIANTS = ("reference_bf16", "torchtitan_bf16", "torchtitan_bf16_align8")
 DEFAULT_OUT = "benchmarks/results/bench_layer.json"
 # The issue's targets. Speedups: baseline fwd_bwd_ms / variant fwd_bwd_ms (>= target); memory: act_mem_gb ratio (<=).
@@ -95,6 +125,7 @@ TARGETS = {  # issue 40 (one H200, EP=1 with the per-rank expert load of EP=4)
         "blockwise_vs_torchtitan_bf16": 1.8,
         "blockwise_cached_vs_bf16": 1.5,
         "blockwise_cached_vs_torchtitan_bf16": 2.1,
+        "blockwise_vs_torchtitan_fp8_rowwise": 1.6,
         "saved_blockwise_over_bf16": 0.7,
     },
     "small": {
@@ -102,11 +133,13 @@ TARGETS = {  # issue 40 (one H200, EP=1 with the per-rank expert load of EP=4)
         "mxfp8_cached_vs_bf16": 1.0,
         "blockwise_vs_bf16": 1.15,
         "blockwise_vs_torchtitan_bf16": 2.0,
+        "blockwise_vs_torchtitan_fp8_rowwise": 1.6,
         "saved_blockwise_over_bf16": 0.7,
     },
 }
 BF16_BOUND = 3e-2  # norm-relative, bf16 variants against each other
 MXFP8_BOUND = 0.15  # norm-relative, MXFP8 variants against bf16 (see the module docstring)
+FP8_ROWWISE_BOUND = MXFP8_BOUND  # norm-relative, torchtitan_fp8_rowwise against bf16 (see the module docstring)
 SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spinning before each timed step: the CPU enqueues the step meanwhile
 PHASE_GROUPS = {
     "router": "router",
@@ -133,6 +166,7 @@ PHASE_GROUPS = {
 GROUPS = ("router", "layout", "dispatch", "gemms", "swiglu_quant", "combine", "weight_prep", "other")
 GB = 1e9
 MAX = dist.ReduceOp.MAX
+SKIPPED = "skipped: a package it needs is missing"  # prefix of a skipped variant's error
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,6 +266,18 @@ def build_variants(names: list[str], dims: dict, mesh, dev: torch.device, args, 
                 mod, kind = make("cuda", "bf16"), "moe_ep"
             elif name == "reference_bf16":
                 mod, kind = make("reference", "bf16"), "moe_ep"
+            elif name == "torchtitan_fp8_rowwise":
+                mod = TorchtitanMoE(
+                    dims["H"],
+                    dims["F"],
+                    dims["E"],
+                    dims["K"],
+                    ep_group,
+                    gemm="fp8_rowwise",
+                    device=dev,
+                    dtype=torch.bfloat16,
+                )
+                kind = "torchtitan"
             elif name.startswith("torchtitan_bf16"):
                 align = 1 if name == "torchtitan_bf16" else int(name.removeprefix("torchtitan_bf16_align"))
                 mod = TorchtitanMoE(
@@ -243,6 +289,9 @@ def build_variants(names: list[str], dims: dict, mesh, dev: torch.device, args, 
             if kind == "moe_ep" and source is None:
                 source = mod
             ok = 1
+        except ImportError as exc:  # an optional peer's package (torchao) is missing: skipped, not failed
+            errors[name] = f"{SKIPPED} (build: ImportError: {str(exc)[:400]})"
+            ok = 0
         except Exception as exc:  # noqa: BLE001
             errors[name] = f"build: {type(exc).__name__}: {str(exc)[:400]}"
             ok = 0
@@ -478,7 +527,7 @@ def run_shape(shape: str, names: list[str], mesh, dev: torch.device, args) -> tu
         flat = [errs.get(k, {}).get(m, math.inf) for k in keys for m in ("rel", "max_rel")]
         flat = _reduce([min(f, 1e300) for f in flat], dist.ReduceOp.MAX, dev)
         reduced = {k: {"rel": flat[2 * i], "max_rel": flat[2 * i + 1]} for i, k in enumerate(keys)}
-        bound = MXFP8_BOUND if n in FP8 else BF16_BOUND
+        bound = MXFP8_BOUND if n in FP8 else FP8_ROWWISE_BOUND if n in PEER_FP8 else BF16_BOUND
         worst = max(r["rel"] for r in reduced.values())
         if not _agree(bool(ok_local), dev):
             errors.setdefault(n, "check failed on another rank")
@@ -590,8 +639,11 @@ def run_shape(shape: str, names: list[str], mesh, dev: torch.device, args) -> tu
             r["weight_cache_gb"] = weight_cache_gb.get(n.removesuffix("_cached"))
         if n.startswith("torchtitan"):
             r["scatter_add"] = variants[n].module.scatter_mode
+            r["gemm"] = variants[n].module.gemm_info
     for n in errors:
         rows[n]["error"] = errors[n]
+        if errors[n].startswith(SKIPPED):
+            rows[n]["skipped"] = True
     info["seconds"] = round(time.time() - t_start, 1)
     del variants, x, g
     _free(dev)
@@ -610,15 +662,18 @@ def ratios(shape: str, rows: list[dict]) -> dict:
     by = {r["variant"]: r for r in rows if r.get("fwd_bwd_ms")}
     tg = TARGETS.get(shape, {})
     out: dict = {}
-    for a in (*FP8, "bf16"):
-        for b in ("bf16", "torchtitan_bf16"):
-            if a == b or a not in by or b not in by:
-                continue
-            key = f"{a}_vs_{b}"
-            m = by[b]["fwd_bwd_ms"] / by[a]["fwd_bwd_ms"]
-            t = tg.get(key)
-            out[key] = {"measured": m, "target": t, "met": None if t is None else m >= t}
-            out[f"{key}_fwd"] = {"measured": by[b]["fwd_ms"] / by[a]["fwd_ms"], "target": None, "met": None}
+    # ours against bf16 and torchtitan_bf16; ours against the FP8 peer (torchtitan on torchao's FP8 rowwise GEMMs);
+    # the peer against torchtitan_bf16 (what FP8 gives the torchtitan layer)
+    pairs = [(a, b) for a in (*FP8, "bf16") for b in ("bf16", "torchtitan_bf16")]
+    pairs += [(a, b) for a in (*FP8, "bf16") for b in PEER_FP8] + [(b, "torchtitan_bf16") for b in PEER_FP8]
+    for a, b in pairs:
+        if a == b or a not in by or b not in by:
+            continue
+        key = f"{a}_vs_{b}"
+        m = by[b]["fwd_bwd_ms"] / by[a]["fwd_bwd_ms"]
+        t = tg.get(key)
+        out[key] = {"measured": m, "target": t, "met": None if t is None else m >= t}
+        out[f"{key}_fwd"] = {"measured": by[b]["fwd_ms"] / by[a]["fwd_ms"], "target": None, "met": None}
     for a in FP8:
         for field in ("act_mem_gb", "saved_gb"):
             if a in by and "bf16" in by and by[a].get(field) and by["bf16"].get(field):
@@ -741,12 +796,7 @@ def main(argv=None) -> int:
         print(f"warning: --steps {args.steps} < 10: the issue asks for the median of at least 10", flush=True)
 
     preinit = None
-    if (
-        dev.type == "cuda"
-        and args.transport == "nvshmem"
-        and world > 1
-        and {"bf16", *FP8} & set(names)
-    ):
+    if dev.type == "cuda" and args.transport == "nvshmem" and world > 1 and {"bf16", *FP8} & set(names):
         # One runtime sized for every shape up front: a later, larger shape would otherwise grow the symmetric
         # buffers past the NVSHMEM heap sized at the first initialization.
         try:
@@ -808,8 +858,10 @@ def main(argv=None) -> int:
         "check_bounds": {
             "bf16": BF16_BOUND,
             "mxfp8": MXFP8_BOUND,
+            "torchtitan_fp8_rowwise": FP8_ROWWISE_BOUND,
             "metric": "norm-relative, max over tensors and ranks",
         },
+        "torchao": torchao_fp8_rowwise_info() if set(PEER_FP8) & set(names) else None,
         "targets": TARGETS,
         "ratios": {s: ratios(s, [r for r in results if r["shape"] == s]) for s in shapes},
         "config": vars(args),
@@ -820,7 +872,10 @@ def main(argv=None) -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
             print(f"wrote {args.out}")
-    ok = all("error" not in r and r.get("check", {}).get("ok") and r.get("dropped_slots", 0) == 0 for r in results)
+    ok = all(
+        r.get("skipped") or ("error" not in r and r.get("check", {}).get("ok") and r.get("dropped_slots", 0) == 0)
+        for r in results
+    )
     if dev.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()

@@ -31,13 +31,38 @@ group sizes ``round_up(max(n_e, align), align)``, and the unpermute writing into
 last. The indices here come from torch ops (repeat_interleave with a host-known output size), not the triton kernel;
 neither syncs the host.
 
+FP8 rowwise experts (``gemm="fp8_rowwise"``): torchtitan's ``Float8GroupedExpertsConverter``
+(``torchtitan/components/quantization/float8.py`` at b5bcd76, after 42353da "use stateless grouped MM", the Hopper
+recipe of ``--model.converters quantize.grouped_mm.float8``) keeps the expert parameters plain and routes each of the
+three grouped GEMMs through torchao's ``torchao.prototype.moe_training.utils._quantize_then_scaled_grouped_mm(A, B_t,
+config=Float8TrainingOpConfig(), offs=offs)``, which (torchao 0.18) calls
+``torchao.prototype.moe_training.fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm``: an autograd function that
+quantizes per call, every forward and backward, nothing cached across calls:
+  forward   A [M, K] rowwise (one scale per row) and B_t [E, K, N] per (expert, output column), E4M3 with
+            power-of-2 scales (fused triton kernels), ``torch._scaled_grouped_mm(..., use_fast_accum=True)`` -> bf16
+  backward  dA: dY rowwise and the bf16 B re-quantized along the new reduction axis (per (expert, K) over N); dB: dY
+            and the saved bf16 A quantized per (group, column) over each expert's rows (one fused triton kernel), a
+            2D x 2D scaled grouped GEMM; out in bf16
+so x is quantized twice per direction (w1 and w3 are separate GEMMs, as in torchtitan) and the weights every call.
+``Float8TrainingOpConfig``'s default ``pad_token_groups_for_grouped_mm=False`` leaves the groups' alignment to the
+dispatcher (torchao: "group sizes must be divisible by 16"; torchtitan: "16 byte alignment / 1 byte per elem"): the
+converter swaps in ``TorchAOTokenDispatcher`` with ``pad_multiple=16``, whose permute is torchao's
+``torchao.prototype.moe_training.ep.permute.permute_and_pad`` (a triton index kernel; the same layout as ``align``
+above: a zero row appended, ``round_up(max(n_e, 16), 16)`` rows per group, padding slots at the zero row). Here too:
+``gemm="fp8_rowwise"`` uses ``align=16`` (a multiple of 16 if given) and ``permute_and_pad``; router, layout,
+all-to-all, unpermute and combine are the bf16 layer's. torchao is imported when such a layer is built (ImportError
+naming the missing package otherwise); :func:`torchao_fp8_rowwise_info` says which version and functions ran. Not
+reproduced: torch.compile, which torchtitan recommends for this recipe (it fuses the SwiGLU's elementwise ops; the
+quantization kernels are triton kernels in eager mode too).
+
 Not reproduced: DTensor / local_map wrapping, SPMD type checks, TP / SP, shared experts, compile. The layer takes
 plain tensors on the EP process group, as the torchtitan dispatcher does after ``to_local()``.
 
 Phase timing, with moe_ep.profiling's convention (``mark(name)`` ENDS phase ``name``, which began at the previous
 mark): set ``layer.phases`` to a :class:`PhaseRecorder` for one step. The forward marks router, layout (the slot
 sort, the row gather, the count exchange and the host sync), dispatch (all-to-all + permute), experts_fwd and
-combine; tensor hooks mark the backward's combine_bwd (up to the experts' output gradient), experts_bwd (up to their
+combine (fp8_rowwise: experts_fwd / experts_bwd include torchao's quantization, which runs inside its GEMM
+function); tensor hooks mark the backward's combine_bwd (up to the experts' output gradient), experts_bwd (up to their
 input gradient) and dispatch_bwd (the permute's and the all-to-all's backward, up to the gradient of the gathered
 rows); the caller marks what is left of the backward (the row gather's and the router's backward) after it returns.
 """
@@ -49,6 +74,73 @@ import time
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+
+GEMMS = ("bf16", "fp8_rowwise")  # TorchtitanMoE(gemm=...)
+FP8_GROUP_ALIGN = 16  # torchtitan's pad_multiple for FP8 grouped GEMMs
+
+
+def load_torchao_fp8_rowwise() -> dict:
+    """torchao's FP8 rowwise MoE training path, imported now: {"grouped_mm": the differentiable grouped GEMM,
+    "config": its ``Float8TrainingOpConfig()``, "permute_and_pad": the padded permute, "version": torchao's}.
+
+    Raises ImportError naming what is missing (torchao itself, a torchao without ``Float8TrainingOpConfig`` (< 0.18),
+    or triton, which torchao's kernels import).
+    """
+    try:
+        import torchao  # noqa: PLC0415
+    except ImportError as exc:
+        raise ImportError(
+            "gemm='fp8_rowwise' needs the torchao package (torchao==0.18.0: pip install torchao==0.18.0)"
+        ) from exc
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: PLC0415
+        from torchao.prototype.moe_training.ep.permute import permute_and_pad  # noqa: PLC0415
+        from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm  # noqa: PLC0415
+    except ImportError as exc:
+        raise ImportError(
+            f"gemm='fp8_rowwise': torchao {getattr(torchao, '__version__', '?')} lacks the FP8 rowwise MoE training "
+            f"path of torchao 0.18 (torchao.prototype.moe_training: Float8TrainingOpConfig, "
+            f"_quantize_then_scaled_grouped_mm, ep.permute.permute_and_pad), or a package it imports is missing "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+    return {
+        "grouped_mm": _quantize_then_scaled_grouped_mm,
+        "config": Float8TrainingOpConfig(),
+        "permute_and_pad": permute_and_pad,
+        "version": getattr(torchao, "__version__", "unknown"),
+    }
+
+
+def _qualname(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def torchao_fp8_rowwise_info(ao: dict | None = None) -> dict:
+    """What ``gemm="fp8_rowwise"`` runs, for the results: torchao's version, the functions and the config fields (or
+    {"error": ...} when torchao cannot be imported)."""
+    if ao is None:
+        try:
+            ao = load_torchao_fp8_rowwise()
+        except ImportError as exc:
+            return {"error": str(exc)}
+    cfg = ao["config"]
+    return {
+        "torchao": ao["version"],
+        "grouped_mm": _qualname(ao["grouped_mm"]),
+        "dispatches_to": "torchao.prototype.moe_training.fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm",
+        "config": {
+            "type": type(cfg).__name__,
+            **{
+                k: str(getattr(cfg, k))
+                for k in ("float8_dtype", "out_dtype", "pad_token_groups_for_grouped_mm")
+                if hasattr(cfg, k)
+            },
+        },
+        "permute": _qualname(ao["permute_and_pad"]),
+        "group_align": FP8_GROUP_ALIGN,
+        "quantized": "per call: activations rowwise, weights per (expert, column), dy rowwise and per group column; "
+        "power-of-2 scales, E4M3, torch._scaled_grouped_mm use_fast_accum=True",
+    }
 
 
 class PhaseRecorder:
@@ -117,24 +209,49 @@ class GroupedExperts(nn.Module):
 
     A module of its own (as in torchtitan) so that FSDP2 can shard the expert weights on another mesh than the router
     (``fully_shard(layer.experts, mesh=dp)``) and all-gathers them in its forward pre-hook.
-    forward(x [R, H] expert-major, sizes [E_l]) -> [R, H] x.dtype: three ``torch._grouped_mm`` calls in bf16 (rows
-    past the last offset, i.e. the padding tail, are left unspecified by ``_grouped_mm`` and discarded by the
-    unpermute).
+    forward(x [R, H] expert-major, sizes [E_l]) -> [R, H] x.dtype: three grouped GEMMs, ``torch._grouped_mm`` in
+    bf16 (rows past the last offset, i.e. the padding tail, are left unspecified by ``_grouped_mm`` and discarded by
+    the unpermute). ``gemm="fp8_rowwise"``: each through torchao's ``_quantize_then_scaled_grouped_mm`` with
+    ``Float8TrainingOpConfig()`` (torchtitan's ``Float8GroupedExperts._grouped_mm``; every group's size a multiple of
+    16, which the layer's padded permute gives).
     """
 
-    def __init__(self, num_local: int, hidden: int, ffn_hidden: int, device=None, dtype=torch.bfloat16) -> None:
+    def __init__(
+        self,
+        num_local: int,
+        hidden: int,
+        ffn_hidden: int,
+        device=None,
+        dtype=torch.bfloat16,
+        *,
+        gemm: str = "bf16",
+        torchao_fns: dict | None = None,
+    ) -> None:
         super().__init__()
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
         kw = dict(device=device, dtype=dtype)
         self.w1 = nn.Parameter(torch.empty(num_local, ffn_hidden, hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden, **kw))
         self.w3 = nn.Parameter(torch.empty(num_local, ffn_hidden, hidden, **kw))
+        self.gemm = gemm
+        self._ao = None
+        if gemm == "fp8_rowwise":
+            if hidden % 16 or ffn_hidden % 16:
+                raise ValueError(f"fp8_rowwise needs hidden and ffn_hidden divisible by 16, got {hidden}, {ffn_hidden}")
+            self._ao = torchao_fns if torchao_fns is not None else load_torchao_fp8_rowwise()
+
+    def _grouped_mm(self, a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if self._ao is None:
+            return torch._grouped_mm(a, b_t, offs=offs)
+        return self._ao["grouped_mm"](a, b_t, config=self._ao["config"], offs=offs)
 
     def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(sizes, dim=0, dtype=torch.int32)
         xb = x.bfloat16()
-        h = F.silu(torch._grouped_mm(xb, self.w1.bfloat16().transpose(-2, -1), offs=offs))
-        h = h * torch._grouped_mm(xb, self.w3.bfloat16().transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+        h = F.silu(self._grouped_mm(xb, self.w1.bfloat16().transpose(-2, -1), offs))
+        h = h * self._grouped_mm(xb, self.w3.bfloat16().transpose(-2, -1), offs)
+        return self._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs).type_as(x)
 
 
 class TorchtitanMoE(nn.Module):
@@ -142,7 +259,10 @@ class TorchtitanMoE(nn.Module):
 
     Parameters: ``gate`` [E, H] (router), ``experts.w1`` / ``experts.w3`` [E_l, F, H], ``experts.w2`` [E_l, H, F]
     (also readable as ``w1`` / ``w2`` / ``w3``); buffers ``expert_bias`` [E] and ``tokens_per_expert`` [E] (fp32).
-    ``ep_group``: the EP process group (None: one rank owns every expert).
+    ``ep_group``: the EP process group (None: one rank owns every expert). ``gemm``: "bf16" (``torch._grouped_mm``)
+    or "fp8_rowwise" (torchao's FP8 rowwise grouped GEMM, with torchao's padded permute; see the module docstring).
+    ``align``: rows per group multiple (default 1 for bf16, 16 for fp8_rowwise, which needs a multiple of 16).
+    ``torchao_fns``: what :func:`load_torchao_fp8_rowwise` returns (default: imported now), for stand-ins in tests.
     forward(x [..., H]) -> y, x's shape and dtype.
     """
 
@@ -156,9 +276,11 @@ class TorchtitanMoE(nn.Module):
         *,
         route_norm: bool = True,
         route_scale: float = 1.0,
-        align: int = 1,
+        align: int | None = None,
         device=None,
         dtype=torch.bfloat16,
+        gemm: str = "bf16",
+        torchao_fns: dict | None = None,
     ) -> None:
         super().__init__()
         import torch.distributed as dist  # noqa: PLC0415
@@ -167,14 +289,26 @@ class TorchtitanMoE(nn.Module):
         self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts {num_experts} is not divisible by the EP size {self.ep_size}")
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        if align is None:
+            align = FP8_GROUP_ALIGN if gemm == "fp8_rowwise" else 1
         if align < 1:
             raise ValueError(f"align must be >= 1, got {align}")
+        if gemm == "fp8_rowwise" and align % FP8_GROUP_ALIGN:
+            raise ValueError(f"gemm='fp8_rowwise' needs groups padded to a multiple of {FP8_GROUP_ALIGN}, got {align}")
+        if gemm == "fp8_rowwise" and torchao_fns is None:
+            torchao_fns = load_torchao_fp8_rowwise()
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = hidden, ffn_hidden, num_experts, top_k
         self.num_local = num_experts // self.ep_size
         self.route_norm, self.route_scale, self.align = route_norm, route_scale, align
         kw = dict(device=device, dtype=dtype)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden, **kw))
-        self.experts = GroupedExperts(self.num_local, hidden, ffn_hidden, **kw)
+        self.experts = GroupedExperts(self.num_local, hidden, ffn_hidden, **kw, gemm=gemm, torchao_fns=torchao_fns)
+        self.gemm = gemm
+        # fp8_rowwise: torchtitan's TorchAOTokenDispatcher permutes (and pads) with torchao's permute_and_pad
+        self._permute_and_pad = None if torchao_fns is None else torchao_fns["permute_and_pad"]
+        self.gemm_info = {"gemm": "bf16"} if torchao_fns is None else torchao_fp8_rowwise_info(torchao_fns)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.phases: PhaseRecorder | None = None
@@ -302,12 +436,15 @@ class TorchtitanMoE(nn.Module):
         else:
             recv, rows = counts, routed.shape[0]
             self._mark("layout")
-        with torch.no_grad():
-            perm, sizes, _ = self._permute_indices(recv, rows)
-        if self.align > 1:
-            routed = torch.vstack((routed, routed.new_zeros(routed.shape[-1])))
-        in_shape = routed.shape
-        routed = routed[perm, :]
+        if self._permute_and_pad is not None:  # torchao's: a zero row appended, padding slots at -1 (that row)
+            in_shape, routed, perm, sizes, _ = self._permute_and_pad(routed, recv, w, self.num_local, self.align)
+        else:
+            with torch.no_grad():
+                perm, sizes, _ = self._permute_indices(recv, rows)
+            if self.align > 1:
+                routed = torch.vstack((routed, routed.new_zeros(routed.shape[-1])))
+            in_shape = routed.shape
+            routed = routed[perm, :]
         self._mark("dispatch")
 
         _hook_mark(routed, rec, "experts_bwd")
