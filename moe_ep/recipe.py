@@ -27,7 +27,7 @@ the dispatched ``x``, ``dy^T`` from the dispatched ``dy``) is rounded twice; the
 because it quantizes the dequantized tensor it is given.
 
 To add a recipe: one :class:`Recipe` row here, its quantizers, and its GEMM kernels behind
-:func:`moe_ep.experts.gemms_for` (docs/design.md, "How to extend").
+:func:`moe_ep.experts.base.gemms_for` (docs/design.md, "How to extend").
 """
 
 from __future__ import annotations

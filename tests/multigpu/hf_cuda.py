@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 
 import tests.multigpu.moe_cuda as mc  # noqa: E402  (sets the NVSHMEM / NCCL environment before any init)
 from moe_ep import finish, init_ep  # noqa: E402
-from moe_ep.transport import runtime as nvs  # noqa: E402
+from moe_ep.transport.nvshmem import runtime as nvs  # noqa: E402
 from tests.multigpu._cases import run_cases  # noqa: E402
 
 BF16_BOUND = 2**-6
