@@ -16,10 +16,10 @@ the "dp" ranks:
                    input (FSDP2's one-rank path copies only the first); ``data`` is its contiguous head
   post-all-gather  a :class:`BlockwiseExpertWeight` [L, N, K] over FSDP's gathered buffers (no copy)
   layer            forward (fprop): ``data`` and ``scale`` as gathered, views, nothing moves. Backward (dgrad):
-                   ``data_t`` [L, K, N] = the gathered bytes transposed (1 byte read + 1 written per element, no
-                   re-quantization: a 128x128 block is the same block of the transpose). The bf16 gather instead
-                   quantizes the bf16 weight in the forward and again in the backward (2 read + 2 written per
-                   element each)
+                   ``data_t`` [L, K, N] = the gathered bytes transposed (``blockwise.transpose_weight``: 1 byte
+                   read + 1 written per element, no re-quantization: a 128x128 block is a block of the transpose).
+                   The bf16 gather instead quantizes the bf16 weight in the forward and again in the backward
+                   (2 read + 2 written per element each)
 
 Why ``data_t`` is made on the receiving side instead of travelling: sending it would double the wire bytes (2 per
 element: bf16's) and the gathered buffer from forward to backward, to save a local transpose whose 2 bytes of HBM per
@@ -48,6 +48,7 @@ from ..blockwise.reference import B, dequantize_weight_torch, quantize_weight_to
 from .fsdp_mxfp8 import MXFP8ExpertShard
 
 aten = torch.ops.aten
+U8 = torch.uint8
 
 
 def _packed_parts(ls: int, n: int, k: int) -> list[tuple[int, int]]:
@@ -188,13 +189,16 @@ class BlockwiseExpertWeight(torch.Tensor):
         None unless ``dgrad``), scale u8 [L, N/128, K/128] (a view)): the ``quantize_weight`` operands of the weight it
         was gathered from, bitwise."""
         g, n, k = self.shape
-        data = self._data_u8.view(g, n, k)
+        data = self._data_u8.view(torch.float8_e4m3fn).view(g, n, k)
         data_t = None
-        if dgrad:  # the bytes transposed, not re-quantized (~2 bytes of HBM per element)
-            data_t = torch.empty(g, k, n, dtype=torch.uint8, device=self.device)
-            data_t.copy_(data.transpose(1, 2))
-            data_t = data_t.view(torch.float8_e4m3fn)
-        return data.view(torch.float8_e4m3fn), data_t, self._scale_u8.view(g, n // B, k // B)
+        if dgrad:  # the bytes transposed, not re-quantized (2 bytes of HBM per element)
+            if mxfp8.use_reference(data):
+                data_t = data.view(U8).transpose(1, 2).contiguous().view(torch.float8_e4m3fn)
+            else:
+                from ..blockwise import cuda as bw  # noqa: PLC0415
+
+                data_t = bw.transpose_weight(data)  # one pass through shared memory, 128x128 tiles
+        return data, data_t, self._scale_u8.view(g, n // B, k // B)
 
     def fake_quantize(self) -> torch.Tensor:
         """The 128x128 fake quantization of the weight it was gathered from, [L, N, K] in self.dtype (contiguous), from
