@@ -5,7 +5,6 @@ plain gather (CPU, fp32 master weights: the FP8 gather quantizes exactly what th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -207,13 +206,11 @@ def _train(rank, world, ep, fp8: bool, reshard: bool, backend="reference", recip
     mesh = init_ep(ep)
     cfg = ModelConfig(
         dim=128, n_layers=1, n_heads=4, seq_len=16, ffn_hidden=128, num_experts=4, top_k=2,
-        max_tokens_per_rank=32, backend=backend,
+        max_tokens_per_rank=32, backend=backend, recipe=recipe,
     )  # fmt: skip
     torch.manual_seed(0)
     model = MoETransformer(cfg, mesh)
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.cfg = dataclasses.replace(m.cfg, recipe=recipe)
+    assert all(m.cfg.recipe == recipe for m in model.modules() if isinstance(m, MoE))
     broadcast_params(model, mesh)
     apply_fsdp(model, mesh, reshard_after_forward=reshard, fp8_expert_gather=fp8, mxfp8_expert_gather=mx)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
