@@ -238,10 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--expert-gather",
-        choices=["mxfp8", "plain"],
+        choices=["fp8", "mxfp8", "plain"],
         default=None,
-        help="FSDP2's all-gather of the expert weights: mxfp8 (quantized from the master weights once per step, "
-        "the default of the MXFP8 variants) or plain (the param dtype, the default otherwise)",
+        help="FSDP2's all-gather of the expert weights: fp8 (in the layer's FP8 recipe, quantized from the master "
+        "weights once per step; the default of the FP8 variants), mxfp8 (the same, requiring the MXFP8 recipe) or "
+        "plain (the param dtype, the default otherwise)",
     )
     p.add_argument(
         "--profile-step",
@@ -314,8 +315,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.expert_gather == "mxfp8" and (not quantized or args.recipe != "mxfp8"):
         p.error("argument --expert-gather: mxfp8 gathers the weights of moe_ep's MXFP8 layer (not with --no-quantize "
                 "or --baseline)")  # fmt: skip
+    if args.expert_gather == "fp8" and not quantized:
+        p.error("argument --expert-gather: fp8 gathers the weights of moe_ep's FP8 layer (not with --no-quantize "
+                "or --baseline)")  # fmt: skip
     if args.expert_gather is None:
-        args.expert_gather = "mxfp8" if quantized and args.recipe == "mxfp8" else "plain"
+        args.expert_gather = "fp8" if quantized else "plain"
     if args.backend == "cuda":
         from moe_ep.layer_cuda import missing_gpu_packages  # noqa: PLC0415
 
@@ -629,7 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.norm.compile()
     apply_fsdp(
         model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard,
-        mxfp8_expert_gather=args.expert_gather == "mxfp8",
+        fp8_expert_gather=args.expert_gather == "fp8", mxfp8_expert_gather=args.expert_gather == "mxfp8",
     )  # fmt: skip
 
     decay = [p for p in model.parameters() if p.ndim >= 2]

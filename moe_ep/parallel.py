@@ -119,6 +119,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     mxfp8_expert_gather: bool = False,
+    fp8_expert_gather: bool = False,
 ) -> torch.nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) on the ("dp", "ep") mesh, in place; returns ``model``.
 
@@ -132,9 +133,12 @@ def apply_fsdp(
       over all ranks (:func:`world_mesh`), so non-expert parameters are sharded over every rank.
     - ``param_dtype`` / ``reduce_dtype``: :class:`MixedPrecisionPolicy` (e.g. bf16 params with fp32 gradient
       reduction on GPU; leave ``param_dtype=None`` on CPU to train in fp32).
-    - ``mxfp8_expert_gather``: the experts' all-gather moves MXFP8 bytes, quantized from the master weights once
-      per optimizer step (:mod:`moe_ep.experts.fsdp_mxfp8`); every MoE must have ``quantize=True``, and its local
-      experts must split evenly over "dp".
+    - ``fp8_expert_gather``: the experts' all-gather moves FP8 bytes in each layer's own recipe (``cfg.recipe``),
+      quantized from the master weights once per optimizer step: "mxfp8" (:mod:`moe_ep.experts.fsdp_mxfp8`, 2 + 1/16
+      bytes per element: both quantizations), "blockwise" (:mod:`moe_ep.experts.fsdp_blockwise`, 1 + 1/16384: data
+      and 128x128 scales). Every MoE must have an FP8 recipe (not "bf16") and its local experts must split evenly
+      over "dp" (blockwise: N and K multiples of 128 too). ``mxfp8_expert_gather``: the same, requiring every MoE's
+      recipe to be "mxfp8" (the earlier switch, kept).
 
     FSDP all-gathers a unit's weights in the pre-hook of its forward: the reference backend calls ``experts(...)``,
     the cuda backend runs the layer through ``experts.run`` (an FSDP forward method, see :meth:`moe_ep.MoE.forward`).
@@ -144,18 +148,31 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from .experts.fsdp_blockwise import use_blockwise_all_gather
     from .experts.fsdp_mxfp8 import use_mxfp8_all_gather
     from .layer import MoE  # here, not at module level: moe_ep/__init__ imports layer before parallel
+
+    fp8_gathers = {"mxfp8": use_mxfp8_all_gather, "blockwise": use_blockwise_all_gather}  # recipe -> installer
 
     world = world_mesh(mesh)
     dp = mesh["dp"]
     world_size = world.size()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        if mxfp8_expert_gather:
-            if not moe.cfg.quantize:
-                raise ValueError("mxfp8_expert_gather needs MoE layers with quantize=True (their GEMMs read MXFP8)")
-            use_mxfp8_all_gather(moe.experts, dp.size())
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for recipe in {moe.cfg.recipe for moe in moes}:  # every layer checked before any is sharded
+        if mxfp8_expert_gather and recipe != "mxfp8":
+            raise ValueError(
+                f"mxfp8_expert_gather needs MoE layers with quantize=True and recipe 'mxfp8', got {recipe!r} "
+                "(fp8_expert_gather=True gathers each layer in its own FP8 recipe)"
+            )
+        if fp8_expert_gather and recipe not in fp8_gathers:
+            raise ValueError(
+                f"fp8_expert_gather needs MoE layers with an FP8 recipe ({', '.join(fp8_gathers)}), got recipe "
+                f"{recipe!r}: a bf16 layer's weights are gathered plainly (fp8_expert_gather=False)"
+            )
+    for moe in moes:
+        if fp8_expert_gather or mxfp8_expert_gather:
+            fp8_gathers[moe.cfg.recipe](moe.experts, dp.size())
         fully_shard(moe.experts, mesh=dp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         moe.experts.set_gradient_divide_factor(float(world_size))
         moe.experts.set_force_sum_reduction_for_comms(_needs_sum_only(dp.size()))

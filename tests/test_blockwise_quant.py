@@ -265,6 +265,22 @@ def test_weight(dev, dtype):
         assert_bytes(name, a, b)
 
 
+def test_transpose_weight(dev):
+    """The byte transpose of quantized 128x128 bytes (a weight gathered as data + scales) is quantize_weight's data_t,
+    byte for byte; every byte value (NaN 0x7F / 0xFF, zeros) travels unchanged."""
+    g, n, k = (3, 512, 768) if _big(dev) else (2, 256, 384)
+    w = make_input(g * n, k, torch.float32, seed=41).view(g, n, k)
+    data, data_t, _ = quantize_weight_torch(w)
+    raw = torch.randint(0, 256, (g, n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(41))
+    for src, want in ((data, data_t), (raw.view(torch.float8_e4m3fn), raw.transpose(1, 2).contiguous())):
+        out = _sentinel((g, k, n), torch.float8_e4m3fn, dev)
+        bw_cuda.transpose_weight_into(src.to(dev), out)
+        assert_bytes("data_t", out, want.view(torch.float8_e4m3fn))
+    assert_bytes("data_t", bw_cuda.transpose_weight(data.to(dev)), data_t)
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        bw_cuda.transpose_weight(torch.zeros(1, 128, 96, dtype=torch.float8_e4m3fn, device=dev))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # fused SwiGLU
 # ------------------------------------------------------------------------------------------------------------

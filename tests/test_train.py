@@ -97,7 +97,7 @@ def test_train_two_ranks_loss_decreases(tmp_path: Path) -> None:
     assert log["summary"]["tokens_per_sec_per_gpu"] > 0 and "git_commit" in log
     # what a user reads: the variant (CPU: the reference backend, MXFP8 recipe), grad norms, drops, memory
     assert (log["variant"], log["backend"], log["quantize"]) == ("reference", "reference", True)
-    assert log["config"]["args"]["expert_gather"] == "mxfp8"  # the MXFP8 variants' default
+    assert log["config"]["args"]["expert_gather"] == "fp8"  # the FP8 variants' default (the layer's recipe)
     assert len(log["grad_norm"]) == steps and all(math.isfinite(g) and g > 0 for g in log["grad_norm"])
     assert all(w["dropped_slots"] == 0 and w["max_rss_gib"] > 0 for w in log["windows"])  # dropless
     s = log["summary"]
@@ -132,7 +132,7 @@ def test_ep_fsdp_matches_one_process(tmp_path: Path) -> None:
     one = run_train(tmp_path, 1, *common, "--batch-size", "8", name="one")
     four = run_train(tmp_path, 4, *common, "--batch-size", "2", "--ep", "2", name="four")
     assert (four["world_size"], four["ep"], four["dp"]) == (4, 2, 2)
-    assert four["config"]["args"]["expert_gather"] == "mxfp8"  # experts gathered over dp=2 in MXFP8
+    assert four["config"]["args"]["expert_gather"] == "fp8"  # experts gathered over dp=2 in the layer's FP8
     assert one["loss"] == pytest.approx(four["loss"], abs=1e-4), (one["loss"], four["loss"])
     assert one["grad_norm"] == pytest.approx(four["grad_norm"], rel=1e-4), (one["grad_norm"], four["grad_norm"])
 
@@ -199,6 +199,7 @@ def test_torchtitan_baseline(tmp_path: Path) -> None:
         (["--preset", "huge"], 1, "argument --preset: invalid choice"),
         (["--backend", "cuda"], 1, "argument --backend: cuda needs"),
         (["--no-quantize", "--expert-gather", "mxfp8"], 1, "argument --expert-gather: mxfp8 gathers"),
+        (["--baseline", "torchtitan", "--expert-gather", "fp8"], 1, "argument --expert-gather: fp8 gathers"),
         (["--steps", "5", "--profile-step", "5"], 1, "argument --profile-step: 5 is not a step"),
     ],
 )

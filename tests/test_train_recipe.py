@@ -15,13 +15,13 @@ def train():
 
 def test_recipe_arguments(train, capsys):
     """--recipe picks MoEConfig.recipe; --no-quantize is recipe bf16; blockwise needs multiples of 128; the MXFP8
-    expert gather is the mxfp8 recipe's only."""
+    expert gather is the mxfp8 recipe's only; the default gather of an FP8 recipe is fp8 (in the layer's recipe)."""
     a = train.parse_args(["--preset", "tiny"])
-    assert (a.recipe, a.no_quantize, a.expert_gather) == ("mxfp8", False, "mxfp8")
+    assert (a.recipe, a.no_quantize, a.expert_gather) == ("mxfp8", False, "fp8")
     a = train.parse_args(["--preset", "tiny", "--no-quantize"])
     assert (a.recipe, a.no_quantize, a.expert_gather) == ("bf16", True, "plain")
     a = train.parse_args(["--preset", "tiny", "--recipe", "blockwise", "--dim", "128", "--ffn-hidden", "256"])
-    assert (a.recipe, a.no_quantize, a.expert_gather) == ("blockwise", False, "plain")
+    assert (a.recipe, a.no_quantize, a.expert_gather) == ("blockwise", False, "fp8")
     for bad, msg in (
         (["--recipe", "blockwise"], "multiples of 128"),
         (["--recipe", "mxfp8", "--no-quantize"], "--no-quantize is recipe bf16"),

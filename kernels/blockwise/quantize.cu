@@ -13,6 +13,9 @@
 //                           128-column tile, 128-wide K tile) pairs with a cp.async pipeline S deep.
 //   bw_quant_weight<IN>     w [G, N, K] (fp32 / bf16) -> data [G, N, K], data_t [G, K, N], scale [G, N/128, K/128]:
 //                           one CTA per 128x128 tile, grid (N/128 * K/128, G).
+//   bw_transpose_weight     data [G, N, K] e4m3 -> data_t [G, K, N]: the bytes transposed (no re-quantization; a
+//                           128x128 block is a block of the transpose), for a weight gathered as data + scale
+//                           (moe_ep/experts/fsdp_blockwise.py). One CTA per 128x128 tile, grid (N/128 * K/128, G).
 //   bw_swiglu<BWD, GROUPED, NT>  the SwiGLU forward h = silu(gate) * up [M, F] (BWD = 0) or backward
 //                           dA = swiglu_bwd(a, dh) [M, 2F] (BWD = 1) computed in registers and quantized 1x128
 //                           row-wise, and with GROUPED also 128x1 grouped column-wise (transposed, padded) in the
@@ -368,6 +371,68 @@ __global__ void __launch_bounds__(BW_NT) bw_quant_weight(const unsigned char* __
         for (int h = 0; h < R / 16; ++h) dst[h] = make_uint4(o[4 * h], o[4 * h + 1], o[4 * h + 2], o[4 * h + 3]);
     }
     if (tid == 0) s[(g * ntl + tn) * ktl + tk] = (unsigned char)sb;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 128x128 byte transpose (an already-quantized weight's dgrad copy)
+// ------------------------------------------------------------------------------------------------------------
+
+#define BW_TP_WORDS 33  // words per staged row: 128 bytes + 4, so word column u of rows r.. spreads over the banks
+
+// PRMT: byte i of the result is byte (s >> 4 i) & 7 of y:x (host path for the CPU emulator)
+MX_HD unsigned bw_prmt(unsigned x, unsigned y, unsigned s) {
+#if defined(__CUDA_ARCH__)
+    return __byte_perm(x, y, s);
+#else
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0u;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+    return r;
+#endif
+}
+
+// q: [G, N, K] bytes, qt: [G, K, N] bytes (N, K % 128 == 0). The tile lands in shared memory as 128 rows of 33 words
+// (16-byte global loads, coalesced; word stores conflict-free); thread (s = warp, u = lane) then reads word column u
+// of rows 16 s .. 16 s + 15 (bank (r + u) % 32: conflict-free), transposes each 4x4 byte block with PRMT, and writes
+// 16 bytes to each of the 4 rows 4 u .. 4 u + 3 of the transpose. 2 bytes moved per element.
+__global__ void __launch_bounds__(BW_NT) bw_transpose_weight(const unsigned char* __restrict__ q, int N, int K,
+                                                             unsigned char* __restrict__ qt) {
+    BW_CHECK_THREADS(BW_NT);
+    __shared__ unsigned tile[BW_BLOCK * BW_TP_WORDS];
+    const int tid = threadIdx.x;
+    const int ktl = K / BW_BLOCK;
+    const int tn = (int)(blockIdx.x / ktl), tk = (int)(blockIdx.x % ktl);
+    const long long g = blockIdx.y;
+    const unsigned char* src = q + (g * N + (long long)tn * BW_BLOCK) * K + (long long)tk * BW_BLOCK;
+#pragma unroll
+    for (int j = 0; j < BW_BLOCK * BW_BLOCK / 16 / BW_NT; ++j) {
+        const int m = j * BW_NT + tid, r = m >> 3, cc = m & 7;
+        const uint4 v = *reinterpret_cast<const uint4*>(src + (long long)r * K + 16 * cc);
+        unsigned* d = tile + r * BW_TP_WORDS + 4 * cc;
+        d[0] = v.x;
+        d[1] = v.y;
+        d[2] = v.z;
+        d[3] = v.w;
+    }
+    __syncthreads();
+    const int s = tid >> 5, u = tid & 31;
+    unsigned o[4][4];  // o[b][i4]: bytes 4 i4 .. 4 i4 + 3 of row 4 u + b of the transposed tile's segment s
+#pragma unroll
+    for (int i4 = 0; i4 < 4; ++i4) {
+        const int r = 16 * s + 4 * i4;
+        const unsigned w0 = tile[r * BW_TP_WORDS + u], w1 = tile[(r + 1) * BW_TP_WORDS + u];
+        const unsigned w2 = tile[(r + 2) * BW_TP_WORDS + u], w3 = tile[(r + 3) * BW_TP_WORDS + u];
+        const unsigned lo01 = bw_prmt(w0, w1, 0x5140u), lo23 = bw_prmt(w2, w3, 0x5140u);  // bytes 0, 1 of each
+        const unsigned hi01 = bw_prmt(w0, w1, 0x7362u), hi23 = bw_prmt(w2, w3, 0x7362u);  // bytes 2, 3 of each
+        o[0][i4] = bw_prmt(lo01, lo23, 0x5410u);
+        o[1][i4] = bw_prmt(lo01, lo23, 0x7632u);
+        o[2][i4] = bw_prmt(hi01, hi23, 0x5410u);
+        o[3][i4] = bw_prmt(hi01, hi23, 0x7632u);
+    }
+    unsigned char* dst = qt + (g * K + (long long)tk * BW_BLOCK + 4 * u) * N + (long long)tn * BW_BLOCK + 16 * s;
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+        *reinterpret_cast<uint4*>(dst + (long long)b * N) = make_uint4(o[b][0], o[b][1], o[b][2], o[b][3]);
 }
 
 #include "quant_blockwise_swiglu.cuh"

@@ -23,6 +23,8 @@ _CUDA_NAMES = (
     "quantize_colwise_grouped_into",
     "quantize_weight",
     "quantize_weight_into",
+    "transpose_weight",
+    "transpose_weight_into",
     "swiglu_quantize",
     "swiglu_quantize_into",
     "swiglu_bwd_quantize",

@@ -10,6 +10,8 @@ Entry points (``B = 128``):
   * :func:`quantize_colwise_grouped`: expert-sorted rows, bf16 or 1x128 bytes (requantized) -> 128x1 blocks per
     group, transposed and group padded (the wgrad operands).
   * :func:`quantize_weight`: w [G, N, K] -> 128x128 blocks, data and its byte transpose (fprop's and dgrad's B).
+  * :func:`transpose_weight`: data [G, N, K] e4m3 -> its byte transpose (dgrad's B of a weight gathered as data +
+    scales, no re-quantization).
   * :func:`swiglu_quantize` / :func:`swiglu_bwd_quantize`: the SwiGLU forward / backward fused with the
     quantizations the recipe reads of h / dA.
 
@@ -44,6 +46,7 @@ NAMES = (
     "bw_quant_colwise<3>",
     "bw_quant_weight<0>",
     "bw_quant_weight<1>",
+    "bw_transpose_weight",
     *(f"bw_swiglu<0,{g},{SWIGLU_CFG[False][0]},{SWIGLU_CFG[False][1]}>" for g in (0, 1)),
     f"bw_swiglu<1,1,{SWIGLU_CFG[True][0]},{SWIGLU_CFG[True][1]}>",
 )
@@ -279,6 +282,32 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scale = torch.empty((g, n // B, k // B), dtype=torch.uint8, device=w.device)
     quantize_weight_into(w, data, data_t, scale)
     return data, data_t, scale
+
+
+def transpose_weight_into(data: torch.Tensor, data_t: torch.Tensor) -> None:
+    """data: [G, N, K] float8_e4m3fn (N, K % 128 == 0; e.g. the gathered ``data`` of
+    :mod:`moe_ep.experts.fsdp_blockwise`) -> data_t: [G, K, N] float8_e4m3fn, its bytes transposed: the ``data_t``
+    :func:`quantize_weight` writes for the weight those bytes quantize, without re-quantizing (a 128x128 block is a
+    block of the transpose). One pass: each CTA moves one 128x128 tile through shared memory (grid (N/128 * K/128, G),
+    256 threads); 2 bytes moved per element."""
+    _check_in(data, "transpose_weight: data", 3, (torch.float8_e4m3fn,))
+    g, n, k = data.shape
+    _check_mult("transpose_weight", "N", n)
+    _check_mult("transpose_weight", "K", k)
+    _check_out(data_t, "data_t", (g, k, n), torch.float8_e4m3fn, data.device)
+    if data.numel() == 0:
+        return
+    p, i32 = _cuda.ptr, _cuda.i32
+    _launch("bw_transpose_weight", ((n // B) * (k // B), g), _NT, (p(data), i32(n), i32(k), p(data_t)), 0, data.device)
+
+
+def transpose_weight(data: torch.Tensor) -> torch.Tensor:
+    """data: [G, N, K] e4m3 -> data_t [G, K, N] e4m3 (:func:`transpose_weight_into`)."""
+    _check_in(data, "transpose_weight: data", 3, (torch.float8_e4m3fn,))
+    g, n, k = data.shape
+    data_t = torch.empty((g, k, n), dtype=torch.float8_e4m3fn, device=data.device)
+    transpose_weight_into(data, data_t)
+    return data_t
 
 
 # ------------------------------------------------------------------------------------------------------------

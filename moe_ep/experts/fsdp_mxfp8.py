@@ -111,29 +111,33 @@ class MXFP8ExpertShard(torch.Tensor):
                 return t
             if id(t) in wrappers:  # an in-place op or out= returned its (unwrapped) argument
                 return wrappers[id(t)]
-            return MXFP8ExpertShard(t) if keep else t
+            return cls(t) if keep else t  # (cls: a subclass's results stay of the subclass)
 
         return pytree.tree_map(wrap, out)
 
     def __tensor_flatten__(self):
         return ["_data"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return MXFP8ExpertShard(inner["_data"])
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(inner["_data"])
 
     # ------------------------------------------------------------------------------------- FSDP2's extension
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """-> ((this shard's packed MXFP8 bytes, u8 [packed_bytes(L/dp, N, K)]), metadata); quantized once per
         version of the shard. One buffer, not four: FSDP2 gathers a one-rank group's first input only."""
+        return (self._quantized_shard(quantize_packed),), (tuple(outer_size), mesh.size())
+
+    def _quantized_shard(self, quantize) -> torch.Tensor:
+        """``quantize(shard)`` (its packed bytes), computed once per version of the shard and kept until it changes."""
         d = self._data
         key = (d._version, d.data_ptr(), tuple(d.shape), d.dtype)
         if self._quantized is None or self._quantized[0] != key:
             with torch.no_grad():
-                packed = quantize_packed(d)
+                packed = quantize(d)
             self._quantized = (key, packed)
             self.quantizations += 1
-        return (self._quantized[1],), (tuple(outer_size), mesh.size())
+        return self._quantized[1]
 
     def fsdp_post_all_gather(
         self,

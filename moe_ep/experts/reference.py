@@ -24,6 +24,7 @@ import torch
 from .. import mxfp8
 from ..mxfp8.reference import fake_quantize_blocks_torch
 from ..recipe import MXFP8, Operand, Recipe
+from .fsdp_blockwise import BlockwiseExpertWeight
 from .fsdp_mxfp8 import MXFP8ExpertWeight
 
 
@@ -52,6 +53,12 @@ def quantize_operand(t: torch.Tensor, op: Operand | None, group_sizes: list[int]
                 "an MXFP8-gathered weight holds MXFP8 quantizations only; gather plain weights for this recipe"
             )
         return t.fake_quantize(-2 if transposed else -1)
+    if isinstance(t, BlockwiseExpertWeight):  # gathered in blockwise FP8 (experts.fsdp_blockwise): its stored bytes
+        if op.block != (128, 128):
+            raise TypeError(
+                "a blockwise-gathered weight holds 128x128 quantizations only; gather plain weights for this recipe"
+            )
+        return t.fake_quantize()  # a 128x128 block is also a block of the transpose: the same values
     if op.grouped:  # the reduction runs down the rows of each group: blocks of the group's transpose
         return fake_quantize_grouped_cols(t, group_sizes, True, op.block[1])
     # back to t's dtype, as mxfp8.fake_quantize: the value a bf16 tensor core is fed (exact down to 2**-133)

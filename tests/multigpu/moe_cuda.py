@@ -245,7 +245,8 @@ def make_layers(mesh=None, seed: int = 0, **kw) -> tuple[MoE, MoE, MoE]:
     mesh = mesh if mesh is not None else MESH
     fast = MoE(cfg, mesh, device=DEV, dtype=torch.bfloat16, seed=seed)
     ref = MoE(dataclasses.replace(cfg, backend="reference"), mesh, device=DEV, dtype=torch.bfloat16, seed=seed + 1)
-    base = MoE(dataclasses.replace(cfg, backend="reference", quantize=False), mesh, device=DEV, dtype=torch.bfloat16)
+    plain = dataclasses.replace(cfg, backend="reference", quantize=False, recipe="bf16")  # (any FP8 recipe's baseline)
+    base = MoE(plain, mesh, device=DEV, dtype=torch.bfloat16)
     with torch.no_grad():
         src = dict(fast.named_parameters())
         for layer in (ref, base):
@@ -484,21 +485,24 @@ def case_graph_weight_update() -> None:
     nvs.get_runtime(fast.ep_group).check_errors()
 
 
-def case_fsdp(reshard: bool, mx: bool = False) -> None:
+def case_fsdp(reshard: bool, mx: bool = False, recipe: str = "mxfp8") -> None:
     """The experts as an FSDP2 unit on the "dp" sub-mesh (ep = world / 2, dp = 2): the cuda layer gathers them
     through its FSDP forward method, and its gradients are reduce-scattered; two weight versions with an in-place
     update of the shards between them (FSDP2's gathered weights keep their version counter, so an operand cache
     keyed on it would go stale). Against the reference layer with the full weights and its expert gradients
-    averaged over "dp" (FSDP's default reduction). mx: the all-gather moves MXFP8 bytes (experts.fsdp_mxfp8),
-    quantized once per weight version from the bf16 master weights, which is what the reference quantizes."""
+    averaged over "dp" (FSDP's default reduction). mx: the all-gather moves FP8 bytes in the layer's ``recipe``
+    (experts.fsdp_mxfp8 / experts.fsdp_blockwise), quantized once per weight version from the bf16 master weights,
+    which is what the reference quantizes."""
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
+    from moe_ep.experts.fsdp_blockwise import use_blockwise_all_gather  # noqa: PLC0415
     from moe_ep.experts.fsdp_mxfp8 import use_mxfp8_all_gather  # noqa: PLC0415
 
     mesh = half_mesh()
-    fast, ref, base = make_layers(mesh, seed=9, num_experts=8, top_k=2)
+    fast, ref, base = make_layers(mesh, seed=9, num_experts=8, top_k=2, recipe=recipe)
     if mx:
-        use_mxfp8_all_gather(fast.experts, mesh["dp"].size())
+        gather = {"mxfp8": use_mxfp8_all_gather, "blockwise": use_blockwise_all_gather}[recipe]
+        gather(fast.experts, mesh["dp"].size())
     fully_shard(fast.experts, mesh=mesh["dp"], reshard_after_forward=reshard)
     dp = mesh.get_group("dp")
     x, g = tokens([48, 31, 64, 9], fast.cfg.hidden, seed=9)
@@ -518,8 +522,8 @@ def case_fsdp(reshard: bool, mx: bool = False) -> None:
         if not agree(mine is not None):
             return
         want = averaged(run_layer(ref, x, g, spec=True))
-        recipe = averaged(run_layer(base, x, g, spec=True))
-        compare(mine, want, recipe, True, f"fsdp reshard={reshard} v{version}")
+        recipe_err = averaged(run_layer(base, x, g, spec=True))
+        compare(mine, want, recipe_err, True, f"fsdp {recipe} reshard={reshard} mx={mx} v{version}")
         with torch.no_grad():
             for layer in (fast, ref, base):
                 for p in layer.experts.parameters():
@@ -527,7 +531,7 @@ def case_fsdp(reshard: bool, mx: bool = False) -> None:
     if mx:  # once per weight version, not again for the backward's re-gather
         counts = [p._local_tensor.quantizations for p in fast.experts.parameters()]
         if counts != [2, 2]:
-            fail(f"MXFP8 gather: the shards were quantized {counts} times over 2 weight versions")
+            fail(f"{recipe} gather: the shards were quantized {counts} times over 2 weight versions")
 
 
 def case_determinism(transport: str, quantize: bool, capacity, **kw) -> None:
@@ -712,6 +716,15 @@ def main() -> int:
         ("FSDP2 experts on dp (ep = world / 2), kept after forward", lambda: case_fsdp(False)),
         ("FSDP2 experts on dp, MXFP8 all-gather, reshard after forward", lambda: case_fsdp(True, mx=True)),
         ("FSDP2 experts on dp, MXFP8 all-gather, kept after forward", lambda: case_fsdp(False, mx=True)),
+        ("FSDP2 experts on dp, blockwise, bf16 all-gather", lambda: case_fsdp(True, recipe="blockwise")),
+        (
+            "FSDP2 experts on dp, blockwise all-gather, reshard after forward",
+            lambda: case_fsdp(True, mx=True, recipe="blockwise"),
+        ),
+        (
+            "FSDP2 experts on dp, blockwise all-gather, kept after forward",
+            lambda: case_fsdp(False, mx=True, recipe="blockwise"),
+        ),
         ("deterministic: nvshmem dropless", lambda: case_determinism("nvshmem", True, None)),
         ("deterministic: nccl dropless", lambda: case_determinism("nccl", True, None)),
         ("deterministic: nvshmem capacity bf16", lambda: case_determinism("nvshmem", False, 0.5)),

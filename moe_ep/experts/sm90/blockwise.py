@@ -15,8 +15,10 @@
             dW13 = wgrad(ac, xc)                              [E, 2F, H] in W's dtype
 
 Weights: one 128x128 quantization per weight version serves fprop (``data``) and dgrad (``data_t``, the same bytes
-transposed, with the scales' transposed view): 2 bytes + 2/16384 per element held. Saved for the backward: the
-payload (1 + 1/128 bytes per element) and ``a`` (bf16), as the MXFP8 recipe. Group sizes stay on the device.
+transposed, with the scales' transposed view): 2 bytes + 2/16384 per element held. Under FSDP2 with the blockwise
+all-gather (:mod:`moe_ep.experts.fsdp_blockwise`) ``prepare`` takes the gathered ``data`` / ``scale`` as they arrived
+and makes ``data_t`` (their transpose) for the backward only. Saved for the backward: the payload (1 + 1/128 bytes
+per element) and ``a`` (bf16), as the MXFP8 recipe. Group sizes stay on the device.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from ... import profiling
 from ...blockwise import cuda as bw
 from ...recipe import BLOCKWISE
+from ..fsdp_blockwise import BlockwiseExpertWeight
 from ..fsdp_mxfp8 import MXFP8ExpertWeight
 from . import blockwise_gemm as gemm
 
@@ -35,10 +38,11 @@ from . import blockwise_gemm as gemm
 @dataclass
 class BlockwiseWeight:
     """One expert weight w [G, N, K] in 128x128 blocks: data [G, N, K] e4m3 (fprop's B), data_t [G, K, N] e4m3 (the
-    same bytes transposed: dgrad's B), scale [G, N/128, K/128] u8 (dgrad reads ``scale.transpose(1, 2)``)."""
+    same bytes transposed: dgrad's B; None when prepared for fprop only from a gathered weight), scale [G, N/128,
+    K/128] u8 (dgrad reads ``scale.transpose(1, 2)``)."""
 
     data: torch.Tensor
-    data_t: torch.Tensor
+    data_t: torch.Tensor | None
     scale: torch.Tensor
 
 
@@ -127,9 +131,15 @@ class HopperBlockwise:
     recipe = BLOCKWISE
 
     def prepare(self, w, cache, fprop=True, dgrad=True) -> BlockwiseWeight:
+        """w [G, N, K] -> its :class:`BlockwiseWeight`. A weight FSDP2 gathered in blockwise FP8
+        (:class:`~moe_ep.experts.fsdp_blockwise.BlockwiseExpertWeight`): its gathered bytes, not re-quantized
+        (``data_t`` their transpose, made only with ``dgrad``, else None); a plain weight: quantized (both copies)."""
+        if isinstance(w, BlockwiseExpertWeight):
+            return BlockwiseWeight(*w.operands(dgrad=dgrad))
         if isinstance(w, MXFP8ExpertWeight):
             raise TypeError(
-                "a weight gathered in MXFP8 holds MXFP8 operands; the blockwise recipe quantizes plain weights"
+                "a weight gathered in MXFP8 holds MXFP8 operands, not the blockwise recipe's: shard a blockwise layer "
+                "with apply_fsdp(..., fp8_expert_gather=True), which gathers each layer in its own recipe"
             )
         return weight_operands(w, cache)
 

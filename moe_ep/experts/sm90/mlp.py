@@ -38,6 +38,7 @@ from ...mxfp8 import MXFP8Tensor
 from ...mxfp8 import cuda as mxfp8_cuda
 from ...mxfp8.format import from_blocked_grouped
 from ...recipe import MXFP8
+from ..fsdp_blockwise import BlockwiseExpertWeight
 from ..fsdp_mxfp8 import MXFP8ExpertWeight
 from ..weight_cache import WeightQuantCache
 from . import gemm as gemm_cuda
@@ -51,6 +52,8 @@ class _HopperMXFP8Gemms:
     def prepare(self, w, cache, fprop=True, dgrad=True) -> WeightOperands:
         if isinstance(w, MXFP8ExpertWeight):
             return w.operands(fprop, dgrad)
+        if isinstance(w, BlockwiseExpertWeight):
+            raise TypeError("a weight gathered in blockwise FP8 holds 128x128 operands, not the MXFP8 recipe's")
         return weight_operands(w, cache)
 
     def fprop(self, xq, xs, w, gs):
