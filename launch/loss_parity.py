@@ -36,10 +36,18 @@ def _cmd(variant: str, seed: int, log: Path, extra: list[str]) -> list[str]:
             "--no-progress", "--log-json", str(log), *extra]  # fmt: skip
 
 
-def run_all(jobs: list[tuple[str, list[str], Path]], parallel: int) -> dict[str, int]:
-    """Run (name, cmd, log file) jobs, ``parallel`` at a time; name -> exit status."""
+def run_all(jobs: list[tuple[str, list[str], Path]], parallel: int, timeout_s: float) -> dict[str, int]:
+    """Run (name, cmd, log file) jobs, ``parallel`` at a time; name -> exit status. Past ``timeout_s`` the running
+    jobs are killed (status -9) and the pending ones are not started (status None)."""
     pending, running, rc = list(jobs), [], {}
+    deadline = time.time() + timeout_s
     while pending or running:
+        if time.time() > deadline:
+            for name, p in running:
+                p.kill()
+                rc[name] = -9
+            rc.update({name: None for name, _, _ in pending})
+            break
         while pending and len(running) < parallel:
             name, cmd, out = pending.pop(0)
             running.append((name, subprocess.Popen(cmd, cwd=ROOT, stdout=out.open("w"), stderr=subprocess.STDOUT)))
@@ -55,9 +63,11 @@ def summarize(logs: dict[tuple[str, int], dict]) -> dict:
     """Per variant: seeds, held-out losses, mean and (population) std; parity of each variant against bf16."""
     variants: dict[str, dict] = {}
     for (v, seed), log in sorted(logs.items()):
-        e = variants.setdefault(v, {"seeds": [], "eval_loss": []})
+        e = variants.setdefault(v, {"seeds": [], "eval_loss": [], "eval_curves": [], "train_loss": []})
         e["seeds"].append(seed)
         e["eval_loss"].append(log["summary"]["eval_loss"])
+        e["eval_curves"].append([[p["step"], p["loss"]] for p in log["eval"]])  # [step, held-out loss] per eval
+        e["train_loss"].append(log["loss"])
     for e in variants.values():
         xs = e["eval_loss"]
         e["mean"] = sum(xs) / len(xs)
@@ -83,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--parallel", type=int, default=4)
     p.add_argument("--repeat", action="store_true", help="run seed 0 of every variant twice and compare bitwise")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for all runs (then summarize what finished)")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANT_ARGS]
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             log = out / f"{v}_seed{seeds[0]}_repeat.json"
             jobs.append((f"{v}_seed{seeds[0]}_repeat", _cmd(v, seeds[0], log, extra), out / f"{v}_repeat.txt"))
     t0 = time.time()
-    rc = run_all(jobs, args.parallel)
+    rc = run_all(jobs, args.parallel, args.timeout)
     logs = {}
     for v in variants:
         for s in seeds:

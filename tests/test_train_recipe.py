@@ -44,3 +44,25 @@ def test_blockwise_run_is_reproducible_with_held_out_loss(tmp_path):
     assert [e["step"] for e in a["eval"]] == [3, 6]
     assert a["loss"] == b["loss"] and a["eval"] == b["eval"]
     assert a["summary"]["finite"] and a["summary"]["eval_loss"] == a["eval"][-1]["loss"] < 5.3
+
+
+def test_loss_parity_rule_by_hand():
+    """launch/loss_parity.py's summary: per-variant mean / population std of the held-out losses; parity = within 1%
+    of bf16's mean and within the bf16 seeds' largest deviation from their mean (here 0.02)."""
+    parity = _script(TRAIN.parent / "loss_parity.py")
+
+    def log(v: float) -> dict:
+        return {"summary": {"eval_loss": v}, "eval": [{"step": 10, "loss": v}], "loss": [v]}
+
+    logs = {("bf16", 0): log(2.00), ("bf16", 1): log(2.04), ("mxfp8", 0): log(2.03), ("mxfp8", 1): log(2.05),
+            ("blockwise", 0): log(2.10), ("blockwise", 1): log(2.10)}  # fmt: skip
+    res = parity.summarize(logs)
+    bf, mx, bw = res["variants"]["bf16"], res["variants"]["mxfp8"], res["variants"]["blockwise"]
+    assert bf["mean"] == pytest.approx(2.02) and bf["std"] == pytest.approx(0.02)
+    assert mx["mean"] == pytest.approx(2.04) and mx["eval_curves"] == [[[10, 2.03]], [[10, 2.05]]]
+    assert res["parity"]["mxfp8"]["within_1pct"] and res["parity"]["mxfp8"]["within_bf16_spread"]  # 0.99%, 0.02
+    assert (
+        bw["std"] == 0.0
+        and not res["parity"]["blockwise"]["within_1pct"]
+        and not res["parity"]["blockwise"]["within_bf16_spread"]
+    )
