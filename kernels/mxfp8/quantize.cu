@@ -27,6 +27,7 @@
 #define IN_BF16 1
 #define IN_F16 2
 #define IN_SWIGLU 3   // bf16 a [M, 2K] = (gate | up); the quantized values are h = silu(gate) * up in fp32 ([M, K])
+                      // (with RS_GROUPED: CS_GPREP, or CS_NONE for the forward's row-only h)
 // 4: no longer used (the SwiGLU backward with an fp32 dh)
 #define IN_SWIGLU_BWD16 5  // bf16 a [M, K] = (gate | up) and bf16 dh [M, K/2] (x2, the dgrad GEMM's output);
                            // quantizes dA = swiglu_bwd(a, dh)
@@ -81,8 +82,10 @@
 template <int IN, int RS, int CS, int PREQ = -1> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     static_assert(PREQ == -1 || (PREQ == 4 && RS == RS_NONE), "pipe 4 on request: column-only modes");
-    static_assert(RS != RS_GROUPED || ((IN == IN_SWIGLU || IN == IN_SWIGLU_BWD16) && CS == CS_GPREP),
-                  "grouped dual: bf16 x runs mx_quant_dual; here only the SwiGLU inputs, prepared column output");
+    static_assert(RS != RS_GROUPED || ((IN == IN_SWIGLU || IN == IN_SWIGLU_BWD16) && CS == CS_GPREP) ||
+                      (IN == IN_SWIGLU && CS == CS_NONE),
+                  "grouped dual: bf16 x runs mx_quant_dual; here only the SwiGLU inputs, prepared column output (or "
+                  "the forward's row-only h)");
     static constexpr bool HALF = ES == 2 && CS == CS_NONE && RS == RS_PLAIN;  // pipe 5
     static constexpr bool CPA = ES == 2 && (HALF || PREQ == 4 || (RS == RS_BLOCKED && CS == CS_BLOCKED));  // 4, 5
     static constexpr int NT = HALF ? NTHREADS / 2 : NTHREADS;  // threads per CTA
@@ -121,7 +124,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr int CPG = PER / Cfg::GROUPS;  // chunks per cp.async group
     constexpr int PASSES = ROWS * CPR / (NT * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED;  // a 512-byte blocked row-scale tile in smem
-    static_assert(!RTILE || CS != CS_NONE, "row-only blocked scales are not compiled");
+    static_assert(!RTILE || CS != CS_NONE || RS == RS_GROUPED, "row-only blocked scales: grouped only");
     static_assert(!CPA || PASSES == 1, "a cp.async stage holds the tile in one pass");
 
     // The tile in shared memory: [TILE][WPR] words, XOR-swizzled; its own area when a column-wise output needs
@@ -270,7 +273,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             }
         }
     }
-    if (CS != CS_NONE) __syncthreads();
+    if (CS != CS_NONE || RTILE) __syncthreads();  // RTILE: the row-scale tile is stored by other threads below
 
     // ---------------- phase 2: column-wise 32x1 blocks from the staged tile ----------------
     if (CS != CS_NONE) {

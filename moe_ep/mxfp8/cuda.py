@@ -82,7 +82,7 @@ def quantize_grouped_dual_into(
     group_sizes: torch.Tensor,
     data: torch.Tensor,
     scale: torch.Tensor,
-    data_c: torch.Tensor,
+    data_c: torch.Tensor | None,
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
 ) -> None:
@@ -102,6 +102,8 @@ def quantize_grouped_dual_into(
         sum(group_sizes) and past the last group's block are not written. Why: the wgrad operands are transient in the
         backward pass, so writing 2 bytes here saves a preparation pass over an MXFP8 copy (read 1 + 1/32, write 2
         bytes per element, plus a launch).
+        None (with ``apply_swiglu`` only): row-wise h alone, the forward's GEMM2 operand; the kernel then computes
+        and writes no column-wise byte (the backward rebuilds h's column operand from ``a``).
     """
     if swiglu_dh is not None:
         if apply_swiglu:
@@ -131,7 +133,10 @@ def quantize_grouped_dual_into(
     g = group_sizes.numel()
     check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
     check_out(scale, "scale", (grouped_blocked_size(m, g, k // BLOCK, "m"),), torch.uint8, x.device)
-    check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
+    if data_c is None and not apply_swiglu:
+        raise ValueError("data_c=None (row-only) is compiled for the SwiGLU forward only (apply_swiglu=True)")
+    if data_c is not None:
+        check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
     if swiglu_dh is not None:
         in_code = qp.IN_SWIGLU_BWD16
     else:
@@ -141,7 +146,7 @@ def quantize_grouped_dual_into(
         m,
         k,
         qp.RS["grouped"],
-        qp.CS["grouped_prep"],
+        qp.CS["grouped_prep"] if data_c is not None else qp.CS["none"],
         rq=data,
         rs=scale,
         cq=data_c,
@@ -159,22 +164,25 @@ def quantize_grouped_dual(
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
     colwise: str = "bf16",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
     """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, None)``.
 
-    ``colwise`` must be "bf16" (the prepared column operand; the MXFP8 column-wise output was removed, no default
-    path used it); the trailing None stands for the column scales the prepared operand does not have. The
-    reference with the same signature is :func:`moe_ep.experts.reference.quantize_grouped_dual_torch`.
+    ``colwise``: "bf16" (the prepared column operand; the MXFP8 column-wise output was removed, no default path
+    used it), or "none" with ``apply_swiglu`` (row-wise h only: data_c is None; the forward's GEMM2 reads nothing
+    else). The trailing None stands for the column scales the prepared operand does not have. The reference with
+    the same signature is :func:`tests.refs.quantize_grouped_dual_torch`.
     """
-    if colwise != "bf16":
-        raise ValueError(f"colwise must be 'bf16' (the wgrad's prepared operand), got {colwise!r}")
+    if colwise not in ("bf16", "none"):
+        raise ValueError(f"colwise must be 'bf16' (the wgrad's prepared operand) or 'none', got {colwise!r}")
+    if colwise == "none" and not apply_swiglu:
+        raise ValueError("colwise='none' (row-only) is compiled for the SwiGLU forward only (apply_swiglu=True)")
     m = x.shape[0]
     k = x.shape[1] // 2 if apply_swiglu else x.shape[1]
     g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
     dev = x.device
     data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty(grouped_blocked_size(m, g, k // BLOCK, "m"), dtype=torch.uint8, device=dev)
-    data_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev)
+    data_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev) if colwise == "bf16" else None
     quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, apply_swiglu, swiglu_dh)
     return data, scale, data_c, None
 

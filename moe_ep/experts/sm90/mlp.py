@@ -5,7 +5,8 @@ The reference with the same math is :func:`moe_ep.experts.reference.expert_mlp` 
 fused dispatch writes them), keep group sizes on the GPU and never synchronize with the host:
 
   forward   a  = fprop(xq, W13)                                        [M, 2F] bf16
-            hq, hs = quantize_grouped_dual(a, apply_swiglu=True)       h = swiglu(a), quantized row-wise
+            hq, hs = quantize_grouped_dual(a, apply_swiglu=True,       h = swiglu(a), quantized row-wise only
+                                           colwise="none")
             out = fprop(hq, W2)                                        [M, H] bf16
   backward  dq, ds, dc = quantize_grouped_dual(dout)
             dh  = dgrad(dq, W2^T)                                      [M, F] bf16 (as the reference rounds it)
@@ -93,7 +94,8 @@ def expert_mlp_mx_fwd(
         return xq.new_zeros(0, xq.shape[1], dtype=torch.bfloat16), xq.new_zeros(0, f2, dtype=torch.bfloat16)
     a = GEMMS.fprop(xq, xs, w13o, group_sizes)
     profiling.mark("gemm1")
-    hq, hs, _, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True)
+    # row-wise h only: GEMM2 reads nothing else (the backward rebuilds h's column operand from a)
+    hq, hs, _, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True, colwise="none")
     profiling.mark("swiglu_quant")
     out = GEMMS.fprop(hq, hs, w2o, group_sizes)
     profiling.mark("gemm2")
