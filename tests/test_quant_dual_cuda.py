@@ -314,6 +314,53 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, monkeypatch):
             assert torch.equal(x, y), f"M = {m}, output {i}: {int((x != y).sum())} bytes differ"
 
 
+@pytest.mark.parametrize("stages", quant_plan.DUAL_STAGES)
+def test_colwise_from_rows_matches_two_pass(dev, stages, monkeypatch):
+    """colwise_from_rows (mx_quant_dual<6,5,S>, each depth; forced here): the column operand of MXFP8 rows in one
+    pass == the two-pass form it replaces in the backward (from_blocked_grouped + dequantize to bf16 +
+    quantize_grouped_dual(rows)[2]), every byte of sentinel-filled buffers: extreme blocks (NaN/Inf: scale 0xFF,
+    subnormal products, signed zeros), empty groups, a group of 1 row, K % 128 = 32, group sizes summing to M and to
+    less (rows past the groups, as in a capacity buffer: not read, nothing written past the last group's block)."""
+    from moe_ep.mxfp8 import MXFP8Tensor
+    from moe_ep.mxfp8.format import from_blocked_grouped
+
+    monkeypatch.setattr(quant_plan, "dual_stages", lambda tiles, device: stages)
+    if _big(dev):
+        sizes, k = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 1440
+    else:
+        sizes, k = [0, 200, 1, 127, 33, 0, 64], 288
+    n = sum(sizes)
+    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
+    names = record_launches(monkeypatch)
+    for m in (n, n + 23):
+        xq, xs, _, _ = mxfp8_cuda.quantize_grouped_dual(_extreme_dual_input(m, k, seed=51).to(dev), st)
+        rows = mxfp8_cuda.dequantize(MXFP8Tensor(xq, from_blocked_grouped(xs, st, m, k // 32), 1), torch.bfloat16)
+        shape = (colwise_prep_rows(m, len(sizes)), k)
+        want = torch.full(shape, 0x1234, dtype=torch.int16, device=dev)
+        mxfp8_cuda.quantize_grouped_dual_into(
+            rows, st, torch.empty_like(xq), torch.empty_like(xs), want.view(torch.bfloat16)
+        )
+        got = torch.full(shape, 0x1234, dtype=torch.int16, device=dev)
+        mxfp8_cuda.colwise_from_rows_into(xq, xs, st, got.view(torch.bfloat16))
+        assert names[-1] == f"mx_quant_dual<6,5,{stages}>", names
+        assert torch.isnan(got.view(torch.bfloat16)).any(), "the case is really there: NaN blocks"
+        assert torch.equal(got.cpu(), want.cpu()), f"M = {m}: {int((got != want).sum())} of {got.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_colwise_from_rows_bad_input():
+    xq = torch.zeros(64, 96, dtype=torch.float8_e4m3fn, device="cuda")
+    st = torch.tensor([64], dtype=torch.int32, device="cuda")
+    xs = torch.zeros(grouped_blocked_size(64, 1, 3, "m"), dtype=torch.uint8, device="cuda")
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        mxfp8_cuda.colwise_from_rows(xq.view(torch.uint8), xs, st)
+    with pytest.raises(ValueError, match="xs: expected shape"):
+        mxfp8_cuda.colwise_from_rows(xq, xs[:512], st)
+    with pytest.raises(ValueError, match="device"):
+        mxfp8_cuda.colwise_from_rows(xq, xs, st.cpu())
+
+
 def _rows_into_sentinel(a, sizes, m):
     """The SwiGLU forward's row-only mode (data_c=None) on a[:m] with sentinel-filled outputs; (data, scale) bytes."""
     dev, g, k = a.device, len(sizes), a.shape[1] // 2

@@ -154,8 +154,9 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     const int tc0 = 64 * (warp >> 2) + 8 * (lane & 7);
     const int F = BWD ? K / 2 : K;
     const int htiles = BWD ? ctiles / 2 : ctiles;  // column tiles of h
-    const int total = n_row_tiles * htiles;
     grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
+    // only the groups' tiles (as mx_quant_dual; the scale tiles past them: grouped_zero_tail, at the end)
+    const int total = min(n_row_tiles, g_tstart[G]) * htiles;
     MxdCursor cursor(g_tstart, g_rstart, g_bstart, G, M, htiles, (int)blockIdx.x, (int)gridDim.x);
 
     // The thread's 8 chunks of each stream; rows past the group or chunks past F are zero-filled (the source
@@ -329,4 +330,5 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         }
     };
     mxd_pipeline<S, SB>(total, cursor, stage0, issue, body);
+    grouped_zero_tail(rs, g_tstart[G], n_row_tiles, ctiles);  // ctiles: the output's column tiles (2F / 128 BWD)
 }

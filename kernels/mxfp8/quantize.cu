@@ -16,7 +16,8 @@
 //            (CS_GPREP: as the exact bf16 value of each quantized element, in the wgrad kernel's prepared layout).
 // Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
-// [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
+// [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group only get their zero scale
+// tile (a buffer sized for the worst case costs 1/32 byte per element of its unused rows, no tile pass).
 // Kernels (moe_ep/mxfp8/plan.py chooses): mx_quant (quantize(x, axis), and the SwiGLU grouped dual where
 // mx_swiglu_dual does not run), mx_quant_batch (the fused blocked mode over a batch of experts' weights), mx_quant_dual
 // (kernels/mxfp8/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual (kernels/mxfp8/quant_swiglu.cuh: SwiGLU
@@ -31,6 +32,9 @@
 // 4: no longer used (the SwiGLU backward with an fp32 dh)
 #define IN_SWIGLU_BWD16 5  // bf16 a [M, K] = (gate | up) and bf16 dh [M, K/2] (x2, the dgrad GEMM's output);
                            // quantizes dA = swiglu_bwd(a, dh)
+#define IN_MXROWS 6  // mx_quant_dual only: e4m3 x [M, K] row-wise with its per-group blocked scales (x2, the layout
+                     // RS_GROUPED writes), each element dequantized exactly to bf16 (mx_dequant's value) in
+                     // registers; column-wise output only (the backward's x operand from the saved rows)
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
@@ -210,6 +214,11 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
 
     int T = (int)blockIdx.x;
     if (T >= total) return;
+    // grouped: past the groups' tiles only the zero scale tile (a CTA-uniform exit)
+    if (RS == RS_GROUPED && (int)((unsigned)T / (unsigned)ctiles) >= g_tstart[G]) {
+        if (tid < 32) reinterpret_cast<uint4*>(rs + (long long)T * 512)[tid] = make_uint4(0u, 0u, 0u, 0u);
+        return;
+    }
     int rt, ct, nrows;
     long long row0, bs;
     coords(T, rt, ct, row0, nrows, bs);

@@ -10,6 +10,7 @@ Entry points:
   * :func:`quantize_grouped_dual`: both operands of a grouped GEMM input (row-wise MXFP8 with per-group blocked
     scales, and the per-group column-wise operand already prepared for the wgrad kernel as bf16), of x itself or of
     the SwiGLU forward / backward.
+  * :func:`colwise_from_rows`: that column operand of MXFP8 rows (e4m3 + per-group blocked scales), in one pass.
   * :func:`quantize_weights_fused`: both MXFP8 operands of 3-D expert weights ``w: [E, N, K]``.
 :mod:`moe_ep.mxfp8.plan` decides kernel, grid and shared memory.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import _cuda
+from . import checks
 from . import plan as qp
 from .checks import check_groups, check_input, check_out
 from .format import BLOCK, MXFP8Tensor, blocked_size, colwise_prep_rows, grouped_blocked_size
@@ -185,6 +187,52 @@ def quantize_grouped_dual(
     data_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev) if colwise == "bf16" else None
     quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, apply_swiglu, swiglu_dh)
     return data, scale, data_c, None
+
+
+def colwise_from_rows_into(xq: torch.Tensor, xs: torch.Tensor, group_sizes: torch.Tensor, data_c: torch.Tensor) -> None:
+    """The prepared column operand of MXFP8 rows, in one pass (no bf16 copy of the rows).
+
+    xq: [M, K] e4m3 row-wise data, xs: u8 [grouped_blocked_size(M, G, K//32, "m")] its per-group blocked scales
+    (what ``quantize_grouped_dual`` and the fused dispatch write), group_sizes: [G] int32 on their device.
+    data_c: bf16 [64 (ceil(M/64) + G), K], written as :func:`quantize_grouped_dual_into` writes its ``data_c`` for
+    the rows' exact bf16 values: the bytes of ``quantize_grouped_dual(dequantize(xq, plain scales) as bf16)[2]``,
+    each element dequantized in registers (e4m3 value times 2**(s - 127), rounded once to bf16; scale 0xFF: NaN).
+    Why: the backward's x column operand (the wgrad of W13) from the saved dispatch payload; the two-pass form
+    wrote and read back 2 bytes per element of a bf16 copy.
+    """
+    if not isinstance(xq, torch.Tensor) or xq.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"colwise_from_rows: xq must be float8_e4m3fn, got {getattr(xq, 'dtype', type(xq).__name__)}")
+    if xq.dim() != 2 or not xq.is_contiguous() or xq.shape[1] % BLOCK:
+        raise ValueError(f"colwise_from_rows: xq must be contiguous [M, K], K % {BLOCK} == 0, got {tuple(xq.shape)}")
+    m, k = xq.shape
+    dev = xq.device
+    group_sizes = check_groups(group_sizes, dev)
+    g = group_sizes.numel()
+    if not checks.on_gpu(xq) or xq.data_ptr() % 16:
+        raise ValueError(f"colwise_from_rows: xq must be a 16-byte aligned CUDA tensor, got {xq.device}")
+    check_out(xs, "xs", (grouped_blocked_size(m, g, k // BLOCK, "m"),), torch.uint8, dev)
+    check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, dev)
+    _launch_quant(
+        xq,
+        m,
+        k,
+        qp.RS["none"],
+        qp.CS["grouped_prep"],
+        cq=data_c,
+        gsizes=group_sizes,
+        n_groups=g,
+        n_row_tiles=qp.cdiv(m, qp.TILE) + g,
+        in_code=qp.IN_MXROWS,
+        x2=xs,
+    )
+
+
+def colwise_from_rows(xq: torch.Tensor, xs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Allocating form of :func:`colwise_from_rows_into` -> data_c bf16 [64 (ceil(M/64) + G), K]."""
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    data_c = torch.empty((colwise_prep_rows(xq.shape[0], g), xq.shape[1]), dtype=torch.bfloat16, device=xq.device)
+    colwise_from_rows_into(xq, xs, group_sizes, data_c)
+    return data_c
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ fused dispatch writes them), keep group sizes on the GPU and never synchronize w
             dW2 = wgrad(dc, hc)                                        [E, H, F]
             aq, as, ac = quantize_grouped_dual(a, swiglu_dh=dh)        dA = swiglu_bwd(a, dh), both operands
             dx  = dgrad(aq, W13^T)                                     [M, H] bf16
-            xc  = quantize_grouped_dual(dequantize(xq, xs))[2]         x column-wise, from the saved MXFP8 rows
+            xc  = colwise_from_rows(xq, xs)                            x column-wise, from the saved MXFP8 rows
             dW13 = wgrad(ac, xc)                                       [E, 2F, H]
 
 Saved for the backward: the MXFP8 rows ``xq`` / ``xs`` (1 byte + 1/32 per element: the dispatch payload itself) and
@@ -35,9 +35,7 @@ from typing import Any
 import torch
 
 from ... import profiling
-from ...mxfp8 import MXFP8Tensor
 from ...mxfp8 import cuda as mxfp8_cuda
-from ...mxfp8.format import from_blocked_grouped
 from ...recipe import MXFP8
 from ..fsdp_mxfp8 import MXFP8ExpertWeight
 from ..weight_cache import WeightQuantCache
@@ -150,15 +148,9 @@ def expert_mlp_mx_bwd(
         del dx
     else:
         del aq, as_
-    # x column-wise from the saved MXFP8 rows: the reference quantizes the (dequantized) received rows again
-    # along the other axis, so dequantizing the saved bytes gives exactly its input
-    xq, xs = saved.pop("xq"), saved.pop("xs")
-    plain = from_blocked_grouped(xs, group_sizes, m, hdim // 32)
-    del xs
-    x_rows = mxfp8_cuda.dequantize(MXFP8Tensor(xq, plain, 1), torch.bfloat16)
-    del xq, plain
-    xc = mxfp8_cuda.quantize_grouped_dual(x_rows, group_sizes)[2]
-    del x_rows
+    # x column-wise from the saved MXFP8 rows in one pass: the reference quantizes the (dequantized) received rows
+    # again along the other axis, and the kernel dequantizes the saved bytes exactly in registers
+    xc = mxfp8_cuda.colwise_from_rows(saved.pop("xq"), saved.pop("xs"), group_sizes)
     profiling.mark("x_colwise")
     dw13 = GEMMS.wgrad(ac, xc, group_sizes, _wgrad_out(w13), m)
     profiling.mark("wgrad1")
