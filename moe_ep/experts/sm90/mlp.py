@@ -52,11 +52,19 @@ class _HopperMXFP8Gemms:
             return w.operands(fprop, dgrad)
         return weight_operands(w, cache)
 
+    # fprop / dgrad leave the output rows past sum(gs) unwritten (a given ``out``: no zero fill): nothing reads them
+    # (the quantizers and the transport's combine read the groups' rows only), and with a dropless buffer sized for
+    # the worst case the fill was a pass over every row the layer might have had, not over the ones it has.
     def fprop(self, xq, xs, w, gs):
-        return gemm_cuda.grouped_mm_fprop(xq, xs, w.w, w.w_scale, gs, w_prepared=w.w_prepared)
+        out = torch.empty(
+            xq.shape[0], gemm_cuda._out_cols(w.w, w.w_prepared, "w"), dtype=torch.bfloat16, device=xq.device
+        )
+        return gemm_cuda.grouped_mm_fprop(xq, xs, w.w, w.w_scale, gs, out=out, w_prepared=w.w_prepared)
 
     def dgrad(self, dq, ds, w, gs):
-        return gemm_cuda.grouped_mm_dgrad(dq, ds, w.wt, w.wt_scale, gs, wt_prepared=w.wt_prepared)
+        cols = gemm_cuda._out_cols(w.wt, w.wt_prepared, "wt")
+        out = torch.empty(dq.shape[0], cols, dtype=torch.bfloat16, device=dq.device)
+        return gemm_cuda.grouped_mm_dgrad(dq, ds, w.wt, w.wt_scale, gs, out=out, wt_prepared=w.wt_prepared)
 
     def wgrad(self, a_prep, b_prep, gs, out, m):
         return gemm_cuda.grouped_wgrad_prepared_out(a_prep, b_prep, gs, out, m)
@@ -86,7 +94,8 @@ def expert_mlp_mx_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """xq: e4m3 [M, H] expert-sorted rows, xs: u8 [grouped_blocked_size(M, E, H // 32, "m")] their per-group blocked
     scales, w13o / w2o: the weights' operands, group_sizes: int32 [E] (device) -> (out [M, H] bf16, a [M, 2F] bf16,
-    saved for :func:`expert_mlp_mx_bwd`). Rows past sum(group_sizes) of both are zero."""
+    saved for :func:`expert_mlp_mx_bwd`). Rows past sum(group_sizes) of both are not written (unspecified): no pass
+    over a dropless buffer's rows past the real ones."""
     if xq.shape[0] == 0:  # no rows here (a rank whose capacity is 0): nothing for the kernels to do
         f2 = w13o.w_prepared.shape[1]
         return xq.new_zeros(0, xq.shape[1], dtype=torch.bfloat16), xq.new_zeros(0, f2, dtype=torch.bfloat16)
