@@ -29,6 +29,7 @@ when one is given: computed once per weight version, shared by micro-batches and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -48,9 +49,24 @@ class _HopperMXFP8Gemms:
     (:mod:`.gemm`), the weights' operands prepared as exact bf16 (:mod:`.operands`)."""
 
     def prepare(self, w, cache, fprop=True, dgrad=True) -> WeightOperands:
+        """The weight's operands for the directions asked for. Without a cache the other direction's operand is
+        dropped at once: one launch writes both, but the forward never reads the dgrad operand nor the backward the
+        fprop one (2 bytes per weight element fewer held through each pass); a cache keeps both (shared by every
+        micro-batch's forward and backward of one weight version)."""
         if isinstance(w, MXFP8ExpertWeight):
             return w.operands(fprop, dgrad)
-        return weight_operands(w, cache)
+        ops = weight_operands(w, cache)
+        if cache is None and not (fprop and dgrad):
+            ops = dataclasses.replace(
+                ops,
+                w=ops.w if fprop else None,
+                w_scale=ops.w_scale if fprop else None,
+                w_prepared=ops.w_prepared if fprop else None,
+                wt=ops.wt if dgrad else None,
+                wt_scale=ops.wt_scale if dgrad else None,
+                wt_prepared=ops.wt_prepared if dgrad else None,
+            )
+        return ops
 
     # fprop / dgrad leave the output rows past sum(gs) unwritten (a given ``out``: no zero fill): nothing reads them
     # (the quantizers and the transport's combine read the groups' rows only), and with a dropless buffer sized for
