@@ -82,7 +82,8 @@ class MoEConfig:
                          "cuda" when x is on a GPU, CuPy and nvshmem4py import and torch.distributed is
                          initialized, else "reference".
     transport:           the cuda backend's all-to-all. "nvshmem": one node, NVLink stores from the kernels, no host
-                         sync when ``capacity_factor`` is set (CUDA-graph capturable). "nccl": torch.distributed
+                         sync when ``capacity_factor`` is set, at EP 1, or with ``dropless_sizing="worst_case"``
+                         (CUDA-graph capturable). "nccl": torch.distributed
                          all_to_all (works across nodes) with MXFP8 payloads and host-synced split sizes.
     init_std:            standard deviation of the normal initialization of the router and expert weights.
     """
@@ -93,7 +94,6 @@ class MoEConfig:
     top_k: int
     max_tokens_per_rank: int = 4096
     capacity_factor: float | None = None
-    dropless_sizing: str = "exact"
     renormalize: bool = True
     aux_loss_coef: float = 1e-2
     quantize: bool = True
@@ -110,6 +110,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     num_shared_experts: int = 0
     shared_ffn_hidden: int | None = None
+    dropless_sizing: str = "exact"  # last: positional construction of the older fields is unchanged
 
     def __post_init__(self) -> None:
         if self.norm_topk_prob is not None:  # the alias: sets renormalize, then steps aside (see the docstring)
