@@ -32,6 +32,16 @@ class MoEConfig:
                          source token) are dropped: they contribute zero to the output and get zero gradient.
                          ``MoE.num_dropped`` counts them. The order is expert-major, so the drops fall on the rank's
                          highest-numbered local experts that have slots, whichever expert is overloaded.
+    dropless_sizing:     how dropless mode (capacity_factor None) sizes a rank's expanded buffers on the nvshmem
+                         transport when ep_size > 1 (at ep_size 1 the row count is tokens * top_k, known on the host:
+                         exact, no host read, either way):
+                         "exact" (default): read the expanded row count N once per layer call after the layout
+                         (NOTE: host sync; not CUDA-graph capturable) and allocate N rows;
+                         "worst_case": no host read: ``ep_size * max_tokens_per_rank * min(top_k, local experts)``
+                         rows, the most a rank can receive (CUDA-graph capturable); group sizes stay on the device
+                         and the expert passes work on the real rows, but the memory is the worst case's (ep_size
+                         times a balanced load: at dsv3, 4096 tokens per rank, +2.7 GiB of held activations per
+                         layer at EP 4, +6.4 GiB at EP 8; docs/design-kernels.md, "Dropless sizing").
     renormalize:         renormalize the top-k gate weights to sum to 1 (w / (sum + 1e-20)).
     aux_loss_coef:       weight of the load-balancing loss (Switch/GShard style, E * sum_e f_e * P_e); 0 turns it off
                          (the router then does not compute it and returns a zero).
@@ -72,7 +82,8 @@ class MoEConfig:
                          "cuda" when x is on a GPU, CuPy and nvshmem4py import and torch.distributed is
                          initialized, else "reference".
     transport:           the cuda backend's all-to-all. "nvshmem": one node, NVLink stores from the kernels, no host
-                         sync when ``capacity_factor`` is set (CUDA-graph capturable). "nccl": torch.distributed
+                         sync when ``capacity_factor`` is set, at EP 1, or with ``dropless_sizing="worst_case"``
+                         (CUDA-graph capturable). "nccl": torch.distributed
                          all_to_all (works across nodes) with MXFP8 payloads and host-synced split sizes.
     init_std:            standard deviation of the normal initialization of the router and expert weights.
     """
@@ -99,6 +110,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     num_shared_experts: int = 0
     shared_ffn_hidden: int | None = None
+    dropless_sizing: str = "exact"  # last: positional construction of the older fields is unchanged
 
     def __post_init__(self) -> None:
         if self.norm_topk_prob is not None:  # the alias: sets renormalize, then steps aside (see the docstring)
@@ -115,6 +127,8 @@ class MoEConfig:
         c = self.capacity_factor
         if c is not None and (not _finite(c) or c <= 0):
             raise ValueError(f"MoEConfig.capacity_factor must be None (dropless) or a finite number > 0, got {c!r}")
+        if self.dropless_sizing not in ("exact", "worst_case"):
+            raise ValueError(f"MoEConfig.dropless_sizing must be 'exact' or 'worst_case', got {self.dropless_sizing!r}")
         for name in ("renormalize", "quantize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -189,6 +203,24 @@ class MoEConfig:
         from .recipe import get_recipe  # noqa: PLC0415
 
         return get_recipe(self.recipe)
+
+    def dropless_rows(self, num_tokens: int, ep_size: int) -> int | None:
+        """Expanded rows of a dropless rank's buffers, known on the host without reading the device count: at
+        ep_size 1 every slot is local, so exactly ``num_tokens * top_k`` (the layout's own N); with
+        ``dropless_sizing="worst_case"`` the most a rank can receive, ``ep_size * max_tokens_per_rank * min(top_k,
+        num_experts // ep_size)``; None when the count must be read (``"exact"`` at ep_size > 1; NOTE: host sync in
+        the transport) or when not dropless. At least 1 (an empty buffer has no device pointer to pass).
+
+        Example: 4096 tokens, top_k 8, 256 experts, max_tokens_per_rank 4096: ep_size 1 -> 32768; ep_size 8 with
+        "worst_case" -> 8 * 4096 * 8 = 262144 (32 local experts); with "exact" -> None.
+        """
+        if self.capacity_factor is not None:
+            return None
+        if ep_size == 1:
+            return max(num_tokens * self.top_k, 1)
+        if self.dropless_sizing == "worst_case":
+            return max(ep_size * self.max_tokens_per_rank * min(self.top_k, self.num_experts // ep_size), 1)
+        return None
 
     def capacity_rows(self, num_tokens: int) -> int | None:
         """Expanded rows one rank keeps for ``num_tokens`` tokens: ceil(capacity_factor * num_tokens * top_k), in exact

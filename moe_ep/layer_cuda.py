@@ -18,8 +18,9 @@ Recipe "bf16" is the bf16 path on the same transport (bf16 payloads, ``torch._gr
 ``transport="nccl"`` runs the reference transport (torch.distributed all_to_all, host-synced split sizes) around
 the same expert kernels: its quantized dispatch delivers the same bytes in the same layout. Capacity: with
 ``cfg.capacity_factor`` the expanded buffers have ``capacity_rows(T)`` rows and the layout drops the slots past them on
-the GPU (no host sync: the whole layer is CUDA-graph capturable); dropless reads the expanded row count once after the
-layout to size the buffers exactly (a host sync).
+the GPU (no host sync: the whole layer is CUDA-graph capturable); dropless at EP 1 sizes them exactly from the token
+count (no host sync), at EP > 1 by ``cfg.dropless_sizing``: "exact" reads the expanded row count once after the layout
+(a host sync), "worst_case" allocates the most a rank can receive (no host sync).
 """
 
 from __future__ import annotations

@@ -158,14 +158,12 @@ def build_emulator(workdir: Path):
             for i, r, c in quant_plan.ONE_COMBOS
         )
         + " ".join(
-            f"if (in == 1 && rs == 3 && cs == {c} && pp == -{st}) fn = &mx_quant_dual<1,{c},{st}>;"
-            for c in quant_plan.DUAL_CS
-            for st in quant_plan.DUAL_STAGES
+            f"if (in == {i} && rs == 3 && cs == {c} && pp == -{st}) fn = &mx_quant_dual<{i},{c},{st}>;"
+            for i, c, st in quant_plan.DUAL_KERNELS
         )
         + " ".join(
             f"if (in == {3 + 2 * b} && rs == 3 && cs == {c} && pp == -{10 + st}) fn = &mx_swiglu_dual<{b},{c},{st}>;"
-            for b, st in ((0, 2), (0, 3), (1, 2))
-            for c in quant_plan.DUAL_CS
+            for b, c, st in quant_plan.SWIGLU_KERNELS
         )
         + " ".join(f"if (in == {i} && rs == 2 && cs == 2 && pp == 100) fn = &mx_quant_batch<{i}>;" for i in range(3))
     )

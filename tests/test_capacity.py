@@ -49,6 +49,32 @@ def test_capacity_rows_exact(c, tokens, top_k, rows):
     assert cfg.capacity_rows(tokens) == rows
 
 
+@pytest.mark.parametrize(
+    "sizing,ep,tokens,top_k,experts,rows",
+    [
+        ("exact", 1, 4096, 8, 64, 32768),  # ep 1: every slot is local, N = tokens * top_k, no host read either way
+        ("worst_case", 1, 1000, 8, 64, 8000),
+        ("exact", 1, 0, 8, 64, 1),  # at least 1 row
+        ("exact", 4, 4096, 8, 256, None),  # ep > 1, exact: the transport reads N (host sync)
+        ("worst_case", 4, 100, 8, 256, 4 * 4096 * 8),  # ep * max_tokens_per_rank * min(top_k, local experts)
+        ("worst_case", 8, 4096, 8, 16, 8 * 4096 * 2),  # 2 local experts: a token sends at most 2 rows to a rank
+    ],
+)
+def test_dropless_rows(sizing, ep, tokens, top_k, experts, rows):
+    """The dropless buffers' rows known on the host (moe_ep.transport.nvshmem.buffer.layer_layout sizes by them)."""
+    cfg = MoEConfig(
+        hidden=H, ffn_hidden=F, num_experts=experts, top_k=top_k, max_tokens_per_rank=4096, dropless_sizing=sizing
+    )
+    assert cfg.dropless_rows(tokens, ep) == rows
+    cap = MoEConfig(hidden=H, ffn_hidden=F, num_experts=experts, top_k=top_k, capacity_factor=1.0)
+    assert cap.dropless_rows(tokens, ep) is None  # a capacity sizes the buffers itself
+
+
+def test_dropless_sizing_rejects_bad_value():
+    with pytest.raises(ValueError, match="dropless_sizing"):
+        MoEConfig(hidden=H, ffn_hidden=F, num_experts=8, top_k=2, dropless_sizing="auto")
+
+
 def test_expand_layout_rejects_bad_capacity():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="capacity"):

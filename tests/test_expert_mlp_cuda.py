@@ -146,3 +146,64 @@ def test_rejects_bad_inputs():
         expert_mlp_cuda(x, w13, w2, [4, 4])
     with pytest.raises(ValueError, match="CUDA"):
         expert_mlp_cuda(x, w13, w2, sz)
+
+
+@pytest.mark.gpu
+def test_rows_past_the_groups_cost_nothing_and_change_nothing():
+    """A buffer with rows past the groups (capacity mode, dropless worst-case sizing): HOPPER_MXFP8's forward and
+    backward on M = S + 300 rows (junk past S, as a worst-case buffer holds) give bitwise the results of M = S on the
+    groups' rows and weight gradients, with no host sync; the forward's h is row-only (colwise="none") and x's column
+    operand comes from the saved rows in one pass (colwise_from_rows)."""
+    _skip_without_gpu()
+    from moe_ep.experts.sm90.mlp import HOPPER_MXFP8
+
+    sizes, hdim, ffn = [500, 0, 300, 1, 0, 77], 256, 128
+    x, w13, w2, dout = _problem(sizes, hdim, ffn, seed=9)
+    s = sum(sizes)
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    res = []
+    for pad in (0, 300):
+        xp = torch.cat([x, torch.full((pad, hdim), float("nan"), device="cuda").bfloat16()])
+        dp = torch.cat([dout, torch.full((pad, hdim), 3e38, device="cuda").bfloat16()])
+        w13o, w2o = HOPPER_MXFP8.prepare(w13, None, dgrad=False), HOPPER_MXFP8.prepare(w2, None, dgrad=False)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            xq, xs = HOPPER_MXFP8.quantize_rows(xp, sz)
+            out, saved = HOPPER_MXFP8.mlp_fwd(xq, xs, w13o, w2o, sz)
+            saved["dout"] = dp
+            w13b, w2b = HOPPER_MXFP8.prepare(w13, None, fprop=False), HOPPER_MXFP8.prepare(w2, None, fprop=False)
+            dx, dw13, dw2 = HOPPER_MXFP8.mlp_bwd(saved, w13, w2, w13b, w2b, sz, lambda d: d)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        res.append((out[:s], dx[:s], dw13, dw2))
+    for name, a, b in zip(("out", "dx", "dw13", "dw2"), *res, strict=True):
+        assert torch.equal(a, b), f"{name}: rows past the groups changed the result"
+
+
+@pytest.mark.gpu
+def test_forward_writes_no_column_operand_of_h():
+    """expert_mlp_mx_fwd launches the row-only SwiGLU quantizer; the backward builds x's column operand in one pass."""
+    _skip_without_gpu()
+    from moe_ep.mxfp8 import cuda as mxfp8_cuda
+
+    sizes, hdim, ffn = [64, 0, 200], 128, 128
+    x, w13, w2, dout = _problem(sizes, hdim, ffn, seed=11)
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    names = []
+    launch = mxfp8_cuda._launch
+
+    def rec(name, *a, **k):
+        names.append(name)
+        return launch(name, *a, **k)
+
+    mxfp8_cuda._launch = rec
+    try:
+        xs = x.clone().requires_grad_(True)
+        expert_mlp_cuda(xs, w13, w2, sz).backward(dout)
+    finally:
+        mxfp8_cuda._launch = launch
+    assert any(n.startswith("mx_swiglu_dual<0,0,") for n in names), names  # forward: row-only h
+    assert any(n.startswith("mx_swiglu_dual<0,5,") for n in names), names  # backward: h's column operand
+    assert any(n.startswith("mx_quant_dual<6,5,") for n in names), names  # backward: x's, from the saved rows
+    assert not any(n.startswith("mx_dequant") for n in names), names  # no bf16 copy of x

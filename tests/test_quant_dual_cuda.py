@@ -314,6 +314,121 @@ def test_swiglu_reg_matches_mx_quant(dev, mode, monkeypatch):
             assert torch.equal(x, y), f"M = {m}, output {i}: {int((x != y).sum())} bytes differ"
 
 
+@pytest.mark.parametrize("stages", quant_plan.DUAL_STAGES)
+def test_colwise_from_rows_matches_two_pass(dev, stages, monkeypatch):
+    """colwise_from_rows (mx_quant_dual<6,5,S>, each depth; forced here): the column operand of MXFP8 rows in one
+    pass == the two-pass form it replaces in the backward (from_blocked_grouped + dequantize to bf16 +
+    quantize_grouped_dual(rows)[2]), every byte of sentinel-filled buffers: extreme blocks (NaN/Inf: scale 0xFF,
+    subnormal products, signed zeros), empty groups, a group of 1 row, K % 128 = 32, group sizes summing to M and to
+    less (rows past the groups, as in a capacity buffer: not read, nothing written past the last group's block)."""
+    from moe_ep.mxfp8 import MXFP8Tensor
+    from moe_ep.mxfp8.format import from_blocked_grouped
+
+    monkeypatch.setattr(quant_plan, "dual_stages", lambda tiles, device: stages)
+    if _big(dev):
+        sizes, k = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 1440
+    else:
+        sizes, k = [0, 200, 1, 127, 33, 0, 64], 288
+    n = sum(sizes)
+    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
+    names = record_launches(monkeypatch)
+    for m in (n, n + 23):
+        xq, xs, _, _ = mxfp8_cuda.quantize_grouped_dual(_extreme_dual_input(m, k, seed=51).to(dev), st)
+        rows = mxfp8_cuda.dequantize(MXFP8Tensor(xq, from_blocked_grouped(xs, st, m, k // 32), 1), torch.bfloat16)
+        shape = (colwise_prep_rows(m, len(sizes)), k)
+        want = torch.full(shape, 0x1234, dtype=torch.int16, device=dev)
+        mxfp8_cuda.quantize_grouped_dual_into(
+            rows, st, torch.empty_like(xq), torch.empty_like(xs), want.view(torch.bfloat16)
+        )
+        got = torch.full(shape, 0x1234, dtype=torch.int16, device=dev)
+        mxfp8_cuda.colwise_from_rows_into(xq, xs, st, got.view(torch.bfloat16))
+        assert names[-1] == f"mx_quant_dual<6,5,{stages}>", names
+        assert torch.isnan(got.view(torch.bfloat16)).any(), "the case is really there: NaN blocks"
+        assert torch.equal(got.cpu(), want.cpu()), f"M = {m}: {int((got != want).sum())} of {got.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_colwise_from_rows_bad_input():
+    xq = torch.zeros(64, 96, dtype=torch.float8_e4m3fn, device="cuda")
+    st = torch.tensor([64], dtype=torch.int32, device="cuda")
+    xs = torch.zeros(grouped_blocked_size(64, 1, 3, "m"), dtype=torch.uint8, device="cuda")
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        mxfp8_cuda.colwise_from_rows(xq.view(torch.uint8), xs, st)
+    with pytest.raises(ValueError, match="xs: expected shape"):
+        mxfp8_cuda.colwise_from_rows(xq, xs[:512], st)
+    with pytest.raises(ValueError, match="device"):
+        mxfp8_cuda.colwise_from_rows(xq, xs, st.cpu())
+
+
+def _rows_into_sentinel(a, sizes, m):
+    """The SwiGLU forward's row-only mode (data_c=None) on a[:m] with sentinel-filled outputs; (data, scale) bytes."""
+    dev, g, k = a.device, len(sizes), a.shape[1] // 2
+    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
+    data = torch.full((m, k), 0x55, dtype=torch.uint8, device=dev)
+    scale = torch.full((grouped_blocked_size(m, g, k // 32, "m"),), 0x33, dtype=torch.uint8, device=dev)
+    mxfp8_cuda.quantize_grouped_dual_into(
+        a[:m].contiguous(), st, data.view(torch.float8_e4m3fn), scale, None, apply_swiglu=True
+    )
+    return [t.cpu() for t in (data, scale)]
+
+
+@pytest.mark.parametrize("kernel", ["swiglu2", "swiglu3", "mx_quant"])
+def test_swiglu_rows_only_matches_dual(dev, kernel, monkeypatch):
+    """The forward's row-only mode (mx_swiglu_dual<0,0,S> at both depths, and mx_quant<3,3,0> where that does not fit;
+    forced here) writes exactly the row-wise bytes and scales of the dual mode (kernel against kernel: exact on the
+    emulator too), sentinels included: extreme blocks, empty groups, group sizes summing to M, to less (rows past
+    the groups untouched) and to more (clamped at M), a partial last column tile; and no column operand."""
+    if _big(dev):
+        sizes, f = [0, 5000, 1, 127, 129, 0, 3000, 4097, 64], 608
+    else:
+        sizes, f = [0, 200, 1, 127, 33, 0, 64], 160
+    n = sum(sizes)
+    a = _extreme_dual_input(n + 23, 2 * f, seed=41).to(dev)
+    if kernel == "swiglu2":
+        monkeypatch.setattr(quant_plan, "SWIGLU_STAGES", {False: 2, True: 2})
+    if kernel == "mx_quant":
+        monkeypatch.setattr(quant_plan, "swiglu_plan", lambda *args: None)
+    want_name = {"swiglu2": "mx_swiglu_dual<0,0,2>", "swiglu3": "mx_swiglu_dual<0,0,3>", "mx_quant": "mx_quant<3,3,0>"}
+    names = record_launches(monkeypatch)
+    for m in (n, n - 20, n + 23):
+        got = _rows_into_sentinel(a, sizes, m)
+        assert names[-1] == want_name[kernel], names
+        want = _dual_into_sentinel(a, sizes, m, swiglu=True)[:2]
+        for i, (x, y) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(x, y), f"M = {m}, output {i}: {int((x != y).sum())} bytes differ"
+
+
+def test_swiglu_rows_only_matches_reference(dev, monkeypatch):
+    """quantize_grouped_dual(a, apply_swiglu=True, colwise="none") -> (data, scale, None, None) == the reference's
+    row-wise pair (exact on the GPU; the emulator's host expf: 1 % allowance), extreme blocks, empty groups."""
+    from tests.refs import quantize_grouped_dual_torch
+
+    sizes, f = [3, 0, 70, 129, 0, 40], 224
+    st = torch.tensor(sizes, dtype=torch.int32)
+    a = _extreme_dual_input(sum(sizes), 2 * f, seed=43).to(dev)
+    names = record_launches(monkeypatch)
+    got = mxfp8_cuda.quantize_grouped_dual(a, st.to(dev), apply_swiglu=True, colwise="none")
+    assert names == ["mx_swiglu_dual<0,0,3>"] and got[2] is None and got[3] is None
+    want = quantize_grouped_dual_torch(a, st, apply_swiglu=True)
+    _frac_ok("data", got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8).cpu(), dev.type == "cuda")
+    _frac_ok("scale", got[1].cpu(), want[1].cpu(), dev.type == "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_swiglu_rows_only_bad_input():
+    """Row-only is compiled for the SwiGLU forward only: bf16 x and the backward are refused, with a clear error."""
+    x = torch.zeros(64, 128, dtype=torch.bfloat16, device="cuda")
+    st = torch.tensor([64], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="SwiGLU forward only"):
+        mxfp8_cuda.quantize_grouped_dual(x, st, colwise="none")
+    with pytest.raises(ValueError, match="SwiGLU forward only"):
+        mxfp8_cuda.quantize_grouped_dual(
+            x, st, swiglu_dh=torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda"), colwise="none"
+        )
+
+
 @pytest.mark.parametrize("bwd", [False, True], ids=["forward", "backward"])
 def test_swiglu_reg_matches_reference(dev, bwd, monkeypatch):
     """mx_swiglu_dual against torch's swiglu / swiglu_bwd on the same device then the reference quantizer: exact on
@@ -374,6 +489,27 @@ def test_swiglu_kernel_plan(monkeypatch):
     # backward with F % 128 != 0 (F = 96: dA's up half starts inside a tile of the blocked scales)
     a96 = torch.empty(1000, 192, dtype=torch.bfloat16)
     assert quant_plan.quant_plan(a96, 1000, 192, grouped, gprep, 4, 12, bwd16)[0] == "mx_quant<5,3,5>"
+    # the forward's row-only h: the same depth and shared memory (the column operand had no smem of its own), or
+    # mx_quant without its staged tile and multipliers (a row-only mode stages nothing)
+    none = quant_plan.CS["none"]
+    assert quant_plan.quant_plan(a, 32768, 2048, grouped, none, 32, 288, fwd) == (
+        "mx_swiglu_dual<0,0,3>",
+        132,
+        528 + 3 * 65536 + 1024,
+        288,
+        16,
+        256,
+    )
+    assert quant_plan.quant_plan(a, 32768, 2048, grouped, none, 6300, 6556, fwd) == (
+        "mx_quant<3,3,0>",
+        6556 * 16,
+        3584 + 16 * 6301,
+        6556,
+        16,
+        256,
+    )
+    with pytest.raises(ValueError, match="SwiGLU forward only"):
+        quant_plan.quant_plan(a, 32768, 4096, grouped, none, 32, 288, bwd16)
     # the grouped dual of other inputs (fp32 x) has no kernel
     with pytest.raises(ValueError, match="grouped dual takes"):
         quant_plan.quant_plan(a.float(), 32768, 4096, grouped, gprep, 32, 288, None)

@@ -78,3 +78,39 @@ def test_weight_operands_match_the_reference_and_are_cached():
     assert cache.misses == 2 and torch.equal(ops2.w_prepared, 2 * ops.w_prepared)
     with pytest.raises(ValueError, match="multiples of 32"):
         operands.weight_operands(torch.randn(2, 48, 96))
+
+
+def test_stale_value_released_before_recompute():
+    """A weight change drops the stale value before the new one is computed (no transient of both)."""
+    import weakref
+
+    w = torch.nn.Parameter(torch.randn(2, 32, 64))
+    cache = WeightQuantCache()
+    old = weakref.ref(cache.get(w, "fprop", lambda t: t.clone()))
+    with torch.no_grad():
+        w.add_(1.0)
+    seen = []
+
+    def fn(t):
+        gc.collect()
+        seen.append(old() is None)
+        return t.clone()
+
+    cache.get(w, "fprop", fn)
+    assert seen == [True], "the stale value was still alive while the new one was computed"
+
+
+def test_prepare_holds_only_the_direction_asked_for():
+    """The Hopper MXFP8 gemms' prepare without a cache keeps only the operand of the pass that reads it (fprop in
+    the forward, dgrad in the backward); with a cache, both (shared by every micro-batch)."""
+    from moe_ep.experts.sm90.mlp import GEMMS
+
+    w = torch.randn(2, 64, 96) * 0.1
+    fwd = GEMMS.prepare(w, None, dgrad=False)
+    assert fwd.w_prepared is not None and fwd.w is not None
+    assert fwd.wt_prepared is None and fwd.wt is None and fwd.wt_scale is None
+    bwd = GEMMS.prepare(w, None, fprop=False)
+    assert bwd.wt_prepared is not None and bwd.w_prepared is None and bwd.w is None
+    assert torch.equal(bwd.wt_prepared, operands.weight_operands(w).wt_prepared)
+    cached = GEMMS.prepare(w, WeightQuantCache(), dgrad=False)
+    assert cached.w_prepared is not None and cached.wt_prepared is not None

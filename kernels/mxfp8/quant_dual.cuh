@@ -171,13 +171,23 @@ __device__ __forceinline__ void mxd_pipeline(int total, Cursor& cursor, unsigned
     }
 }
 
+// IN = IN_BF16: x bf16 [M, K], both outputs. IN = IN_MXROWS: x e4m3 [M, K] and x2 its per-group blocked scales
+// (RS_GROUPED's layout, so tile (rt, ct) of the grid reads scale tile rt * ctiles + ct), column output only (rq, rs
+// not touched): the thread's 8 rows arrive as 8 e4m3 bytes each plus the 4-byte word of its 32-row block in each
+// row's 16-byte line of the scale tile, and become the bf16 words of mx_dequant<1, 0> (exact e4m3 value times
+// 2**(s - 127), rounded once; scale 0xFF: NaN), after which the column path is the bf16 one. Why: the backward's
+// x column operand from the saved MXFP8 rows in one pass, instead of dequantizing to a bf16 copy (write 2 bytes,
+// read them again) and quantizing that.
 template <int IN, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     mx_quant_dual(MX_QUANT_PARAMS) {
-    static_assert(IN == IN_BF16, "the register-tiled dual quantizer reads bf16");
+    static_assert(IN == IN_BF16 || IN == IN_MXROWS, "the register-tiled dual quantizer reads bf16 or MXFP8 rows");
     static_assert(CS == CS_GPREP, "per-group column blocks as the wgrad's prepared bf16 operand");
     static_assert(S >= 2 && S <= 4, "cp.async stages of 32 KB (moe_ep/mxfp8/plan.py dual_plan)");
-    (void)x2;
+    constexpr bool MXIN = IN == IN_MXROWS;
+    constexpr bool ROWS = !MXIN;  // row-wise output
+    // MXIN stage: [8][NTHREADS] x 8 data bytes, then [8][NTHREADS] x 4 scale bytes (24 KB of the 32 KB stage)
+    constexpr int MX_SOFF = 8 * NTHREADS * 8;
     MX_DYN_SMEM(smem);
     // S cp.async stages, two 512-byte row-scale tiles, then the group table (16 (G + 1) bytes). The stages come
     // first so that they start on 128 bytes: after the table (528 bytes at G = 32) each warp's 512-byte cp.async
@@ -192,8 +202,10 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     const int mb = warp & 3;                             // the warp's 32-row block in the tile
     const int tr0 = 32 * mb + 8 * (lane >> 3);           // first tile row of this thread
     const int tc0 = 64 * (warp >> 2) + 8 * (lane & 7);   // first tile column
-    const int total = n_row_tiles * ctiles;
     grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
+    // Only the groups' tiles: a buffer sized for the worst case (dropless without a host read of the row count)
+    // costs no tile pass over its rows past the groups (their scale tiles: grouped_zero_tail, at the end).
+    const int total = min(n_row_tiles, g_tstart[G]) * ctiles;
 
     MxdCursor cursor(g_tstart, g_rstart, g_bstart, G, M, ctiles, (int)blockIdx.x, (int)gridDim.x);
     // The thread's 8 chunks of tile c into a stage; rows past the group or chunks past K are zero-filled (no
@@ -201,12 +213,25 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
     auto issue = [&](unsigned char* stage, const MxdCoord& c) {
         const int col0 = c.ct * TILE;
         const int nr = col0 + tc0 < K ? c.nrows - tr0 : 0;  // chunks i < nr exist
-        const unsigned char* src = x + ((c.row0 + tr0) * K + col0 + tc0) * 2;
-        const long long rstride = 2LL * K;
+        if (MXIN) {
+            const unsigned char* src = x + (c.row0 + tr0) * K + col0 + tc0;
+            // the word of block mb in the 16-byte line of tile row (tr0 & 31) + i of scale tile (rt, ct)
+            const unsigned char* ssrc = x2 + ((long long)c.rt * ctiles + c.ct) * 512 + (tr0 & 31) * 16 + 4 * mb;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            cp_async16(stage + (i * NTHREADS + tid) * 16, i < nr ? src : x, i < nr);
-            src += rstride;
+            for (int i = 0; i < 8; ++i) {
+                cp_async_small<8>(stage + (i * NTHREADS + tid) * 8, i < nr ? src : x, i < nr);
+                cp_async_small<4>(stage + MX_SOFF + (i * NTHREADS + tid) * 4, i < nr ? ssrc : x2, i < nr);
+                src += K;
+                ssrc += 16;
+            }
+        } else {
+            const unsigned char* src = x + ((c.row0 + tr0) * K + col0 + tc0) * 2;
+            const long long rstride = 2LL * K;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                cp_async16(stage + (i * NTHREADS + tid) * 16, i < nr ? src : x, i < nr);
+                src += rstride;
+            }
         }
         cp_async_commit();
     };
@@ -222,16 +247,40 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
             mxd_idle_warp(cq, bs, K, col0 + tc0, cok, nrows, tr0, mb);
         } else {
             // ---- amax keys: rows (packed u16x2: rows 2j / 2j + 1) and word columns (columns 2c / 2c + 1) ----
+            // The thread's row i as 4 bf16x2 words: staged (bf16), or (MXIN) dequantized exactly as mx_dequant<1, 0>
+            // (bf16 out) from its 8 e4m3 bytes and scale byte, rows past the group zero-filled. MXIN computes it at
+            // each of its two uses (the keys, then the row) from the stage rather than keeping 8 rows live (a spill
+            // at 3 CTAs per SM).
             uint4 v[8];
+            if (!MXIN) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint4*>(cur + (i * NTHREADS + tid) * 16);
+                for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint4*>(cur + (i * NTHREADS + tid) * 16);
+            }
+            auto row_words = [&](int i) {
+                if (!MXIN) return v[i];
+                // volatile: read again at each use (not kept in registers by the compiler)
+                const volatile unsigned* dp = reinterpret_cast<const volatile unsigned*>(cur + (i * NTHREADS + tid) * 8);
+                const uint2 d = make_uint2(dp[0], dp[1]);
+                const unsigned sw = *reinterpret_cast<const volatile unsigned*>(cur + MX_SOFF + (i * NTHREADS + tid) * 4);
+                const unsigned sb = (sw >> (8 * (tc0 >> 5))) & 0xFFu;  // the thread's 32-column block of the tile
+                const float m = sb == MX_SCALE_NAN ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)sb - 127);
+                const unsigned dw[2] = {d.x, d.y};
+                unsigned b[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    float lo, hi;
+                    mx_e4m3x2_to_f32(dw[p >> 1] >> (16 * (p & 1)), lo, hi);
+                    b[p] = mx_pack16x2<1>(mx_mul(lo, m), mx_mul(hi, m));
+                }
+                return make_uint4(b[0], b[1], b[2], b[3]);
+            };
             unsigned rkey[4], ckey[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 unsigned m[2];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const uint4 a = v[2 * j + h];
+                    const uint4 a = row_words(2 * j + h);
                     const unsigned w0 = a.x & 0x7FFF7FFFu, w1 = a.y & 0x7FFF7FFFu, w2 = a.z & 0x7FFF7FFFu,
                                    w3 = a.w & 0x7FFF7FFFu;
                     ckey[0] = __vmaxu2(ckey[0], w0);
@@ -244,8 +293,10 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 1));
-                rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 2));
+                if (ROWS) {
+                    rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 1));
+                    rkey[j] = __vmaxu2(rkey[j], __shfl_xor_sync(0xFFFFFFFFu, rkey[j], 2));
+                }
                 ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 8));
                 ckey[j] = __vmaxu2(ckey[j], __shfl_xor_sync(0xFFFFFFFFu, ckey[j], 16));
             }
@@ -277,15 +328,17 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
                 const unsigned t = mx_bf16_block_t(k);
                 const float s = __uint_as_float((262u - t) << 23);
                 rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : t - 8u) : 0u) << (8 * (i & 3));
-                const unsigned vw[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+                const uint4 vi = row_words(i);
+                const unsigned vw[4] = {vi.x, vi.y, vi.z, vi.w};
                 float f[8];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) f[e] = word_elem<IN_BF16>(vw[e >> 1], e & 1);
                 unsigned o[2];
-                const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);
-                mxd_store_row(prq, cq, q, o, ok, cok, r, nrows, wrows, bs, K, col0 + tc0, cdeq, cnan);
+                const uint2 q = mxd_quant_row(f, s, bad, cmul, cnan, o);  // (!ROWS: q is dead code)
+                mxd_store_row(prq, cq, q, o, ROWS && ok, cok, r, nrows, wrows, bs, K, col0 + tc0, cdeq, cnan);
             }
         }
+        if (!ROWS) return;  // no row-scale tile: no barrier either (each thread reads only its own copies)
 
         unsigned char* st = stile0 + par * 512;
         mxd_row_scales_to_smem(st, rsb, tr0, mb, warp, lane);
@@ -295,4 +348,5 @@ __global__ void __launch_bounds__(NTHREADS, S == 2 ? 3 : (S == 3 ? 2 : 1))
                 reinterpret_cast<const uint4*>(st)[tid];
     };
     mxd_pipeline<S, MXD_STAGE_BYTES>(total, cursor, stage0, issue, body);
+    if (ROWS) grouped_zero_tail(rs, g_tstart[G], n_row_tiles, ctiles);
 }

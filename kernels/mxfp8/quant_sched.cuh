@@ -70,6 +70,18 @@ __device__ __forceinline__ void grouped_table(const int* __restrict__ gsizes, in
     __syncthreads();
 }
 
+// The row-scale tiles of row tiles first_rt .. n_row_tiles - 1 (past the groups' tiles: the loops over tiles stop
+// at the groups' last one) written as zeros, 8 tiles per CTA step (one warp each, 16-byte stores), grid-strided.
+// Why: the grouped blocked layout's contract is zero tiles past the groups, and a buffer sized for the worst case
+// (dropless without a host read) then costs 1/32 byte per element of its unused rows here, not a tile pass.
+__device__ __forceinline__ void grouped_zero_tail(unsigned char* __restrict__ rs, int first_rt, int n_row_tiles,
+                                                  int ctiles) {
+    const long long t1 = (long long)n_row_tiles * ctiles;
+    for (long long t = (long long)max(first_rt, 0) * ctiles + blockIdx.x * (NTHREADS / 32) + (threadIdx.x >> 5);
+         t < t1; t += (long long)gridDim.x * (NTHREADS / 32))
+        reinterpret_cast<uint4*>(rs + t * 512)[threadIdx.x & 31] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // Output tile T of group g (the largest g with tstart[g] <= T; g = G: past the last group): its first row, rows
 // and first 64-row block, as grouped_lookup below returns them.
 __device__ __forceinline__ void grouped_tile(const int* tstart, const long long* rstart, const int* bstart, int G,
@@ -105,6 +117,21 @@ __device__ __forceinline__ void grouped_lookup(const int* tstart, const long lon
 // (cp.async.wait_group orders a thread's own copies). mx_quant's modes with a column output read other threads'
 // slots in phase 2 and rely on quantize.cu's __syncthreads after phase 1.
 #define MX_STAGE_BYTES (TILE * TILE * 2)
+
+// cp.async of N = 4 or 8 bytes (zero-filled when !ok; .ca: the sizes below 16 have no .cg form): mx_quant_dual's
+// MXFP8-row input, whose thread chunks are 8 e4m3 bytes and 4-byte words of the scale tile.
+template <int N> __device__ __forceinline__ void cp_async_small(unsigned char* smem_dst, const unsigned char* src,
+                                                                bool ok) {
+    static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__)
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N), "r"(ok ? N : 0)
+                 : "memory");
+#else
+    if (ok) memcpy(smem_dst, src, N);
+    else memset(smem_dst, 0, N);
+#endif
+}
 
 // cp_async_wait<n> for n in 0..7 known only after unrolling (a per-chunk wait inside an unrolled loop).
 __device__ __forceinline__ void cp_async_wait_n(int n) {

@@ -122,14 +122,19 @@ __device__ __forceinline__ void swd_reduce_keys(unsigned (&rkey)[8], unsigned (&
     }
 }
 
-// BWD = 0: x = a [M, 2F] bf16 (gate | up), output h [M, F] (K = F, ctiles = ceil(F / 128)).
+// BWD = 0: x = a [M, 2F] bf16 (gate | up), output h [M, F] (K = F, ctiles = ceil(F / 128)). CS = CS_NONE (forward
+// only): row-wise h alone, cq not read: what the forward's GEMM2 reads (the backward rebuilds h's column operand
+// from a, so a column operand written here was 2 bytes per element for nobody). Without column blocks a row needs
+// no other row, so h is computed, reduced and stored row by row (8 values live instead of 64: no spill).
 // BWD = 1: x = a [M, 2F] bf16, x2 = dh [M, F] bf16, output dA [M, 2F] (K = 2F, ctiles = 2F / 128, F % 128 == 0).
 // Grid: persistent over n_row_tiles x ceil(F / 128) tiles of h; 256 threads, 1 CTA per SM. Shared memory: S stages
 // of NS x 32 KB, 2 x (1 + BWD) row-scale tiles of 512 bytes, then the group table 16 (G + 1).
 template <int BWD, int CS, int S>
 __global__ void __launch_bounds__(NTHREADS, 1)
     mx_swiglu_dual(MX_QUANT_PARAMS) {
-    static_assert(CS == CS_GPREP, "per-group column blocks as the wgrad's prepared bf16 operand");
+    static_assert(CS == CS_GPREP || (CS == CS_NONE && !BWD),
+                  "per-group column blocks as the wgrad's prepared bf16 operand, or (forward) row-wise only");
+    constexpr bool COL = CS != CS_NONE;
     static_assert(S >= 2 && S <= 3, "cp.async stages of 64 KB (forward) / 96 KB (backward)");
     static_assert(!BWD || S == 2, "3 backward stages (288 KB) do not fit one SM");
     constexpr int NS = BWD ? 3 : 2;             // input streams: gate, up (, dh)
@@ -149,8 +154,9 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     const int tc0 = 64 * (warp >> 2) + 8 * (lane & 7);
     const int F = BWD ? K / 2 : K;
     const int htiles = BWD ? ctiles / 2 : ctiles;  // column tiles of h
-    const int total = n_row_tiles * htiles;
     grouped_table(gsizes, G, g_tstart, g_rstart, g_bstart);
+    // only the groups' tiles (as mx_quant_dual; the scale tiles past them: grouped_zero_tail, at the end)
+    const int total = min(n_row_tiles, g_tstart[G]) * htiles;
     MxdCursor cursor(g_tstart, g_rstart, g_bstart, G, M, htiles, (int)blockIdx.x, (int)gridDim.x);
 
     // The thread's 8 chunks of each stream; rows past the group or chunks past F are zero-filled (the source
@@ -189,7 +195,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         };
         if (32 * mb >= tc.nrows) {  // no row of the warp's 32-row block is in the tile (mxd_idle_warp)
             const unsigned zero[2] = {0u, 0u};
-            mxd_idle_warp(cq, tc.bs, K, col0 + tc0, cok, tc.nrows, tr0, mb);
+            if (COL) mxd_idle_warp(cq, tc.bs, K, col0 + tc0, cok, tc.nrows, tr0, mb);
             mxd_row_scales_to_smem(st, zero, tr0, mb, warp, lane);
             if (BWD) {
                 mxd_idle_warp(cq, tc.bs, K, F + col0 + tc0, cok, tc.nrows, tr0, mb);
@@ -206,7 +212,38 @@ __global__ void __launch_bounds__(NTHREADS, 1)
                 dom.add(v.w);
             }
             const bool fast = dom.ok(!BWD);
-            if (!BWD) {
+            if (!COL) {  // row-only h (the thread's 8 values of a row; its 1x32 block over lanes ^1/^2)
+                unsigned char* prq = rq + (tc.row0 + tr0) * K + col0 + tc0;
+                unsigned rsb[2] = {0u, 0u};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float f[8];
+                    if (fast) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) f[e] = swd_swiglu(in(0, i, e), in(1, i, e));
+                    } else {  // rare (some |g| > 69 or in (0, 2**-100), NaN/Inf): the IEEE division for the thread
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) f[e] = mx_swiglu(in(0, i, e), in(1, i, e));
+                    }
+                    unsigned key = 0u;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) key = max(key, __float_as_uint(f[e]) & 0x7FFFFFFFu);
+                    key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
+                    key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 2));
+                    const bool ok = i < nr;
+                    const bool bad = key >= Key<IN_F32>::BAD;
+                    const int ex = mx_block_exp(__uint_as_float(key));
+                    const float sc = mx_exp2i(-ex);
+                    rsb[i >> 2] |= (ok ? (bad ? MX_SCALE_NAN : (unsigned)(ex + 127)) : 0u) << (8 * (i & 3));
+                    uint2 q = make_uint2(
+                        mx_cvt4_e4m3(mx_mul(f[0], sc), mx_mul(f[1], sc), mx_mul(f[2], sc), mx_mul(f[3], sc)),
+                        mx_cvt4_e4m3(mx_mul(f[4], sc), mx_mul(f[5], sc), mx_mul(f[6], sc), mx_mul(f[7], sc)));
+                    if (bad) q = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+                    if (ok) *reinterpret_cast<uint2*>(prq) = q;
+                    prq += K;
+                }
+                mxd_row_scales_to_smem(st, rsb, tr0, mb, warp, lane);
+            } else if (!BWD) {
                 float h[8][8];
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
@@ -293,4 +330,5 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         }
     };
     mxd_pipeline<S, SB>(total, cursor, stage0, issue, body);
+    grouped_zero_tail(rs, g_tstart[G], n_row_tiles, ctiles);  // ctiles: the output's column tiles (2F / 128 BWD)
 }

@@ -16,7 +16,8 @@
 //            (CS_GPREP: as the exact bf16 value of each quantized element, in the wgrad kernel's prepared layout).
 // Blocked scale tiles are written whole (zero padding included) with 16-byte stores, so no memset is needed.
 // Grouped row layouts map CTAs to OUTPUT scale tiles: tile T of group g covers the group's rows
-// [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group are written as zeros.
+// [128*(T - off_g), ...), groups start on fresh tiles, and tiles past the last group only get their zero scale
+// tile (a buffer sized for the worst case costs 1/32 byte per element of its unused rows, no tile pass).
 // Kernels (moe_ep/mxfp8/plan.py chooses): mx_quant (quantize(x, axis), and the SwiGLU grouped dual where
 // mx_swiglu_dual does not run), mx_quant_batch (the fused blocked mode over a batch of experts' weights), mx_quant_dual
 // (kernels/mxfp8/quant_dual.cuh: bf16 grouped dual, register-tiled), mx_swiglu_dual (kernels/mxfp8/quant_swiglu.cuh: SwiGLU
@@ -27,9 +28,13 @@
 #define IN_BF16 1
 #define IN_F16 2
 #define IN_SWIGLU 3   // bf16 a [M, 2K] = (gate | up); the quantized values are h = silu(gate) * up in fp32 ([M, K])
+                      // (with RS_GROUPED: CS_GPREP, or CS_NONE for the forward's row-only h)
 // 4: no longer used (the SwiGLU backward with an fp32 dh)
 #define IN_SWIGLU_BWD16 5  // bf16 a [M, K] = (gate | up) and bf16 dh [M, K/2] (x2, the dgrad GEMM's output);
                            // quantizes dA = swiglu_bwd(a, dh)
+#define IN_MXROWS 6  // mx_quant_dual only: e4m3 x [M, K] row-wise with its per-group blocked scales (x2, the layout
+                     // RS_GROUPED writes), each element dequantized exactly to bf16 (mx_dequant's value) in
+                     // registers; column-wise output only (the backward's x operand from the saved rows)
 
 #define RS_NONE 0     // no row-wise output
 #define RS_PLAIN 1    // scale [M, K/32]
@@ -81,8 +86,10 @@
 template <int IN, int RS, int CS, int PREQ = -1> struct QuantCfg {
     static constexpr int ES = mx_w32<IN>() ? 4 : 2;
     static_assert(PREQ == -1 || (PREQ == 4 && RS == RS_NONE), "pipe 4 on request: column-only modes");
-    static_assert(RS != RS_GROUPED || ((IN == IN_SWIGLU || IN == IN_SWIGLU_BWD16) && CS == CS_GPREP),
-                  "grouped dual: bf16 x runs mx_quant_dual; here only the SwiGLU inputs, prepared column output");
+    static_assert(RS != RS_GROUPED || ((IN == IN_SWIGLU || IN == IN_SWIGLU_BWD16) && CS == CS_GPREP) ||
+                      (IN == IN_SWIGLU && CS == CS_NONE),
+                  "grouped dual: bf16 x runs mx_quant_dual; here only the SwiGLU inputs, prepared column output (or "
+                  "the forward's row-only h)");
     static constexpr bool HALF = ES == 2 && CS == CS_NONE && RS == RS_PLAIN;  // pipe 5
     static constexpr bool CPA = ES == 2 && (HALF || PREQ == 4 || (RS == RS_BLOCKED && CS == CS_BLOCKED));  // 4, 5
     static constexpr int NT = HALF ? NTHREADS / 2 : NTHREADS;  // threads per CTA
@@ -121,7 +128,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
     constexpr int CPG = PER / Cfg::GROUPS;  // chunks per cp.async group
     constexpr int PASSES = ROWS * CPR / (NT * PER);
     constexpr bool RTILE = RS == RS_BLOCKED || RS == RS_GROUPED;  // a 512-byte blocked row-scale tile in smem
-    static_assert(!RTILE || CS != CS_NONE, "row-only blocked scales are not compiled");
+    static_assert(!RTILE || CS != CS_NONE || RS == RS_GROUPED, "row-only blocked scales: grouped only");
     static_assert(!CPA || PASSES == 1, "a cp.async stage holds the tile in one pass");
 
     // The tile in shared memory: [TILE][WPR] words, XOR-swizzled; its own area when a column-wise output needs
@@ -207,6 +214,11 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
 
     int T = (int)blockIdx.x;
     if (T >= total) return;
+    // grouped: past the groups' tiles only the zero scale tile (a CTA-uniform exit)
+    if (RS == RS_GROUPED && (int)((unsigned)T / (unsigned)ctiles) >= g_tstart[G]) {
+        if (tid < 32) reinterpret_cast<uint4*>(rs + (long long)T * 512)[tid] = make_uint4(0u, 0u, 0u, 0u);
+        return;
+    }
     int rt, ct, nrows;
     long long row0, bs;
     coords(T, rt, ct, row0, nrows, bs);
@@ -270,7 +282,7 @@ __device__ __forceinline__ void mx_quant_body(MX_QUANT_PARAMS) {
             }
         }
     }
-    if (CS != CS_NONE) __syncthreads();
+    if (CS != CS_NONE || RTILE) __syncthreads();  // RTILE: the row-scale tile is stored by other threads below
 
     // ---------------- phase 2: column-wise 32x1 blocks from the staged tile ----------------
     if (CS != CS_NONE) {

@@ -10,6 +10,7 @@ Entry points:
   * :func:`quantize_grouped_dual`: both operands of a grouped GEMM input (row-wise MXFP8 with per-group blocked
     scales, and the per-group column-wise operand already prepared for the wgrad kernel as bf16), of x itself or of
     the SwiGLU forward / backward.
+  * :func:`colwise_from_rows`: that column operand of MXFP8 rows (e4m3 + per-group blocked scales), in one pass.
   * :func:`quantize_weights_fused`: both MXFP8 operands of 3-D expert weights ``w: [E, N, K]``.
 :mod:`moe_ep.mxfp8.plan` decides kernel, grid and shared memory.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import _cuda
+from . import checks
 from . import plan as qp
 from .checks import check_groups, check_input, check_out
 from .format import BLOCK, MXFP8Tensor, blocked_size, colwise_prep_rows, grouped_blocked_size
@@ -82,7 +84,7 @@ def quantize_grouped_dual_into(
     group_sizes: torch.Tensor,
     data: torch.Tensor,
     scale: torch.Tensor,
-    data_c: torch.Tensor,
+    data_c: torch.Tensor | None,
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
 ) -> None:
@@ -102,6 +104,8 @@ def quantize_grouped_dual_into(
         sum(group_sizes) and past the last group's block are not written. Why: the wgrad operands are transient in the
         backward pass, so writing 2 bytes here saves a preparation pass over an MXFP8 copy (read 1 + 1/32, write 2
         bytes per element, plus a launch).
+        None (with ``apply_swiglu`` only): row-wise h alone, the forward's GEMM2 operand; the kernel then computes
+        and writes no column-wise byte (the backward rebuilds h's column operand from ``a``).
     """
     if swiglu_dh is not None:
         if apply_swiglu:
@@ -131,7 +135,10 @@ def quantize_grouped_dual_into(
     g = group_sizes.numel()
     check_out(data, "data", (m, k), torch.float8_e4m3fn, x.device)
     check_out(scale, "scale", (grouped_blocked_size(m, g, k // BLOCK, "m"),), torch.uint8, x.device)
-    check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
+    if data_c is None and not apply_swiglu:
+        raise ValueError("data_c=None (row-only) is compiled for the SwiGLU forward only (apply_swiglu=True)")
+    if data_c is not None:
+        check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, x.device)
     if swiglu_dh is not None:
         in_code = qp.IN_SWIGLU_BWD16
     else:
@@ -141,7 +148,7 @@ def quantize_grouped_dual_into(
         m,
         k,
         qp.RS["grouped"],
-        qp.CS["grouped_prep"],
+        qp.CS["grouped_prep"] if data_c is not None else qp.CS["none"],
         rq=data,
         rs=scale,
         cq=data_c,
@@ -159,24 +166,73 @@ def quantize_grouped_dual(
     apply_swiglu: bool = False,
     swiglu_dh: torch.Tensor | None = None,
     colwise: str = "bf16",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
     """Allocating form of :func:`quantize_grouped_dual_into` -> ``(data, scale, data_c, None)``.
 
-    ``colwise`` must be "bf16" (the prepared column operand; the MXFP8 column-wise output was removed, no default
-    path used it); the trailing None stands for the column scales the prepared operand does not have. The
-    reference with the same signature is :func:`moe_ep.experts.reference.quantize_grouped_dual_torch`.
+    ``colwise``: "bf16" (the prepared column operand; the MXFP8 column-wise output was removed, no default path
+    used it), or "none" with ``apply_swiglu`` (row-wise h only: data_c is None; the forward's GEMM2 reads nothing
+    else). The trailing None stands for the column scales the prepared operand does not have. The reference with
+    the same signature is :func:`tests.refs.quantize_grouped_dual_torch`.
     """
-    if colwise != "bf16":
-        raise ValueError(f"colwise must be 'bf16' (the wgrad's prepared operand), got {colwise!r}")
+    if colwise not in ("bf16", "none"):
+        raise ValueError(f"colwise must be 'bf16' (the wgrad's prepared operand) or 'none', got {colwise!r}")
+    if colwise == "none" and not apply_swiglu:
+        raise ValueError("colwise='none' (row-only) is compiled for the SwiGLU forward only (apply_swiglu=True)")
     m = x.shape[0]
     k = x.shape[1] // 2 if apply_swiglu else x.shape[1]
     g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
     dev = x.device
     data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty(grouped_blocked_size(m, g, k // BLOCK, "m"), dtype=torch.uint8, device=dev)
-    data_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev)
+    data_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=dev) if colwise == "bf16" else None
     quantize_grouped_dual_into(x, group_sizes, data, scale, data_c, apply_swiglu, swiglu_dh)
     return data, scale, data_c, None
+
+
+def colwise_from_rows_into(xq: torch.Tensor, xs: torch.Tensor, group_sizes: torch.Tensor, data_c: torch.Tensor) -> None:
+    """The prepared column operand of MXFP8 rows, in one pass (no bf16 copy of the rows).
+
+    xq: [M, K] e4m3 row-wise data, xs: u8 [grouped_blocked_size(M, G, K//32, "m")] its per-group blocked scales
+    (what ``quantize_grouped_dual`` and the fused dispatch write), group_sizes: [G] int32 on their device.
+    data_c: bf16 [64 (ceil(M/64) + G), K], written as :func:`quantize_grouped_dual_into` writes its ``data_c`` for
+    the rows' exact bf16 values: the bytes of ``quantize_grouped_dual(dequantize(xq, plain scales) as bf16)[2]``,
+    each element dequantized in registers (e4m3 value times 2**(s - 127), rounded once to bf16; scale 0xFF: NaN).
+    Why: the backward's x column operand (the wgrad of W13) from the saved dispatch payload; the two-pass form
+    wrote and read back 2 bytes per element of a bf16 copy.
+    """
+    if not isinstance(xq, torch.Tensor) or xq.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"colwise_from_rows: xq must be float8_e4m3fn, got {getattr(xq, 'dtype', type(xq).__name__)}")
+    if xq.dim() != 2 or not xq.is_contiguous() or xq.shape[1] % BLOCK:
+        raise ValueError(f"colwise_from_rows: xq must be contiguous [M, K], K % {BLOCK} == 0, got {tuple(xq.shape)}")
+    m, k = xq.shape
+    dev = xq.device
+    group_sizes = check_groups(group_sizes, dev)
+    g = group_sizes.numel()
+    if not checks.on_gpu(xq) or xq.data_ptr() % 16:
+        raise ValueError(f"colwise_from_rows: xq must be a 16-byte aligned CUDA tensor, got {xq.device}")
+    check_out(xs, "xs", (grouped_blocked_size(m, g, k // BLOCK, "m"),), torch.uint8, dev)
+    check_out(data_c, "data_c", (colwise_prep_rows(m, g), k), torch.bfloat16, dev)
+    _launch_quant(
+        xq,
+        m,
+        k,
+        qp.RS["none"],
+        qp.CS["grouped_prep"],
+        cq=data_c,
+        gsizes=group_sizes,
+        n_groups=g,
+        n_row_tiles=qp.cdiv(m, qp.TILE) + g,
+        in_code=qp.IN_MXROWS,
+        x2=xs,
+    )
+
+
+def colwise_from_rows(xq: torch.Tensor, xs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Allocating form of :func:`colwise_from_rows_into` -> data_c bf16 [64 (ceil(M/64) + G), K]."""
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    data_c = torch.empty((colwise_prep_rows(xq.shape[0], g), xq.shape[1]), dtype=torch.bfloat16, device=xq.device)
+    colwise_from_rows_into(xq, xs, group_sizes, data_c)
+    return data_c
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 RS = {"none": 0, "plain": 1, "blocked": 2, "grouped": 3}
 CS = {"none": 0, "blocked": 2, "nt": 3, "grouped_prep": 5}
 IN_SWIGLU, IN_SWIGLU_BWD16 = 3, 5  # SwiGLU forward (bf16 a), backward (bf16 a and bf16 dh)
+IN_MXROWS = 6  # mx_quant_dual: e4m3 rows + their per-group blocked scales, column output only
 
 QUANT_COMBOS = (
     [(i, RS["plain"], 0) for i in range(3)]  # quantize(x, -1): row-wise, plain scales
@@ -27,6 +28,7 @@ QUANT_COMBOS = (
     # grouped row-wise + the wgrad's prepared column operand of the SwiGLU inputs where mx_swiglu_dual does not run:
     # the forward (IN 3) where it does not fit next to the group table, the backward (IN 5) also for F % 128 != 0
     + [(i, RS["grouped"], CS["grouped_prep"]) for i in (IN_SWIGLU, IN_SWIGLU_BWD16)]
+    + [(IN_SWIGLU, RS["grouped"], CS["none"])]  # the forward's row-only h, where mx_swiglu_dual does not fit
 )
 # column-only modes of 16-bit inputs, also compiled with pipe 4 (one tile per CTA on the cp.async path; chosen at
 # launch for inputs of many tiles: requested_pipe)
@@ -35,13 +37,21 @@ ONE_COMBOS = [(i, 0, CS["nt"]) for i in (1, 2)]
 # columns
 DUAL_CS = (CS["grouped_prep"],)
 DUAL_STAGES = (2, 3, 4)  # cp.async stages of 32 KB (dual_plan); CTAs per SM: 3, 2, 1
+# mx_quant_dual<in, cs, stages>: bf16 x (both outputs), and the saved MXFP8 rows (the backward's x column operand)
+DUAL_KERNELS = tuple((i, c, st) for i in (IN[torch.bfloat16], IN_MXROWS) for c in DUAL_CS for st in DUAL_STAGES)
 SWIGLU_STAGES = {False: 3, True: 2}  # mx_swiglu_dual's depth (forward, backward) before it must fit (swiglu_plan)
+# mx_swiglu_dual<bwd, cs, stages> the product launches: the forward's row-only h (expert_mlp_mx_fwd: GEMM2 reads only
+# the rows), the forward with the prepared column operand (the backward's recomputed h for dW2), the backward's dA;
+# depths 2 and 3 for the forward (2 where 3 do not fit next to the group table)
+SWIGLU_KERNELS = tuple((0, c, st) for c in (CS["none"], CS["grouped_prep"]) for st in (2, 3)) + (
+    (1, CS["grouped_prep"], 2),
+)
 NAMES = (
     tuple(f"mx_quant<{i},{r},{c}>" for i, r, c in QUANT_COMBOS)
     + tuple(f"mx_quant<{i},{r},{c},4>" for i, r, c in ONE_COMBOS)
     + tuple(f"mx_dequant<{o},{c}>" for o in range(3) for c in range(2))
-    + tuple(f"mx_quant_dual<1,{c},{st}>" for c in DUAL_CS for st in DUAL_STAGES)
-    + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, st in ((0, 2), (0, 3), (1, 2)) for c in DUAL_CS)
+    + tuple(f"mx_quant_dual<{i},{c},{st}>" for i, c, st in DUAL_KERNELS)
+    + tuple(f"mx_swiglu_dual<{b},{c},{st}>" for b, c, st in SWIGLU_KERNELS)
     + tuple(f"mx_quant_batch<{i}>" for i in range(2))  # the fused blocked mode over fp32 / bf16 weight batches
 )
 
@@ -171,7 +181,8 @@ def quant_plan(
     """(kernel name, grid, shared memory, row tiles, column tiles, threads per CTA) of a quantization launch
     (mx_quant, mx_quant_dual or mx_swiglu_dual); None: nothing to do. Pipe 5's row tiles are 64 rows.
     x: [M, K] (or SwiGLU's [M, 2K], in_code=3); k is the quantized width. Grouped modes: rs_mode RS["grouped"]
-    with cs_mode CS["grouped_prep"], for bf16 x (in_code None) and the SwiGLU codes."""
+    with cs_mode CS["grouped_prep"], for bf16 x (in_code None) and the SwiGLU codes, or with CS["none"] for the
+    SwiGLU forward (row-only h); in_code IN_MXROWS (x e4m3, grouped tile order, column output only)."""
     ctiles = cdiv(k, TILE)
     if n_row_tiles is None:
         n_row_tiles = cdiv(m, TILE)
@@ -179,15 +190,17 @@ def quant_plan(
     if tiles == 0:
         return None
     in_code = IN[x.dtype] if in_code is None else in_code
-    grouped = rs_mode == RS["grouped"]
-    if grouped and in_code == IN[torch.bfloat16]:
+    grouped = rs_mode == RS["grouped"] or in_code == IN_MXROWS  # IN_MXROWS: grouped tiles, no row output
+    if grouped and cs_mode == CS["none"] and in_code != IN_SWIGLU:
+        raise ValueError("grouped row-only quantization is compiled for the SwiGLU forward only")
+    if grouped and in_code in (IN[torch.bfloat16], IN_MXROWS):
         plan = dual_plan(tiles, n_groups, x.device)
         if plan is None:
             raise ValueError(
                 f"quantize_grouped_dual: {n_groups} groups: the group table leaves no room in shared memory"
             )
         st, grid, smem = plan
-        return f"mx_quant_dual<1,{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles, THREADS
+        return f"mx_quant_dual<{in_code},{cs_mode},{st}>", grid, smem, n_row_tiles, ctiles, THREADS
     if grouped and in_code not in (IN_SWIGLU, IN_SWIGLU_BWD16):
         raise ValueError(f"the grouped dual takes bf16 x or the SwiGLU inputs, got input code {in_code}")
     if grouped:

@@ -12,7 +12,8 @@ Cases: the layer (router included) cuda vs reference for both transports, quanti
 "ep") mesh with ep = world / 2; awkward routing given by hand through ``moe_ep.layer.routed_experts`` (zero-token
 experts, every token on one expert, unequal counts, a rank or every rank with no tokens, H = 160 / 224 with F = 96,
 top_k 1 and 8, int32 ids); drop mode (``capacity_factor``) with ``num_dropped`` exact; no host sync under
-``torch.cuda.set_sync_debug_mode("error")`` with a capacity; a CUDA graph of forward + backward replayed on new
+``torch.cuda.set_sync_debug_mode("error")`` with a capacity and with worst-case dropless sizing (== exact sizing
+bitwise); a CUDA graph of forward + backward replayed on new
 inputs equals eager bitwise, also after an in-place weight update and with shared experts (their side-stream fork /
 join inside the capture) and DeepSeek-V3 routing (sigmoid, groups, expert bias); the layer with shared experts and
 that routing cuda vs reference; the experts as an FSDP2 unit on "dp" (ep = world / 2), gathered plain and in MXFP8,
@@ -400,6 +401,24 @@ def case_sync_free(quantize: bool) -> None:
     nvs.get_runtime(fast.ep_group).check_errors()
 
 
+def case_dropless_worst_case(quantize: bool) -> None:
+    """Dropless with ``dropless_sizing="worst_case"``, nvshmem: forward + backward with no host sync (after a
+    warm-up), bitwise the results of the same layer sized exactly (``"exact"``: the layout's row count read on the
+    host), on tokens whose expanded rows are far below the worst case (rows past them are never read)."""
+    fast, _, _ = make_layers(None, seed=6, quantize=quantize, dropless_sizing="worst_case")
+    exact, _, _ = make_layers(None, seed=6, quantize=quantize)
+    x, g = tokens([40, 17, 33, 8], fast.cfg.hidden, seed=6)
+    run_layer(fast, x, g)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mine = run_layer(fast, x, g)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    same_results(mine, run_layer(exact, x, g), "dropless worst-case sizing vs exact sizing")
+    nvs.get_runtime(fast.ep_group).check_errors()
+
+
 def case_graph(quantize: bool, **kw) -> None:
     """capacity_factor set, nvshmem: forward + backward captured once, replayed on new inputs copied into the static
     input; every replay equals the eager run on the same input bitwise, with eager calls between replays.
@@ -695,6 +714,8 @@ def main() -> int:
         ),
         ("no host sync with a capacity (sync debug mode error), mxfp8", lambda: case_sync_free(True)),
         ("no host sync with a capacity (sync debug mode error), bf16", lambda: case_sync_free(False)),
+        ("dropless worst-case sizing: no host sync, == exact sizing, mxfp8", lambda: case_dropless_worst_case(True)),
+        ("dropless worst-case sizing: no host sync, == exact sizing, bf16", lambda: case_dropless_worst_case(False)),
         ("CUDA graph of forward + backward: replays = eager, mxfp8", lambda: case_graph(True)),
         ("CUDA graph of forward + backward: replays = eager, bf16", lambda: case_graph(False)),
         ("CUDA graph replay after an in-place weight update = eager, mxfp8", case_graph_weight_update),

@@ -5,7 +5,8 @@ The reference with the same math is :func:`moe_ep.experts.reference.expert_mlp` 
 fused dispatch writes them), keep group sizes on the GPU and never synchronize with the host:
 
   forward   a  = fprop(xq, W13)                                        [M, 2F] bf16
-            hq, hs = quantize_grouped_dual(a, apply_swiglu=True)       h = swiglu(a), quantized row-wise
+            hq, hs = quantize_grouped_dual(a, apply_swiglu=True,       h = swiglu(a), quantized row-wise only
+                                           colwise="none")
             out = fprop(hq, W2)                                        [M, H] bf16
   backward  dq, ds, dc = quantize_grouped_dual(dout)
             dh  = dgrad(dq, W2^T)                                      [M, F] bf16 (as the reference rounds it)
@@ -13,7 +14,7 @@ fused dispatch writes them), keep group sizes on the GPU and never synchronize w
             dW2 = wgrad(dc, hc)                                        [E, H, F]
             aq, as, ac = quantize_grouped_dual(a, swiglu_dh=dh)        dA = swiglu_bwd(a, dh), both operands
             dx  = dgrad(aq, W13^T)                                     [M, H] bf16
-            xc  = quantize_grouped_dual(dequantize(xq, xs))[2]         x column-wise, from the saved MXFP8 rows
+            xc  = colwise_from_rows(xq, xs)                            x column-wise, from the saved MXFP8 rows
             dW13 = wgrad(ac, xc)                                       [E, 2F, H]
 
 Saved for the backward: the MXFP8 rows ``xq`` / ``xs`` (1 byte + 1/32 per element: the dispatch payload itself) and
@@ -28,15 +29,14 @@ when one is given: computed once per weight version, shared by micro-batches and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ... import profiling
-from ...mxfp8 import MXFP8Tensor
 from ...mxfp8 import cuda as mxfp8_cuda
-from ...mxfp8.format import from_blocked_grouped
 from ...recipe import MXFP8
 from ..fsdp_blockwise import BlockwiseExpertWeight
 from ..fsdp_mxfp8 import MXFP8ExpertWeight
@@ -50,17 +50,40 @@ class _HopperMXFP8Gemms:
     (:mod:`.gemm`), the weights' operands prepared as exact bf16 (:mod:`.operands`)."""
 
     def prepare(self, w, cache, fprop=True, dgrad=True) -> WeightOperands:
+        """The weight's operands for the directions asked for. Without a cache the other direction's operand is
+        dropped at once: one launch writes both, but the forward never reads the dgrad operand nor the backward the
+        fprop one (2 bytes per weight element fewer held through each pass); a cache keeps both (shared by every
+        micro-batch's forward and backward of one weight version)."""
         if isinstance(w, MXFP8ExpertWeight):
             return w.operands(fprop, dgrad)
         if isinstance(w, BlockwiseExpertWeight):
             raise TypeError("a weight gathered in blockwise FP8 holds 128x128 operands, not the MXFP8 recipe's")
-        return weight_operands(w, cache)
+        ops = weight_operands(w, cache)
+        if cache is None and not (fprop and dgrad):
+            ops = dataclasses.replace(
+                ops,
+                w=ops.w if fprop else None,
+                w_scale=ops.w_scale if fprop else None,
+                w_prepared=ops.w_prepared if fprop else None,
+                wt=ops.wt if dgrad else None,
+                wt_scale=ops.wt_scale if dgrad else None,
+                wt_prepared=ops.wt_prepared if dgrad else None,
+            )
+        return ops
 
+    # fprop / dgrad leave the output rows past sum(gs) unwritten (a given ``out``: no zero fill): nothing reads them
+    # (the quantizers and the transport's combine read the groups' rows only), and with a dropless buffer sized for
+    # the worst case the fill was a pass over every row the layer might have had, not over the ones it has.
     def fprop(self, xq, xs, w, gs):
-        return gemm_cuda.grouped_mm_fprop(xq, xs, w.w, w.w_scale, gs, w_prepared=w.w_prepared)
+        out = torch.empty(
+            xq.shape[0], gemm_cuda._out_cols(w.w, w.w_prepared, "w"), dtype=torch.bfloat16, device=xq.device
+        )
+        return gemm_cuda.grouped_mm_fprop(xq, xs, w.w, w.w_scale, gs, out=out, w_prepared=w.w_prepared)
 
     def dgrad(self, dq, ds, w, gs):
-        return gemm_cuda.grouped_mm_dgrad(dq, ds, w.wt, w.wt_scale, gs, wt_prepared=w.wt_prepared)
+        cols = gemm_cuda._out_cols(w.wt, w.wt_prepared, "wt")
+        out = torch.empty(dq.shape[0], cols, dtype=torch.bfloat16, device=dq.device)
+        return gemm_cuda.grouped_mm_dgrad(dq, ds, w.wt, w.wt_scale, gs, out=out, wt_prepared=w.wt_prepared)
 
     def wgrad(self, a_prep, b_prep, gs, out, m):
         return gemm_cuda.grouped_wgrad_prepared_out(a_prep, b_prep, gs, out, m)
@@ -90,13 +113,15 @@ def expert_mlp_mx_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """xq: e4m3 [M, H] expert-sorted rows, xs: u8 [grouped_blocked_size(M, E, H // 32, "m")] their per-group blocked
     scales, w13o / w2o: the weights' operands, group_sizes: int32 [E] (device) -> (out [M, H] bf16, a [M, 2F] bf16,
-    saved for :func:`expert_mlp_mx_bwd`). Rows past sum(group_sizes) of both are zero."""
+    saved for :func:`expert_mlp_mx_bwd`). Rows past sum(group_sizes) of both are not written (unspecified): no pass
+    over a dropless buffer's rows past the real ones."""
     if xq.shape[0] == 0:  # no rows here (a rank whose capacity is 0): nothing for the kernels to do
         f2 = w13o.w_prepared.shape[1]
         return xq.new_zeros(0, xq.shape[1], dtype=torch.bfloat16), xq.new_zeros(0, f2, dtype=torch.bfloat16)
     a = GEMMS.fprop(xq, xs, w13o, group_sizes)
     profiling.mark("gemm1")
-    hq, hs, _, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True)
+    # row-wise h only: GEMM2 reads nothing else (the backward rebuilds h's column operand from a)
+    hq, hs, _, _ = mxfp8_cuda.quantize_grouped_dual(a, group_sizes, apply_swiglu=True, colwise="none")
     profiling.mark("swiglu_quant")
     out = GEMMS.fprop(hq, hs, w2o, group_sizes)
     profiling.mark("gemm2")
@@ -151,15 +176,9 @@ def expert_mlp_mx_bwd(
         del dx
     else:
         del aq, as_
-    # x column-wise from the saved MXFP8 rows: the reference quantizes the (dequantized) received rows again
-    # along the other axis, so dequantizing the saved bytes gives exactly its input
-    xq, xs = saved.pop("xq"), saved.pop("xs")
-    plain = from_blocked_grouped(xs, group_sizes, m, hdim // 32)
-    del xs
-    x_rows = mxfp8_cuda.dequantize(MXFP8Tensor(xq, plain, 1), torch.bfloat16)
-    del xq, plain
-    xc = mxfp8_cuda.quantize_grouped_dual(x_rows, group_sizes)[2]
-    del x_rows
+    # x column-wise from the saved MXFP8 rows in one pass: the reference quantizes the (dequantized) received rows
+    # again along the other axis, and the kernel dequantizes the saved bytes exactly in registers
+    xc = mxfp8_cuda.colwise_from_rows(saved.pop("xq"), saved.pop("xs"), group_sizes)
     profiling.mark("x_colwise")
     dw13 = GEMMS.wgrad(ac, xc, group_sizes, _wgrad_out(w13), m)
     profiling.mark("wgrad1")

@@ -232,15 +232,16 @@ class WeightOperands:
     or their scales. So on the CUDA path (:func:`weight_operands` on a CUDA weight) ``w``, ``w_scale``, ``wt`` and
     ``wt_scale`` are None: :func:`prepare_weight_operands` writes the prepared operands straight from W, and the
     GEMM launchers take ``b=None, b_scale=None`` with ``b_prepared``. The reference path (other devices, or
-    MOE_EP_FORCE_REFERENCE=1) fills all six.
+    MOE_EP_FORCE_REFERENCE=1) fills all six. A direction's three fields are None where the caller asked for the other
+    direction only (``moe_ep.experts.sm90.mlp`` without a cache: the unread operand is not held).
     """
 
     w: torch.Tensor | None
     w_scale: torch.Tensor | None
-    w_prepared: torch.Tensor
+    w_prepared: torch.Tensor | None
     wt: torch.Tensor | None
     wt_scale: torch.Tensor | None
-    wt_prepared: torch.Tensor
+    wt_prepared: torch.Tensor | None
 
 
 def quantize_weight_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -406,13 +406,18 @@ class Buffer:
 
 def layer_layout(topk_idx: torch.Tensor, cfg, group, num_tokens: int) -> CudaEPHandle:
     """The layout of one MoE layer call (cfg: :class:`moe_ep.config.MoEConfig`): the group's buffer sized from the
-    config, the capacity mode's fixed buffers, or dropless sized exactly (NOTE: host sync in fit_to_count, the one
-    of the layer; ``capacity_factor`` avoids it)."""
+    config, then the expanded buffers: the capacity mode's fixed rows; dropless rows known on the host
+    (``cfg.dropless_rows``: ep_size 1, exact; ``dropless_sizing="worst_case"``, the most a rank can receive), with
+    the group sizes on the device and no host read; else (``"exact"`` at ep_size > 1) sized exactly by reading the
+    row count (NOTE: host sync in fit_to_count, the one of the layer)."""
     buf = Buffer.for_group(group, cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k, cfg.num_experts)
     cap = cfg.capacity_rows(num_tokens)
     if cap is not None:
         return buf.layout(topk_idx, cfg.num_experts, capacity=cap)
-    return fit_to_count(buf.layout(topk_idx, cfg.num_experts))
+    rows = cfg.dropless_rows(num_tokens, buf.runtime.ep_size)
+    if rows is not None:
+        return buf.layout(topk_idx, cfg.num_experts, expand_capacity=rows)
+    return fit_to_count(buf.layout(topk_idx, cfg.num_experts))  # NOTE: host sync (dropless_sizing="exact")
 
 
 class CudaTransport:
