@@ -124,17 +124,19 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if args.smooth < 1:
         p.error(f"argument --smooth: must be >= 1, got {args.smooth}")
     try:
+        runs = load_runs(args.logs)
+    except ValueError as e:
+        p.error(str(e))
+    try:
         import matplotlib  # noqa: PLC0415
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise SystemExit("plot_train.py needs matplotlib: pip install matplotlib") from None
+        raise SystemExit(
+            "plot_train.py needs matplotlib: pip install -e '.[train]' (or pip install matplotlib)"
+        ) from None
 
-    try:
-        runs = load_runs(args.logs)
-    except ValueError as e:
-        p.error(str(e))
     out_dir = Path(args.out_dir) if args.out_dir else Path(args.logs[0]).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
     title = ", ".join(sorted({f"{r['preset']} on {r['world_size']}x {r['device']} (ep={r['ep']})" for r in runs}))
