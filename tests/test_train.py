@@ -238,11 +238,14 @@ def test_presets_parse(monkeypatch) -> None:
 
 
 def test_bad_ep_under_torchrun_fails_fast(tmp_path: Path) -> None:
-    """Under torchrun every rank fails in argument parsing (no collective, so no hang) and says why."""
+    """Under torchrun every rank fails in argument parsing (no collective, so no hang) and rank 0 alone says why:
+    the message appears once, and torchrun's report names rank 0's exit code 2 as the root cause."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN)]
     proc = subprocess.run([*cmd, "--ep", "3"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "argument --ep: 3 does not divide the world size 2" in proc.stderr
+    assert proc.stderr.count("argument --ep: 3 does not divide the world size 2") == 1, proc.stderr
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert "rank      : 0" in root_cause and "exitcode  : 2" in root_cause, proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
