@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,18 +22,11 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests._train_runs import ENV, RUNS, TRAIN
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "launch" / "train.py"
 PLOT = REPO / "launch" / "plot_train.py"
 TINY_LOG = REPO / "tests" / "data" / "train_tiny_log.json"
-# CUDA_VISIBLE_DEVICES="": the CPU/gloo path even on a GPU machine; one thread per rank (2-core CI).
-ENV = dict(
-    os.environ,
-    CUDA_VISIBLE_DEVICES="",
-    OMP_NUM_THREADS="1",
-    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-)
 
 
 def _script(path: Path):
@@ -45,51 +37,55 @@ def _script(path: Path):
     return mod
 
 
-_RUNS: dict[tuple, Path] = {}  # (nproc, args) -> the log of that run, for runs several tests compare against
-
-
 def run_train(tmp_path: Path, nproc: int, *args: str, name: str = "log", default_log: str | None = None) -> dict:
     """Run launch/train.py on ``nproc`` CPU processes; return its JSON log (fails with the output on error).
 
-    default_log: None passes ``--log-json tmp_path/<name>.json``; a variant name runs without ``--log-json`` in
-    ``tmp_path`` and reads the one default log ``runs/tiny_<variant>_<timestamp>.json`` there. A run with ``--log-json``
-    and the same ``nproc`` and arguments as one before in this session returns that run's log (training is
-    deterministic on CPU: the tests that compare against a run assert the same numbers from it either way)."""
-    key = (nproc, *args)
-    if default_log is None and key in _RUNS:
-        return json.loads(_RUNS[key].read_text())
-    log = tmp_path / f"{name}.json"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [
-        *(launcher if nproc > 1 else [sys.executable]),
-        str(TRAIN),
-        "--preset",
-        "tiny",
-        "--no-progress",
-        "--data-bytes",
-        "4000000",
-        *(["--log-json", str(log)] if default_log is None else []),
-        *args,
-    ]
-    cwd = REPO if default_log is None else tmp_path
-    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
-    if proc.returncode:
-        pytest.fail(f"train.py failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    default_log: None passes ``--log-json``; a variant name runs without ``--log-json`` in a folder of its own and
+    reads the one default log ``runs/tiny_<variant>_<timestamp>.json`` there. Runs are tests/_train_runs.py's: one
+    launch per distinct (nproc, default_log, args) in the session, shared by the tests that ask for the same one and
+    maybe started early in the background (``PREFETCH``). ``tmp_path`` / ``name`` only label the call."""
+    r = RUNS.get((nproc, default_log, *args))
+    if r.returncode:
+        pytest.fail(f"train.py {name} failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
+    log = r.where
     if default_log is not None:
-        found = sorted((tmp_path / "runs").glob(f"tiny_{default_log}_*.json"))
-        assert len(found) == 1, (found, proc.stdout[-2000:])
+        found = sorted((r.where / "runs").glob(f"tiny_{default_log}_*.json"))
+        assert len(found) == 1, (found, r.stdout[-2000:])
         stamp = found[0].stem.removeprefix(f"tiny_{default_log}_")
         assert len(stamp) == 15 and stamp[8] == "-" and stamp.replace("-", "").isdigit(), found[0]  # YYYYmmdd-HHMMSS
         log = found[0]
-    else:
-        _RUNS[key] = log
     return json.loads(log.read_text())
+
+
+# The arguments of the runs below, shared with PREFETCH (the runs each test needs, started in the background when
+# the test is selected; longest first).
+TWO_RANKS = ("--steps", "20", "--log-every", "5")
+CAPACITY = ("--steps", "4", "--log-every", "2", "--capacity-factor", "0.5", "--profile-step", "1")
+EP_COMMON = ("--steps", "4", "--log-every", "2", "--aux-loss-coef", "0")
+ONE_PROCESS = (*EP_COMMON, "--batch-size", "8")
+TT_COMMON = ("--steps", "6", "--log-every", "3", "--aux-loss-coef", "0")
+TT_REF = ("--steps", "1", "--aux-loss-coef", "0", "--no-quantize", "--batch-size", "8")
+PREFETCH: dict[str, list[tuple]] = {
+    "test_ep_fsdp_matches_one_process": [
+        (4, None, *EP_COMMON, "--batch-size", "2", "--ep", "2"),
+        (1, None, *ONE_PROCESS),
+    ],
+    "test_compile_matches_eager": [(1, None, *ONE_PROCESS, "--compile"), (1, None, *ONE_PROCESS)],
+    "test_torchtitan_baseline": [
+        (2, None, *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "4"),
+        (1, "torchtitan", *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "8"),
+        (1, None, *TT_REF),
+    ],
+    "test_train_two_ranks_loss_decreases": [(2, None, *TWO_RANKS)],
+    "test_activation_checkpointing_changes_nothing": [(2, None, *TWO_RANKS, "--ac"), (2, None, *TWO_RANKS)],
+    "test_train_capacity_factor_logs_drops": [(2, None, *CAPACITY)],
+}
 
 
 def test_train_two_ranks_loss_decreases(tmp_path: Path) -> None:
     """2 ranks, EP=2: finite loss that clearly drops; the log carries what the report needs."""
     steps = 20
-    log = run_train(tmp_path, 2, "--steps", str(steps), "--log-every", "5")
+    log = run_train(tmp_path, 2, *TWO_RANKS)
     losses = log["loss"]
     assert len(losses) == steps and len(log["aux_loss"]) == steps
     assert all(math.isfinite(x) for x in losses + log["aux_loss"]), losses
@@ -114,7 +110,7 @@ def test_train_two_ranks_loss_decreases(tmp_path: Path) -> None:
 
 def test_train_capacity_factor_logs_drops(tmp_path: Path) -> None:
     """--capacity-factor < 1 drops slots; the log sums them per window (over ranks, layers and steps)."""
-    log = run_train(tmp_path, 2, "--steps", "4", "--log-every", "2", "--capacity-factor", "0.5", "--profile-step", "1")
+    log = run_train(tmp_path, 2, *CAPACITY)
     prof = log["profile"]  # step 1 recorded: its top ops by self time (CPU here), summing to at most the total
     assert prof["top"] and all(r["ms"] > 0 and r["count"] > 0 for r in prof["top"])
     assert sum(r["ms"] for r in prof["top"]) <= prof["device_ms"] + 1e-6
@@ -136,9 +132,8 @@ def test_ep_fsdp_matches_one_process(tmp_path: Path) -> None:
     AdamW is blind to a constant scale on one tensor's gradient, so the losses alone would not catch expert
     grads divided by dp instead of dp*ep: the logged global grad norm (before clipping) does.
     """
-    common = ("--steps", "4", "--log-every", "2", "--aux-loss-coef", "0")
-    one = run_train(tmp_path, 1, *common, "--batch-size", "8", name="one")
-    four = run_train(tmp_path, 4, *common, "--batch-size", "2", "--ep", "2", name="four")
+    one = run_train(tmp_path, 1, *ONE_PROCESS, name="one")
+    four = run_train(tmp_path, 4, *EP_COMMON, "--batch-size", "2", "--ep", "2", name="four")
     assert (four["world_size"], four["ep"], four["dp"]) == (4, 2, 2)
     assert four["config"]["args"]["expert_gather"] == "mxfp8"  # experts gathered over dp=2 in MXFP8
     assert one["loss"] == pytest.approx(four["loss"], abs=1e-4), (one["loss"], four["loss"])
@@ -164,10 +159,9 @@ def test_torchtitan_baseline(tmp_path: Path) -> None:
     reason = _cpu_grouped_mm_missing()
     if reason:
         pytest.skip(reason)
-    common = ("--steps", "6", "--log-every", "3", "--aux-loss-coef", "0")
-    two = run_train(tmp_path, 2, *common, "--baseline", "torchtitan", "--batch-size", "4", name="tt2")
-    one = run_train(tmp_path, 1, *common, "--baseline", "torchtitan", "--batch-size", "8", default_log="torchtitan")
-    ref = run_train(tmp_path, 1, "--steps", "1", "--aux-loss-coef", "0", "--no-quantize", "--batch-size", "8")
+    two = run_train(tmp_path, 2, *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "4", name="tt2")
+    one = run_train(tmp_path, 1, *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "8", default_log="torchtitan")
+    ref = run_train(tmp_path, 1, *TT_REF)
     assert (two["variant"], two["backend"], two["quantize"], two["ep"]) == ("torchtitan", None, False, 2)
     assert ref["variant"] == "reference_bf16"
     for log in (one, two):
@@ -379,8 +373,8 @@ def test_activation_checkpointing_changes_nothing(tmp_path: Path) -> None:
     """--ac recomputes every block's attention half in the backward: on 2 ranks with FSDP2 the losses and grad norms
     equal the run without it, bitwise (the same ops on the same inputs, fp32 on CPU). The run without it is
     test_train_two_ranks_loss_decreases's (same arguments: read back when that test ran first)."""
-    plain = run_train(tmp_path, 2, "--steps", "20", "--log-every", "5", name="plain")
-    ac = run_train(tmp_path, 2, "--steps", "20", "--log-every", "5", "--ac", name="ac")
+    plain = run_train(tmp_path, 2, *TWO_RANKS, name="plain")
+    ac = run_train(tmp_path, 2, *TWO_RANKS, "--ac", name="ac")
     assert ac["config"]["model"]["activation_checkpoint"] is True
     assert ac["loss"] == plain["loss"] and ac["grad_norm"] == plain["grad_norm"], (ac["loss"], plain["loss"])
 
@@ -391,9 +385,8 @@ def test_compile_matches_eager(tmp_path: Path) -> None:
     reductions in another order (fp32 rounding, ~1e-7 relative per op), and 4 optimizer steps carry that along.
     The eager run is test_ep_fsdp_matches_one_process's one-process run (same arguments: read back when that test
     ran first)."""
-    common = ("--steps", "4", "--log-every", "2", "--aux-loss-coef", "0", "--batch-size", "8")
-    eager = run_train(tmp_path, 1, *common, name="eager")
-    comp = run_train(tmp_path, 1, *common, "--compile", name="compiled")
+    eager = run_train(tmp_path, 1, *ONE_PROCESS, name="eager")
+    comp = run_train(tmp_path, 1, *ONE_PROCESS, "--compile", name="compiled")
     assert len(comp["loss"]) == 4 and all(math.isfinite(v) for v in comp["loss"])
     assert comp["loss"] == pytest.approx(eager["loss"], rel=1e-4)
 
