@@ -13,6 +13,7 @@ import socket
 import traceback
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -27,6 +28,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
+    torch.set_num_threads(1)  # one thread per rank: the ranks share 2 CPU cores (idle OpenMP threads spin)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
