@@ -22,6 +22,9 @@ def _gpu_missing() -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # One torch thread in the test process, as in every rank it starts (tests/_dist.py) and every train.py run
+    # (OMP_NUM_THREADS=1): on 2 cores the processes run side by side, and idle OpenMP threads spin.
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy (skipped, with the reason, without them)")
 
 
