@@ -112,10 +112,18 @@ def main() -> int:
     p.add_argument("--max-step-s", type=int, default=0, help="cap every step's timeout (0: per-step defaults)")
     args = p.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     ngpu = _num_gpus()
     only = {s for s in args.only.split(",") if s}
     skip = {s for s in args.skip.split(",") if s}
+    valid = [s[0] for s in _steps(args, out, ngpu)]
+    for flag, names in (("--only", only), ("--skip", skip)):
+        unknown = sorted(names - set(valid))
+        if unknown:  # a typo would otherwise run nothing (or everything) and still exit 0
+            p.error(
+                f"argument {flag}: unknown step {', '.join(unknown)}; the steps on this machine ({ngpu} GPUs): "
+                f"{', '.join(valid)}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
     summary: dict = {
         "commit": _git_commit(),
         "num_gpus": ngpu,

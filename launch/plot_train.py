@@ -6,8 +6,10 @@
 Writes ``<prefix>_loss.png`` (one line per run, labelled by its variant; ``--smooth N``: a trailing N-step mean, the
 raw curve faint behind it) and ``<prefix>_throughput.png`` (bars: ``summary.tokens_per_sec_per_gpu`` per run, and
 its peak memory: the GPU allocator's peak, max over ranks, or the host's peak RSS for CPU runs) into ``--out-dir``
-(default: the first log's folder). Runs on the CPU; needs matplotlib (``pip install matplotlib``), imported only in
-:func:`main`: :func:`load_runs` (the data the plots show) works without it.
+(default: the first log's folder). Runs on the CPU; needs matplotlib (``pip install -e '.[train]'``), imported only
+in :func:`main`: :func:`load_runs` (the data the plots show) works without it. The legend sits right of the loss plot
+and the bars are horizontal, one row per run, so many runs stay readable. A missing or unreadable log is an error
+naming the file (exit code 2).
 """
 
 from __future__ import annotations
@@ -37,12 +39,19 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
     tokens_per_sec_per_gpu, memory_gib and memory_kind ("gpu": the allocator's peak, max over ranks; "gpu_rank0": an
     unfinished run's, from rank 0's windows; "host_rss" on
     CPU; None if unknown), final_loss, mean_loss_last_50 (None when the run is unfinished: no summary yet).
-    Raises ValueError naming the file when a log lacks the per-step ``loss`` list."""
+    Raises ValueError naming the file when it is missing, not JSON, or a log without the per-step ``loss`` list."""
     runs = []
     for path in paths:
         path = Path(path)
-        log = json.loads(path.read_text())
-        loss = log.get("loss")
+        try:
+            log = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: cannot read it ({e})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e}); launch/train.py writes its log with --log-json") from None
+        loss = log.get("loss") if isinstance(log, dict) else None
         if not isinstance(loss, list) or not loss:
             raise ValueError(f"{path}: not a launch/train.py log (no per-step 'loss' list)")
         summary = log.get("summary") or {}
@@ -65,6 +74,7 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
                 "path": str(path),
                 "preset": log.get("preset"),
                 "device": log.get("device"),
+                "device_type": log.get("device_type"),
                 "world_size": log.get("world_size"),
                 "ep": log.get("ep"),
                 "steps": list(range(1, len(loss) + 1)),
@@ -114,19 +124,27 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if args.smooth < 1:
         p.error(f"argument --smooth: must be >= 1, got {args.smooth}")
     try:
+        runs = load_runs(args.logs)
+    except ValueError as e:
+        p.error(str(e))
+    try:
         import matplotlib  # noqa: PLC0415
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise SystemExit("plot_train.py needs matplotlib: pip install matplotlib") from None
+        raise SystemExit(
+            "plot_train.py needs matplotlib: pip install -e '.[train]' (or pip install matplotlib)"
+        ) from None
 
-    runs = load_runs(args.logs)
     out_dir = Path(args.out_dir) if args.out_dir else Path(args.logs[0]).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
     title = ", ".join(sorted({f"{r['preset']} on {r['world_size']}x {r['device']} (ep={r['ep']})" for r in runs}))
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    wide = max(len(r["label"]) for r in runs)  # the legend goes right of the axes: widen the figure for it
+    fig, ax = plt.subplots(figsize=(9 + min(wide, 60) * 0.07, max(5, 0.22 * len(runs) + 1)))
     for r in runs:
         if args.smooth > 1:
             (line,) = ax.plot(r["steps"], r["loss"], alpha=0.25, linewidth=0.8)
@@ -134,37 +152,45 @@ def main(argv: list[str] | None = None) -> list[Path]:
         else:
             ax.plot(r["steps"], r["loss"], label=r["label"])
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("training loss (cross-entropy, nats/byte)")
     smoothed = f" (mean over {args.smooth} steps)" if args.smooth > 1 else ""
     ax.set_title(f"loss vs step: {title}{smoothed}", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8 if len(runs) <= 12 else 6, borderaxespad=0)
     fig.tight_layout()
     loss_png = out_dir / f"{args.prefix}_loss.png"
     fig.savefig(loss_png, dpi=120)
     plt.close(fig)
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))
+    # horizontal bars, one row per run (first run on top): long labels and many runs stay readable
+    height = max(4.5, 0.3 * len(runs) + 1.5)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12 + min(wide, 60) * 0.05, height), sharey=True)
     labels = [r["label"] for r in runs]
+    rows = list(range(len(runs)))
+    colors = [f"C{i % 10}" for i in rows]
+    per = "rank" if runs and all(r["device_type"] == "cpu" for r in runs) else "GPU"
     tps = [r["tokens_per_sec_per_gpu"] or 0.0 for r in runs]
-    bars = ax_t.bar(labels, tps, color=[f"C{i}" for i in range(len(runs))])
-    ax_t.bar_label(bars, labels=[f"{v:,.0f}" for v in tps], fontsize=8)
-    ax_t.set_ylabel("tokens / s / GPU (first logging window excluded)")
+    bars = ax_t.barh(rows, tps, color=colors)
+    ax_t.bar_label(bars, labels=[f"{v:,.0f}" for v in tps], fontsize=7, padding=2)
+    ax_t.set_xlabel(f"tokens / s / {per} (first logging window excluded)")
     ax_t.set_title("throughput", fontsize=9)
+    ax_t.set_yticks(rows, labels, fontsize=8 if len(runs) <= 12 else 6)
+    ax_t.invert_yaxis()
     mem = [r["memory_gib"] or 0.0 for r in runs]
     kinds = {r["memory_kind"] for r in runs if r["memory_kind"]}
-    bars = ax_m.bar(labels, mem, color=[f"C{i}" for i in range(len(runs))])
-    ax_m.bar_label(bars, labels=[f"{v:.2f}" for v in mem], fontsize=8)
+    bars = ax_m.barh(rows, mem, color=colors)
+    ax_m.bar_label(bars, labels=[f"{v:.2f}" for v in mem], fontsize=7, padding=2)
     what = {
         "gpu": "GPU allocator peak, max over ranks",
         "gpu_rank0": "rank 0's (unfinished run)",
         "host_rss": "host peak RSS, max over ranks",
     }
-    ax_m.set_ylabel("peak memory (GiB)")
+    ax_m.set_xlabel("peak memory (GiB)")
     ax_m.set_title("peak memory: " + " / ".join(what[k] for k in sorted(kinds)), fontsize=9)
-    for a in (ax_t, ax_m):
-        a.tick_params(axis="x", labelrotation=20, labelsize=8)
-        a.grid(axis="y", alpha=0.3)
+    for a, vals in ((ax_t, tps), (ax_m, mem)):
+        a.set_xlim(0, max(vals + [1e-9]) * 1.18)  # room for the value labels
+        a.grid(axis="x", alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     tput_png = out_dir / f"{args.prefix}_throughput.png"

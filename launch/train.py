@@ -25,7 +25,8 @@ Data: every step draws one global batch of ``batch_size * world_size`` random wi
 generator seeded by (seed, step); rank r takes windows [r*B, (r+1)*B). So a run is reproducible, every rank
 reads a different slice, and a run on 1 process with batch 2B sees exactly the data of 2 processes with B.
 
-Rank 0 prints loss and tokens/sec/GPU (tokens processed per rank per second) with a progress bar and writes a
+Rank 0 prints loss and tokens/sec/GPU (tokens processed per rank per second; "per rank" on CPU) with a progress
+bar (``--no-progress``: one log line per logging window) and writes a
 JSON log (default ``runs/<preset>_<variant>_<YYYYmmdd-HHMMSS>.json``): config, variant, per-step ``loss`` /
 ``aux_loss`` / ``grad_norm``, per logging window the time, tokens/s/GPU, learning rate, dropped slots (summed over
 ranks, MoE layers and the window's steps) and peak memory, then ``summary`` (``tokens_per_sec_per_gpu`` without the
@@ -54,6 +55,17 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # this folder's helpers (when imported by path)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_checks import (  # noqa: E402
+    Heartbeat,
+    RankZeroParser,
+    agree_log_path,
+    cpu_preset_note,
+    launch_rank,
+)
 
 from launch.model import ModelConfig, MoETransformer  # noqa: E402
 from moe_ep import MoE, init_ep, update_expert_bias  # noqa: E402
@@ -143,7 +155,7 @@ _POS, _NONNEG = _int_at_least(1), _int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -263,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         "collectives are opaque to the compiler)",
     )
     p.add_argument("--data-bytes", type=_POS, default=None, help="read at most this many corpus bytes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar: one log line per --log-every steps")
     return p
 
 
@@ -272,6 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     comes from torchrun's $WORLD_SIZE)."""
     p = build_parser()
     args = p.parse_args(argv)
+    explicit_preset, explicit_transport = args.preset is not None, args.transport is not None
     args.preset = args.preset or ("small" if torch.cuda.is_available() else "tiny")
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
@@ -331,6 +344,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.data_bytes is not None and args.data_bytes < args.seq_len + 2:
         p.error(f"argument --data-bytes: {args.data_bytes} bytes cannot hold a window of --seq-len {args.seq_len}")
     args.transport = args.transport or "nvshmem"
+    if launch_rank() == 0 and not torch.cuda.is_available():  # after every error: notes only for a run that starts
+        note = cpu_preset_note(args, world, explicit_preset)
+        if note:
+            print(note, flush=True)
+        if explicit_transport:
+            print(
+                f"WARNING: --transport {args.transport} is the cuda backend's all-to-all and there is no GPU here: "
+                "this run uses the reference backend's all_to_all over gloo",
+                file=sys.stderr,
+                flush=True,
+            )
     return args
 
 
@@ -409,11 +433,12 @@ def git_commit() -> str:
 
 
 class Progress:
-    """tqdm bar when tqdm is importable, else a plain text bar printed at logging points (rank 0 only)."""
+    """tqdm bar when tqdm is importable, else a plain text bar printed at logging points; ``bar=False``
+    (--no-progress): a plain ``step i/N ...`` log line at each logging point (rank 0 only)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.bar = total, enabled, None
-        if enabled:
+    def __init__(self, total: int, enabled: bool, bar: bool = True) -> None:
+        self.total, self.enabled, self.bar, self.plain_lines = total, enabled, None, not bar
+        if enabled and bar:
             try:
                 from tqdm import tqdm
 
@@ -428,6 +453,8 @@ class Progress:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix_str(msg)
+        elif self.plain_lines:  # --no-progress: log lines only
+            print(f"step {step}/{self.total} {msg}", flush=True)
         else:
             width = 30
             done = width * step // self.total
@@ -593,6 +620,14 @@ def main(argv: list[str] | None = None) -> dict:
     variant, backend = resolve_variant(args, cfg, device)
     if args.model != "moe_ep":
         variant = f"{variant}_{args.model[3:]}"  # e.g. reference_deepseek_v3: the log name and plot label
+    if rank == 0 and args.log_json is None:
+        args.log_json = f"runs/{args.preset}_{variant}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    log_error = agree_log_path(args.log_json, rank, device)  # before any step: every rank learns it
+    if log_error is not None:
+        if rank == 0:
+            print(f"{Path(sys.argv[0]).name}: error: {log_error}", file=sys.stderr, flush=True)
+        finish(mesh)
+        raise SystemExit(2)
     if rank == 0 and use_cuda and args.backend == "auto" and backend == "reference":
         from moe_ep.layer_cuda import missing_gpu_packages  # noqa: PLC0415
 
@@ -648,8 +683,6 @@ def main(argv: list[str] | None = None) -> dict:
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
 
-    if rank == 0 and args.log_json is None:
-        args.log_json = f"runs/{args.preset}_{variant}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     device_name = torch.cuda.get_device_name(device) if use_cuda else (platform.processor() or "cpu")
     # expanded slots per step summed over ranks and layers (the denominator of the dropped fraction)
     slots_per_step = tokens_per_rank * cfg.top_k * cfg.n_layers * world
@@ -699,7 +732,9 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.log_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.log_json).write_text(json.dumps(log, indent=1))
 
-    progress = Progress(args.steps, enabled=rank == 0 and not args.no_progress)
+    progress = Progress(args.steps, enabled=rank == 0, bar=not args.no_progress)
+    heartbeat = Heartbeat(args.steps, enabled=rank == 0 and not use_cuda)  # CPU: a line at least every 30 s
+    per = "gpu" if use_cuda else "rank"  # what a rank is in the printed throughput
     pending: list[torch.Tensor] = []  # per step [loss, aux, grad norm], on device until the next log point
     dropped_dev: list[torch.Tensor] = []  # per step, summed over layers: device counts (cuda backend, nvshmem)
     dropped_host = 0  # the same, host ints (reference backend, nccl transport: already host-synced there)
@@ -725,6 +760,7 @@ def main(argv: list[str] | None = None) -> dict:
         pending.append(torch.stack([loss.detach().float(), aux.detach().float(), gnorm.float()]))
         if prof is not None:
             log["profile"] = finish_profile(prof, use_cuda)
+        heartbeat.step_done(step + 1)
 
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             vals = torch.stack(pending)  # [steps in window, 3]: loss, aux, grad norm
@@ -760,10 +796,11 @@ def main(argv: list[str] | None = None) -> dict:
             dropped_dev.clear()
             dropped_host = 0
             t_last, step_last = now, step + 1
-            msg = f"loss {vals[-1][0]:.4f} aux {vals[-1][1]:.4f} tok/s/gpu {tps:,.0f}"
+            msg = f"loss {vals[-1][0]:.4f} aux {vals[-1][1]:.4f} tok/s/{per} {tps:,.0f}"
             if cfg.capacity_factor is not None:
                 msg += f" dropped {n_dropped}"
             progress.update(step + 1, msg)
+            heartbeat.printed()
             if rank == 0 and not math.isfinite(vals[-1][0]):
                 print(f"non-finite loss at step {step + 1}", flush=True)
             write_log()
@@ -804,7 +841,8 @@ def main(argv: list[str] | None = None) -> dict:
         mem_txt = f", peak {s['max_memory_gib']:.1f} GiB" if s["max_memory_gib"] is not None else ""
         print(
             f"done ({variant}): loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
-            f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/GPU ({world} ranks){mem_txt}; log {args.log_json}",
+            f"{s['tokens_per_sec_per_gpu']:,.0f} tokens/sec/{per.upper() if use_cuda else per} "
+            f"({world} rank{'s' if world != 1 else ''}){mem_txt}; log {args.log_json}",
             flush=True,
         )
     finish(mesh)  # barriers on every group, then a store rendezvous, then destroy (see moe_ep.parallel.finish)

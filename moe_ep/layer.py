@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from . import profiling
 from .config import MoEConfig
+from .devices import check_device
 from .experts.reference import expert_mlp
 from .experts.weight_cache import WeightQuantCache
 from .router import Router
@@ -114,6 +115,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: MoEConfig, mesh: DeviceMesh | None = None, device=None, dtype=None, seed: int = 0) -> None:
         super().__init__()
+        check_device(device, f"MoE(device={device!r})")  # names the blocker, not torch's "not compiled with CUDA"
         self.cfg = cfg
         if mesh is not None and mesh.mesh_dim_names and "ep" in mesh.mesh_dim_names:
             ep_mesh = mesh["ep"]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import profiling
 from .config import MoEConfig
+from .devices import cuda_unavailable_reason
 from .experts.base import gemms_for
 from .experts.bf16 import expert_mlp_bf16
 from .experts.weight_cache import WeightQuantCache
@@ -63,14 +64,21 @@ def resolve_backend(cfg: MoEConfig, x: torch.Tensor) -> str:
     missing = missing_gpu_packages(cfg.transport)
     if cfg.backend == "auto":
         return "cuda" if x.is_cuda and not missing and dist.is_initialized() else "reference"
-    if missing:
-        raise ImportError(
-            f"backend='cuda' needs {', '.join(missing)} (pip install 'moe_ep[gpu]'); backend='reference' runs without"
-        )
+    # Every blocker, the one to fix first first (no GPU before "x on the CPU" before the GPU packages); raised as
+    # the first one's type, naming the others after it.
+    blockers: list[tuple[type[Exception], str]] = []
+    no_gpu = cuda_unavailable_reason()
+    if no_gpu is not None:
+        blockers.append((RuntimeError, f"a CUDA GPU: {no_gpu}"))
     if not x.is_cuda:
-        raise ValueError(f"backend='cuda' needs x on a CUDA device, got {x.device}")
+        blockers.append((ValueError, f"x on a CUDA device, got {x.device}"))
+    if missing:
+        blockers.append((ImportError, f"{', '.join(missing)} (pip install 'moe_ep[gpu]')"))
     if not dist.is_initialized():
-        raise RuntimeError("backend='cuda' needs torch.distributed initialized (torchrun + moe_ep.init_ep)")
+        blockers.append((RuntimeError, "torch.distributed initialized (torchrun + moe_ep.init_ep)"))
+    if blockers:
+        then = "".join(f"; then also {msg}" for _, msg in blockers[1:])
+        raise blockers[0][0](f"backend='cuda' needs {blockers[0][1]}{then}. backend='reference' runs on any device")
     return "cuda"
 
 

@@ -1,7 +1,9 @@
-"""The one helper for multi-process CPU tests: spawn ``world_size`` gloo ranks, run ``fn`` on each.
+"""The one helper for multi-process CPU tests: start ``world_size`` gloo ranks, run ``fn`` on each.
 
 Every rank reports its status through a queue; the caller fails with every rank's traceback if any rank
-failed, so all ranks end with the same verdict.
+failed, so all ranks end with the same verdict. Ranks are forked from a forkserver that imported torch and moe_ep
+once per test session (each rank a fresh, single-threaded process as with "spawn", without importing torch again:
+on 2 CPU cores that import was most of a small test's time).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import socket
 import traceback
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -25,6 +28,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
+    torch.set_num_threads(1)  # one thread per rank: the ranks share 2 CPU cores (idle OpenMP threads spin)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
@@ -38,12 +42,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
+# Imported once by the forkserver (an ImportError there is ignored: the rank then imports what it needs).
+_PRELOAD = ["torch", "torch.distributed.fsdp", "moe_ep", "moe_ep.model", "moe_ep.parallel", "pytest", "tests._dist"]
+
+
+def _context():
+    """The start method of the ranks: forkserver with torch and moe_ep preloaded ("spawn" where there is none)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise if any rank failed.
 
     ``fn`` must be a module-level function (it is pickled into the spawned processes).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]

@@ -1,6 +1,7 @@
 """CPU emulator of kernels/mxfp8/quantize.cu (a test helper, not a test module): the real kernel source compiled as C++
-and run with one OS thread per CUDA thread. tests/test_quant_cuda.py and tests/test_quant_dual_cuda.py run their
-whole suites through it (device "emu"); tests/test_quant_hostmath.py checks it and the launch plans."""
+and run on one OS thread, each CUDA thread of a CTA a cooperative fiber (ucontext) switched at the barriers.
+tests/test_quant_cuda.py and tests/test_quant_dual_cuda.py run their whole suites through it (device "emu");
+tests/test_quant_hostmath.py checks it and the launch plans."""
 
 from __future__ import annotations
 
@@ -16,18 +17,20 @@ INCLUDES = [
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 # ------------------------------------------------------------------------------------------------------------
-# CPU emulator of kernels/mxfp8/quantize.cu: the real kernel source compiled as C++, one OS thread per CUDA thread
-# (the launch's CTA size, CTAs in sequence), __syncthreads and warp shuffles emulated with barriers. test_quant_cuda.py
+# CPU emulator of kernels/mxfp8/quantize.cu: the real kernel source compiled as C++, one fiber per CUDA thread (the
+# launch's CTA size, CTAs in sequence) on the calling OS thread, __syncthreads and warp shuffles emulated with
+# barriers at which a fiber yields until every participant has arrived (bounded: one OS thread whatever the CTA
+# size; a barrier no fiber can pass anymore is reported as a deadlock instead of hanging). test_quant_cuda.py
 # runs its whole suite through it (device "emu") by replacing mxfp8_cuda._launch. The host build has no
 # __CUDA_ARCH__, so the PTX helpers take their host paths (the software e4m3 conversion among them).
 # ------------------------------------------------------------------------------------------------------------
 
 EMU_SHIM = r"""
+#include <ucontext.h>
 #include <algorithm>
-#include <barrier>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
 using std::max;
 using std::min;
@@ -43,7 +46,7 @@ static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) alignas(n)
-thread_local dim3 threadIdx, blockIdx;
+static dim3 threadIdx, blockIdx;  // the running fiber's; the scheduler swaps them
 static dim3 gridDim, blockDim;
 alignas(128) static unsigned char g_smem[6 * 128 * 128 * 2 + 65536];  // >= every plan's dynamic shared memory (227 KiB)
 #define MX_DYN_SMEM(name) unsigned char* name = g_smem
@@ -63,8 +66,57 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
     return r;
 }
-static std::barrier<>* g_cta;
-static std::barrier<>* g_warp[8];
+// Cooperative CUDA threads: each is a fiber with its own stack; the scheduler resumes the live fibers round robin
+// and a fiber runs until it waits at a barrier (then it yields back) or its body returns.
+struct EmuFiber { ucontext_t ctx; dim3 tid, bid; bool done; };
+static ucontext_t g_sched;
+static EmuFiber* g_fiber;              // the running one
+static unsigned long long g_progress;  // barrier arrivals + finished fibers: a round without any is a deadlock
+static bool g_deadlock;
+static void (*g_entry)(void*);
+static void* g_entry_arg;
+struct EmuBarrier {
+    int count, arrived = 0;
+    unsigned phase = 0;
+    explicit EmuBarrier(int n) : count(n) {}
+    void arrive_and_wait() {
+        const unsigned p = phase;
+        ++g_progress;
+        if (++arrived == count) { arrived = 0; ++phase; return; }
+        while (phase == p) swapcontext(&g_fiber->ctx, &g_sched);
+    }
+};
+static void emu_fiber_main() { g_entry(g_entry_arg); g_fiber->done = true; ++g_progress; }
+// Runs entry(arg) as `n` fibers with threadIdx.x = 0..n-1 until all return (or none can move: g_deadlock).
+static void emu_run_fibers(int n, void (*entry)(void*), void* arg) {
+    static const size_t STACK = 256u << 10;
+    static std::vector<char*> stacks;  // kept for later launches (virtual memory, touched pages only)
+    while ((int)stacks.size() < n) stacks.push_back(static_cast<char*>(malloc(STACK)));
+    std::vector<EmuFiber> fib(n);
+    g_entry = entry; g_entry_arg = arg; g_deadlock = false;
+    for (int t = 0; t < n; ++t) {
+        getcontext(&fib[t].ctx);
+        fib[t].ctx.uc_stack.ss_sp = stacks[t];
+        fib[t].ctx.uc_stack.ss_size = STACK;
+        fib[t].ctx.uc_link = &g_sched;
+        makecontext(&fib[t].ctx, emu_fiber_main, 0);
+        fib[t].tid = dim3{(unsigned)t, 0, 0};
+        fib[t].done = false;
+    }
+    for (int live = n; live > 0;) {
+        const unsigned long long before = g_progress;
+        for (auto& f : fib) {
+            if (f.done) continue;
+            g_fiber = &f; threadIdx = f.tid; blockIdx = f.bid;
+            swapcontext(&g_sched, &f.ctx);
+            f.tid = threadIdx; f.bid = blockIdx;
+            live -= f.done;
+        }
+        if (live > 0 && g_progress == before) { g_deadlock = true; return; }  // the stuck fibers' stacks are reused
+    }
+}
+static EmuBarrier* g_cta;
+static EmuBarrier* g_warp[8];
 static uint64_t g_shfl[8][32];
 static inline void __syncthreads() { g_cta->arrive_and_wait(); }
 template <class T> static T shfl_impl(T v, int src_of_lane_delta, bool xr) {
@@ -84,19 +136,15 @@ template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_i
 
 template <class F> static void run_grid(int grid, F f, int grid_y = 1, int threads = 256) {
     gridDim.x = grid; gridDim.y = grid_y; blockDim.x = threads;
-    std::barrier<> cta(threads);
-    std::vector<std::barrier<>*> w;
-    for (int i = 0; i < threads / 32; ++i) w.push_back(new std::barrier<>(32));
+    EmuBarrier cta(threads);
+    std::vector<EmuBarrier> w(threads / 32, EmuBarrier(32));
     g_cta = &cta;
-    for (int i = 0; i < threads / 32; ++i) g_warp[i] = w[i];
-    std::vector<std::thread> th;
-    for (int t = 0; t < threads; ++t) th.emplace_back([&, t] {
-        threadIdx.x = t;
+    for (int i = 0; i < threads / 32; ++i) g_warp[i] = &w[i];
+    auto body = [&] {
         for (int y = 0; y < grid_y; ++y)
             for (int b = 0; b < grid; ++b) { blockIdx.x = b; blockIdx.y = y; f(); cta.arrive_and_wait(); }
-    });
-    for (auto& x : th) x.join();
-    for (auto* b : w) delete b;
+    };
+    emu_run_fibers(threads, [](void* p) { (*static_cast<decltype(body)*>(p))(); }, &body);
 }
 
 typedef void (*QuantFn)(const unsigned char*, long long, int, unsigned char*, unsigned char*, unsigned char*,
@@ -117,6 +165,7 @@ extern "C" int emu_quant(int in, int rs, int cs, int pp, int grid, int grid_y, i
     memset(g_smem, 0xA5, sizeof(g_smem));
     g_bad_threads = false;
     run_grid(grid, [&] { fn(x, M, K, rq, rsp, cq, csp, g, nrt, ctiles, G, x2); }, grid_y, threads);
+    if (g_deadlock) return 6;
     if (g_bad_threads) return 5;
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
@@ -135,7 +184,7 @@ extern "C" int emu_dequant(int out, int colw, int grid, const unsigned char* q, 
     DEQ_TABLE
     if (!fn) return 1;
     run_grid(grid, [&] { fn(q, s, o, nchunks, K); });
-    return 0;
+    return g_deadlock ? 6 : 0;
 }
 """
 
@@ -253,6 +302,7 @@ def install_emulator(monkeypatch, workdir: Path) -> None:
         assert rc != 3, f"{name}: the launch asks for {shared_mem} bytes of shared memory, more than the emulator has"
         assert rc != 4, f"{name}: {threads} threads per CTA, not a multiple of 32 up to 256"
         assert rc != 5, f"{name}: launched with {threads} threads per CTA, not the kernel's"
+        assert rc != 6, f"{name}: deadlock, some CUDA threads wait at a barrier the others never reach"
         assert rc == 0, f"emulator has no kernel {name} (rc {rc})"
 
     monkeypatch.setattr(mxfp8_cuda, "_launch", launch)

@@ -84,15 +84,18 @@ def test_auto_rule(monkeypatch):
 
 def test_cuda_backend_without_gpu_packages_names_the_extra():
     """backend="cuda" with CuPy / nvshmem4py not importable: ImportError naming the packages and ``moe_ep[gpu]``
-    (nvshmem4py only for transport="nvshmem"). A fresh process, since the package probe is cached."""
+    (nvshmem4py only for transport="nvshmem"). A fresh process, since the package probe is cached; a GPU and x on it
+    are faked there, so the packages are the first blocker (without a GPU that one comes first: the next test)."""
     code = (
-        "import sys; sys.modules['cupy'] = None; sys.modules['nvshmem'] = None\n"
+        "import sys, types; sys.modules['cupy'] = None; sys.modules['nvshmem'] = None\n"
         "import torch, moe_ep\n"
+        "from moe_ep import layer_cuda\n"
+        "torch.cuda.is_available = lambda: True\n"
         "for transport in ('nvshmem', 'nccl'):\n"
         "    cfg = moe_ep.MoEConfig(hidden=32, ffn_hidden=32, num_experts=2, top_k=1, backend='cuda',\n"
         "                           transport=transport)\n"
         "    try:\n"
-        "        moe_ep.MoE(cfg)(torch.randn(3, 32))\n"
+        "        layer_cuda.resolve_backend(cfg, types.SimpleNamespace(is_cuda=True))\n"
         "        print(transport, 'no error')\n"
         "    except ImportError as e:\n"
         "        print(transport, 'ImportError', str(e).replace(chr(10), ' '))\n"
@@ -104,6 +107,27 @@ def test_cuda_backend_without_gpu_packages_names_the_extra():
     for transport, msg in lines.items():
         assert msg.startswith("ImportError") and "moe_ep[gpu]" in msg and "cupy" in msg, (transport, msg)
     assert "nvshmem4py" in lines["nvshmem"] and "nvshmem4py" not in lines["nccl"], lines
+
+
+def test_cuda_backend_names_the_real_blocker_first(monkeypatch):
+    """On a machine without a usable GPU the first words name that (a CPU-only torch build, or no GPU visible), then
+    x on the CPU, then the GPU extra; MoE(device="cuda") there says what to do instead of torch's bare error."""
+    monkeypatch.setattr(layer_cuda, "missing_gpu_packages", lambda transport: ("cupy", "nvshmem4py"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cuda_version, words in ((None, "CPU-only build"), ("13.0", "no CUDA GPU is visible")):
+        monkeypatch.setattr(torch.version, "cuda", cuda_version)
+        with pytest.raises(RuntimeError) as e:
+            MoE(_cfg(backend="cuda"))(torch.randn(3, H))
+        msg = str(e.value)
+        assert msg.startswith("backend='cuda' needs a CUDA GPU: ") and words in msg, msg
+        assert msg.index(words) < msg.index("x on a CUDA device, got cpu") < msg.index("moe_ep[gpu]"), msg
+        with pytest.raises(RuntimeError) as e:
+            MoE(_cfg(), device="cuda")
+        assert str(e.value).startswith("MoE(device='cuda'): ") and words in str(e.value), e.value
+        assert "device='cpu'" in str(e.value) and "not compiled" not in str(e.value), e.value
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU, x on the CPU: that is the blocker
+    with pytest.raises(ValueError, match=r"^backend='cuda' needs x on a CUDA device, got cpu; then also cupy"):
+        MoE(_cfg(backend="cuda"))(torch.randn(3, H))
 
 
 def test_cuda_backend_without_cuda_says_so(monkeypatch):

@@ -3,7 +3,7 @@
 Every test runs on two backends:
   * ``cuda``: the real kernels (CuPy/NVRTC) on the GPU; skipped without CUDA (mark ``gpu``).
   * ``emu``: the same kernel source compiled as C++ and run on the CPU by the emulator of
-    tests/quant_emu.py (one OS thread per CUDA thread); skipped without a C++ compiler. It checks the
+    tests/quant_emu.py (one fiber per CUDA thread); skipped without a C++ compiler. It checks the
     indexing, layouts, tiling and synchronization, but uses the host paths of the PTX helpers (software e4m3
     conversion); the ``cuda`` runs check the hardware conversions.
 The reference (moe_ep.mxfp8 *_torch functions) always runs on the CPU.

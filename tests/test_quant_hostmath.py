@@ -21,7 +21,7 @@ from moe_ep.mxfp8 import E4M3_MAX, quantize_torch
 from moe_ep.mxfp8 import plan as quant_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_emu import CXX, INCLUDES, build_emulator, emulator, pipe_cases  # noqa: E402
+from quant_emu import CXX, INCLUDES, emulator, pipe_cases  # noqa: E402
 
 HARNESS = r"""
 #include <stdio.h>
@@ -233,19 +233,21 @@ def test_e4m3_decode(harness, tmp_path):
     assert torch.equal(got[ok].view(torch.int32), ref[ok].view(torch.int32))
 
 
-def test_emulator_builds(tmp_path):
+def test_emulator_builds(tmp_path_factory):
     """The emulator compiles and reports the kernel's own pipe (kernels/mxfp8/quantize.cu QuantCfg): 16-bit row-only
-    plain scales 5, the fused blocked mode of mx_quant_batch and column-only on request 4, fp32 and column-only 0."""
-    so = build_emulator(tmp_path)
+    plain scales 5, the fused blocked mode of mx_quant_batch and column-only on request 4, fp32 and column-only 0. (The
+    session's one build, shared with test_quant_cuda.py / test_quant_dual_cuda.py: the same work directory.)"""
+    so = emulator(tmp_path_factory.getbasetemp() / "mxemu")
+    assert so is not None
     got = [so.emu_pipe(*c) for c in ((1, 1, 0, -1), (1, 2, 2, -1), (2, 0, 3, 4), (1, 0, 3, -1), (0, 1, 0, -1))]
     assert got == [5, 4, 4, 0, 0]
 
 
-def test_kernel_pipe_matches_host(tmp_path):
+def test_kernel_pipe_matches_host(tmp_path_factory):
     """quant_plan.effective_pipe (grid, shared memory and CTA size are sized from it) == the pipe
-    kernels/mxfp8/quantize.cu's QuantCfg compiles, for every mx_quant / mx_quant_batch instantiation the launchers can
-    name."""
-    so = emulator(tmp_path)
+    kernels/mxfp8/quantize.cu's QuantCfg compiles, for every mx_quant / mx_quant_batch instantiation the launchers
+    can name."""
+    so = emulator(tmp_path_factory.getbasetemp() / "mxemu")
     bad = []
     for i, r, c, q in pipe_cases():
         es = 4 if i in (0, 3, 4, 5) else 2  # fp32 and the SwiGLU codes stage fp32 (quant_plan.quant_plan)

@@ -4,8 +4,9 @@ launch/plot_train.py on a committed log (tests/data/train_tiny_log.json: ``torch
 launch/train.py --preset tiny --steps 30 --no-progress --data-bytes 4000000 --log-json tests/data/train_tiny_log.json``
 on CPU).
 
-Most tests launch ``python -m torch.distributed.run`` (torchrun) as a subprocess, exactly as a user would, and read
-the JSON log. Sizes are the "tiny" preset so the whole file takes about a minute on 2 cores.
+Most tests launch ``python -m torch.distributed.run`` (torchrun) as a subprocess, exactly as a user would (one
+process: ``python launch/train.py``, which train.py runs as a world of one), and read the JSON log. Sizes are the
+"tiny" preset; a run with the same arguments as an earlier one in the session is read back, not run again.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,18 +22,11 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests._train_runs import ENV, RUNS, TRAIN
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "launch" / "train.py"
 PLOT = REPO / "launch" / "plot_train.py"
 TINY_LOG = REPO / "tests" / "data" / "train_tiny_log.json"
-# CUDA_VISIBLE_DEVICES="": the CPU/gloo path even on a GPU machine; one thread per rank (2-core CI).
-ENV = dict(
-    os.environ,
-    CUDA_VISIBLE_DEVICES="",
-    OMP_NUM_THREADS="1",
-    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-)
 
 
 def _script(path: Path):
@@ -47,41 +40,52 @@ def _script(path: Path):
 def run_train(tmp_path: Path, nproc: int, *args: str, name: str = "log", default_log: str | None = None) -> dict:
     """Run launch/train.py on ``nproc`` CPU processes; return its JSON log (fails with the output on error).
 
-    default_log: None passes ``--log-json tmp_path/<name>.json``; a variant name runs without ``--log-json`` in
-    ``tmp_path`` and reads the one default log ``runs/tiny_<variant>_<timestamp>.json`` there."""
-    log = tmp_path / f"{name}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(TRAIN),
-        "--preset",
-        "tiny",
-        "--no-progress",
-        "--data-bytes",
-        "4000000",
-        *(["--log-json", str(log)] if default_log is None else []),
-        *args,
-    ]
-    cwd = REPO if default_log is None else tmp_path
-    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
-    if proc.returncode:
-        pytest.fail(f"train.py failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    default_log: None passes ``--log-json``; a variant name runs without ``--log-json`` in a folder of its own and
+    reads the one default log ``runs/tiny_<variant>_<timestamp>.json`` there. Runs are tests/_train_runs.py's: one
+    launch per distinct (nproc, default_log, args) in the session, shared by the tests that ask for the same one and
+    maybe started early in the background (``PREFETCH``). ``tmp_path`` / ``name`` only label the call."""
+    r = RUNS.get((nproc, default_log, *args))
+    if r.returncode:
+        pytest.fail(f"train.py {name} failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
+    log = r.where
     if default_log is not None:
-        found = sorted((tmp_path / "runs").glob(f"tiny_{default_log}_*.json"))
-        assert len(found) == 1, (found, proc.stdout[-2000:])
+        found = sorted((r.where / "runs").glob(f"tiny_{default_log}_*.json"))
+        assert len(found) == 1, (found, r.stdout[-2000:])
         stamp = found[0].stem.removeprefix(f"tiny_{default_log}_")
         assert len(stamp) == 15 and stamp[8] == "-" and stamp.replace("-", "").isdigit(), found[0]  # YYYYmmdd-HHMMSS
         log = found[0]
     return json.loads(log.read_text())
 
 
+# The arguments of the runs below, shared with PREFETCH (the runs each test needs, started in the background when
+# the test is selected; longest first).
+TWO_RANKS = ("--steps", "20", "--log-every", "5")
+CAPACITY = ("--steps", "4", "--log-every", "2", "--capacity-factor", "0.5", "--profile-step", "1")
+EP_COMMON = ("--steps", "4", "--log-every", "2", "--aux-loss-coef", "0")
+ONE_PROCESS = (*EP_COMMON, "--batch-size", "8")
+TT_COMMON = ("--steps", "6", "--log-every", "3", "--aux-loss-coef", "0")
+TT_REF = ("--steps", "1", "--aux-loss-coef", "0", "--no-quantize", "--batch-size", "8")
+PREFETCH: dict[str, list[tuple]] = {
+    "test_ep_fsdp_matches_one_process": [
+        (4, None, *EP_COMMON, "--batch-size", "2", "--ep", "2"),
+        (1, None, *ONE_PROCESS),
+    ],
+    "test_compile_matches_eager": [(1, None, *ONE_PROCESS, "--compile"), (1, None, *ONE_PROCESS)],
+    "test_torchtitan_baseline": [
+        (2, None, *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "4"),
+        (1, "torchtitan", *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "8"),
+        (1, None, *TT_REF),
+    ],
+    "test_train_two_ranks_loss_decreases": [(2, None, *TWO_RANKS)],
+    "test_activation_checkpointing_changes_nothing": [(2, None, *TWO_RANKS, "--ac"), (2, None, *TWO_RANKS)],
+    "test_train_capacity_factor_logs_drops": [(2, None, *CAPACITY)],
+}
+
+
 def test_train_two_ranks_loss_decreases(tmp_path: Path) -> None:
     """2 ranks, EP=2: finite loss that clearly drops; the log carries what the report needs."""
     steps = 20
-    log = run_train(tmp_path, 2, "--steps", str(steps), "--log-every", "5")
+    log = run_train(tmp_path, 2, *TWO_RANKS)
     losses = log["loss"]
     assert len(losses) == steps and len(log["aux_loss"]) == steps
     assert all(math.isfinite(x) for x in losses + log["aux_loss"]), losses
@@ -106,7 +110,7 @@ def test_train_two_ranks_loss_decreases(tmp_path: Path) -> None:
 
 def test_train_capacity_factor_logs_drops(tmp_path: Path) -> None:
     """--capacity-factor < 1 drops slots; the log sums them per window (over ranks, layers and steps)."""
-    log = run_train(tmp_path, 2, "--steps", "4", "--log-every", "2", "--capacity-factor", "0.5", "--profile-step", "1")
+    log = run_train(tmp_path, 2, *CAPACITY)
     prof = log["profile"]  # step 1 recorded: its top ops by self time (CPU here), summing to at most the total
     assert prof["top"] and all(r["ms"] > 0 and r["count"] > 0 for r in prof["top"])
     assert sum(r["ms"] for r in prof["top"]) <= prof["device_ms"] + 1e-6
@@ -128,9 +132,8 @@ def test_ep_fsdp_matches_one_process(tmp_path: Path) -> None:
     AdamW is blind to a constant scale on one tensor's gradient, so the losses alone would not catch expert
     grads divided by dp instead of dp*ep: the logged global grad norm (before clipping) does.
     """
-    common = ("--steps", "4", "--log-every", "2", "--aux-loss-coef", "0")
-    one = run_train(tmp_path, 1, *common, "--batch-size", "8", name="one")
-    four = run_train(tmp_path, 4, *common, "--batch-size", "2", "--ep", "2", name="four")
+    one = run_train(tmp_path, 1, *ONE_PROCESS, name="one")
+    four = run_train(tmp_path, 4, *EP_COMMON, "--batch-size", "2", "--ep", "2", name="four")
     assert (four["world_size"], four["ep"], four["dp"]) == (4, 2, 2)
     assert four["config"]["args"]["expert_gather"] == "fp8"  # experts gathered over dp=2 in the layer's FP8
     assert one["loss"] == pytest.approx(four["loss"], abs=1e-4), (one["loss"], four["loss"])
@@ -156,10 +159,9 @@ def test_torchtitan_baseline(tmp_path: Path) -> None:
     reason = _cpu_grouped_mm_missing()
     if reason:
         pytest.skip(reason)
-    common = ("--steps", "6", "--log-every", "3", "--aux-loss-coef", "0")
-    two = run_train(tmp_path, 2, *common, "--baseline", "torchtitan", "--batch-size", "4", name="tt2")
-    one = run_train(tmp_path, 1, *common, "--baseline", "torchtitan", "--batch-size", "8", default_log="torchtitan")
-    ref = run_train(tmp_path, 1, "--steps", "1", "--aux-loss-coef", "0", "--no-quantize", "--batch-size", "8")
+    two = run_train(tmp_path, 2, *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "4", name="tt2")
+    one = run_train(tmp_path, 1, *TT_COMMON, "--baseline", "torchtitan", "--batch-size", "8", default_log="torchtitan")
+    ref = run_train(tmp_path, 1, *TT_REF)
     assert (two["variant"], two["backend"], two["quantize"], two["ep"]) == ("torchtitan", None, False, 2)
     assert ref["variant"] == "reference_bf16"
     for log in (one, two):
@@ -231,11 +233,14 @@ def test_presets_parse(monkeypatch) -> None:
 
 
 def test_bad_ep_under_torchrun_fails_fast(tmp_path: Path) -> None:
-    """Under torchrun every rank fails in argument parsing (no collective, so no hang) and says why."""
+    """Under torchrun every rank fails in argument parsing (no collective, so no hang) and rank 0 alone says why:
+    the message appears once, and torchrun's report names rank 0's exit code 2 as the root cause."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN)]
     proc = subprocess.run([*cmd, "--ep", "3"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "argument --ep: 3 does not divide the world size 2" in proc.stderr
+    assert proc.stderr.count("argument --ep: 3 does not divide the world size 2") == 1, proc.stderr
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert "rank      : 0" in root_cause and "exitcode  : 2" in root_cause, proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
@@ -280,7 +285,7 @@ def _fsdp_cuda_path(rank: int, world: int) -> None:
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, norms = [], []
-        for step in range(3):
+        for step in range(2):  # the second step runs on the weights the first optimizer step changed
             tok = torch.randint(0, 256, (2 * world, 17), generator=torch.Generator().manual_seed(step))
             tok = tok[2 * rank : 2 * rank + 2]
             loss, aux = model(tok[:, :-1], tok[:, 1:])
@@ -297,7 +302,7 @@ def _fsdp_cuda_path(rank: int, world: int) -> None:
         assert not seen
         cuda = train(ep, "auto", reshard)
         e_local = 4 // ep
-        assert len(seen) == 3 * 2, seen  # 3 steps x 2 layers, every one through the stand-in
+        assert len(seen) == 2 * 2, seen  # 2 steps x 2 layers, every one through the stand-in
         assert all(s == (False, (e_local, 128, 64), True) for s in seen), seen  # unsharded, no operand cache
         assert cuda == ref, (ep, reshard, cuda, ref)
         seen.clear()
@@ -367,9 +372,10 @@ def test_plot_without_matplotlib_says_so(tmp_path: Path, monkeypatch) -> None:
 # ------------------------------------------------------------------------------------ checkpointing and compile
 def test_activation_checkpointing_changes_nothing(tmp_path: Path) -> None:
     """--ac recomputes every block's attention half in the backward: on 2 ranks with FSDP2 the losses and grad norms
-    equal the run without it, bitwise (the same ops on the same inputs, fp32 on CPU)."""
-    plain = run_train(tmp_path, 2, "--steps", "4", "--log-every", "1", name="plain")
-    ac = run_train(tmp_path, 2, "--steps", "4", "--log-every", "1", "--ac", name="ac")
+    equal the run without it, bitwise (the same ops on the same inputs, fp32 on CPU). The run without it is
+    test_train_two_ranks_loss_decreases's (same arguments: read back when that test ran first)."""
+    plain = run_train(tmp_path, 2, *TWO_RANKS, name="plain")
+    ac = run_train(tmp_path, 2, *TWO_RANKS, "--ac", name="ac")
     assert ac["config"]["model"]["activation_checkpoint"] is True
     assert ac["loss"] == plain["loss"] and ac["grad_norm"] == plain["grad_norm"], (ac["loss"], plain["loss"])
 
@@ -377,10 +383,12 @@ def test_activation_checkpointing_changes_nothing(tmp_path: Path) -> None:
 def test_compile_matches_eager(tmp_path: Path) -> None:
     """--compile (attention and norms through torch.compile, the MoE eager) trains the same model: per-step losses
     within 1e-4 relative of eager. Not bitwise: the compiled kernels sum RMSNorm's mean and the attention's
-    reductions in another order (fp32 rounding, ~1e-7 relative per op), and 3 optimizer steps carry that along."""
-    eager = run_train(tmp_path, 1, "--steps", "3", "--log-every", "1", name="eager")
-    comp = run_train(tmp_path, 1, "--steps", "3", "--log-every", "1", "--compile", name="compiled")
-    assert len(comp["loss"]) == 3 and all(math.isfinite(v) for v in comp["loss"])
+    reductions in another order (fp32 rounding, ~1e-7 relative per op), and 4 optimizer steps carry that along.
+    The eager run is test_ep_fsdp_matches_one_process's one-process run (same arguments: read back when that test
+    ran first)."""
+    eager = run_train(tmp_path, 1, *ONE_PROCESS, name="eager")
+    comp = run_train(tmp_path, 1, *ONE_PROCESS, "--compile", name="compiled")
+    assert len(comp["loss"]) == 4 and all(math.isfinite(v) for v in comp["loss"])
     assert comp["loss"] == pytest.approx(eager["loss"], rel=1e-4)
 
 

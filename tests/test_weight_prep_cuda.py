@@ -3,7 +3,7 @@
 
 * CPU: the reference ``prepare_weight_operands_torch`` is the MXFP8 definition (fake quantization along K for
   fprop, along N for dgrad, k permuted, zero padded); argument checks; the launch plan; and the kernel source itself
-  compiled as C++ and run on the CPU (one OS thread per CUDA thread, the shim of tests/quant_emu.py) against the
+  compiled as C++ and run on the CPU (one fiber per CUDA thread, the shim of tests/quant_emu.py) against the
   reference on awkward inputs. The emulator uses the real kernel text; only gemm_common.cuh's two PTX helpers
   (``e4m3x2_bits``, ``hmul2_bf16``) are replaced by bit models (those of tests/gemm_emu.py).
 * GPU (marker ``gpu``): the kernel's bytes equal ``prepare_weight_bf16(*quantize_weights_fused(w)[:2])`` /
@@ -178,7 +178,7 @@ extern "C" int emu_wp(int in, int gx, int gy, long long smem, const unsigned cha
     run_grid(gx, [&] { fn(w, wp, wtp, N, K, ktiles); }, gy, 256);
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
-    return 0;
+    return g_deadlock ? 6 : 0;
 }
 """
 
