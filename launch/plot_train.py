@@ -57,8 +57,12 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
         summary = log.get("summary") or {}
         windows = log.get("windows") or []
         tps = summary.get("tokens_per_sec_per_gpu")
-        if tps is None and windows:  # an unfinished run: the windows after the first, as the summary would
-            steady = windows[1:] or windows
+        prof = ((log.get("config") or {}).get("args") or {}).get("profile_step")
+        if windows and (tps is None or prof is not None):
+            # an unfinished run, or a run with a profiled step (whose window the profiler slows): the windows after
+            # the first without the profiled one, as train.py's summary counts them
+            steady = [w for w in windows[1:] if prof is None or not (w["step"] - w["steps"] <= prof < w["step"])]
+            steady = steady or windows[1:] or windows
             tps = sum(w["steps"] for w in steady) * log["tokens_per_rank_per_step"] / sum(w["seconds"] for w in steady)
         mem, kind = summary.get("max_memory_gib"), "gpu"
         if mem is None and windows and windows[-1].get("max_memory_gib") is not None:  # unfinished: rank 0's

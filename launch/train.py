@@ -818,7 +818,12 @@ def main(argv: list[str] | None = None) -> dict:
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     mem.update(zip(keys, peaks.tolist(), strict=True))
     # Throughput summary skips the first window (one-time setup: allocator, kernel compilation, caches).
-    steady = log["windows"][1:] or log["windows"]
+    # ... and the window of a profiled step (the profiler slows it)
+    prof_step = args.profile_step
+    steady = [
+        w for w in log["windows"][1:] if prof_step is None or not (w["step"] - w["steps"] <= prof_step < w["step"])
+    ]
+    steady = steady or log["windows"][1:] or log["windows"]
     tps = sum(w["steps"] for w in steady) * tokens_per_rank / sum(w["seconds"] for w in steady)
     total_dropped = sum(w["dropped_slots"] for w in log["windows"])
     log["summary"] = {
