@@ -1,7 +1,7 @@
 """CPU emulator of kernels/blockwise/quantize.cu (a test helper, not a test module): the real kernel source compiled as
-C++ and run with one OS thread per CUDA thread (CTAs in sequence; __syncthreads and warp shuffles on barriers), as
-tests/quant_emu.py does for the MXFP8 kernels. tests/test_blockwise_quant.py routes moe_ep.blockwise.cuda's launches
-for CPU tensors here. The host build has no __CUDA_ARCH__, so the PTX helpers take their host paths (software e4m3
+C++ and run on one OS thread, each CUDA thread of a CTA a cooperative fiber switched at its barriers (CTAs in
+sequence; __syncthreads and warp shuffles on barriers): tests/quant_emu.py's runtime for the MXFP8 kernels.
+tests/test_blockwise_quant.py routes moe_ep.blockwise.cuda's launches for CPU tensors here. The host build has no __CUDA_ARCH__, so the PTX helpers take their host paths (software e4m3
 conversions, exact IEEE division); the GPU tests check the device paths.
 """
 
@@ -12,6 +12,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from quant_emu import EMU_SHIM  # the cooperative-fiber runtime of the MXFP8 emulator (tests/ is on sys.path)
+
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 # every kernel folder on the include path (headers are included by bare name from common/ and their own folder)
 INCLUDES = [
@@ -19,13 +21,15 @@ INCLUDES = [
 ]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
+_FIBERS = EMU_SHIM[EMU_SHIM.index("// Cooperative CUDA threads") : EMU_SHIM.index("static EmuBarrier* g_cta;")]
+
 SHIM = r"""
+#include <ucontext.h>
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
 using std::max;
 using std::min;
@@ -41,7 +45,7 @@ static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) alignas(n)
-thread_local dim3 threadIdx, blockIdx;
+static dim3 threadIdx, blockIdx;  // the running fiber's; the scheduler swaps them
 static dim3 gridDim, blockDim;
 alignas(128) static unsigned char g_smem[128 * 1024];  // >= every launch's dynamic shared memory
 #define BW_DYN_SMEM(name) unsigned char* name = g_smem
@@ -55,8 +59,9 @@ static inline unsigned __vmaxu2(unsigned a, unsigned b) {
 static inline unsigned __vminu2(unsigned a, unsigned b) {
     return min(a & 0xFFFFu, b & 0xFFFFu) | (min(a >> 16, b >> 16) << 16);
 }
-static std::barrier<>* g_cta;
-static std::barrier<>* g_warp[16];
+FIBERS
+static EmuBarrier* g_cta;
+static EmuBarrier* g_warp[16];
 static uint64_t g_shfl[16][32];
 static inline void __syncthreads() { g_cta->arrive_and_wait(); }
 template <class T> static T shfl_impl(T v, int d, bool xr) {
@@ -76,19 +81,15 @@ template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_i
 
 template <class F> static void run_grid(int gx, int gy, int threads, F f) {
     gridDim.x = gx; gridDim.y = gy; blockDim.x = threads;
-    std::barrier<> cta(threads);
-    std::vector<std::barrier<>*> w;
-    for (int i = 0; i < threads / 32; ++i) w.push_back(new std::barrier<>(32));
+    EmuBarrier cta(threads);
+    std::vector<EmuBarrier> w(threads / 32, EmuBarrier(32));
     g_cta = &cta;
-    for (int i = 0; i < threads / 32; ++i) g_warp[i] = w[i];
-    std::vector<std::thread> th;
-    for (int t = 0; t < threads; ++t) th.emplace_back([&, t] {
-        threadIdx.x = t;
+    for (int i = 0; i < threads / 32; ++i) g_warp[i] = &w[i];
+    auto body = [&] {
         for (int y = 0; y < gy; ++y)
             for (int b = 0; b < gx; ++b) { blockIdx.x = b; blockIdx.y = y; f(); cta.arrive_and_wait(); }
-    });
-    for (auto& x : th) x.join();
-    for (auto* b : w) delete b;
+    };
+    emu_run_fibers(threads, [](void* p) { (*static_cast<decltype(body)*>(p))(); }, &body);
 }
 
 #define CU8(v) ((const unsigned char*)(intptr_t)(v))
@@ -107,6 +108,7 @@ extern "C" int emu_run(int kid, int gx, int gy, int threads, long long smem, con
         default: return 1;
     }
     if (g_bad_threads) return 5;
+    if (g_deadlock) return 6;
     for (size_t i = (size_t)smem; i < sizeof(g_smem); ++i)
         if (g_smem[i] != 0xA5) return 2;
     return 0;
@@ -155,7 +157,7 @@ def build(workdir: Path):
     )
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / "bw_emu.cpp"
-    src.write_text(SHIM.replace("KERNEL_CASES", cases))
+    src.write_text(SHIM.replace("FIBERS", _FIBERS).replace("KERNEL_CASES", cases))
     lib = workdir / "libbwemu.so"
     cmd = [CXX, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
     subprocess.run([*cmd, *INCLUDES, str(src), "-o", str(lib)], check=True)
@@ -191,6 +193,7 @@ def install(monkeypatch, workdir: Path) -> list[str]:
         assert rc != 2, f"{name} wrote shared memory past the {smem} bytes the launcher allocated"
         assert rc != 3, f"{name}: {smem} bytes of shared memory, more than the emulator has"
         assert rc != 5, f"{name}: launched with {threads} threads per CTA, not the kernel's"
+        assert rc != 6, f"{name}: a barrier no emulated thread could pass (deadlock)"
         assert rc == 0, f"emulator failed on {name} (rc {rc})"
         names.append(name)
 
