@@ -1,7 +1,8 @@
 """CPU emulator of kernels/blockwise/quantize.cu (a test helper, not a test module): the real kernel source compiled as
 C++ and run on one OS thread, each CUDA thread of a CTA a cooperative fiber switched at its barriers (CTAs in
 sequence; __syncthreads and warp shuffles on barriers): tests/quant_emu.py's runtime for the MXFP8 kernels.
-tests/test_blockwise_quant.py routes moe_ep.blockwise.cuda's launches for CPU tensors here. The host build has no __CUDA_ARCH__, so the PTX helpers take their host paths (software e4m3
+tests/test_blockwise_quant.py routes moe_ep.blockwise.cuda's launches for CPU tensors here. The host build has no
+__CUDA_ARCH__, so the PTX helpers take their host paths (software e4m3
 conversions, exact IEEE division); the GPU tests check the device paths.
 """
 
