@@ -1,7 +1,9 @@
 """The experts: SwiGLU MLPs over expert-sorted rows, grouped by local expert.
 
-:mod:`.reference` (pure PyTorch, the specification: ``expert_mlp`` and its MXFP8 recipe), :mod:`.gemm` (launchers of
-the MXFP8 grouped GEMMs), :mod:`.operands` (weight and activation operands, their references), :mod:`.weight_cache`
-(the weights' operands once per weight version) and :mod:`.cuda` (``expert_mlp_cuda``, the expert MLP on the
-kernels). GPU packages are imported lazily.
+:mod:`.reference` (pure PyTorch, the specification: ``expert_mlp``, quantizing generically from the recipe table),
+:mod:`.base` (``ExpertGemms``, the seam the layer calls, and ``gemms_for(device, recipe)``), :mod:`.bf16` (the bf16
+baseline on ``torch._grouped_mm``), :mod:`.weight_cache` (weight operands once per weight version),
+:mod:`.fsdp_mxfp8` / :mod:`.fsdp_blockwise` (FSDP2 all-gathers of the expert weights in FP8) and one folder per
+architecture: :mod:`.sm90` (Hopper: the MXFP8 GEMMs and expert MLP in ``gemm`` / ``operands`` / ``mlp``, the blockwise
+ones in ``blockwise_gemm`` / ``blockwise``). GPU packages are imported lazily.
 """

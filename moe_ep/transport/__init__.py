@@ -1,9 +1,11 @@
 """Token transport between EP ranks: layout, dispatch, combine.
 
-One interface (:class:`Transport`) with two implementations: :data:`REFERENCE` (pure PyTorch over
-``torch.distributed.all_to_all_single``, the specification) and :data:`CUDA` (NVSHMEM kernels, one node). Use either
-through :func:`dispatch` / :func:`combine` (``transport=``); the CUDA runtime is created first with
-``moe_ep.transport.nvshmem.buffer.init_runtime``. GPU packages are imported lazily.
+One interface (:class:`Transport`) with one folder or module per implementation: :data:`REFERENCE`
+(:mod:`.reference`: pure PyTorch over ``torch.distributed.all_to_all_single``, the specification; it also serves
+``transport="nccl"``) and :data:`CUDA` (:mod:`.nvshmem`: NVSHMEM kernels, one node, its ``Buffer``). The layer reads
+``TRANSPORTS[cfg.transport]``; a new transport is a sibling implementing :class:`Transport` plus one entry there. Use
+either through :func:`dispatch` / :func:`combine` (``transport=``); the NVSHMEM runtime is created first with
+``moe_ep.transport.nvshmem.buffer.init_runtime`` (or ``Buffer.for_group``). GPU packages are imported lazily.
 """
 
 from .autograd import Transport, combine, dispatch
