@@ -96,77 +96,19 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import relaunch_under_torchrun, round_order  # noqa: E402
-from torchtitan_moe import PhaseRecorder, TorchtitanMoE, torchao_fp8_rowwise_info  # noqa: E402
+from layer_report import BF16_BOUND, FP8_ROWWISE_BOUND, MXFP8_BOUND, TARGETS, phase_groups, print_table, ratios  # noqa: E402, F401
+from layer_timing import SPIN_CYCLES, profiled_step, timed_step  # noqa: E402
+from layer_variants import DRY_VARIANTS, FP8, PEER_FP8, SKIPPED, VARIANTS, Variant, build_variants, check_step  # noqa: E402, F401
+from torchtitan_moe import TorchtitanMoE, torchao_fp8_rowwise_info  # noqa: E402
 
 SHAPES = {
     "dsv3": dict(T=4096, H=7168, F=2048, E=256, K=8),
     "small": dict(T=8192, H=2048, F=768, E=128, K=8),
     "tiny": dict(T=48, H=64, F=64, E=8, K=3),  # --dry-cpu
 }
-VARIANTS = (
-    "torchtitan_bf16",
-    "torchtitan_fp8_rowwise",
-    "bf16",
-    "mxfp8",
-    "mxfp8_cached",
-    "blockwise",
-    "blockwise_cached",
-)
-FP8 = ("mxfp8", "mxfp8_cached", "blockwise", "blockwise_cached")  # the quantized variants (recipe = name w/o "_cached")
-PEER_FP8 = ("torchtitan_fp8_rowwise",)  # FP8 peers (torchtitan's layer on torchao's FP8 grouped GEMMs)
-DRY_VARIANTS = ("reference_bf16", "torchtitan_bf16", "torchtitan_bf16_align8")
 DEFAULT_OUT = "benchmarks/results/bench_layer.json"
-# The issue's targets. Speedups: baseline fwd_bwd_ms / variant fwd_bwd_ms (>= target); memory: act_mem_gb ratio (<=).
-TARGETS = {  # issue 40 (one H200, EP=1 with the per-rank expert load of EP=4)
-    "dsv3": {
-        "mxfp8_vs_bf16": 0.95,
-        "mxfp8_cached_vs_bf16": 1.0,
-        "blockwise_vs_bf16": 1.3,
-        "blockwise_vs_torchtitan_bf16": 1.8,
-        "blockwise_cached_vs_bf16": 1.5,
-        "blockwise_cached_vs_torchtitan_bf16": 2.1,
-        "blockwise_vs_torchtitan_fp8_rowwise": 1.6,
-        "saved_blockwise_over_bf16": 0.7,
-    },
-    "small": {
-        "mxfp8_vs_bf16": 0.95,
-        "mxfp8_cached_vs_bf16": 1.0,
-        "blockwise_vs_bf16": 1.15,
-        "blockwise_vs_torchtitan_bf16": 2.0,
-        "blockwise_vs_torchtitan_fp8_rowwise": 1.6,
-        "saved_blockwise_over_bf16": 0.7,
-    },
-}
-BF16_BOUND = 3e-2  # norm-relative, bf16 variants against each other
-MXFP8_BOUND = 0.15  # norm-relative, MXFP8 variants against bf16 (see the module docstring)
-FP8_ROWWISE_BOUND = MXFP8_BOUND  # norm-relative, torchtitan_fp8_rowwise against bf16 (see the module docstring)
-SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spinning before each timed step: the CPU enqueues the step meanwhile
-PHASE_GROUPS = {
-    "router": "router",
-    "router_bwd": "router",
-    "layout": "layout",
-    "dispatch": "dispatch",
-    "dispatch_bwd": "dispatch",
-    "combine": "combine",
-    "combine_bwd": "combine",
-    "weight_prep": "weight_prep",
-    "experts_fwd": "gemms",
-    "experts_bwd": "gemms",
-    "gemm1": "gemms",
-    "gemm2": "gemms",
-    "dgrad2": "gemms",
-    "wgrad2": "gemms",
-    "dgrad1": "gemms",
-    "wgrad1": "gemms",
-    "swiglu_quant": "swiglu_quant",
-    "quant_dy": "swiglu_quant",
-    "swiglu_bwd_quant": "swiglu_quant",
-    "x_colwise": "swiglu_quant",
-}
-GROUPS = ("router", "layout", "dispatch", "gemms", "swiglu_quant", "combine", "weight_prep", "other")
 GB = 1e9
 MAX = dist.ReduceOp.MAX
-SKIPPED = "skipped: a package it needs is missing"  # prefix of a skipped variant's error
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,238 +116,9 @@ SKIPPED = "skipped: a package it needs is missing"  # prefix of a skipped varian
 # ---------------------------------------------------------------------------------------------------------
 
 
-class Variant:
-    """One timed configuration: a layer (shared by mxfp8 and mxfp8_cached) and how a step runs on it."""
-
-    def __init__(self, name: str, module: torch.nn.Module, kind: str, clear_cache: bool = False) -> None:
-        self.name, self.module, self.kind, self.clear_cache = name, module, kind, clear_cache
-
-    def prepare(self) -> None:
-        """Before every step: gradients to None (each step allocates its own), the weight cache cleared for mxfp8."""
-        for p in self.module.parameters():
-            p.grad = None
-        if self.clear_cache:
-            self.module.experts.weight_cache.clear()
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.kind == "torchtitan":
-            return self.module(x), None
-        return self.module(x)
-
-    @staticmethod
-    def backward(y: torch.Tensor, aux: torch.Tensor | None, g: torch.Tensor, with_aux: bool = True) -> None:
-        if aux is not None and with_aux:
-            torch.autograd.backward([y, aux], [g, torch.ones_like(aux)])
-        else:
-            y.backward(g)
-
-    def grads(self) -> dict[str, torch.Tensor | None]:
-        """Parameter gradients in moe_ep's layout (dw13 [E_l, 2F, H], dw2 [E_l, H, F], drouter [E, H])."""
-        if self.kind == "torchtitan":
-            return self.module.grads_moe_ep_layout()
-        m = self.module
-        return {"dw13": m.experts.w13.grad, "dw2": m.experts.w2.grad, "drouter": m.router.weight.grad}
-
-    def dropped(self) -> int:
-        """Slots this rank dropped in the last forward (torchtitan is dropless by construction)."""
-        return 0 if self.kind == "torchtitan" else int(self.module.num_dropped)  # cuda: a host read
-
-    def grad_bytes(self, x: torch.Tensor) -> int:
-        return sum(p.numel() * p.element_size() for p in self.module.parameters()) + x.numel() * x.element_size()
-
-
-def _moe_cfg(dims: dict, backend: str, recipe: str, transport: str):
-    from moe_ep import MoEConfig  # noqa: PLC0415
-
-    kw = dict(
-        hidden=dims["H"],
-        ffn_hidden=dims["F"],
-        num_experts=dims["E"],
-        top_k=dims["K"],
-        max_tokens_per_rank=dims["T"],
-        capacity_factor=None,
-        recipe=recipe,
-        backend=backend,
-    )
-    if backend == "cuda":
-        kw["transport"] = transport
-    return MoEConfig(**kw)
-
-
-@torch.no_grad()
-def _copy_params(dst: torch.nn.Module, src: torch.nn.Module) -> None:
-    """Copy every parameter of ``src`` into the same-named parameter of ``dst`` (two moe_ep.MoE layers)."""
-    s = dict(src.named_parameters())
-    for name, p in dst.named_parameters():
-        if name not in s or s[name].shape != p.shape:
-            raise ValueError(f"parameter {name} {tuple(p.shape)} has no same-shaped twin in the source layer")
-        p.copy_(s[name])
-
-
-def build_variants(names: list[str], dims: dict, mesh, dev: torch.device, args, errors: dict) -> dict[str, Variant]:
-    """The layers of one shape, every variant on the same weights. A variant whose layer fails to build on any rank is
-    left out on every rank (``errors[name]``)."""
-    from moe_ep import MoE  # noqa: PLC0415
-
-    def make(backend: str, recipe: str) -> torch.nn.Module:
-        cfg = _moe_cfg(dims, backend, recipe, args.transport)
-        return MoE(cfg, mesh, device=dev, dtype=torch.bfloat16, seed=args.seed)
-
-    layers: dict[str, torch.nn.Module] = {}
-    built: dict[str, Variant] = {}
-    source = None  # the layer whose weights every other layer copies
-    ep_group = mesh["ep"].get_group() if mesh["ep"].size() > 1 else None
-    for name in names:
-        try:
-            if name in FP8:  # x and x_cached share one layer
-                recipe = name.removesuffix("_cached")
-                if recipe not in layers:
-                    layers[recipe] = make("cuda", recipe)
-                mod, kind = layers[recipe], "moe_ep"
-            elif name == "bf16":
-                mod, kind = make("cuda", "bf16"), "moe_ep"
-            elif name == "reference_bf16":
-                mod, kind = make("reference", "bf16"), "moe_ep"
-            elif name == "torchtitan_fp8_rowwise":
-                mod = TorchtitanMoE(
-                    dims["H"],
-                    dims["F"],
-                    dims["E"],
-                    dims["K"],
-                    ep_group,
-                    gemm="fp8_rowwise",
-                    device=dev,
-                    dtype=torch.bfloat16,
-                )
-                kind = "torchtitan"
-            elif name.startswith("torchtitan_bf16"):
-                align = 1 if name == "torchtitan_bf16" else int(name.removeprefix("torchtitan_bf16_align"))
-                mod = TorchtitanMoE(
-                    dims["H"], dims["F"], dims["E"], dims["K"], ep_group, align=align, device=dev, dtype=torch.bfloat16
-                )
-                kind = "torchtitan"
-            else:
-                raise ValueError(f"unknown variant {name!r}")
-            if kind == "moe_ep" and source is None:
-                source = mod
-            ok = 1
-        except ImportError as exc:  # an optional peer's package (torchao) is missing: skipped, not failed
-            errors[name] = f"{SKIPPED} (build: ImportError: {str(exc)[:400]})"
-            ok = 0
-        except Exception as exc:  # noqa: BLE001
-            errors[name] = f"build: {type(exc).__name__}: {str(exc)[:400]}"
-            ok = 0
-        flag = torch.tensor([ok], device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if ok and not flag.item():
-            errors.setdefault(name, "build failed on another rank")
-        if flag.item():
-            built[name] = Variant(name, mod, kind, clear_cache=name in ("mxfp8", "blockwise"))
-    if source is None and built:  # only torchtitan variants: a reference-backend layer supplies the weights
-        source = make("reference", "bf16")
-    done = {id(source)}
-    for v in built.values():
-        if id(v.module) in done:  # the source itself, or mxfp8's layer again for mxfp8_cached
-            continue
-        done.add(id(v.module))
-        if v.kind == "torchtitan":
-            v.module.load_from_moe_ep(source)
-        else:
-            _copy_params(v.module, source)
-    return built
-
-
 # ---------------------------------------------------------------------------------------------------------
 # measurement
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _stamp(dev: torch.device):
-    if dev.type == "cuda":
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-    return time.perf_counter()
-
-
-def _ms(a, b, dev: torch.device) -> float:
-    return a.elapsed_time(b) if dev.type == "cuda" else (b - a) * 1e3
-
-
-def _align_ranks(dev: torch.device) -> None:
-    """Every rank's previous work done and the ranks within a collective of each other."""
-    flag = torch.zeros(1, device=dev)
-    dist.all_reduce(flag)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed_step(v: Variant, x: torch.Tensor, g: torch.Tensor, dev: torch.device) -> dict:
-    """One forward + backward of ``v``: times (ms) and memory (bytes; None on the CPU)."""
-    cuda = dev.type == "cuda"
-    v.prepare()
-    x.grad = None
-    _align_ranks(dev)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        m0 = torch.cuda.memory_allocated()
-        torch.cuda._sleep(SPIN_CYCLES)
-    t0 = _stamp(dev)
-    y, aux = v.forward(x)
-    t1 = _stamp(dev)
-    m1 = torch.cuda.memory_allocated() if cuda else None
-    v.backward(y, aux, g)
-    t2 = _stamp(dev)
-    del y, aux
-    if cuda:
-        t2.synchronize()
-    out = {"fwd_ms": _ms(t0, t1, dev), "fwd_bwd_ms": _ms(t0, t2, dev), "dropped": v.dropped()}
-    if cuda:
-        out.update(act=torch.cuda.max_memory_allocated() - m0, saved=m1 - m0)
-    return out
-
-
-def profiled_step(v: Variant, x: torch.Tensor, g: torch.Tensor, dev: torch.device) -> dict:
-    """One step with the phase marks on: {"phases": {name: ms}, "total_ms": events around the step} or an error."""
-    v.prepare()
-    x.grad = None
-    _align_ranks(dev)
-    if dev.type == "cuda":
-        torch.cuda._sleep(SPIN_CYCLES)  # as in the timed steps: the CPU runs ahead, the phases are GPU time
-    if v.kind == "torchtitan":
-        rec = PhaseRecorder(dev)
-        v.module.phases = rec
-        t0 = _stamp(dev)
-        try:
-            y, aux = v.forward(x)
-            v.backward(y, aux, g)
-            rec.mark("router_bwd")
-        finally:
-            v.module.phases = None
-        timer = rec
-    else:
-        if dev.type != "cuda":
-            return {"phases": {}, "error": "moe_ep.profiling records CUDA events: no phases on the CPU"}
-        from moe_ep import profiling  # noqa: PLC0415
-
-        t0 = _stamp(dev)
-        with profiling.record_phases() as timer:
-            y, aux = v.forward(x)
-            v.backward(y, aux, g)
-            profiling.mark("router_bwd")
-    t1 = _stamp(dev)
-    del y, aux
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    ph = {k: float(val) for k, val in timer.summary().items()}
-    return {"phases": ph, "total_ms": _ms(t0, t1, dev)}
-
-
-def phase_groups(phases: dict[str, float]) -> dict[str, float]:
-    out = dict.fromkeys(GROUPS, 0.0)
-    for name, ms in phases.items():
-        out[PHASE_GROUPS.get(name, "other")] += ms
-    return out
 
 
 def _errs(got: torch.Tensor | None, ref: torch.Tensor | None) -> dict:
@@ -435,20 +148,6 @@ def _reduce(vals: list[float], op, dev: torch.device) -> list[float]:
 def _agree(ok: bool, dev: torch.device) -> bool:
     """True on every rank iff ``ok`` on every rank."""
     return bool(_reduce([float(ok)], dist.ReduceOp.MIN, dev)[0])
-
-
-def check_step(v: Variant, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """One forward + backward of y alone; the outputs and gradients the check compares."""
-    v.prepare()
-    x.grad = None
-    y, _aux = v.forward(x)
-    y.backward(g)
-    out = {"y": y.detach(), "dx": x.grad, **v.grads()}
-    del y, _aux
-    for p in v.module.parameters():
-        p.grad = None
-    x.grad = None
-    return out
 
 
 def routing_stats(src: torch.nn.Module, x: torch.Tensor, dims: dict, dev: torch.device) -> dict:
@@ -654,66 +353,6 @@ def _free(dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def ratios(shape: str, rows: list[dict]) -> dict:
-    """Speedups (baseline fwd_bwd_ms / variant's; > 1: the variant is faster) and activation-memory ratios of one
-    shape, with the issue's target where it sets one."""
-    by = {r["variant"]: r for r in rows if r.get("fwd_bwd_ms")}
-    tg = TARGETS.get(shape, {})
-    out: dict = {}
-    # ours against bf16 and torchtitan_bf16; ours against the FP8 peer (torchtitan on torchao's FP8 rowwise GEMMs);
-    # the peer against torchtitan_bf16 (what FP8 gives the torchtitan layer)
-    pairs = [(a, b) for a in (*FP8, "bf16") for b in ("bf16", "torchtitan_bf16")]
-    pairs += [(a, b) for a in (*FP8, "bf16") for b in PEER_FP8] + [(b, "torchtitan_bf16") for b in PEER_FP8]
-    for a, b in pairs:
-        if a == b or a not in by or b not in by:
-            continue
-        key = f"{a}_vs_{b}"
-        m = by[b]["fwd_bwd_ms"] / by[a]["fwd_bwd_ms"]
-        t = tg.get(key)
-        out[key] = {"measured": m, "target": t, "met": None if t is None else m >= t}
-        out[f"{key}_fwd"] = {"measured": by[b]["fwd_ms"] / by[a]["fwd_ms"], "target": None, "met": None}
-    for a in FP8:
-        for field in ("act_mem_gb", "saved_gb"):
-            if a in by and "bf16" in by and by[a].get(field) and by["bf16"].get(field):
-                key = f"{'act_mem' if field == 'act_mem_gb' else 'saved'}_{a}_over_bf16"
-                m = by[a][field] / by["bf16"][field]
-                t = tg.get(key)
-                out[key] = {"measured": m, "target": t, "met": None if t is None else m <= t}
-    for key, t in tg.items():  # targets whose variants did not run
-        out.setdefault(key, {"measured": None, "target": t, "met": None})
-    return out
-
-
-def print_table(results: list[dict], meta: dict) -> None:
-    def f(v, fmt):
-        return format(v, fmt) if isinstance(v, (int, float)) else "-"
-
-    head = (
-        f"{'shape':6s} {'variant':24s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'act GB':>7s} {'saved':>6s} {'wprep':>6s} "
-        f"{'drop':>4s} {'err':>8s}  phases (ms): " + " ".join(GROUPS)
-    )
-    print(head)
-    for r in results:
-        pg = r.get("phase_groups") or {}
-        print(
-            f"{r['shape']:6s} {r['variant']:24s} {f(r.get('fwd_ms'), '8.3f'):>8s} {f(r.get('fwd_bwd_ms'), '8.3f'):>8s} "
-            f"{f(r.get('act_mem_gb'), '7.2f'):>7s} {f(r.get('saved_gb'), '6.2f'):>6s} "
-            f"{f(r.get('weight_prep_ms'), '6.3f'):>6s} {f(r.get('dropped_slots'), 'd'):>4s} "
-            f"{f((r.get('check') or {}).get('max_rel_err'), '8.2e'):>8s}  "
-            + " ".join(f(pg.get(k), ".3f") for k in GROUPS)
-            + (f"  ERROR {r['error']}" if "error" in r else "")
-        )
-    for shape, rs in meta["ratios"].items():
-        parts = []
-        for k, v in rs.items():
-            if k.endswith("_fwd"):
-                continue
-            m = "-" if v["measured"] is None else f"{v['measured']:.3f}"
-            t = "" if v["target"] is None else f" (target {v['target']}: {'met' if v['met'] else 'NOT met'})"
-            parts.append(f"{k} {m}{t}")
-        print(f"[{shape}] " + "; ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------------------
