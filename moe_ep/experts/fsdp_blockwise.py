@@ -45,7 +45,7 @@ import torch
 
 from .. import mxfp8
 from ..blockwise.reference import B, dequantize_weight_torch, quantize_weight_torch
-from .fsdp_mxfp8 import MXFP8ExpertShard
+from .fsdp_mxfp8 import MXFP8ExpertShard, gathered_weight_dispatch
 
 aten = torch.ops.aten
 U8 = torch.uint8
@@ -169,20 +169,12 @@ class BlockwiseExpertWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         me = args[0]
-        packet = func.overloadpacket
-        # detach / alias, and FSDP2's as_strided to the parameter's own (contiguous) shape: the same bytes
-        if packet in (aten.detach, aten.alias) or (
-            packet in (aten.as_strided, aten.view) and tuple(args[1]) == tuple(me.shape)
-        ):
-            return BlockwiseExpertWeight(me._data_u8, me._scale_u8, me.shape, me.dtype)
-        if packet in (aten.zeros_like, aten.empty_like):
-            return torch.zeros(me.shape, dtype=kwargs.get("dtype") or me.dtype, device=me.device)
-        raise NotImplementedError(
-            f"{func} on a blockwise-gathered expert weight: it holds e4m3 bytes only and is read by the MoE layer's "
-            "blockwise expert GEMMs (HopperBlockwise.prepare, the reference's quantize_operand)"
-        )
+        return gathered_weight_dispatch(
+            func, args, kwargs, lambda: BlockwiseExpertWeight(me._data_u8, me._scale_u8, me.shape, me.dtype),
+            "a blockwise-gathered expert weight: it holds e4m3 bytes only and is read by the MoE layer's blockwise "
+            "expert GEMMs (HopperBlockwise.prepare, the reference's quantize_operand)",
+        )  # fmt: skip
 
     def operands(self, dgrad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(data e4m3 [L, N, K] (a view of the gathered bytes), data_t e4m3 [L, K, N] (their transpose, a new buffer;

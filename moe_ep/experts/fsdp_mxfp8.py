@@ -203,6 +203,21 @@ def quantize_packed(w: torch.Tensor) -> torch.Tensor:
     return buf
 
 
+def gathered_weight_dispatch(func, args, kwargs, same, what: str):
+    """``__torch_dispatch__`` of a weight gathered in FP8 (MXFP8 or blockwise): detach / alias and FSDP2's
+    as_strided or view to the parameter's own (contiguous) shape give ``same()`` (the same bytes), zeros_like /
+    empty_like a plain zero tensor of its shape and dtype; any other op raises naming ``what``."""
+    me = args[0]
+    packet = func.overloadpacket
+    if packet in (aten.detach, aten.alias) or (
+        packet in (aten.as_strided, aten.view) and tuple(args[1]) == tuple(me.shape)
+    ):
+        return same()
+    if packet in (aten.zeros_like, aten.empty_like):
+        return torch.zeros(me.shape, dtype=(kwargs or {}).get("dtype") or me.dtype, device=me.device)
+    raise NotImplementedError(f"{func} on {what}")
+
+
 class MXFP8ExpertWeight(torch.Tensor):
     """An expert weight W [L, N, K] as gathered in MXFP8: both quantizations, no high-precision copy.
 
@@ -238,20 +253,12 @@ class MXFP8ExpertWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         me = args[0]
-        packet = func.overloadpacket
-        # detach / alias, and FSDP2's as_strided to the parameter's own (contiguous) shape: the same bytes
-        if packet in (aten.detach, aten.alias) or (
-            packet in (aten.as_strided, aten.view) and tuple(args[1]) == tuple(me.shape)
-        ):
-            return MXFP8ExpertWeight(me._buf, me.shape, me.dtype, me._ranks)
-        if packet in (aten.zeros_like, aten.empty_like):
-            return torch.zeros(me.shape, dtype=kwargs.get("dtype") or me.dtype, device=me.device)
-        raise NotImplementedError(
-            f"{func} on an MXFP8-gathered expert weight: it holds e4m3 bytes only and is read by the MoE layer's "
-            "expert GEMMs (moe_ep.experts.sm90.mlp.GEMMS.prepare, mxfp8.fake_quantize in the reference)"
-        )
+        return gathered_weight_dispatch(
+            func, args, kwargs, lambda: MXFP8ExpertWeight(me._buf, me.shape, me.dtype, me._ranks),
+            "an MXFP8-gathered expert weight: it holds e4m3 bytes only and is read by the MoE layer's expert GEMMs "
+            "(moe_ep.experts.sm90.mlp.GEMMS.prepare, mxfp8.fake_quantize in the reference)",
+        )  # fmt: skip
 
     def operands(self, fprop: bool = True, dgrad: bool = True) -> WeightOperands:
         """The GEMM operands: ``prepare_weight_bf16`` of the wanted copies, one launch per rank's shard; the others

@@ -33,6 +33,7 @@ from ...recipe import BLOCKWISE
 from ..fsdp_blockwise import BlockwiseExpertWeight
 from ..fsdp_mxfp8 import MXFP8ExpertWeight
 from . import blockwise_gemm as gemm
+from .mlp import _wgrad_out  # the weight gradient's buffer, in the weight's dtype when the epilogue writes it
 
 
 @dataclass
@@ -57,14 +58,6 @@ def weight_operands(w: torch.Tensor, cache=None) -> BlockwiseWeight:
         with torch.no_grad():
             return _quantize_weight(w.detach())
     return cache.get(w, "blockwise_operands", _quantize_weight)
-
-
-def _wgrad_out(w: torch.Tensor) -> torch.Tensor:
-    """The weight gradient's buffer in the weight's dtype (the kernel's epilogue rounds the fp32 sums once, as a cast
-    would): a bf16 gradient written directly is half the bytes of an fp32 one, and no cast pass follows."""
-    return torch.empty(
-        w.shape, dtype=w.dtype if w.dtype in (torch.bfloat16, torch.float32) else torch.float32, device=w.device
-    )
 
 
 def expert_mlp_bw_fwd(xq, xs, w13o: BlockwiseWeight, w2o: BlockwiseWeight, group_sizes):
