@@ -22,44 +22,20 @@ INCLUDES = [
 ]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
+# the MXFP8 emulator's pieces that do not depend on the kernels: the C++ preamble (CUDA keywords, dim3, the fibers'
+# threadIdx), the intrinsics, and the cooperative-fiber runtime
+_PREAMBLE = EMU_SHIM[: EMU_SHIM.index("alignas(128) static unsigned char g_smem")]
+_INTRINSICS = EMU_SHIM[EMU_SHIM.index("static inline float __uint_as_float") : EMU_SHIM.index("// Cooperative CUDA")]
 _FIBERS = EMU_SHIM[EMU_SHIM.index("// Cooperative CUDA threads") : EMU_SHIM.index("static EmuBarrier* g_cta;")]
 
 SHIM = r"""
-#include <ucontext.h>
-#include <algorithm>
+PREAMBLE
 #include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-using std::max;
-using std::min;
-struct dim3 { unsigned x = 0, y = 1, z = 1; };
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-#define __align__(n) alignas(n)
-static dim3 threadIdx, blockIdx;  // the running fiber's; the scheduler swaps them
-static dim3 gridDim, blockDim;
 alignas(128) static unsigned char g_smem[128 * 1024];  // >= every launch's dynamic shared memory
 #define BW_DYN_SMEM(name) unsigned char* name = g_smem
 static bool g_bad_threads;
 #define BW_CHECK_THREADS(n) if (blockDim.x != (unsigned)(n)) g_bad_threads = true
-static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
-static inline unsigned __vmaxu2(unsigned a, unsigned b) {
-    return max(a & 0xFFFFu, b & 0xFFFFu) | (max(a >> 16, b >> 16) << 16);
-}
-static inline unsigned __vminu2(unsigned a, unsigned b) {
-    return min(a & 0xFFFFu, b & 0xFFFFu) | (min(a >> 16, b >> 16) << 16);
-}
+INTRINSICS
 FIBERS
 static EmuBarrier* g_cta;
 static EmuBarrier* g_warp[16];
@@ -158,7 +134,8 @@ def build(workdir: Path):
     )
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / "bw_emu.cpp"
-    src.write_text(SHIM.replace("FIBERS", _FIBERS).replace("KERNEL_CASES", cases))
+    shim = SHIM.replace("PREAMBLE", _PREAMBLE).replace("INTRINSICS", _INTRINSICS).replace("FIBERS", _FIBERS)
+    src.write_text(shim.replace("KERNEL_CASES", cases))
     lib = workdir / "libbwemu.so"
     cmd = [CXX, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
     subprocess.run([*cmd, *INCLUDES, str(src), "-o", str(lib)], check=True)
