@@ -10,10 +10,10 @@ Cases (every rank runs every case; verdicts agreed as in tests/multigpu/moe_cuda
     routers compute their logits in the model dtype: in bf16, near-ties would pick other experts than our fp32
     router, a difference of routing, not of the layer); ours is the same fp32 model with the experts' weights in
     bf16 (the cuda backend computes the experts in bf16 / MXFP8, the router in fp32, and returns fp32).
-      bf16 (quantize=False): ||gap||_F <= 2^-6 ||hf||_F (bf16 roundings of the operands and of the SwiGLU, as in
+      bf16: ||gap||_F <= 2^-6 ||hf||_F (bf16 roundings of the operands and of the SwiGLU, as in
         tests/multigpu/moe_cuda.py's bf16 bound).
-      MXFP8 (quantize=True): within the recipe's own error, measured on the same inputs as our reference backend's
-        MXFP8 layer (the specification) against HF: ||cuda - hf|| <= 1.25 ||ref_mx - hf|| + 2^-6 ||hf||.
+      each FP8 recipe (mxfp8, blockwise): within the recipe's own error, measured on the same inputs as our reference
+        backend's layer in that recipe (the specification) against HF: ||cuda - hf|| <= 1.25 ||ref - hf|| + 2^-6 ||hf||.
   - the whole swapped model's logits vs HF's (same setup; bound: within 1.25x the gap of our reference backend to HF
     plus 2^-6, as for the MXFP8 block).
   - shared experts overlap the dispatch: the shared SwiGLU's kernels run on a second stream (asserted), results with
@@ -63,12 +63,13 @@ def hf_model(family: str):
     return model.to(device=mc.DEV)
 
 
-def swapped(ref_model, backend: str, quantize: bool, bf16_experts: bool | None = None):
-    """A copy of ``ref_model`` with our layer, the expert weights in bf16 (default: on the cuda backend only)."""
+def swapped(ref_model, backend: str, recipe: str, bf16_experts: bool | None = None):
+    """A copy of ``ref_model`` with our layer in ``recipe``, the expert weights in bf16 (default: on the cuda backend
+    only)."""
     from moe_ep.integrations import hf  # noqa: PLC0415
 
     model = copy.deepcopy(ref_model)
-    hf.swap_moe_blocks(model, mesh=mc.MESH, quantize=quantize, backend=backend, max_tokens_per_rank=mc.TMAX)
+    hf.swap_moe_blocks(model, mesh=mc.MESH, recipe=recipe, backend=backend, max_tokens_per_rank=mc.TMAX)
     if backend == "cuda" if bf16_experts is None else bf16_experts:
         for b in model.modules():
             if isinstance(b, hf.HFMoEBlock):
@@ -97,11 +98,11 @@ def _hf_names(family: str) -> dict[str, str]:
     return n
 
 
-def case_hf_block(family: str, quantize: bool) -> None:
+def case_hf_block(family: str, recipe: str) -> None:
     from moe_ep.integrations import hf  # noqa: PLC0415
 
     ref_model = hf_model(family)
-    ours, spec = swapped(ref_model, "cuda", quantize), swapped(ref_model, "reference", quantize)
+    ours, spec = swapped(ref_model, "cuda", recipe), swapped(ref_model, "reference", recipe)
     cls = hf._block_class(family)
     hf_block = next(m for m in ref_model.modules() if isinstance(m, cls))
     block = next(m for m in ours.modules() if isinstance(m, hf.HFMoEBlock))
@@ -136,11 +137,11 @@ def case_hf_block(family: str, quantize: bool) -> None:
     for key in want:
         a, b = mine[key], want[key]
         gap = _rel(a, b)
-        bound = 1.25 * _rel(want_spec[key], b) + BF16_BOUND if quantize else BF16_BOUND
+        bound = 1.25 * _rel(want_spec[key], b) + BF16_BOUND if recipe != "bf16" else BF16_BOUND
         if rank0():
-            print(f"  {family} q={quantize} {key}: gap {gap:.3g} bound {bound:.3g}", flush=True)
+            print(f"  {family} {recipe} {key}: gap {gap:.3g} bound {bound:.3g}", flush=True)
         if not gap <= bound:
-            mc.fail(f"{family} q={quantize} {key}: ||cuda - hf|| / ||hf|| = {gap:.3g} > {bound:.3g}")
+            mc.fail(f"{family} {recipe} {key}: ||cuda - hf|| / ||hf|| = {gap:.3g} > {bound:.3g}")
     nvs.get_runtime(m.ep_group).check_errors()
 
 
@@ -152,7 +153,7 @@ def case_hf_logits(family: str) -> None:
     # case: within the gap of our reference backend (the specification, the same bf16 expert weights) to HF,
     # measured on the same tokens, plus 2^-6.
     ref_model = hf_model(family)
-    ours, spec = swapped(ref_model, "cuda", False), swapped(ref_model, "reference", False, bf16_experts=True)
+    ours, spec = swapped(ref_model, "cuda", "bf16"), swapped(ref_model, "reference", "bf16", bf16_experts=True)
     gen = torch.Generator().manual_seed(40 + mc.RANK)
     ids = torch.randint(0, 256, (2, 64), generator=gen).to(mc.DEV)
     with torch.no_grad():
@@ -248,8 +249,8 @@ def main() -> int:
     trace = os.environ.get("MOE_EP_TRACE_DIR")
     cases = []
     for fam in ("qwen3_moe", "deepseek_v3", "mixtral"):
-        for q in (False, True):
-            cases.append((f"HF {fam} block: cuda vs HF, quantize={q}", lambda f=fam, q=q: case_hf_block(f, q)))
+        for r in ("bf16", "mxfp8", "blockwise"):
+            cases.append((f"HF {fam} block: cuda vs HF, {r}", lambda f=fam, r=r: case_hf_block(f, r)))
         cases.append((f"HF {fam} model logits: cuda bf16 vs HF", lambda f=fam: case_hf_logits(f)))
     cases += [
         ("shared experts overlap the dispatch (profile), mxfp8", lambda: case_shared_overlap(True, trace)),
