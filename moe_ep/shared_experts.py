@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-OVERLAP = True  # False: the cuda backend runs the shared SwiGLU after the routed part (A/B runs of the overlap)
+OVERLAP = True  # False: the cuda backend runs the shared SwiGLU on the current stream (A/B runs of the overlap)
 
 
 class SharedExperts(nn.Module):
@@ -61,11 +61,13 @@ def with_shared_experts(
 
     x: [T, H]; routed() -> y [T, H] -> (y, shared(x) [T, H] x.dtype); the caller adds them. ``overlap`` (CUDA x
     only): the shared SwiGLU runs on the device's side stream, forked before ``routed()`` and joined after it (see
-    the module docstring). Otherwise it runs after ``routed()`` on the current stream.
+    the module docstring). Otherwise it runs on the current stream, issued before ``routed()``.
     """
     if not (overlap and OVERLAP and x.is_cuda):
-        y = routed()
-        return y, shared(x)
+        # issued before routed(), as on the side stream: the same forward order gives autograd the same order of
+        # x's three gradient contributions (router, routed, shared), so both paths are bitwise equal
+        ys = shared(x)
+        return routed(), ys
     cur = torch.cuda.current_stream(x.device)
     side = side_stream(x.device)
     side.wait_stream(cur)  # fork: x (and the weights) are ready

@@ -145,25 +145,65 @@ def case_hf_block(family: str, recipe: str) -> None:
     nvs.get_runtime(m.ep_group).check_errors()
 
 
-def case_hf_logits(family: str) -> None:
+def _routed_sets(model, ref_model, family: str, ids: torch.Tensor):
+    """(logits of ``model`` [B, S, V], HF's logits, flipped [B*S] bool): a token is flipped when, in some MoE layer,
+    our router picks other experts for it than HF's routing does. HF's routing is our router applied to the input
+    of HF's own block (the router is HF's math in fp32: the CPU oracle tests check it exactly), so a flip is a
+    near-tie of the scores decided the other way by a rounding difference upstream, not a difference of the layer."""
+    from moe_ep.integrations import hf  # noqa: PLC0415
 
-    # Bound: through the whole model the experts' bf16 roundings add up over the layers and are amplified by the
-    # family's routed scaling (DeepSeek-V3: routed_scaling_factor 2.5), so a fixed bf16 bound held for Qwen3 and
-    # Mixtral (gap < 2^-6) but not for DeepSeek-V3 (0.040 on an H200). The bound is therefore the one of the MXFP8 block
-    # case: within the gap of our reference backend (the specification, the same bf16 expert weights) to HF,
-    # measured on the same tokens, plus 2^-6.
+    ours_blocks = [m for m in model.modules() if isinstance(m, hf.HFMoEBlock)]
+    hf_blocks = [m for m in ref_model.modules() if isinstance(m, hf._block_class(family))]
+    seen: dict[str, list[torch.Tensor]] = {"ours": [], "hf": []}
+
+    def keep(key):
+        return lambda mod, inp, out: seen[key].append(inp[0].detach())
+
+    hooks = [m.register_forward_hook(keep("ours")) for m in ours_blocks]
+    hooks += [m.register_forward_hook(keep("hf")) for m in hf_blocks]
+    try:
+        with torch.no_grad():
+            got, want = model(input_ids=ids).logits, ref_model(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    flipped = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
+    with torch.no_grad():
+        for blk, xo, xh in zip(ours_blocks, seen["ours"], seen["hf"], strict=True):
+            router = blk.moe.router
+            a = router(xo.reshape(-1, xo.shape[-1])).topk_idx.sort(dim=-1).values
+            b = router(xh.reshape(-1, xh.shape[-1])).topk_idx.sort(dim=-1).values
+            flipped |= (a != b).any(dim=-1)
+    return got, want, flipped
+
+
+def case_hf_logits(family: str) -> None:
+    # Routing near-ties: a bf16 rounding upstream (cuda: experts and shared experts in bf16) can decide a near-tie
+    # of one token's router scores the other way, and that token then gets other experts' output (DeepSeek-V3's
+    # tiny model on an H200: 1 of 128 tokens, a logits gap of 0.040 over all tokens; the same happens to our
+    # reference backend on other tokens). Such tokens are found by comparing the routing (_routed_sets), allowed
+    # up to 1/16 of the tokens, and left out of the gap; the rest must be within the bound: the gap of our
+    # reference backend (the specification, the same bf16 expert weights) to HF on the same tokens, x 1.25, plus
+    # 2^-6 (bf16 roundings of the experts' operands added up over the layers).
     ref_model = hf_model(family)
     ours, spec = swapped(ref_model, "cuda", "bf16"), swapped(ref_model, "reference", "bf16", bf16_experts=True)
     gen = torch.Generator().manual_seed(40 + mc.RANK)
     ids = torch.randint(0, 256, (2, 64), generator=gen).to(mc.DEV)
-    with torch.no_grad():
-        got, want = ours(input_ids=ids).logits, ref_model(input_ids=ids).logits
-        ref = spec(input_ids=ids).logits
-    gap, bound = _rel(got, want), 1.25 * _rel(ref, want) + BF16_BOUND
+    got, want, flip = _routed_sets(ours, ref_model, family, ids)
+    ref, _, flip_ref = _routed_sets(spec, ref_model, family, ids)
+    keep = ~(flip | flip_ref)
+    v = want.shape[-1]
+    gap = _rel(got.reshape(-1, v)[keep], want.reshape(-1, v)[keep])
+    bound = 1.25 * _rel(ref.reshape(-1, v)[keep], want.reshape(-1, v)[keep]) + BF16_BOUND
+    n_flip = int(flip.sum())
     if rank0():
-        print(f"  {family} logits: gap {gap:.3g} bound {bound:.3g}", flush=True)
+        print(f"  {family} logits: gap {gap:.3g} bound {bound:.3g} over {int(keep.sum())} of {keep.numel()} tokens "
+              f"({n_flip} routed otherwise by the cuda model, {int(flip_ref.sum())} by the reference; all tokens: "
+              f"gap {_rel(got, want):.3g})", flush=True)  # fmt: skip
     if not gap <= bound:
         mc.fail(f"{family} logits: {gap:.3g} > {bound:.3g}")
+    if not n_flip * 16 <= keep.numel():
+        mc.fail(f"{family} logits: {n_flip} of {keep.numel()} tokens routed otherwise than HF (> 1/16): not near-ties")
 
 
 def case_shared_overlap(quantize: bool, trace_dir: str | None = None) -> None:
@@ -172,17 +212,21 @@ def case_shared_overlap(quantize: bool, trace_dir: str | None = None) -> None:
 
     import moe_ep.shared_experts as se  # noqa: PLC0415
 
-    fast, _, _ = mc.make_layers(None, seed=8, quantize=quantize, num_shared_experts=2, ffn_hidden=256, hidden=1024)
-    x, g = mc.tokens([256, 200, 256, 180], fast.cfg.hidden, seed=8)
+    # GPU-bound size (about 1 ms of expert GEMMs per step): at a few hundred tokens the layer is launch-bound, the
+    # GPU idles between kernels and the side stream's kernels fill those gaps instead of overlapping anything
+    n = 4096
+    fast, _, _ = mc.make_layers(None, seed=8, quantize=quantize, num_shared_experts=2, ffn_hidden=1024, hidden=2048,
+                                max_tokens_per_rank=n)  # fmt: skip
+    x, g = mc.tokens([n], fast.cfg.hidden, seed=8)
     want = mc.run_layer(fast, x, g)  # warm-up: kernels compiled, buffers grown, the side stream made
 
-    def timed(n: int = 20) -> float:
+    def timed(reps: int = 20) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(n):
+        for _ in range(reps):
             mc.run_layer(fast, x, g)
         torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e3
+        return (time.perf_counter() - t0) / reps * 1e3
 
     se.OVERLAP = False
     try:
@@ -190,17 +234,9 @@ def case_shared_overlap(quantize: bool, trace_dir: str | None = None) -> None:
         t_serial = timed()
     finally:
         se.OVERLAP = True
-    # Bitwise equal except x.grad: x feeds three branches (router, routed experts, shared experts) and autograd sums
-    # their gradients in the reverse order of the forward's ops, which the fork moves (the shared SwiGLU is issued
-    # before the routed part when it overlaps, after it when not): a three-term sum in another order, at most a
-    # couple of rounding steps of x.grad's dtype per element, never more.
-    rest = [{k: v for k, v in r.items() if k != "x.grad"} for r in (serial, want)]
-    mc.same_results(*rest, "shared experts without the overlap vs with it")
-    a, b = serial["x.grad"].float(), want["x.grad"].float()
-    ulp = torch.finfo(want["x.grad"].dtype).eps
-    if not ((a - b).abs() <= 4 * ulp * torch.maximum(a.abs(), b.abs()) + 1e-30).all():
-        mc.fail(f"shared experts without the overlap vs with it: x.grad differs by more than the summation order allows"
-                f" (max |diff| {(a - b).abs().max().item():.3e})")  # fmt: skip
+    # both paths issue the shared SwiGLU before the routed part, so autograd sums x's gradient contributions in the
+    # same order: bitwise equal, x.grad included
+    mc.same_results(serial, want, "shared experts without the overlap vs with it")
     t_overlap = timed()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         mc.run_layer(fast, x, g)
