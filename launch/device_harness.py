@@ -7,7 +7,8 @@ Steps (each a subprocess with its own timeout; a failing step does not stop the 
   gpu_tests    pytest -m gpu (single-GPU kernel tests vs the reference; skip markers on CPU)
   ep_reference torchrun over all GPUs: the EP layer tests over nccl, reference backend
   ep_nvshmem_N torchrun on 2 and on all GPUs: the NVSHMEM transport vs the reference transport
-  moe_cuda_N   torchrun on 2 and on all GPUs: the MoE layer's cuda backend (both transports) vs the reference
+  moe_cuda_{layer,fsdp,graph}_N  torchrun on 2 and on all GPUs: the MoE layer's cuda backend (both transports) vs
+               the reference (tests/multigpu/moe_cuda_layer.py, moe_cuda_fsdp.py, moe_cuda_graph.py)
   train        torchrun launch/train.py for --train-steps steps (tokens/sec/GPU)
   bench_*      every single-process benchmarks/bench_*.py with --json (each checks correctness before timing)
   bench_layer  torchrun on all GPUs: benchmarks/bench_layer.py --out bench_layer.json (the whole layer)
@@ -67,8 +68,11 @@ def _steps(args, out: Path, ngpu: int) -> list[tuple[str, list[str], dict, int, 
         ("ep_reference", [*trun, "tests/multigpu/ep_reference.py"], env_ref, 900, None),
         ("ep_nvshmem_2", [*trun2, "tests/multigpu/ep_nvshmem.py"], {}, 600, None),
         (f"ep_nvshmem_{ngpu}", [*trun, "tests/multigpu/ep_nvshmem.py"], {}, 600, None),
-        ("moe_cuda_2", [*trun2, "tests/multigpu/moe_cuda.py"], {}, 600, None),
-        (f"moe_cuda_{ngpu}", [*trun, "tests/multigpu/moe_cuda.py"], {}, 600, None),
+        *[
+            (f"moe_cuda_{part}_{n}", [*t, f"tests/multigpu/moe_cuda_{part}.py"], {}, 600, None)
+            for n, t in ((2, trun2), (ngpu, trun))
+            for part in ("layer", "fsdp", "graph")
+        ],
         (
             "train",
             [
@@ -88,7 +92,7 @@ def _steps(args, out: Path, ngpu: int) -> list[tuple[str, list[str], dict, int, 
     ]
     if ngpu < 2:
         steps = [s for s in steps if not s[0].startswith(("ep_", "moe_cuda_", "train"))]
-    elif ngpu == 2:  # the ep_nvshmem / moe_cuda pairs are both named *_2: keep one of each
+    elif ngpu == 2:  # the ep_nvshmem / moe_cuda_* pairs are both named *_2: keep one of each
         names: set[str] = set()
         steps = [s for s in steps if not (s[0] in names or names.add(s[0]))]
     for bench in sorted((ROOT / "benchmarks").glob("bench_*.py")):

@@ -1,6 +1,6 @@
 """Backend selection, the ``transport`` field and the functional layer (``moe_ep.layer.routed_experts``) on the CPU.
 
-The cuda backend itself is tested on GPUs by tests/multigpu/moe_cuda.py (torchrun). Here: "auto" runs the reference
+The cuda backend itself is tested on GPUs by tests/multigpu/moe_cuda_*.py (torchrun). Here: "auto" runs the reference
 on the CPU (bitwise the same results as backend="reference"), "cuda" without its packages or without a GPU raises
 naming what is missing, ``MoEConfig.transport`` accepts exactly "nvshmem" / "nccl", and ``routed_experts`` on the
 reference path equals the dense oracle (tolerances as in tests/test_layer.py: fp32, only the order of the top-k sums

@@ -1,7 +1,7 @@
 """Shared experts (``num_shared_experts`` / ``shared_ffn_hidden``) on the reference backend: the SwiGLU against a
 hand-worked value, the layer with them against itself without them plus the SwiGLU, and under EP on 2 gloo ranks
 (with DeepSeek-V3 routing: sigmoid, groups, a non-zero expert bias, route_scale) against one process holding every
-expert. The side-stream overlap is CUDA only: tests/multigpu/moe_cuda.py (graph capture, determinism) and
+expert. The side-stream overlap is CUDA only: tests/multigpu/moe_cuda_graph.py (graph capture, determinism) and
 tests/multigpu/hf_cuda.py (the overlap in a profile; the cuda backend inside HF models)."""
 
 from __future__ import annotations

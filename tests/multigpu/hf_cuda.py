@@ -1,9 +1,9 @@
 """torchrun script (issue 37): the cuda backend inside Hugging Face models, and shared experts overlapping the dispatch.
 
-    torchrun --standalone --nproc-per-node=N tests/multigpu/hf_cuda.py [--only a,b] [--skip c]
+    torchrun --standalone --nproc-per-node=N tests/multigpu/hf_cuda.py [--only a,b] [--skip c] [--list]
     (N = 2 or 4; needs CuPy + nvshmem4py and transformers; MOE_EP_TRACE_DIR=DIR writes rank 0's profile trace there)
 
-Cases (every rank runs every case; verdicts agreed as in tests/multigpu/moe_cuda.py, whose helpers this reuses):
+Cases (every rank runs every case; the verdicts, checks and driver of tests/multigpu/_moe_cuda.py):
   - cuda backend vs HF's block (Qwen3-MoE, DeepSeek-V3, Mixtral; hidden 256, 8 experts on an EP mesh of every
     rank): each rank passes its own tokens through the swapped block and compares with HF's block run on that rank's
     tokens; output, input gradient and every weight gradient. The oracle is HF's model in fp32 (HF's Qwen3 / Mixtral
@@ -11,11 +11,12 @@ Cases (every rank runs every case; verdicts agreed as in tests/multigpu/moe_cuda
     router, a difference of routing, not of the layer); ours is the same fp32 model with the experts' weights in
     bf16 (the cuda backend computes the experts in bf16 / MXFP8, the router in fp32, and returns fp32).
       bf16: ||gap||_F <= 2^-6 ||hf||_F (bf16 roundings of the operands and of the SwiGLU, as in
-        tests/multigpu/moe_cuda.py's bf16 bound).
+        tests/multigpu/_moe_cuda.py's bf16 bound).
       each FP8 recipe (mxfp8, blockwise): within the recipe's own error, measured on the same inputs as our reference
         backend's layer in that recipe (the specification) against HF: ||cuda - hf|| <= 1.25 ||ref - hf|| + 2^-6 ||hf||.
-  - the whole swapped model's logits vs HF's (same setup; bound: within 1.25x the gap of our reference backend to HF
-    plus 2^-6, as for the MXFP8 block).
+  - the whole swapped model's logits vs HF's (same setup): tokens whose routing differs from HF's in some layer (a
+    near-tie decided the other way by an upstream rounding) are counted, at most 1/16, and left out; the rest within
+    1.25x the gap of our reference backend to HF plus 2^-6, as for the FP8 blocks.
   - shared experts overlap the dispatch: the shared SwiGLU's kernels run on a second stream (asserted), results with
     and without the overlap are bitwise equal (asserted); the overlapped kernel time and the step time with and
     without the overlap are printed (timing: not asserted); rank 0's Chrome trace goes to $MOE_EP_TRACE_DIR.
@@ -23,21 +24,17 @@ Cases (every rank runs every case; verdicts agreed as in tests/multigpu/moe_cuda
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
 import time
-from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tests.multigpu.moe_cuda as mc  # noqa: E402  (sets the NVSHMEM / NCCL environment before any init)
-from moe_ep import finish, init_ep  # noqa: E402
+import tests.multigpu._moe_cuda as mc  # noqa: E402  (sets the NVSHMEM / NCCL environment before any init)
 from moe_ep.transport.nvshmem import runtime as nvs  # noqa: E402
-from tests.multigpu._cases import run_cases  # noqa: E402
 
 BF16_BOUND = 2**-6
 
@@ -271,37 +268,18 @@ def rank0() -> bool:
     return mc.RANK == 0
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description="moe_ep inside HF models on the cuda backend; shared-expert overlap")
-    p.add_argument("--only", default="")
-    p.add_argument("--skip", default="")
-    args = p.parse_args()
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=120))
-    mc.RANK, mc.WORLD = dist.get_rank(), dist.get_world_size()
-    mc.DEV = torch.device("cuda", local)
-    mc.MESH = init_ep(ep_size=mc.WORLD)
+def build_cases() -> mc.Cases:
     trace = os.environ.get("MOE_EP_TRACE_DIR")
     cases = []
     for fam in ("qwen3_moe", "deepseek_v3", "mixtral"):
         for r in ("bf16", "mxfp8", "blockwise"):
             cases.append((f"HF {fam} block: cuda vs HF, {r}", lambda f=fam, r=r: case_hf_block(f, r)))
         cases.append((f"HF {fam} model logits: cuda bf16 vs HF", lambda f=fam: case_hf_logits(f)))
-    cases += [
+    return cases + [
         ("shared experts overlap the dispatch (profile), mxfp8", lambda: case_shared_overlap(True, trace)),
         ("shared experts overlap the dispatch (profile), bf16", lambda: case_shared_overlap(False, trace)),
     ]
-    only = [t for t in args.only.split(",") if t]
-    skip = [t for t in args.skip.split(",") if t]
-    cases = [c for c in cases if (not only or any(t in c[0] for t in only)) and not any(t in c[0] for t in skip)]
-    _, failed = run_cases([(name, lambda fn=fn: mc.checked(fn)) for name, fn in cases], mc.DEV)
-    torch.cuda.synchronize()
-    dist.barrier()
-    nvs.shutdown()
-    finish(mc.MESH)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(mc.main(build_cases, "moe_ep inside HF models on the cuda backend; shared-expert overlap"))
