@@ -209,10 +209,11 @@ def case_shared_overlap(quantize: bool, trace_dir: str | None = None) -> None:
 
     import moe_ep.shared_experts as se  # noqa: PLC0415
 
-    # GPU-bound size (about 1 ms of expert GEMMs per step): at a few hundred tokens the layer is launch-bound, the
-    # GPU idles between kernels and the side stream's kernels fill those gaps instead of overlapping anything
-    n = 4096
-    fast, _, _ = mc.make_layers(None, seed=8, quantize=quantize, num_shared_experts=2, ffn_hidden=1024, hidden=2048,
+    # GPU-bound size (about 12 ms of GEMMs per step, half of them the shared SwiGLU's): at a few thousand tokens the
+    # layer is launch-bound (an H200 measured 5.7 ms per step at 4096 tokens of hidden 2048 for ~1 ms of kernels), the
+    # GPU idles between kernels and the side stream's kernels run in those gaps instead of overlapping anything
+    n = 16384
+    fast, _, _ = mc.make_layers(None, seed=8, quantize=quantize, num_shared_experts=2, ffn_hidden=1536, hidden=4096,
                                 max_tokens_per_rank=n)  # fmt: skip
     x, g = mc.tokens([n], fast.cfg.hidden, seed=8)
     want = mc.run_layer(fast, x, g)  # warm-up: kernels compiled, buffers grown, the side stream made
