@@ -167,7 +167,7 @@ def run_case(shape: str, routing: str, args, quant, quant_name, schedules) -> di
     # ---- correctness against the reference before timing
     rh = ref.build_layout(idx, e, group)
     n = rh.num_expanded
-    q = ref.dispatch_send(x, w, rh, True)
+    q = ref.dispatch_send(x, w, rh, "mxfp8")
     want_data = q.data[rh.expand_row].view(torch.uint8)
     want = mxfp8.to_blocked_grouped(q.scale[rh.expand_row], rh.group_sizes, "m")
     y = (torch.randn(ncap, h, device=dev) * 0.1).to(torch.bfloat16)

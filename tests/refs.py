@@ -20,7 +20,7 @@ from moe_ep.mxfp8 import reference as mxfp8_reference  # noqa: F401
 from moe_ep.mxfp8.format import colwise_prep_rows  # noqa: F401
 from moe_ep.transport.nvshmem import layout
 from moe_ep.transport.nvshmem.layout import CudaEPHandle
-from moe_ep.transport.reference import RecvBuffers
+from moe_ep.transport.reference import RecvBuffers, payload_recipe
 
 
 def colwise_prep_rows_used(group_sizes) -> int:
@@ -156,24 +156,25 @@ def grouped_wgrad_prepared_torch(a_prep, b_prep, group_sizes, num_rows: int, out
     return out.to(out_dtype)
 
 
-def recv_buffers(handle: CudaEPHandle, quantize: bool, hidden: int, dtype: torch.dtype = torch.bfloat16):
+def recv_buffers(handle: CudaEPHandle, recipe, hidden: int, dtype: torch.dtype = torch.bfloat16):
     """Views of what this rank received in the last :func:`dispatch_fwd` (valid until any rank starts the next
     dispatch use: once the expand signals DISP_FREE, a peer may overwrite them): the
-    reference's RecvBuffers contract (data [R, H], scale [R, H//32] or None, local [R, K] int64, weight [R, K]
-    fp32). Host sync (reads R): tests only."""
+    reference's RecvBuffers contract (data [R, H], scale [R, H // block] or None, local [R, K] int64, weight [R, K]
+    fp32). recipe: the payload's (a Recipe, its name, or None for raw rows). Host sync (reads R): tests only."""
     rt = handle.runtime
     torch.cuda.current_stream(rt.device).synchronize()  # host sync: a test helper
     r = min(int(handle.info[layout._I_R].item()), handle.recv_capacity)
-    return _views(rt, r, hidden, handle.top_k, quantize, dtype, RecvBuffers)
+    rec = payload_recipe(recipe)
+    return _views(rt, r, hidden, handle.top_k, rec.act_block if rec is not None else 0, dtype, RecvBuffers)
 
 
-def _views(rt, r, hid, k, quantize, dtype, cls):
+def _views(rt, r, hid, k, block, dtype, cls):
     sym = rt.sym
     o = rt.offsets
     meta = sym[o["disp_meta"] : o["disp_meta"] + r * 3 * k * 4].view(torch.int32).view(r, 3 * k)
-    if quantize:
+    if block:
         data = sym[o["disp_data"] : o["disp_data"] + r * hid].view(torch.float8_e4m3fn).view(r, hid)
-        scale = sym[o["disp_scale"] : o["disp_scale"] + r * (hid // 32)].view(r, hid // 32)
+        scale = sym[o["disp_scale"] : o["disp_scale"] + r * (hid // block)].view(r, hid // block)
     else:
         es = torch.empty(0, dtype=dtype).element_size()
         data = sym[o["disp_data"] : o["disp_data"] + r * hid * es].view(dtype).view(r, hid)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .. import mxfp8
 from ..mxfp8.reference import dequantize_blocks_torch, quantize_blocks_torch
+from ..recipe import Recipe, get_recipe
 from .handle import EPHandle
 
 
@@ -132,7 +133,8 @@ def expand_layout(
 class RecvBuffers:
     """What a rank receives in dispatch, before expansion (the transport contract, byte for byte).
 
-    data:  [R, H] e4m3 (quantized) or the input dtype;  scale: [R, H // block] uint8 (MXFP8: block 32) or None;
+    data:  [R, H] e4m3 (quantized) or the input dtype;  scale: [R, H // block] uint8 row-major (block: the
+    recipe's act_block, MXFP8 32, blockwise 128) or None;
     local: [R, top_k] int64 local expert per slot (-1 none); weight: [R, top_k] fp32 (0 where local is -1).
     """
 
@@ -142,38 +144,57 @@ class RecvBuffers:
     weight: torch.Tensor
 
 
-def payload_block(quantize) -> int | None:
-    """Values per scale of the dispatch payload for a ``quantize`` argument: True -> 32 (MXFP8), a
-    :class:`moe_ep.recipe.Recipe` -> its activation block (the "dispatch" operand), False / None -> None (raw rows)."""
-    if quantize is None or isinstance(quantize, bool):
-        return mxfp8.BLOCK if quantize else None
-    return quantize.act_block
+def payload_recipe(recipe: Recipe | str | None) -> Recipe | None:
+    """The recipe of a dispatch payload, as every transport pass takes it: a :class:`moe_ep.recipe.Recipe`, its name
+    ("mxfp8", "blockwise"), or None / "bf16" (raw rows) -> the table row or None. The payload is the recipe's
+    "dispatch" operand: 1 x ``act_block`` blocks along the hidden axis (MXFP8 32, blockwise 128), E4M3 elements and
+    E8M0 scales (RCEIL). A bool is refused (TypeError): only the public :func:`moe_ep.transport.dispatch` /
+    ``combine`` keep ``quantize=True / False`` and translate it."""
+    if isinstance(recipe, bool):
+        raise TypeError(
+            f"the transport passes take a recipe (a moe_ep.recipe.Recipe, 'mxfp8', 'blockwise') or None, got {recipe}"
+        )
+    if recipe is not None and not isinstance(recipe, (Recipe, str)):
+        raise TypeError(f"recipe must be a moe_ep.recipe.Recipe, a recipe name or None, got {type(recipe).__name__}")
+    return get_recipe(recipe)
 
 
-def send_rows(x: torch.Tensor, handle: EPHandle, quantize) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Quantize each token once and send it once per destination rank.
+def check_payload_hidden(hidden: int, recipe: Recipe | None, what: str = "x") -> None:
+    """Clear error for a hidden size the payload's scale blocks do not tile (blockwise needs hidden % 128 == 0)."""
+    if recipe is not None and hidden % recipe.act_block:
+        raise ValueError(
+            f"{what}: hidden ({hidden}) must be a multiple of {recipe.act_block} for the {recipe.name} payload "
+            f"(1x{recipe.act_block} scale blocks)"
+        )
 
-    x: [T, H] bf16/fp32, quantize: True (MXFP8), a recipe, or False -> (data [R, H] e4m3 or x.dtype, scale
-    [R, H // block] uint8 or None) on the receiver.
+
+def send_rows(
+    x: torch.Tensor, handle: EPHandle, recipe: Recipe | str | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize each token once (1 x ``recipe.act_block`` blocks) and send it once per destination rank.
+
+    x: [T, H] bf16/fp32, recipe: see :func:`payload_recipe` -> (data [R, H] e4m3 or x.dtype, scale [R, H // block]
+    uint8 or None) on the receiver.
     """
     grp, ss, rs, tok = handle.group, handle.send_splits, handle.recv_splits, handle.send_token
-    blk = payload_block(quantize)
-    if blk is None:
+    r = payload_recipe(recipe)
+    if r is None:
         return _all_to_all(x[tok], ss, rs, grp), None
-    if blk == mxfp8.BLOCK:
+    check_payload_hidden(x.shape[1], r)
+    if r.act_block == mxfp8.BLOCK:
         q = mxfp8.quantize(x, axis=-1)
         data, scale = q.data, q.scale
     else:
-        data, scale = quantize_blocks_torch(x, (1, blk))
+        data, scale = quantize_blocks_torch(x, (1, r.act_block))
     return _all_to_all(data[tok], ss, rs, grp), _all_to_all(scale[tok], ss, rs, grp)
 
 
-def dispatch_send(x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize) -> RecvBuffers:
+def dispatch_send(x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, recipe: Recipe | str | None) -> RecvBuffers:
     """Rows plus their top-k weights: x [T, H], topk_w [T, top_k] fp32 -> RecvBuffers on the receiver.
 
     The (local expert) ids already travelled in :func:`build_layout`, which needed them to size the expansion.
     """
-    data, scale = send_rows(x, handle, quantize)
+    data, scale = send_rows(x, handle, recipe)
     weight = torch.where(handle.send_local >= 0, topk_w[handle.send_token].to(torch.float32), 0.0)
     recv_w = _all_to_all(weight, handle.send_splits, handle.recv_splits, handle.group)
     return RecvBuffers(data, scale, handle.recv_local, recv_w)
@@ -208,7 +229,7 @@ def rank_reduce(rows: torch.Tensor, handle: EPHandle) -> torch.Tensor:
 
 
 def _rows(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Received payload -> values: [R, H] e4m3 + [R, H//32] scales (or plain rows) -> [R, H] dtype."""
+    """Received payload -> values: [R, H] e4m3 + [R, H // block] scales (or plain rows) -> [R, H] dtype."""
     if scale is None:
         return data
     if data.shape[1] == scale.shape[1] * mxfp8.BLOCK:
@@ -217,10 +238,11 @@ def _rows(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) ->
 
 
 def dispatch_fwd(
-    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, quantize
+    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, recipe: Recipe | str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, H], topk_w: [T, top_k] fp32 -> (expanded x [N, H] x.dtype, expanded weights [N] fp32)."""
-    recv: RecvBuffers = dispatch_send(x, topk_w, handle, quantize)
+    """x: [T, H], topk_w: [T, top_k] fp32 -> (expanded x [N, H] x.dtype: the recipe's payload dequantized, or the
+    raw rows for None; expanded weights [N] fp32)."""
+    recv: RecvBuffers = dispatch_send(x, topk_w, handle, recipe)
     rows = _rows(recv.data, recv.scale, x.dtype)
     return rows[handle.expand_row], recv.weight[handle.expand_row, handle.expand_slot]
 
@@ -253,26 +275,29 @@ def combine_fwd(y: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> torch.Ten
 
 
 def combine_bwd(
-    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: EPHandle, quantize
+    dy: torch.Tensor, y: torch.Tensor, w: torch.Tensor, handle: EPHandle, recipe: Recipe | str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 dispatch of dy: dy [T, H] -> (d y [N, H] y.dtype, d w [N] fp32)."""
-    data, scale = send_rows(dy.contiguous(), handle, quantize)
+    """The dispatch of dy in the recipe's payload (None: raw rows): dy [T, H], y [N, H], w [N] fp32 -> (d y = v * w
+    [N, H] y.dtype, d w = sum_h v * y [N] fp32), v the received dy rows dequantized to dy.dtype."""
+    data, scale = send_rows(dy.contiguous(), handle, recipe)
     dy_rows = _rows(data, scale, dy.dtype)[handle.expand_row].to(torch.float32)
     return (dy_rows * w[:, None]).to(y.dtype), (dy_rows * y.to(torch.float32)).sum(-1)
 
 
 def dispatch_fwd_quantized(
-    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, recipe: str = "mxfp8"
+    x: torch.Tensor, topk_w: torch.Tensor, handle: EPHandle, recipe: Recipe | str = "mxfp8"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The quantized payload as the expert GEMMs read it: x [T, H] -> (data [N, H] e4m3 expert-sorted, scales in the
     recipe's dispatch layout, row weights [N] fp32). MXFP8: ``to_blocked_grouped`` of the rows' [N, H/32] scales along
     the groups (the layout :func:`moe_ep.transport.nvshmem.buffer.dispatch_fwd_mxfp8` writes); blockwise: the plain
-    [N, H/128] scales. Host-synced splits, as every pass of this transport."""
-    from ..recipe import get_recipe  # noqa: PLC0415
-
-    recv: RecvBuffers = dispatch_send(x, topk_w, handle, get_recipe(recipe))
+    row-major [N, H/128] scales (:func:`moe_ep.transport.nvshmem.buffer.dispatch_fwd_blockwise`). recipe: a
+    :class:`~moe_ep.recipe.Recipe` or its name. Host-synced splits, as every pass of this transport."""
+    r = payload_recipe(recipe)
+    if r is None:
+        raise ValueError("dispatch_fwd_quantized needs an FP8 recipe; the bf16 rows come from dispatch_fwd(..., None)")
+    recv: RecvBuffers = dispatch_send(x, topk_w, handle, r)
     scale = recv.scale[handle.expand_row]
-    if recipe == "mxfp8":  # the MXFP8 GEMMs read per-group blocked scales; blockwise reads them plain [N, H/128]
+    if r.act_block == mxfp8.BLOCK:  # the MXFP8 GEMMs read per-group blocked scales; blockwise reads them row-major
         scale = mxfp8.to_blocked_grouped(scale, handle.group_sizes, "m")
     return recv.data[handle.expand_row], scale, recv.weight[handle.expand_row, handle.expand_slot]
 

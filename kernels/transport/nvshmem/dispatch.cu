@@ -1,24 +1,31 @@
-// MXFP8 quantize + dispatch (sender) and expert-sorted expansion (receiver) of the NVSHMEM transport
+// FP8 quantize + dispatch (sender) and expert-sorted expansion (receiver) of the NVSHMEM transport
 // (moe_ep/transport/nvshmem/buffer.py launches them; protocol and buffers: docs/design-transport.md).
 //
-// ep_dispatch<IN, QUANT>: one warp per token (grid-stride). The token's bf16/fp32 row is read once; each lane owns
-//   16 consecutive elements per 512-element step, a lane pair owns one 1x32 MXFP8 block (common.cuh math, bytes
-//   identical to moe_ep.mxfp8.quantize_torch). The 16 e4m3 bytes go with one 16-byte store, the scale byte with a
-//   byte store (16 lanes -> 16 contiguous bytes), straight into every destination rank's receive buffer through
-//   its peer pointer: row tok_dst[t][r] of rank r (each token at most once per rank; rows from rank 0 first, then
-//   rank 1, ...; tokens ascending within a rank: the reference's receive order). With META, lanes j < K also
+// QB, the payload's scale block (a template parameter of every kernel here): 0 = raw rows (no quantization),
+// 32 = MXFP8 (1x32 blocks), 128 = the blockwise recipe's activations (1x128 blocks). Both quantized payloads use
+// the same rule (common.cuh: E4M3 elements, E8M0 scale by RCEIL, 0xFF / 0x7F bytes for a NaN/Inf block) and differ
+// only in how many values share a scale: received scales are row-major [R, H/QB] u8 either way.
+//
+// ep_dispatch<IN, QB>: one warp per token (grid-stride). The token's bf16/fp32 row is read once; each lane owns
+//   16 consecutive elements per 512-element step, QB/16 consecutive lanes own one block (a lane pair for MXFP8,
+//   8 lanes for 1x128; common.cuh math, bytes identical to moe_ep.mxfp8.reference.quantize_blocks_torch with
+//   blocks (1, QB)). The 16 e4m3 bytes go with one 16-byte store, the scale byte with a byte store from the
+//   block's first lane, straight into every destination rank's receive buffer through its peer pointer: row
+//   tok_dst[t][r] of rank r (each token at most once per rank; rows from rank 0 first, then rank 1, ...; tokens
+//   ascending within a rank: the reference's receive order). With META, lanes j < K also
 //   store the row's metadata [local expert | weight bits | expanded row] (3K int32) for slot j.
-//   QUANT = 0 sends the raw row (row_bytes, any element type). Starts by waiting DISP_FREE(u-1) of every rank;
+//   QB = 0 sends the raw row (row_bytes, any element type). Starts by waiting DISP_FREE(u-1) of every rank;
 //   the last CTA signals DISP_READY(u). Used by the value dispatch (dispatch_fwd) and the combine backward.
-// ep_expand<MODE, QUANT, OT>: waits DISP_READY(u) of every rank, then one warp per received row:
-//   MODE_VAL  the row's values in OT (dequantized e4m3 * 2^(s-127) rounded to OT, or the raw OT row) -> out[n],
+// ep_expand<MODE, QB, OT>: waits DISP_READY(u) of every rank, then one warp per received row:
+//   MODE_VAL  the row's values in OT (dequantized e4m3 * 2^(s-127), s its block's scale, rounded to OT, or the
+//             raw OT row) -> out[n],
 //             w_out[n], exp_row[n] = i, exp_slot[n] = j    for every slot j of the row with expanded row n.
 //   MODE_BWD  combine-backward: v = values of the received dy row (rounded to OT, as the reference), then
 //             out[n] = OT(v * w_in[n]) and dw[n] = sum_h v * y[n] (fp32; warp-order sum).
 //   MODE_VAL records recv_pos[i][j] = n (used by combine); MODE_BWD reads it (no metadata is sent).
 //   Rows n in [N, expand_cap) of every output are zeroed (data rows included). The last CTA
 //   signals DISP_FREE(u).
-// ep_dispatch_mx<IN> (below): the MXFP8 forward dispatch, send and expansion in one kernel.
+// ep_dispatch_mx<IN, QB> (below): the quantized forward dispatch, send and expansion in one kernel.
 #include "common.cuh"
 #include "ep_sync.cuh"
 
@@ -29,6 +36,10 @@
 #define MODE_BWD 2
 
 #define DISP_THREADS 512
+
+// log2 of a quantized payload's scale block (32 or 128): block index of element e = e >> qb_shift(QB) (a shift, not a
+// division: e is never negative, and MXFP8's code stays the shift it always was)
+__host__ __device__ constexpr int qb_shift(int qb) { return qb == 128 ? 7 : 5; }
 
 
 // 16 consecutive input elements of a row -> fp32
@@ -96,13 +107,14 @@ __device__ __forceinline__ void e4m3x16_to_f32(uint4 q, float* v) {
     }
 }
 
-// values of the 16 elements of a received row owned by this lane: dequantized (QUANT) or raw OT, rounded to OT
-template <int QUANT, int OT>
+// values of the 16 elements of a received row owned by this lane: dequantized (QB > 0: C = H / QB scales per row)
+// or raw OT, rounded to OT
+template <int QB, int OT>
 __device__ __forceinline__ void recv_values(const unsigned char* data, const unsigned char* scale, long long i, int H,
                                             int C, int e0, float* v) {
-    if (QUANT) {
+    if (QB) {
         uint4 q = ep_ld16(data + i * H + e0);
-        unsigned sb = scale[i * C + (e0 >> 5)];
+        unsigned sb = scale[i * C + (e0 >> qb_shift(QB))];
         e4m3x16_to_f32(q, v);
         float m = sb == 0xFFu ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)sb - 127);
 #pragma unroll
@@ -113,15 +125,16 @@ __device__ __forceinline__ void recv_values(const unsigned char* data, const uns
 }
 
 // One token t of the sender (one warp): metadata, quantized (or raw) row to every destination rank. Returns the
-// destination mask; lane r < W holds d = tok_dst[t][r] (the row at rank r, -1: not sent). QUANT: only the elements
-// [c_begin, c_end) (multiples of 512: a column piece of the fused dispatch; default the whole row).
-template <int IN, int QUANT>
+// destination mask; lane r < W holds d = tok_dst[t][r] (the row at rank r, -1: not sent). QB > 0 (H % QB == 0, so a
+// block is never split between active and inactive lanes): only the elements [c_begin, c_end) (multiples of 512: a
+// column piece of the fused dispatch, whole blocks; default the whole row).
+template <int IN, int QB>
 __device__ __forceinline__ unsigned disp_send_token(
     int t, int& d, const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
     const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int H, int K, int L, int W,
     const ep_u64* peers, long long data_off, long long scale_off, long long meta_off, int row_bytes, int meta,
     int lane, int c_begin = 0, int c_end = 1 << 30) {
-    const int C = H >> 5;
+    const int C = H >> qb_shift(QB);  // scales per row
     const int es = IN == IN_BF16 ? 2 : 4;
     d = lane < W ? tok_dst[t * W + lane] : -1;
     const unsigned dm = __ballot_sync(0xFFFFFFFFu, d >= 0);
@@ -149,7 +162,7 @@ __device__ __forceinline__ unsigned disp_send_token(
             }
         }
     }
-    if (QUANT) {
+    if (QB) {
         const unsigned char* xr = x + (long long)t * H * es;
         for (int c0 = c_begin; c0 < min(H, c_end); c0 += 512) {
             const int e0 = c0 + 16 * lane;
@@ -161,7 +174,9 @@ __device__ __forceinline__ unsigned disp_send_token(
 #pragma unroll
                 for (int k = 0; k < 16; ++k) key = max(key, __float_as_uint(v[k]) & 0x7FFFFFFFu);
             }
-            key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
+            // the block's amax over its QB / 16 lanes (aligned groups of 2 or 8 consecutive lanes)
+#pragma unroll
+            for (int o = 1; o < QB / 16; o <<= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
             uint4 q;
             unsigned sb;
             if (key >= 0x7F800000u) {
@@ -183,8 +198,8 @@ __device__ __forceinline__ unsigned disp_send_token(
                 for (int r = 0; r < EP_MAX_RANKS; ++r) {
                     if (!((dm >> r) & 1u)) continue;
                     ep_st16(reinterpret_cast<unsigned char*>(peers[r] + data_off) + drow[r] * H + e0, q);
-                    if (!(lane & 1))
-                        reinterpret_cast<unsigned char*>(peers[r] + scale_off)[drow[r] * C + (e0 >> 5)] =
+                    if (!(lane & (QB / 16 - 1)))  // the block's first lane
+                        reinterpret_cast<unsigned char*>(peers[r] + scale_off)[drow[r] * C + (e0 >> qb_shift(QB))] =
                             (unsigned char)sb;
                 }
             }
@@ -203,7 +218,7 @@ __device__ __forceinline__ unsigned disp_send_token(
     return dm;
 }
 
-template <int IN, int QUANT>
+template <int IN, int QB>
 __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch(
     const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
     const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int T, int H, int K, int L, int W, int me,
@@ -219,8 +234,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch(
     const int nwarps = gridDim.x * (DISP_THREADS / 32);
     for (int t = blockIdx.x * (DISP_THREADS / 32) + (threadIdx.x >> 5); t < T; t += nwarps) {
         int d;
-        disp_send_token<IN, QUANT>(t, d, x, topk_w, topk, tok_dst, slot_pos, H, K, L, W, peers, data_off, scale_off,
-                                   meta_off, row_bytes, meta, lane);
+        disp_send_token<IN, QB>(t, d, x, topk_w, topk, tok_dst, slot_pos, H, K, L, W, peers, data_off, scale_off,
+                                meta_off, row_bytes, meta, lane);
     }
     ep_grid_signal(c, 0, peers, F_DISP_READY, me, W, epoch);
 }
@@ -255,7 +270,7 @@ __device__ __forceinline__ int expand_slot(int i, int lane, const int* meta, int
     return pos;
 }
 
-template <int MODE, int QUANT, int OT>
+template <int MODE, int QB, int OT>
 __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     const ep_u64* __restrict__ peers_g, int me, int W, long long data_off, long long scale_off, long long meta_off,
     const int* __restrict__ info, int H, int K, int L, int recv_cap, int expand_cap,
@@ -273,7 +288,7 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     const int lane = threadIdx.x & 31;
     const int gwarp = blockIdx.x * (DISP_THREADS / 32) + (threadIdx.x >> 5);
     const int nwarps = gridDim.x * (DISP_THREADS / 32);
-    const int C = H >> 5;
+    const int C = H >> qb_shift(QB);  // scales per received row (QB > 0)
     const int ob = OT == IN_BF16 ? 2 : 4;  // output bytes per element
     const int R = min(info[I_R], recv_cap);
     const int N = min(info[I_N], expand_cap);
@@ -299,7 +314,7 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
                 float dot = 0.f;
                 for (int e0 = 16 * lane; e0 < H; e0 += 512) {
                     float v[16], yv[16];
-                    recv_values<QUANT, OT>(data, scale, i, H, C, e0, v);
+                    recv_values<QB, OT>(data, scale, i, H, C, e0, v);
                     load16<OT>(y + (n * H + e0) * ob, yv);
 #pragma unroll
                     for (int k = 0; k < 16; ++k) {
@@ -317,7 +332,7 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
                 const int e0 = c0 + 16 * lane;
                 const bool act = e0 < H;
                 float v[16];
-                if (act) recv_values<QUANT, OT>(data, scale, i, H, C, e0, v);
+                if (act) recv_values<QB, OT>(data, scale, i, H, C, e0, v);
                 for (unsigned m = vm; m; m &= m - 1) {
                     const long long n = __shfl_sync(0xFFFFFFFFu, pos, __ffs(m) - 1);
                     if (act) store16<OT>(out + (n * H + e0) * ob, v);
@@ -342,27 +357,30 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_expand(
     ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, -1, -1, epoch_ctr);
 }
 
-// ---- fused MXFP8 dispatch (the fast path, dispatch_fwd_mxfp8) ------------------------------------------------------
+// ---- fused quantized dispatch (the fast path: dispatch_fwd_mxfp8 / dispatch_fwd_blockwise) -------------------------
 // 512-element steps per iteration of the expansion: the loads of all of them are in flight before the stores
 // (more steps did not help: docs/performance.md)
 #define EXP_STEPS 2
 
-// One received MXFP8 row i (one warp), written by a peer during this kernel: L2-only loads. The e4m3 row goes to
-// out[n] (16-byte copies), its scales to the per-group blocked layout (to_blocked_grouped "m"), and w_out[n],
-// exp_row[n] = i, exp_slot[n] = j, for every slot j of the row with expanded row n.
-__device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, const unsigned char* data,
-                                              const unsigned char* scale, const int* __restrict__ info, int H,
-                                              int K, int L, int expand_cap, int* __restrict__ recv_pos,
-                                              unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale,
-                                              float* __restrict__ w_out, int* __restrict__ exp_row,
-                                              int* __restrict__ exp_slot) {
-    const int C = H >> 5, tpr = (C + 3) >> 2;
+// One received quantized row i (one warp), written by a peer during this kernel: L2-only loads. The e4m3 row goes
+// to out[n] (16-byte copies), and w_out[n], exp_row[n] = i, exp_slot[n] = j, for every slot j of the row with
+// expanded row n. Its scales go, for QB = 32 (MXFP8), to the per-group blocked layout the MXFP8 GEMMs read
+// (to_blocked_grouped "m"); for QB = 128 (blockwise), to row n of the row-major [expand_cap, H/128] scales the
+// blockwise GEMMs read.
+template <int QB>
+__device__ __forceinline__ void expand_q_row(int i, int lane, const int* meta, const unsigned char* data,
+                                             const unsigned char* scale, const int* __restrict__ info, int H,
+                                             int K, int L, int expand_cap, int* __restrict__ recv_pos,
+                                             unsigned char* __restrict__ out, unsigned char* __restrict__ out_scale,
+                                             float* __restrict__ w_out, int* __restrict__ exp_row,
+                                             int* __restrict__ exp_slot) {
+    const int C = H >> qb_shift(QB), tpr = (C + 3) >> 2;
     int pos = -1, loc = -1;
     if (lane < K) pos = expand_slot<true>(i, lane, meta, K, L, expand_cap, recv_pos, w_out, exp_row, exp_slot, loc);
     const unsigned vm = __ballot_sync(0xFFFFFFFFu, pos >= 0);
     if (!vm) return;
-    int srow = 0;
-    if (pos >= 0) srow = info[I_GSTART + L + 1 + loc] * 128 + (pos - info[I_GSTART + loc]);
+    int srow = 0;  // MXFP8: the row's place in the blocked layout (its group's first tile, its row in the group)
+    if (QB == 32 && pos >= 0) srow = info[I_GSTART + L + 1 + loc] * 128 + (pos - info[I_GSTART + loc]);
     for (int c0 = 0; c0 < H; c0 += 512 * EXP_STEPS) {
         uint4 q[EXP_STEPS];
         unsigned sb[EXP_STEPS];
@@ -375,7 +393,7 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
             sb[h] = 0;
             if (act[h]) {
                 q[h] = ep_ld16cg(data + (long long)i * H + e0);
-                sb[h] = __ldcg(scale + (long long)i * C + (e0 >> 5));
+                sb[h] = __ldcg(scale + (long long)i * C + (e0 >> qb_shift(QB)));
             }
         }
         for (unsigned m = vm; m; m &= m - 1) {
@@ -387,20 +405,22 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
                 const int e0 = c0 + 512 * h + 16 * lane;
                 if (act[h]) {
                     ep_st16(out + n * H + e0, q[h]);
-                    if (!(lane & 1)) {
+                    if (QB == 32 && !(lane & 1)) {
                         const int cc = e0 >> 5;
                         const long long off = ((rb >> 7) * tpr + (cc >> 2)) * 512 + (rb & 31) * 16 +
                                               ((rb & 127) >> 5) * 4 + (cc & 3);
                         out_scale[off] = (unsigned char)sb[h];
                     }
+                    if (QB == 128 && !(lane & 7)) out_scale[n * C + (e0 >> 7)] = (unsigned char)sb[h];
                 }
             }
         }
     }
 }
 
-// ep_dispatch_mx<IN>: the send of ep_dispatch<IN,1> (with metadata) and the MXFP8 expansion in ONE kernel, the
-// expansion of each received row overlapping the rest of the NVLink traffic (ep_sync.cuh, "per-row handoff"):
+// ep_dispatch_mx<IN, QB>: the send of ep_dispatch<IN, QB> (with metadata) and the expansion of expand_q_row<QB> in
+// ONE kernel (QB = 32: MXFP8, QB = 128: blockwise 1x128), the expansion of each received row overlapping the rest
+// of the NVLink traffic (ep_sync.cuh, "per-row handoff"):
 //   A  (after DISP_FREE(u-1) of every rank) the first send_warps (1..16) warps of every CTA take tokens by ticket
 //      (ctr[6]) and send them as ep_dispatch, each token as `pieces` (1..4) tickets of contiguous 512-element
 //      column ranges (piece 0 also stores the metadata); after a piece's stores, lane r stores
@@ -410,10 +430,11 @@ __device__ __forceinline__ void expand_mx_row(int i, int lane, const int* meta, 
 //   B  the other warps at once, the senders once no token is left: warps take received rows by ticket (ctr[7])
 //      in an order interleaving the source ranks (v -> rank v % W, its (v / W)-th row: rows arrive from every
 //      sender in token order), wait rflag[i][*] >= u, expand the row.
-//   then the rows past N as ep_expand (small outputs; no data padding on this path), and the last CTA signals
+//   then the rows past N as ep_expand (small outputs; no data padding on this path; QB = 128 also zeroes their
+//   row-major scale rows, the blocked MXFP8 scales come zeroed from the launcher), and the last CTA signals
 //   DISP_FREE(u) and resets the tickets. DISP_READY is not used (per-row flags replace it). topk_w must not be
 //   null: the metadata (expert, weight, expanded row) is what the receivers expand by.
-template <int IN>
+template <int IN, int QB>
 __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
     const unsigned char* __restrict__ x, const float* __restrict__ topk_w, const int* __restrict__ topk,
     const int* __restrict__ tok_dst, const int* __restrict__ slot_pos, int T, int H, int K, int L, int W, int me,
@@ -439,9 +460,9 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
         if (tk >= T * pieces) break;
         const int t = tk / pieces, p = tk % pieces;
         int d;
-        const unsigned dm = disp_send_token<IN, 1>(t, d, x, topk_w, topk, tok_dst, slot_pos, H, K, L, W, peers,
-                                                   data_off, scale_off, meta_off, 0, p == 0, lane,
-                                                   512 * (steps * p / pieces), 512 * (steps * (p + 1) / pieces));
+        const unsigned dm = disp_send_token<IN, QB>(t, d, x, topk_w, topk, tok_dst, slot_pos, H, K, L, W, peers,
+                                                    data_off, scale_off, meta_off, 0, p == 0, lane,
+                                                    512 * (steps * p / pieces), 512 * (steps * (p + 1) / pieces));
         if (dm) {
             ep_warp_release();
             if (d >= 0)
@@ -468,8 +489,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
         if (i >= roff[s + 1] || i >= R) continue;
         if (lane < pieces) ep_wait(c, rflag + (long long)i * pieces + lane, epoch, F_DISP_READY, s, me);
         __syncwarp();
-        expand_mx_row(i, lane, meta, data, scale, info, H, K, L, expand_cap, recv_pos, out, out_scale, w_out, exp_row,
-                      exp_slot);
+        expand_q_row<QB>(i, lane, meta, data, scale, info, H, K, L, expand_cap, recv_pos, out, out_scale, w_out,
+                         exp_row, exp_slot);
     }
 
     // rows past the expanded count: small outputs
@@ -481,6 +502,8 @@ __global__ void __launch_bounds__(DISP_THREADS) ep_dispatch_mx(
             exp_row[n] = -1;
             exp_slot[n] = -1;
         }
+        if (QB == 128)
+            for (int b = lane; b < (H >> 7); b += 32) out_scale[n * (H >> 7) + b] = 0;
     }
     ep_grid_signal(c, 1, peers, F_DISP_FREE, me, W, epoch, CTR_TICKET_SEND, CTR_TICKET_RECV, epoch_ctr);
 }

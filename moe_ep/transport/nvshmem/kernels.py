@@ -7,12 +7,14 @@ from __future__ import annotations
 from ... import _cuda
 
 MODE_VAL, MODE_BWD = 1, 2  # ep_expand's MODE (kernels/transport/nvshmem/dispatch.cu)
-# ep_dispatch<IN, QUANT> (IN: 0 fp32 / 1 bf16; QUANT = 0 sends raw rows of any dtype), ep_expand<MODE, QUANT, OT>,
-# ep_dispatch_mx<IN>, ep_combine<YT, BWD>
+# ep_dispatch<IN, QB> (IN: 0 fp32 / 1 bf16; QB: the payload's scale block, 32 MXFP8 / 128 blockwise, 0 = raw rows
+# of any dtype), ep_expand<MODE, QB, OT>, ep_dispatch_mx<IN, QB>, ep_combine<YT, BWD>
+PAYLOAD_BLOCKS = (32, 128)  # the scale blocks QB the kernels are built for: MXFP8, blockwise
 DISPATCH_NAMES = (
-    ("ep_dispatch<0,1>", "ep_dispatch<1,1>", "ep_dispatch<0,0>")
-    + tuple(f"ep_expand<{m},{q},{o}>" for m in (MODE_VAL, MODE_BWD) for q in (0, 1) for o in (0, 1))
-    + ("ep_dispatch_mx<0>", "ep_dispatch_mx<1>")
+    tuple(f"ep_dispatch<{i},{q}>" for q in PAYLOAD_BLOCKS for i in (0, 1))
+    + ("ep_dispatch<0,0>",)
+    + tuple(f"ep_expand<{m},{q},{o}>" for m in (MODE_VAL, MODE_BWD) for q in (0, *PAYLOAD_BLOCKS) for o in (0, 1))
+    + tuple(f"ep_dispatch_mx<{i},{q}>" for q in PAYLOAD_BLOCKS for i in (0, 1))
 )
 COMBINE_NAMES = tuple(f"ep_combine<{y},{b}>" for y in (0, 1) for b in (0, 1))
 LAYOUT_NAMES = ("ep_layout_count", "ep_layout_place")
