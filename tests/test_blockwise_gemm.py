@@ -26,14 +26,17 @@ import torch
 
 from moe_ep.blockwise.reference import (
     colwise_cols,
+    dequantize_rowwise_torch,
     grouped_mm_torch,
     grouped_wgrad_torch,
     padded_group_offsets,
     quantize_colwise_grouped_torch,
+    quantize_colwise_prepared_torch,
     quantize_rowwise_torch,
     quantize_weight_torch,
 )
 from moe_ep.experts.sm90 import blockwise_gemm as bw
+from moe_ep.experts.sm90 import gemm as mx_gemm
 
 E4 = torch.float8_e4m3fn
 
@@ -47,12 +50,14 @@ def _abs_e4m3(t: torch.Tensor) -> torch.Tensor:
     return (t.view(torch.uint8) & 0x7F).view(E4)
 
 
-def _bound(err_abs_ref: torch.Tensor, ref: torch.Tensor, out_rel: float) -> torch.Tensor:
-    """2**-9 (|A| @ |B|^T) + out_rel |ref| (module docstring) plus a tiny absolute floor."""
-    return 2.0**-9 * err_abs_ref + out_rel * ref.abs() + 1e-30
+def _bound(err_abs_ref: torch.Tensor, ref: torch.Tensor, out_rel: float, acc_rel: float = 2.0**-9) -> torch.Tensor:
+    """acc_rel (|A| @ |B|^T) + out_rel |ref| (module docstring) plus a tiny absolute floor."""
+    return acc_rel * err_abs_ref + out_rel * ref.abs() + 1e-30
 
 
-def _check_close(got: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor, out_rel: float, what: str) -> None:
+def _check_close(
+    got: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor, out_rel: float, what: str, acc_rel: float = 2.0**-9
+) -> None:
     got = got.double()
     nan_ref, nan_got = torch.isnan(ref), torch.isnan(got)
     if not torch.equal(nan_ref, nan_got):
@@ -62,7 +67,7 @@ def _check_close(got: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor, out
         )
     ok = ~nan_ref
     err = (got - ref).abs()
-    lim = _bound(absref, ref, out_rel)
+    lim = _bound(absref, ref, out_rel, acc_rel)
     bad = ok & ~(err <= lim)
     ratio = (err[ok] / lim[ok]).max().item() if ok.any() else 0.0
     if bad.any():
@@ -409,3 +414,69 @@ def test_wgrad_gpu_dsv3_like():
     out = torch.empty(len(sizes), n, k, device="cuda")
     bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out)
     _check_close(out, ref, absref, 2.0**-20, "wgrad dsv3-like")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: the recipe's wgrad on bf16 tensor cores (the prepared operands, the MXFP8 recipe's wgrad kernel)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bf16_acc_rel(sizes) -> float:
+    """The bf16 wgrad's accumulation bound relative to |A| @ |B|^T (tests/test_gemm_cuda.py's module docstring): the
+    operands are exact in bf16, the products exact, and each k16 step of the fp32 accumulation truncates by < 2 ulp
+    of the largest magnitude it touches: 2**-22 (S + 1) with S = ceil(largest group / 16) steps."""
+    return 2.0**-22 * (-(-max(sizes) // 16) + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", WG_CASES, ids=lambda c: f"M{c[0]}N{c[1]}K{c[2]}G{len(c[3])}")
+def test_wgrad_bf16_gpu(case, out_dtype):
+    """grouped_wgrad_prepared_out on the prepared bf16 operands of the recipe's 128x1 blocks
+    (quantize_colwise_prepared_torch) == grouped_wgrad_torch on the e4m3 blocks (fp64), within fp32 summation order;
+    a NaN block (its dW row / column NaN) included."""
+    m, n, k, sizes, _ = case
+    gen = torch.Generator().manual_seed(m)
+    dy, x = torch.randn(m, n, generator=gen), torch.randn(m, k, generator=gen) * 5
+    dy[: m // 4] *= 1e-2
+    dy[3, 7] = float("nan")  # a NaN block (row 3 is in the first non-empty group): row 7 of that dW NaN
+    a_t, a_st = quantize_colwise_grouped_torch(dy, sizes)
+    b_t, b_st = quantize_colwise_grouped_torch(x, sizes)
+    ref = grouped_wgrad_torch(a_t.cuda(), a_st.cuda(), b_t.cuda(), b_st.cuda(), sizes, acc=torch.float64)
+    absref = grouped_wgrad_torch(_abs_e4m3(a_t).cuda(), a_st.cuda(), _abs_e4m3(b_t).cuda(), b_st.cuda(), sizes,
+                                 acc=torch.float64)  # fmt: skip
+    ap, bp = quantize_colwise_prepared_torch(dy, sizes).cuda(), quantize_colwise_prepared_torch(x, sizes).cuda()
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    out = torch.full((len(sizes), n, k), float("nan"), dtype=out_dtype, device="cuda")
+    mx_gemm.grouped_wgrad_prepared_out(ap, bp, sz, out, m)
+    rel = 2.0**-20 if out_dtype == torch.float32 else 2.0**-8
+    what = f"bf16 wgrad {out_dtype} M{m} N{n} K{k} sizes {sizes}"
+    _check_close(out, ref, absref, rel, what, _bf16_acc_rel(sizes))
+    assert bool(torch.isnan(ref).any()), "the NaN block is there"
+    for g, sz_g in enumerate(sizes):
+        if sz_g == 0:
+            assert bool((out[g] == 0).all()), f"empty group {g} must be zeros"
+
+
+@pytest.mark.gpu
+def test_wgrad_bf16_pipeline_dsv3_like():
+    """The backward's wgrad1 as the MLP runs it, at a dsv3-like width: dA's column operand from bf16 rows and x's from
+    its 1x128 dispatch bytes, both written by the quantizer kernels straight into the prepared layout, then the bf16
+    wgrad kernel; against the reference's 128x1 blocks and grouped_wgrad_torch (fp64). Deterministic."""
+    from moe_ep.blockwise import cuda as bwq  # noqa: PLC0415
+
+    m, n, k = 4096, 1024, 7168
+    sizes = [0, 900, 3, 517, 0, 1400, 1, 1275]  # sum 4096
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    da = (torch.randn(m, n, generator=gen, device="cuda") * 1e-3).bfloat16()
+    xq, xs = quantize_rowwise_torch(torch.randn(m, k, generator=gen, device="cuda") * 4)
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    ap, bp = bwq.quantize_colwise_prepared(da, sz), bwq.quantize_colwise_prepared((xq, xs), sz)
+    out = mx_gemm.grouped_wgrad_prepared_out(ap, bp, sz, torch.empty(len(sizes), n, k, device="cuda"), m)
+    a_t, a_st = quantize_colwise_grouped_torch(da.float(), sizes)
+    b_t, b_st = quantize_colwise_grouped_torch(dequantize_rowwise_torch(xq, xs), sizes)
+    ref = grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes, acc=torch.float64)
+    absref = grouped_wgrad_torch(_abs_e4m3(a_t), a_st, _abs_e4m3(b_t), b_st, sizes, acc=torch.float64)
+    _check_close(out, ref, absref, 2.0**-20, "bf16 wgrad pipeline dsv3-like", _bf16_acc_rel(sizes))
+    out2 = mx_gemm.grouped_wgrad_prepared_out(ap, bp, sz, torch.empty_like(out), m)
+    assert torch.equal(out.view(torch.int32), out2.view(torch.int32)), "two runs differ"
