@@ -7,8 +7,11 @@ group sizes stay on the device and the grids are sized from M and G alone.
 
 Entry points (``B = 128``):
   * :func:`quantize_rowwise`: x [M, K] -> 1x128 rows (the activations of fprop / dgrad).
-  * :func:`quantize_colwise_grouped`: expert-sorted rows, bf16 or 1x128 bytes (requantized) -> 128x1 blocks per
-    group, transposed and group padded (the wgrad operands).
+  * :func:`quantize_colwise_prepared`: expert-sorted rows, bf16 or 1x128 bytes (requantized) -> 128x1 blocks per
+    group written exactly dequantized in bf16, in the prepared layout of the bf16 wgrad kernel (the MLP's wgrad
+    operands; :func:`swiglu_colwise_prepared` / :func:`swiglu_bwd_quantize_prepared` for h and dA).
+  * :func:`quantize_colwise_grouped`: the same blocks as e4m3 bytes + scales, transposed and group padded (the
+    deleted FP8 wgrad's operand layout; no longer on the MLP's path).
   * :func:`quantize_weight`: w [G, N, K] -> 128x128 blocks, data and its byte transpose (fprop's and dgrad's B).
   * :func:`transpose_weight`: data [G, N, K] e4m3 -> its byte transpose (dgrad's B of a weight gathered as data +
     scales, no re-quantization).
