@@ -2,8 +2,9 @@
 
 Shapes: benchmarks/bench_gemm.py SHAPES, (M, K, N, G) with fprop [M, K] x [G, N, K] -> [M, N], dgrad
 [M, N] x W[G, N, K] -> [M, K] (the kernel reads the weight's transposed bytes data_t [G, K, N] and
-scale.transpose(1, 2)), wgrad dW[g] = dY_g^T X_g -> [G, N, K] (fp32, the contract's output; bf16-output times
-in meta.details), each with "uniform" (M / G rows each) and "skewed" (bench_gemm.uneven_sizes) group sizes.
+scale.transpose(1, 2)), each with "uniform" (M / G rows each) and "skewed" (bench_gemm.uneven_sizes) group sizes.
+The recipe's wgrad runs on the MXFP8 bf16 wgrad kernel: benchmarks/bench_wgrad_blockwise.py (the FP8 wgrad kernel
+this script also timed is gone; its rows in benchmarks/results/bench_gemm_blockwise.json are from 8541feb).
 
 Per row: tflops (2 M N K / median time), ratio_vs_bf16 (torch._grouped_mm on bf16 operands, same process, median
 over interleaved rounds of the per-round ratio), ratio_vs_fp8_rowwise (torch._scaled_grouped_mm with rowwise
@@ -13,16 +14,16 @@ ratio_vs_bf16_with_quant. Our kernels are checked against the reference on a sli
 
 --probe: the rate probe (the promotion schedule's ceiling) on a dense M = N = K = 8192 problem (one group): the
 fprop kernel with its per-128 promotion vs the same mainloop without it (-DBW_NO_PROMOTE: plain FP8 wgmma
-accumulation), the wgrad kernel (two-sided promotion), torch bf16 matmul and torch._scaled_mm rowwise.
+accumulation), torch bf16 matmul and torch._scaled_mm rowwise.
 
---smoke: small fprop / dgrad / wgrad problems against the reference (exit code).
+--smoke: small fprop / dgrad problems against the reference (exit code).
 
 The one tuning pass (--sweep: fprop / dgrad schedules, wgrad schedules, 2-CTA multicast builds; its result is
 meta.sweep of benchmarks/results/bench_gemm_blockwise.json, whose probe keys carry the _single / _cluster2 suffixes
 of the two builds) lives in git history at 8541feb / f74eaac; the losing variants were deleted after it.
 
 Usage: python benchmarks/bench_gemm_blockwise.py [--shapes dsv3_up,small] [--groups uniform,skewed]
-       [--gemms fprop,dgrad,wgrad] [--probe] [--smoke] [--quick] --json PATH
+       [--gemms fprop,dgrad] [--probe] [--smoke] [--quick] --json PATH
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from bench_gemm import (  # noqa: E402
     interleaved_ms,
     paired_ratio,
     rowwise_fp8,
-    rowwise_fp8_grouped_cols,
     time_ms,
     uneven_sizes,
 )
@@ -64,16 +64,12 @@ def group_sizes(kind: str, m: int, g: int, name: str) -> list[int]:
 
 
 def _quantizers():
-    """(rowwise, colwise) CUDA quantizer callables of moe_ep.blockwise.cuda, or (None, reason)."""
+    """(rowwise,) CUDA quantizer callables of moe_ep.blockwise.cuda, or (None, reason)."""
     try:
         from moe_ep.blockwise import cuda as bcuda  # noqa: PLC0415
     except ImportError as e:
         return None, f"moe_ep.blockwise.cuda not in this tree ({e}); quant_ms is filled in by the quantizer work"
-    row = getattr(bcuda, "quantize_rowwise", None)
-    col = getattr(bcuda, "quantize_colwise_grouped", None)
-    if row is None or col is None:
-        return None, "moe_ep.blockwise.cuda has no quantize_rowwise / quantize_colwise_grouped"
-    return (row, col), None
+    return (bcuda.quantize_rowwise,), None
 
 
 def _setup_mm(gemm, x, dy, w, sz, offs, sizes, starts, pick, det, quant):
@@ -119,43 +115,6 @@ def _setup_mm(gemm, x, dy, w, sz, offs, sizes, starts, pick, det, quant):
     return ours, base, qfn
 
 
-def _setup_wgrad(x, dy, sz, offs, sizes, pick, det, quant):
-    """Our wgrad closures (fp32 and bf16 output; checked on the picked groups), the baselines, the quantizers."""
-    g, n, k, dev = len(sizes), dy.shape[1], x.shape[1], x.device
-    ours, base, qfn = {}, {}, None
-    a_t, a_st = ref.quantize_colwise_grouped_torch(dy, sizes)
-    b_t, b_st = ref.quantize_colwise_grouped_torch(x, sizes)
-    out = torch.empty(g, n, k, dtype=torch.float32, device=dev)
-    out16 = torch.empty(g, n, k, dtype=torch.bfloat16, device=dev)
-    ours["blockwise"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out)
-    ours["blockwise_bf16out"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out16)
-    ours["blockwise"]()
-    offp = ref.padded_group_offsets(sizes)
-    errs = {}
-    for gi in pick:
-        c = slice(offp[gi], offp[gi + 1])
-        da = ref.dequantize_rowwise_torch(a_t[:, c], a_st[c.start // 128 : c.stop // 128].t())
-        db = ref.dequantize_rowwise_torch(b_t[:, c], b_st[c.start // 128 : c.stop // 128].t())
-        errs[f"g{gi}"] = rel_err(out[gi], da @ db.t())
-    det["check_rel_err"] = errs
-    # fp32 output vs an fp32 matmul of the dequantized operands: the FP8 tensor cores' in-block accumulation keeps
-    # ~14 bits (tests/test_blockwise_gemm.py), a ~1.2e-4 relative error on random data; index or scale bugs give O(1)
-    det["check_ok"] = all(v < 1e-3 for v in errs.values())
-    dyt = dy.t().contiguous()
-    base["bf16"] = lambda: torch._grouped_mm(dyt, x, offs=offs)
-    try:
-        dytf8, dytsc = rowwise_fp8_grouped_cols(dyt, sizes)
-        xtf8, xtsc = rowwise_fp8_grouped_cols(x.t().contiguous(), sizes)
-        base["fp8_rowwise"] = lambda: torch._scaled_grouped_mm(
-            dytf8, xtf8.t(), dytsc, xtsc, offs=offs, out_dtype=torch.bfloat16
-        )
-    except Exception as e:  # noqa: BLE001
-        det["fp8_rowwise_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    if quant is not None:
-        qfn = lambda: (quant[1](dy, sz), quant[1](x, sz))  # noqa: E731
-    return ours, base, qfn
-
-
 def run_case(name, kind, gemms, args, rows, details, quant):
     m, k, n, g = SHAPES[name]
     dev = "cuda"
@@ -177,10 +136,7 @@ def run_case(name, kind, gemms, args, rows, details, quant):
         det = {"M": m, "K": k, "N": n, "G": g, "sizes": sizes}
         flops = 2.0 * m * n * k
         try:
-            if gemm in ("fprop", "dgrad"):
-                ours, base, qfn = _setup_mm(gemm, x, dy, w, sz, offs, sizes, starts, pick, det, quant)
-            else:
-                ours, base, qfn = _setup_wgrad(x, dy, sz, offs, sizes, pick, det, quant)
+            ours, base, qfn = _setup_mm(gemm, x, dy, w, sz, offs, sizes, starts, pick, det, quant)
         except Exception as e:  # noqa: BLE001
             det["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             print(f"[{key}] ERROR {det['error']}", flush=True)
@@ -231,7 +187,7 @@ def _row(shape, groups, gemm, tflops, r16, r8, quant_ms, rq):
 
 
 def run_probe(args) -> dict:
-    """Dense 8192^3 rates: promotion vs none, wgrad, torch bf16 and _scaled_mm rowwise (TFLOP/s)."""
+    """Dense 8192^3 rates: promotion vs none, torch bf16 and _scaled_mm rowwise (TFLOP/s)."""
     s = 8192
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -247,11 +203,6 @@ def run_probe(args) -> dict:
         "fp8_blockwise_promote": lambda: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out),
         "fp8_no_promote": lambda: bw.grouped_mm_blockwise_out(a, a_s, b, b_s, sz, out, _options=("-DBW_NO_PROMOTE",)),
     }
-    cols = ref.colwise_cols(s, 1)
-    a_t, a_st = ref.quantize_colwise_grouped_torch(x, [s], cols)
-    b_t, b_st = ref.quantize_colwise_grouped_torch(w[0].t().contiguous(), [s], cols)
-    wout = torch.empty(1, s, s, dtype=torch.float32, device=dev)
-    fns["fp8_wgrad_promote_f32out"] = lambda: bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, wout)
     xb, wb = x.bfloat16(), w[0].bfloat16()
     fns["torch_bf16_matmul"] = lambda: xb @ wb.t()
     try:
@@ -274,7 +225,7 @@ def run_probe(args) -> dict:
 
 
 def run_smoke() -> bool:
-    """Small fprop / dgrad / wgrad problems against the reference (exit code for scripts)."""
+    """Small fprop / dgrad problems against the reference (exit code for scripts)."""
     ok = True
     sizes = [0, 130, 1, 0, 300, 0]
     m, k, n = 512, 512, 256
@@ -293,15 +244,6 @@ def run_smoke() -> bool:
         e = rel_err(got, want)
         ok &= e < 5e-3
         print(f"[smoke] {what}: rel err {e:.2e}", flush=True)
-    a_t, a_st = ref.quantize_colwise_grouped_torch(torch.randn(m, n, generator=gen, device="cuda"), sizes)
-    b_t, b_st = ref.quantize_colwise_grouped_torch(x, sizes)
-    want = ref.grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes)
-    got = torch.empty(len(sizes), n, k, device="cuda")
-    bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, got)
-    torch.cuda.synchronize()
-    e = rel_err(got, want)
-    ok &= e < 1e-3
-    print(f"[smoke] wgrad: rel err {e:.2e}", flush=True)
     return bool(ok)
 
 
@@ -310,7 +252,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--groups", default="uniform,skewed")
-    ap.add_argument("--gemms", default="fprop,dgrad,wgrad")
+    ap.add_argument("--gemms", default="fprop,dgrad")
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="only the small checks against the reference (exit code)")
     ap.add_argument("--quick", action="store_true")
@@ -333,7 +275,7 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": {"warmup": args.warmup, "reps": args.reps, "rounds": args.rounds},
         "shapes": {kk: SHAPES[kk] for kk in args.shapes.split(",") if kk},
-        "shape_convention": "(M, K, N, G): fprop [M,K]x[G,N,K]->[M,N]; dgrad [M,N]xW->[M,K]; wgrad -> [G,N,K] fp32",
+        "shape_convention": "(M, K, N, G): fprop [M,K]x[G,N,K]->[M,N]; dgrad [M,N]xW->[M,K]",
         "quant_note": qnote or "quant_ms: moe_ep.blockwise.cuda quantizers of the GEMM's fresh activation operands",
         "details": {},
     }

@@ -1,4 +1,6 @@
-"""Blockwise FP8 grouped GEMMs (moe_ep.experts.sm90.blockwise_gemm; kernels/experts/sm90/blockwise_*.cu).
+"""Blockwise grouped GEMMs: fprop / dgrad on FP8 tensor cores (moe_ep.experts.sm90.blockwise_gemm;
+kernels/experts/sm90/blockwise_gemm.cu) and the recipe's wgrad on the MXFP8 recipe's bf16 wgrad kernel over the
+exactly dequantized 128x1 operands (moe_ep.experts.sm90.gemm.grouped_wgrad_prepared_out).
 
 CPU: the launchers' argument checks, the host-side plan (tile counts, the kernel's tile schedule emulated, padded
 group offsets) against hand-worked tables, the E8M0 decode, and an emulation of the kernels' promotion schedule
@@ -15,6 +17,8 @@ alignments happen per block, so the block's partial sum is off by <= 2**-9 * sum
 16 x 2**-13). The promotion (one fp32 FMA per block, exact scale products: powers of two) adds K/128 roundings of
 2**-24 relative to the running sum, also covered by that term. The bf16 output rounds once more: 2**-9 |ref|
 (nearest), taken as 2**-8 |ref|; fp32 outputs 2**-20 |ref|. So |out - ref| <= 2**-9 (|A| @ |B|^T) + r |ref|.
+The bf16 wgrad's bound is tests/test_gemm_cuda.py's (``_bf16_acc_rel``): exact products, fp32 accumulation
+truncating < 2 ulp per k16 step.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ import torch
 
 from moe_ep.blockwise.reference import (
     colwise_cols,
+    dequantize_rowwise_torch,
     grouped_mm_torch,
     grouped_wgrad_torch,
     padded_group_offsets,
     quantize_colwise_grouped_torch,
+    quantize_colwise_prepared_torch,
     quantize_rowwise_torch,
     quantize_weight_torch,
 )
 from moe_ep.experts.sm90 import blockwise_gemm as bw
+from moe_ep.experts.sm90 import gemm as mx_gemm
 
 E4 = torch.float8_e4m3fn
 
@@ -47,12 +54,14 @@ def _abs_e4m3(t: torch.Tensor) -> torch.Tensor:
     return (t.view(torch.uint8) & 0x7F).view(E4)
 
 
-def _bound(err_abs_ref: torch.Tensor, ref: torch.Tensor, out_rel: float) -> torch.Tensor:
-    """2**-9 (|A| @ |B|^T) + out_rel |ref| (module docstring) plus a tiny absolute floor."""
-    return 2.0**-9 * err_abs_ref + out_rel * ref.abs() + 1e-30
+def _bound(err_abs_ref: torch.Tensor, ref: torch.Tensor, out_rel: float, acc_rel: float = 2.0**-9) -> torch.Tensor:
+    """acc_rel (|A| @ |B|^T) + out_rel |ref| (module docstring) plus a tiny absolute floor."""
+    return acc_rel * err_abs_ref + out_rel * ref.abs() + 1e-30
 
 
-def _check_close(got: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor, out_rel: float, what: str) -> None:
+def _check_close(
+    got: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor, out_rel: float, what: str, acc_rel: float = 2.0**-9
+) -> None:
     got = got.double()
     nan_ref, nan_got = torch.isnan(ref), torch.isnan(got)
     if not torch.equal(nan_ref, nan_got):
@@ -62,7 +71,7 @@ def _check_close(got: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor, out
         )
     ok = ~nan_ref
     err = (got - ref).abs()
-    lim = _bound(absref, ref, out_rel)
+    lim = _bound(absref, ref, out_rel, acc_rel)
     bad = ok & ~(err <= lim)
     ratio = (err[ok] / lim[ok]).max().item() if ok.any() else 0.0
     if bad.any():
@@ -125,8 +134,6 @@ def test_tile_counts():
     assert bw.fprop_tiles(300, 256, 3) == (3 + 3) * 2
     assert bw.fprop_tiles(128, 128, 1) == 2
     assert bw.fprop_tiles(1000, 128, 0) == 0
-    assert bw.wgrad_tiles(3, 256, 384) == 3 * 2 * 3
-    assert bw.wgrad_tiles(0, 256, 384) == 0
 
 
 def test_tile_schedule_table():
@@ -259,34 +266,6 @@ def _mm_k(k):
     )
 
 
-def test_wgrad_argument_checks():
-    n, k, mp, g = 256, 128, 512, 3
-    args = (
-        torch.zeros(n, mp, dtype=E4),
-        torch.zeros(mp // 128, n, dtype=torch.uint8),
-        torch.zeros(k, mp, dtype=E4),
-        torch.zeros(mp // 128, k, dtype=torch.uint8),
-        torch.zeros(g, dtype=torch.int32),
-        torch.zeros(g, n, k),
-    )
-    with pytest.raises(TypeError, match="b_t must be torch.float8_e4m3fn"):
-        bw.grouped_wgrad_blockwise_out(*_with(args, 2, args[2].view(torch.uint8)))
-    with pytest.raises(TypeError, match="out must be torch.float32 or torch.bfloat16"):
-        bw.grouped_wgrad_blockwise_out(*_with(args, 5, args[5].half()))
-    with pytest.raises(ValueError, match=r"Mp \(the padded token columns\) \(320\)"):
-        bw.grouped_wgrad_blockwise_out(torch.zeros(n, 320, dtype=E4), args[1], torch.zeros(k, 320, dtype=E4), *args[3:])
-    with pytest.raises(ValueError, match=r"K \(64\) must be a positive multiple of 128"):
-        bw.grouped_wgrad_blockwise_out(*_with(args, 2, torch.zeros(64, mp, dtype=E4)))
-    with pytest.raises(ValueError, match=r"a_st must have shape \[4, 256\]"):
-        bw.grouped_wgrad_blockwise_out(*_with(args, 1, torch.zeros(4, 128, dtype=torch.uint8)))
-    with pytest.raises(ValueError, match=r"out must have shape \[3, 256, 128\]"):
-        bw.grouped_wgrad_blockwise_out(*_with(args, 5, torch.zeros(2, n, k)))
-    with pytest.raises(ValueError, match="group_sizes must be a CUDA tensor.*no host sync"):
-        bw._devices((("group_sizes", args[4]),), ())
-    with pytest.raises(ValueError, match="must be a CUDA tensor"):
-        bw.grouped_wgrad_blockwise_out(*args)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------------------
@@ -345,67 +324,75 @@ def test_mm_gpu_dsv3_like():
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), "two runs differ"
 
 
-WG_CASES = [  # (M rows, N, K, sizes, extra padded columns)
-    (600, 256, 384, [0, 130, 1, 0, 300, 0], 0),
-    (700, 128, 256, [700], 256),
-    (1000, 384, 128, [0, 0, 1000], 0),
-    (2048, 512, 1024, [127, 129, 0, 512, 1, 1279], 0),
+WG_CASES = [  # (M rows, N, K, sizes): empty groups, 1-row groups, one group holding every row, sizes % 64 != 0
+    (600, 256, 384, [0, 130, 1, 0, 300, 0]),
+    (700, 128, 256, [700]),
+    (1000, 384, 128, [0, 0, 1000]),
+    (2048, 512, 1024, [127, 129, 0, 512, 1, 1279]),
 ]
 
 
-def _wgrad_inputs(m, n, k, sizes, extra, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    dy = torch.randn(m, n, generator=gen)
-    x = torch.randn(m, k, generator=gen) * 5
-    dy[: m // 4] *= 1e-2
-    g = len(sizes)
-    cols = colwise_cols(m, g) + extra
-    a_t, a_st = quantize_colwise_grouped_torch(dy, sizes, cols)
-    b_t, b_st = quantize_colwise_grouped_torch(x, sizes, cols)
-    sz = torch.tensor(sizes, dtype=torch.int32)
-    return [t.cuda() for t in (a_t, a_st, b_t, b_st, sz)]
+# ----------------------------------------------------------------------------------------------------------
+# GPU: the recipe's wgrad on bf16 tensor cores (the prepared operands, the MXFP8 recipe's wgrad kernel)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bf16_acc_rel(sizes) -> float:
+    """The bf16 wgrad's accumulation bound relative to |A| @ |B|^T (tests/test_gemm_cuda.py's module docstring): the
+    operands are exact in bf16, the products exact, and each k16 step of the fp32 accumulation truncates by < 2 ulp
+    of the largest magnitude it touches: 2**-22 (S + 1) with S = ceil(largest group / 16) steps."""
+    return 2.0**-22 * (-(-max(sizes) // 16) + 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", WG_CASES, ids=lambda c: f"M{c[0]}N{c[1]}K{c[2]}G{len(c[3])}")
-def test_wgrad_gpu(case, out_dtype):
-    m, n, k, sizes, extra = case
-    a_t, a_st, b_t, b_st, sz = _wgrad_inputs(m, n, k, sizes, extra, seed=m)
-    ref = grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes, acc=torch.float64)
-    absref = grouped_wgrad_torch(_abs_e4m3(a_t), a_st, _abs_e4m3(b_t), b_st, sizes, acc=torch.float64)
+def test_wgrad_bf16_gpu(case, out_dtype):
+    """grouped_wgrad_prepared_out on the prepared bf16 operands of the recipe's 128x1 blocks
+    (quantize_colwise_prepared_torch) == grouped_wgrad_torch on the e4m3 blocks (fp64), within fp32 summation order;
+    a NaN block (its dW row / column NaN) included."""
+    m, n, k, sizes = case
+    gen = torch.Generator().manual_seed(m)
+    dy, x = torch.randn(m, n, generator=gen), torch.randn(m, k, generator=gen) * 5
+    dy[: m // 4] *= 1e-2
+    dy[3, 7] = float("nan")  # a NaN block (row 3 is in the first non-empty group): row 7 of that dW NaN
+    a_t, a_st = quantize_colwise_grouped_torch(dy, sizes)
+    b_t, b_st = quantize_colwise_grouped_torch(x, sizes)
+    ref = grouped_wgrad_torch(a_t.cuda(), a_st.cuda(), b_t.cuda(), b_st.cuda(), sizes, acc=torch.float64)
+    absref = grouped_wgrad_torch(_abs_e4m3(a_t).cuda(), a_st.cuda(), _abs_e4m3(b_t).cuda(), b_st.cuda(), sizes,
+                                 acc=torch.float64)  # fmt: skip
+    ap, bp = quantize_colwise_prepared_torch(dy, sizes).cuda(), quantize_colwise_prepared_torch(x, sizes).cuda()
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
     out = torch.full((len(sizes), n, k), float("nan"), dtype=out_dtype, device="cuda")
-    bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out)
+    mx_gemm.grouped_wgrad_prepared_out(ap, bp, sz, out, m)
     rel = 2.0**-20 if out_dtype == torch.float32 else 2.0**-8
-    _check_close(out, ref, absref, rel, f"wgrad {out_dtype} M{m} N{n} K{k} sizes {sizes}")
-    for g, s in enumerate(sizes):
-        if s == 0:
+    what = f"bf16 wgrad {out_dtype} M{m} N{n} K{k} sizes {sizes}"
+    _check_close(out, ref, absref, rel, what, _bf16_acc_rel(sizes))
+    assert bool(torch.isnan(ref).any()), "the NaN block is there"
+    for g, sz_g in enumerate(sizes):
+        if sz_g == 0:
             assert bool((out[g] == 0).all()), f"empty group {g} must be zeros"
-    out2 = torch.empty_like(out)
-    bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out2)
-    assert torch.equal(out.view(torch.uint8), out2.view(torch.uint8)), "two runs differ"
 
 
 @pytest.mark.gpu
-def test_wgrad_gpu_nan_block():
-    m, n, k, sizes = 500, 256, 256, [200, 0, 300]
-    a_t, a_st, b_t, b_st, sz = _wgrad_inputs(m, n, k, sizes, 0)
-    a_st[1, 7] = 255  # group 0's second token block, row 7 of dW
-    b_st[3, 130] = 255  # group 2's second block (padded block rows 2-4), column 130
-    ref = grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes, acc=torch.float64)
-    out = bw.grouped_wgrad_blockwise(a_t, a_st, b_t, b_st, sz)
-    assert bool(torch.isnan(out[0, 7]).all()) and bool(torch.isnan(out[2, :, 130]).all())
-    absref = grouped_wgrad_torch(_abs_e4m3(a_t), a_st, _abs_e4m3(b_t), b_st, sizes, acc=torch.float64)
-    _check_close(out, ref, absref, 2.0**-20, "wgrad NaN blocks")
+def test_wgrad_bf16_pipeline_dsv3_like():
+    """The backward's wgrad1 as the MLP runs it, at a dsv3-like width: dA's column operand from bf16 rows and x's from
+    its 1x128 dispatch bytes, both written by the quantizer kernels straight into the prepared layout, then the bf16
+    wgrad kernel; against the reference's 128x1 blocks and grouped_wgrad_torch (fp64). Deterministic."""
+    from moe_ep.blockwise import cuda as bwq  # noqa: PLC0415
 
-
-@pytest.mark.gpu
-def test_wgrad_gpu_dsv3_like():
     m, n, k = 4096, 1024, 7168
-    sizes = [0, 900, 3, 517, 0, 1400, 1, 1275]
-    a_t, a_st, b_t, b_st, sz = _wgrad_inputs(m, n, k, sizes, 0)
+    sizes = [0, 900, 3, 517, 0, 1400, 1, 1275]  # sum 4096
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    da = (torch.randn(m, n, generator=gen, device="cuda") * 1e-3).bfloat16()
+    xq, xs = quantize_rowwise_torch(torch.randn(m, k, generator=gen, device="cuda") * 4)
+    sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    ap, bp = bwq.quantize_colwise_prepared(da, sz), bwq.quantize_colwise_prepared((xq, xs), sz)
+    out = mx_gemm.grouped_wgrad_prepared_out(ap, bp, sz, torch.empty(len(sizes), n, k, device="cuda"), m)
+    a_t, a_st = quantize_colwise_grouped_torch(da.float(), sizes)
+    b_t, b_st = quantize_colwise_grouped_torch(dequantize_rowwise_torch(xq, xs), sizes)
     ref = grouped_wgrad_torch(a_t, a_st, b_t, b_st, sizes, acc=torch.float64)
     absref = grouped_wgrad_torch(_abs_e4m3(a_t), a_st, _abs_e4m3(b_t), b_st, sizes, acc=torch.float64)
-    out = torch.empty(len(sizes), n, k, device="cuda")
-    bw.grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, sz, out)
-    _check_close(out, ref, absref, 2.0**-20, "wgrad dsv3-like")
+    _check_close(out, ref, absref, 2.0**-20, "bf16 wgrad pipeline dsv3-like", _bf16_acc_rel(sizes))
+    out2 = mx_gemm.grouped_wgrad_prepared_out(ap, bp, sz, torch.empty_like(out), m)
+    assert torch.equal(out.view(torch.int32), out2.view(torch.int32)), "two runs differ"

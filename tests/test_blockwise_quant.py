@@ -25,6 +25,7 @@ from moe_ep.blockwise.reference import (
     dequantize_rowwise_torch,
     padded_group_offsets,
     quantize_colwise_grouped_torch,
+    quantize_colwise_prepared_torch,
     quantize_rowwise_torch,
     quantize_weight_torch,
 )
@@ -126,6 +127,18 @@ def check_colwise(got_t, got_st, want_t, want_st, sizes, what: str) -> None:
     assert (_u8(got_st[pg // 128 :]) == SENT).all(), f"{what}: scale_t written past row {pg // 128}"
 
 
+def check_prepared(got, want, sizes, what: str) -> None:
+    """The prepared bf16 operand: bytes equal on each group's rows and the zero rows padding it to a multiple of 64;
+    every other row untouched (still SENT)."""
+    written = torch.zeros(got.shape[0], dtype=torch.bool)
+    poff = 0
+    for n in sizes:
+        written[poff : poff + 64 * ((n + 63) // 64)] = True
+        poff += 64 * ((n + 63) // 64)
+    assert_bytes(f"{what} data_c", got.cpu()[written], want[written])
+    assert (_u8(got.cpu()[~written]) == SENT).all(), f"{what}: data_c written outside the groups' padded rows"
+
+
 # group sizes: (M, sizes): zero-row groups first / middle / last, all rows in one group, sum(sizes) < M
 SIZES_EMU = [
     (230, [0, 130, 0, 5, 0, 65]),
@@ -220,6 +233,48 @@ def test_colwise_wider_cols_and_alloc(dev):
     assert_bytes("alloc scale_t", s_t[: pg // 128], want[1][: pg // 128])
 
 
+def _prep_run(dev, x, sizes, m, k):
+    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
+    data_c = _sentinel((64 * ((m + 63) // 64 + len(sizes)), k), torch.bfloat16, dev)
+    bw_cuda.quantize_colwise_prepared_into(x, st, data_c)
+    return data_c
+
+
+def test_colwise_prepared_bf16(dev):
+    """The prepared bf16 operand (exactly dequantized 128x1 blocks, 64-row group padding) from bf16 rows: NaN / Inf
+    blocks (bf16 0x7FC0 on the group's rows, zero pad rows), values near bf16's largest (their blocks dequantize to
+    Inf, as the fp32 reference), subnormal blocks (values below 2**-133 rounded as .to(bfloat16))."""
+    k = 1024 if _big(dev) else 256
+    for i, (m, sizes) in enumerate(_sizes(dev)):
+        x = make_input(m, k, torch.bfloat16, seed=10 + i)
+        got = _prep_run(dev, x.to(dev), sizes, m, k)
+        check_prepared(got, quantize_colwise_prepared_torch(x, sizes), sizes, f"M={m} sizes={sizes}")
+    want = quantize_colwise_prepared_torch(make_input(*SIZES_EMU[0][:1], k, torch.bfloat16, seed=10), SIZES_EMU[0][1])
+    bits = want.view(torch.int16)
+    assert (bits == 0x7FC0).any() and (bits == 0x7F80).any(), "the input lacks a NaN block or an overflowing block"
+    if not _big(dev):  # the allocating form (rows past the groups' padded rows uninitialized)
+        m, sizes = SIZES_EMU[2]
+        x = make_input(m, k, torch.bfloat16, seed=12)
+        got = bw_cuda.quantize_colwise_prepared(x, torch.tensor(sizes, dtype=torch.int32))
+        n = 64 * sum((v + 63) // 64 for v in sizes)
+        assert_bytes("alloc data_c", got[:n], quantize_colwise_prepared_torch(x, sizes)[:n])
+
+
+def test_colwise_prepared_requantized(dev):
+    """The prepared operand from the dispatch's 1x128 bytes (x^T): dequantized exactly, requantized 128x1 and
+    dequantized again; a NaN scale byte and an e4m3 NaN byte included."""
+    k = 768 if _big(dev) else 256
+    for i, (m, sizes) in enumerate(_sizes(dev)):
+        x = make_input(m, k, torch.float32, seed=20 + i)
+        d, s = quantize_rowwise_torch(x)
+        if m > 3:
+            s[3, 0] = 0xFF
+            d.view(torch.uint8)[m - 1, 5] = 0x7F
+        got = _prep_run(dev, (d.to(dev), s.to(dev)), sizes, m, k)
+        want = quantize_colwise_prepared_torch(dequantize_rowwise_torch(d, s), sizes)
+        check_prepared(got, want, sizes, f"M={m} sizes={sizes}")
+
+
 def test_grouped_many_groups(dev, tmp_path_factory):
     """More groups than a CTA has threads (the device-side scan of the sizes takes two rounds): mostly empty groups,
     1-row groups, one large group late; the colwise kernel and (GPU) the grouped SwiGLU forward's per-tile lookup."""
@@ -232,6 +287,8 @@ def test_grouped_many_groups(dev, tmp_path_factory):
     x = make_input(m, k, torch.bfloat16, seed=80)
     got_t, got_st, cols = _colwise_run(dev, x.to(dev), sizes, m, k)
     check_colwise(got_t, got_st, *quantize_colwise_grouped_torch(x, sizes, cols), sizes, "300 groups")
+    got = _prep_run(dev, x.to(dev), sizes, m, k)
+    check_prepared(got, quantize_colwise_prepared_torch(x, sizes), sizes, "300 groups")
     if not _big(dev):  # the SwiGLU grid has a CTA per tile bound (303 here): too slow to emulate in CI
         return
     a = _swiglu_input(m, 128, seed=81)
@@ -243,6 +300,8 @@ def test_grouped_many_groups(dev, tmp_path_factory):
     assert_bytes("swiglu data", got[0], quantize_rowwise_torch(h)[0])
     assert_bytes("swiglu data_t", got[2][:, :pg], want_t[:, :pg])
     assert_bytes("swiglu scale_t", got[3][: pg // 128], want_st[: pg // 128])
+    check_prepared(bw_cuda.swiglu_colwise_prepared(a.to(dev), st), quantize_colwise_prepared_torch(h, sizes),
+                   sizes, "swiglu prepared")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -343,6 +402,30 @@ def test_swiglu_bwd(dev, tmp_path_factory):
         assert_bytes(f"M={m} scale_t", got[3][: pg // 128], want_st[: pg // 128])
 
 
+def test_swiglu_prepared(dev, tmp_path_factory):
+    """The prepared bf16 column operands of the SwiGLU kernels: h alone (forward, no row-wise byte written) and dA
+    with its 1x128 rows (backward)."""
+    f = 256 if _big(dev) else 128
+    for i, (m, sizes) in enumerate(_sizes(dev, swiglu=True)):
+        a = _swiglu_input(m, f, seed=90 + i)
+        dh = _swiglu_input(m, f // 2, seed=95 + i)
+        st = torch.tensor(sizes, dtype=torch.int32, device=dev)
+        rows = 64 * ((m + 63) // 64 + len(sizes))
+        h = _swiglu_ref_vals(dev, tmp_path_factory, a)
+        data_c = _sentinel((rows, f), torch.bfloat16, dev)
+        bw_cuda.swiglu_colwise_prepared_into(a.to(dev), st, data_c)
+        check_prepared(data_c, quantize_colwise_prepared_torch(h, sizes), sizes, f"fwd M={m} sizes={sizes}")
+        da = _swiglu_ref_vals(dev, tmp_path_factory, a, dh)
+        data = _sentinel((m, 2 * f), torch.float8_e4m3fn, dev)
+        scale = _sentinel((m, 2 * f // 128), torch.uint8, dev)
+        data_c = _sentinel((rows, 2 * f), torch.bfloat16, dev)
+        bw_cuda.swiglu_bwd_quantize_prepared_into(a.to(dev), dh.to(dev), st, data, scale, data_c)
+        want_d, want_s = quantize_rowwise_torch(da)
+        assert_bytes(f"bwd M={m} data", data, want_d)
+        assert_bytes(f"bwd M={m} scale", scale, want_s)
+        check_prepared(data_c, quantize_colwise_prepared_torch(da, sizes), sizes, f"bwd M={m} sizes={sizes}")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # argument checks (no launch)
 # ------------------------------------------------------------------------------------------------------------
@@ -375,6 +458,10 @@ def test_bad_input(monkeypatch):
         bw_cuda.swiglu_quantize(torch.zeros(4, 384, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="needs group_sizes"):
         bw_cuda.swiglu_quantize(x, colwise=True)
+    with pytest.raises(ValueError, match="data_c: expected shape"):
+        bw_cuda.quantize_colwise_prepared_into(x, st, torch.empty(64, 256, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16"):
+        bw_cuda.swiglu_colwise_prepared_into(x, st, torch.empty(128, 128, dtype=torch.float32))
     with pytest.raises(ValueError, match="dh: expected shape"):
         bw_cuda.swiglu_bwd_quantize(x, torch.zeros(4, 256, dtype=torch.bfloat16), st)
     monkeypatch.setattr(bw_cuda, "_on_gpu", lambda t: t.device.type == "cuda")

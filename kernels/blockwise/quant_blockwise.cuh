@@ -71,6 +71,47 @@ __device__ __forceinline__ float bw_deq_mul(unsigned s) {
     return s == 0xFFu ? __uint_as_float(0x7FC00000u) : mx_exp2i((int)s - 127);
 }
 
+// Two fp32 -> packed bf16x2 (lo in bits 0..15), round to nearest even, subnormals kept (no flush); only finite or
+// infinite inputs (a NaN block's words are written as BW_BF16_NAN by the callers, as torch's .to(bfloat16) gives).
+#define BW_BF16_NAN 0x7FC0u
+__device__ __forceinline__ unsigned bw_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    const float f[2] = {lo, hi};
+    unsigned h[2];
+    for (int i = 0; i < 2; ++i) {
+        const unsigned x = __float_as_uint(f[i]);
+        h[i] = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;  // RNE on the bits (Inf stays Inf: its low half is 0)
+    }
+    return h[0] | (h[1] << 16);
+#endif
+}
+
+// The exactly dequantized values of four quantized values of one 128x1 column each (the prepared bf16 wgrad operand,
+// moe_ep.blockwise.reference.quantize_colwise_prepared_torch): f[i] * mul[i] rounded to e4m3 (bw_quant_vals' rule,
+// finite blocks), back to fp32 (exact) times the block's 2**E (exact: the product is an e4m3 value times a power of
+// two in [2**-136, 2**136): an fp32 subnormal at worst, or Inf past fp32's range, as the reference's fp32 product),
+// then rounded once to bf16 (exact down to 2**-133; below, RNE as the reference's .to(bfloat16)). A bad (NaN/Inf)
+// column gives BW_BF16_NAN. Returns two bf16x2 words (values 0, 1 and 2, 3).
+__device__ __forceinline__ uint2 bw_deq4_bf16(const float (&f)[4], const float (&mul)[4], const float (&dm)[4],
+                                             const bool (&bad)[4]) {
+    const unsigned q = mx_cvt4_e4m3(mx_mul(f[0], mul[0]), mx_mul(f[1], mul[1]), mx_mul(f[2], mul[2]),
+                                    mx_mul(f[3], mul[3]));
+    float e[4];
+    bw_e4m3x4(q, e);
+    unsigned h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+        const unsigned w = bw_bf16x2(mx_mul(e[i], dm[i]), mx_mul(e[i + 1], dm[i + 1]));
+        h[i] = bad[i] ? BW_BF16_NAN : (w & 0xFFFFu);
+        h[i + 1] = bad[i + 1] ? BW_BF16_NAN : (w >> 16);
+    }
+    return make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // block quantization
 // ------------------------------------------------------------------------------------------------------------
@@ -197,56 +238,66 @@ struct BwDomain {
 // 0: T is tile T - t_g of group g, whose rows are [row0, row0 + nrows) (nrows <= 128; cut at M);
 // 1: T is past the groups' tiles (T >= t_G): row0 = sum(n) + 128 (T - t_G), nrows the rows of [row0, M) in that
 //    128-row span (0 when past M): the "tail" rows that belong to no group (sum(sizes) < M).
-// Example: sizes [130, 0, 5], M = 200: T = 0 -> (0, rows 0-127), T = 1 -> (0, rows 128-129), T = 2 -> (0, rows
-// 130-134), T = 3 -> (1, rows 135-199), T = 4 -> (1, nrows 0).
+// prow0 (kind 0): the tile's first row in the prepared bf16 layout (group g from row 64 sum_{h<g} ceil(n_h/64), tile
+// j of the group at + 128 j; moe_ep.blockwise.reference.quantize_colwise_prepared_torch).
+// Example: sizes [130, 0, 5], M = 200: T = 0 -> (0, rows 0-127, prow0 0), T = 1 -> (0, rows 128-129, prow0 128),
+// T = 2 -> (0, rows 130-134, prow0 192), T = 3 -> (1, rows 135-199), T = 4 -> (1, nrows 0).
 template <int NT>
 __device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, int G, long long M, long long T,
-                                              long long& row0, int& nrows) {
-    __shared__ long long s_res[2];
-    __shared__ long long s_wt[NT / 32], s_wn[NT / 32];
+                                              long long& row0, int& nrows, long long& prow0) {
+    __shared__ long long s_res[3];
+    __shared__ long long s_wt[NT / 32], s_wn[NT / 32], s_wp[NT / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) s_res[0] = -1;
     __syncthreads();
-    long long carry_t = 0, carry_n = 0;
+    long long carry_t = 0, carry_n = 0, carry_p = 0;
     for (int base = 0; base < G; base += NT) {
         const int g = base + tid;
         const long long n = g < G ? (long long)max(gsizes[g], 0) : 0LL;
-        const long long t = (n + BW_BLOCK - 1) / BW_BLOCK;
-        long long it = t, in = n;  // inclusive scans over the warp, then over the warps
+        const long long t = (n + BW_BLOCK - 1) / BW_BLOCK, p = (n + 63) / 64;
+        long long it = t, in = n, ip = p;  // inclusive scans over the warp, then over the warps
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
             const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+            const long long yp = __shfl_up_sync(0xFFFFFFFFu, ip, o);
             if (lane >= o) {
                 it += yt;
                 in += yn;
+                ip += yp;
             }
         }
         if (lane == 31) {
             s_wt[warp] = it;
             s_wn[warp] = in;
+            s_wp[warp] = ip;
         }
         __syncthreads();
-        long long tot_t = 0, tot_n = 0;
+        long long tot_t = 0, tot_n = 0, tot_p = 0;
 #pragma unroll
         for (int w = 0; w < NT / 32; ++w) {
             if (w < warp) {
                 it += s_wt[w];
                 in += s_wn[w];
+                ip += s_wp[w];
             }
             tot_t += s_wt[w];
             tot_n += s_wn[w];
+            tot_p += s_wp[w];
         }
         const long long t0 = carry_t + it - t;  // the group's first tile
         if (g < G && T >= t0 && T < t0 + t) {
             s_res[0] = carry_n + in - n + (T - t0) * BW_BLOCK;
             s_res[1] = min((long long)BW_BLOCK, n - (T - t0) * BW_BLOCK);
+            s_res[2] = 64 * (carry_p + ip - p) + (T - t0) * BW_BLOCK;
         }
         carry_t += tot_t;
         carry_n += tot_n;
-        __syncthreads();  // s_wt / s_wn are rewritten by the next round; s_res is complete after the last one
+        carry_p += tot_p;
+        __syncthreads();  // s_wt / s_wn / s_wp are rewritten by the next round; s_res is complete after the last one
     }
     long long r0 = s_res[0], nr = s_res[1];
+    prow0 = s_res[2];
     int kind = 0;
     if (r0 < 0) {
         kind = 1;
@@ -259,63 +310,72 @@ __device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, in
 }
 
 // The whole table of the grouped layout in shared memory, for CTAs that walk many tiles (bw_quant_colwise):
-// tstart[g] = t_g (first tile of group g), rstart[g] = first row of group g, entries 0 .. G (entry G: the totals).
-// Built by a block-wide scan of the device-resident sizes (every thread calls it; NT threads; negative sizes count as
-// 0); ends with a barrier.
+// tstart[g] = t_g (first tile of group g), rstart[g] = first row of group g, pstart[g] = sum_{h<g} ceil(n_h/64) (the
+// group's first row of the prepared bf16 layout, in 64-row units), entries 0 .. G (entry G: the totals). Built by a
+// block-wide scan of the device-resident sizes (every thread calls it; NT threads; negative sizes count as 0); ends
+// with a barrier.
 template <int NT>
-__device__ __forceinline__ void bw_group_table(const int* __restrict__ gsizes, int G, int* tstart,
-                                               long long* rstart) {
-    __shared__ long long s_wt[NT / 32], s_wn[NT / 32];
+__device__ __forceinline__ void bw_group_table(const int* __restrict__ gsizes, int G, int* tstart, long long* rstart,
+                                               int* pstart) {
+    __shared__ long long s_wt[NT / 32], s_wn[NT / 32], s_wp[NT / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    long long carry_t = 0, carry_n = 0;
+    long long carry_t = 0, carry_n = 0, carry_p = 0;
     for (int base = 0; base < G; base += NT) {
         const int g = base + tid;
         const long long n = g < G ? (long long)max(gsizes[g], 0) : 0LL;
-        const long long t = (n + BW_BLOCK - 1) / BW_BLOCK;
-        long long it = t, in = n;
+        const long long t = (n + BW_BLOCK - 1) / BW_BLOCK, p = (n + 63) / 64;
+        long long it = t, in = n, ip = p;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
             const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+            const long long yp = __shfl_up_sync(0xFFFFFFFFu, ip, o);
             if (lane >= o) {
                 it += yt;
                 in += yn;
+                ip += yp;
             }
         }
         if (lane == 31) {
             s_wt[warp] = it;
             s_wn[warp] = in;
+            s_wp[warp] = ip;
         }
         __syncthreads();
-        long long tot_t = 0, tot_n = 0;
+        long long tot_t = 0, tot_n = 0, tot_p = 0;
 #pragma unroll
         for (int w = 0; w < NT / 32; ++w) {
             if (w < warp) {
                 it += s_wt[w];
                 in += s_wn[w];
+                ip += s_wp[w];
             }
             tot_t += s_wt[w];
             tot_n += s_wn[w];
+            tot_p += s_wp[w];
         }
         if (g < G) {
             tstart[g] = (int)(carry_t + it - t);
             rstart[g] = carry_n + in - n;
+            pstart[g] = (int)(carry_p + ip - p);
         }
         carry_t += tot_t;
         carry_n += tot_n;
+        carry_p += tot_p;
         __syncthreads();
     }
     if (tid == 0) {
         tstart[G] = (int)carry_t;
         rstart[G] = carry_n;
+        pstart[G] = (int)carry_p;
     }
     __syncthreads();
 }
 
-// Tile T (< tstart[G]) of the table above -> its rows [row0, row0 + nrows) (nrows <= 128, cut at M): the largest g
-// with tstart[g] <= T by binary search.
-__device__ __forceinline__ void bw_table_tile(const int* tstart, const long long* rstart, int G, long long M, int T,
-                                              long long& row0, int& nrows) {
+// Tile T (< tstart[G]) of the table above -> its rows [row0, row0 + nrows) (nrows <= 128, cut at M) and its first
+// row prow0 in the prepared bf16 layout: the largest g with tstart[g] <= T by binary search.
+__device__ __forceinline__ void bw_table_tile(const int* tstart, const long long* rstart, const int* pstart, int G,
+                                              long long M, int T, long long& row0, int& nrows, long long& prow0) {
     int lo = 0, hi = G - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
@@ -323,6 +383,7 @@ __device__ __forceinline__ void bw_table_tile(const int* tstart, const long long
         else hi = mid - 1;
     }
     row0 = rstart[lo] + (long long)(T - tstart[lo]) * BW_BLOCK;
+    prow0 = 64LL * pstart[lo] + (long long)(T - tstart[lo]) * BW_BLOCK;
     nrows = (int)max(0LL, min(min((long long)BW_BLOCK, rstart[lo + 1] - row0), M - row0));
 }
 

@@ -28,20 +28,25 @@ __device__ __forceinline__ void bw_swiglu_row(const float (&v)[8], int r, long l
     }
 }
 
-// The 1x128 row-wise and (col) 128x1 column-wise bytes of a thread's RPT x 8 values v (rows tr RPT + i of the
-// tile, output columns oc + 8 tc + e of an output of KO columns). s_tq (16 KB of shared memory no thread reads any
-// more, or null): the column bytes are transposed through it, so that each 128-byte row of cq is written by 8 lanes
-// as whole 16-byte pieces, instead of by 16 threads of 8 warps in 8- or 4-byte pieces (partial L2 sectors).
-template <int RPT, int NW>
+// The 1x128 row-wise (ROW) and (col) 128x1 column-wise bytes of a thread's RPT x 8 values v (rows tr RPT + i of
+// the tile, output columns oc + 8 tc + e of an output of KO columns). COLM = BW_COL_T: e4m3 cq [KO, cols] transposed
+// + scales cs [cols/128, KO]; s_tq (16 KB of shared memory no thread reads any more, or null): the column bytes are
+// transposed through it, so that each 128-byte row of cq is written by 8 lanes as whole 16-byte pieces, instead of
+// by 16 threads of 8 warps in 8- or 4-byte pieces (partial L2 sectors). COLM = BW_COL_PREP: the exactly dequantized
+// bf16 values into cq viewed as bf16 [cols, KO], tile row r at row prow0 + r (16 bytes of a row per thread: 16 lanes
+// write 256 contiguous bytes), rows past the group up to the next multiple of 64 zero; cs unused.
+template <int RPT, int NW, int COLM, bool ROW>
 __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool col, long long row0, int nrows,
-                                               long long T, int KO, int oc, long long cols,
+                                               long long T, long long prow0, int KO, int oc, long long cols,
                                                unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
                                                unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
                                                unsigned (*s_ck)[BW_BLOCK], unsigned* s_cf, unsigned char* s_tq) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tc = lane & 15, tr = 2 * warp + (lane >> 4);
+    if constexpr (ROW) {
 #pragma unroll
-    for (int i = 0; i < RPT; ++i) bw_swiglu_row(v[i], tr * RPT + i, row0, nrows, KO, oc, rq, rs);
+        for (int i = 0; i < RPT; ++i) bw_swiglu_row(v[i], tr * RPT + i, row0, nrows, KO, oc, rq, rs);
+    }
     if (!col) return;  // uniform over the CTA
     unsigned ck[8];
 #pragma unroll
@@ -62,9 +67,40 @@ __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool co
         for (int w = 0; w < NW; ++w) k = max(k, s_ck[w][tid]);
         s_cf[tid] = k;
         float m;
-        cs[T * KO + oc + tid] = (unsigned char)bw_scale_of(k, m);
+        const unsigned sb = bw_scale_of(k, m);
+        if (COLM == BW_COL_T) cs[T * KO + oc + tid] = (unsigned char)sb;
     }
     __syncthreads();  // (s_ck / s_cf are rewritten only after the next emit's first barrier: no third one needed)
+    if constexpr (COLM == BW_COL_PREP) {
+        float mul[8], dm[8];
+        bool bad[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const unsigned k = s_cf[8 * tc + e];
+            dm[e] = bw_deq_mul(bw_scale_of(k, mul[e]));
+            bad[e] = k >= BW_BAD;
+        }
+        const int nout = (nrows + 63) & ~63;
+        unsigned short* qb = reinterpret_cast<unsigned short*>(cq);
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+            const int r = tr * RPT + i;
+            unsigned w[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float f[4] = {v[i][4 * h], v[i][4 * h + 1], v[i][4 * h + 2], v[i][4 * h + 3]};
+                const float m4[4] = {mul[4 * h], mul[4 * h + 1], mul[4 * h + 2], mul[4 * h + 3]};
+                const float d4[4] = {dm[4 * h], dm[4 * h + 1], dm[4 * h + 2], dm[4 * h + 3]};
+                const bool b4[4] = {bad[4 * h], bad[4 * h + 1], bad[4 * h + 2], bad[4 * h + 3]};
+                const uint2 o = bw_deq4_bf16(f, m4, d4, b4);
+                w[2 * h] = r < nrows ? o.x : 0u;  // past the group: zero rows (also under a NaN column)
+                w[2 * h + 1] = r < nrows ? o.y : 0u;
+            }
+            if (r < nout && prow0 + r < cols)
+                *reinterpret_cast<uint4*>(qb + (prow0 + r) * KO + oc + 8 * tc) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        return;
+    }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         const unsigned k = s_cf[8 * tc + e];
@@ -201,9 +237,11 @@ struct BwSwCfg {
 };
 
 // a: [M, 2F] bf16 (gate | up), F % 128 == 0; dh (BWD): [M, F] bf16. Outputs (KO = F forward, 2F backward):
-// rq [M, KO] e4m3, rs [M, KO/128] u8; GROUPED: cq [KO, cols] e4m3, cs [cols/128, KO] u8 (grouped padded layout of
-// gsizes [G] int32). Grid: (GROUPED ? ceil(M/128) + G + 1 : ceil(M/128)) * (F/128), h column tile fastest; NT
-// threads (256 or 512); dynamic shared memory BwSwCfg::SMEM.
+// rq [M, KO] e4m3, rs [M, KO/128] u8 (not with GROUPED = BW_COL_PREP in the forward: h's column operand alone);
+// GROUPED = BW_COL_T: cq [KO, cols] e4m3, cs [cols/128, KO] u8 (grouped padded layout of gsizes [G] int32);
+// GROUPED = BW_COL_PREP: cq bf16 [cols, KO], cols = 64 (ceil(M/64) + G) (the prepared wgrad operand), cs unused.
+// Grid: (GROUPED ? ceil(M/128) + G + 1 : ceil(M/128)) * (F/128) (the column-only forward: ceil(M/128) + G), h
+// column tile fastest; NT threads (256 or 512); dynamic shared memory BwSwCfg::SMEM.
 template <int BWD, int GROUPED, int NT, int STAGED>
 __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
     bw_swiglu(const unsigned char* __restrict__ a, const unsigned char* __restrict__ dh, long long M, int F,
@@ -219,19 +257,21 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
     __shared__ unsigned s_cf[BW_BLOCK];      // the tile's column keys
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tc = lane & 15, tr = 2 * warp + (lane >> 4);
+    constexpr bool ROW = !(GROUPED == BW_COL_PREP && !BWD);  // the column-only forward writes no row-wise byte
     const int ftiles = F / BW_BLOCK;
     const long long T = blockIdx.x / ftiles;
     const int ft = (int)(blockIdx.x % ftiles);
-    long long row0;
+    long long row0, prow0 = 0;
     int nrows;
     bool col = false;
     if (GROUPED) {
-        col = bw_tile_lookup<NT>(gsizes, G, M, T, row0, nrows) == 0 && (T + 1) * BW_BLOCK <= cols;
+        col = bw_tile_lookup<NT>(gsizes, G, M, T, row0, nrows, prow0) == 0 &&
+              (GROUPED == BW_COL_PREP || (T + 1) * BW_BLOCK <= cols);
     } else {
         row0 = T * BW_BLOCK;
         nrows = (int)max(0LL, min((long long)BW_BLOCK, M - row0));
     }
-    if (!col && nrows == 0) return;  // uniform over the CTA
+    if (!col && (nrows == 0 || !ROW)) return;  // uniform over the CTA
     const int fc = ft * BW_BLOCK + 8 * tc;
 
     // rows past the group / M read as zeros: h = 0 and dA = 0 there (+0: zero bytes, the reference's padding)
@@ -260,7 +300,8 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
     }
     // STAGED: the column bytes are transposed through a stream of the stage that is no longer read when they are
     // written (forward: gate, after h; backward: up, after dg), behind bw_swiglu_emit's barriers
-    unsigned char* s_tq = STAGED ? smem + (BWD ? 1 : 0) * BW_BLOCK * 256 : nullptr;
+    unsigned char* s_tq = STAGED && GROUPED == BW_COL_T ? smem + (BWD ? 1 : 0) * BW_BLOCK * 256 : nullptr;
+    constexpr int COLM = GROUPED ? GROUPED : BW_COL_T;  // (GROUPED = 0: no column output, col is false)
     BwDomain dom;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) dom.add(src.chunk(0, i));
@@ -278,14 +319,15 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         float h[RPT][8];
         if (fast) bw_swiglu_fwd_vals<true>(src, h);
         else bw_swiglu_fwd_vals<false>(src, h);
-        bw_swiglu_emit<RPT, NW>(h, col, row0, nrows, T, F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf, s_tq);
+        bw_swiglu_emit<RPT, NW, COLM, ROW>(h, col, row0, nrows, T, prow0, F, ft * BW_BLOCK, cols, rq, rs, cq, cs,
+                                           s_ck, s_cf, s_tq);
     } else {
         constexpr bool KEEP = Cfg::KEEP;
         float d[RPT][8], silu[KEEP ? RPT : 1][8];
         if (fast) bw_swiglu_dg_vals<true, KEEP>(src, d, silu);
         else bw_swiglu_dg_vals<false, KEEP>(src, d, silu);
-        bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck, s_cf,
-                                s_tq);
+        bw_swiglu_emit<RPT, NW, COLM, true>(d, col, row0, nrows, T, prow0, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq,
+                                            cs, s_ck, s_cf, s_tq);
         if constexpr (KEEP) {
 #pragma unroll
             for (int i = 0; i < RPT; ++i) {
@@ -299,7 +341,7 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         } else {
             bw_swiglu_du_vals<false>(src, d);
         }
-        bw_swiglu_emit<RPT, NW>(d, col, row0, nrows, T, 2 * F, F + ft * BW_BLOCK, cols, rq, rs, cq, cs, s_ck,
-                                s_cf, s_tq);
+        bw_swiglu_emit<RPT, NW, COLM, true>(d, col, row0, nrows, T, prow0, 2 * F, F + ft * BW_BLOCK, cols, rq, rs,
+                                            cq, cs, s_ck, s_cf, s_tq);
     }
 }

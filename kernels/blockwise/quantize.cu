@@ -30,6 +30,9 @@
 #define BW_F32 0
 #define BW_BF16 1
 #define BW_E4M3 3  // 1x128-quantized rows: e4m3 data [M, K] + u8 scale [M, K/128] (requantized column-wise)
+// column-wise outputs (bw_quant_colwise's OUT, bw_swiglu's GROUPED)
+#define BW_COL_T 1     // e4m3 data_t [K, cols] + u8 scale_t [cols/128, K]: transposed, 128-column group padding
+#define BW_COL_PREP 2  // bf16 [64 (ceil(M/64) + G), K]: exactly dequantized, rows in order, 64-row group padding
 #define BW_NT 256
 
 #ifndef BW_DYN_SMEM  // the CPU emulator (tests/blockwise_emu.py) provides its own
@@ -116,13 +119,17 @@ struct BwColCfg {
 };
 
 // x: [M, K] bf16 (SRC = BW_BF16) or e4m3 (BW_E4M3, with xs: [M, K/128] u8 its 1x128 scales, 16-byte aligned);
-// gsizes: [G] int32; qt: [K, cols] e4m3, st: [cols/128, K] u8. Persistent: grid = min(tiles, 2 per SM) CTAs walk the
-// (padded 128-column tile T, 128-wide K tile kt) pairs, kt fastest, up to the groups' last tile (tstart[G]; the grid
-// is sized from M and G alone, ceil(M/128) + G bounding the tiles), with S - 1 tiles in flight by cp.async while one
-// is quantized. Tile (T, kt) writes padded columns 128 T .. 128 T + 127 of rows kt*128 .. of qt (the group's rows,
-// then zero columns up to the tile's end) and the 128 scale bytes st[T, kt*128 ..]; nothing past the groups' tiles
-// or past cols is written.
-template <int SRC>
+// gsizes: [G] int32. OUT = BW_COL_T: qt: [K, cols] e4m3, st: [cols/128, K] u8. OUT = BW_COL_PREP: qt: bf16
+// [cols, K] with cols = 64 (ceil(M/64) + G) (the prepared wgrad operand; st unused). Persistent: grid = min(tiles,
+// 2 per SM) CTAs walk the (128-row tile T of a group, 128-wide K tile kt) pairs, kt fastest, up to the groups' last
+// tile (tstart[G]; the grid is sized from M and G alone, ceil(M/128) + G bounding the tiles), with S - 1 tiles in
+// flight by cp.async while one is quantized. BW_COL_T: tile (T, kt) writes padded columns 128 T .. 128 T + 127 of
+// rows kt*128 .. of qt (the group's rows, then zero columns up to the tile's end) and the 128 scale bytes
+// st[T, kt*128 ..]; nothing past the groups' tiles or past cols is written. BW_COL_PREP: tile (T, kt) writes
+// columns kt*128 .. of the rows prow0 .. prow0 + ceil(nrows/64) 64 - 1 of qt (the group's rows, then zero rows up to
+// the next multiple of 64; prow0: bw_table_tile), 4 (bf16) or 8 (e4m3) bytes of each row per thread; rows >= cols
+// are never written.
+template <int SRC, int OUT>
 __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char* __restrict__ x,
                                                              const unsigned char* __restrict__ xs, long long M, int K,
                                                              const int* __restrict__ gsizes, int G, long long cols,
@@ -138,21 +145,22 @@ __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char
     unsigned* sw = reinterpret_cast<unsigned*>(smem + S * Cf::TILE_BYTES);  // BW_E4M3: [S][128] scale words
     long long* rstart = reinterpret_cast<long long*>(smem + Cf::FIXED);
     int* tstart = reinterpret_cast<int*>(rstart + G + 1);
+    int* pstart = tstart + G + 1;
     const int tid = threadIdx.x;
     const int ktiles = K / BW_BLOCK;
-    bw_group_table<BW_NT>(gsizes, G, tstart, rstart);
-    // valid tiles: the groups' padded tiles that fit in cols, times the K tiles
-    const long long nt = min((long long)tstart[G], cols / BW_BLOCK) * ktiles;
+    bw_group_table<BW_NT>(gsizes, G, tstart, rstart, pstart);
+    // valid tiles: the groups' tiles (BW_COL_T: that fit in cols), times the K tiles
+    const long long nt = (OUT == BW_COL_T ? min((long long)tstart[G], cols / BW_BLOCK) : (long long)tstart[G]) * ktiles;
 
-    auto coords = [&](long long t, long long& T, int& kt, long long& row0, int& nrows) {
+    auto coords = [&](long long t, long long& T, int& kt, long long& row0, int& nrows, long long& prow0) {
         T = t / ktiles;
         kt = (int)(t - T * ktiles);
-        bw_table_tile(tstart, rstart, G, M, (int)T, row0, nrows);
+        bw_table_tile(tstart, rstart, pstart, G, M, (int)T, row0, nrows, prow0);
     };
     auto issue = [&](long long t, int b) {  // the tile's rows by cp.async (rows past the group zero-filled)
-        long long T, row0;
+        long long T, row0, prow0;
         int kt, nrows;
-        coords(t, T, kt, row0, nrows);
+        coords(t, T, kt, row0, nrows, prow0);
         const unsigned char* src = x + (row0 * K + (long long)kt * BW_BLOCK) * ES;
         unsigned char* stg = smem + b * Cf::TILE_BYTES;
 #pragma unroll
@@ -184,9 +192,9 @@ __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char
         cp_async_commit();
         cp_async_wait<S - 1>();  // all but the S - 1 newest groups: tile t has landed
         __syncthreads();
-        long long T, row0;
+        long long T, row0, prow0;
         int kt, nrows;
-        coords(t, T, kt, row0, nrows);
+        coords(t, T, kt, row0, nrows, prow0);
         if (SRC == BW_E4M3) {
             if (tid < BW_BLOCK) {
                 const long long a = (row0 + tid) * ktiles + kt;
@@ -229,13 +237,59 @@ __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char
                 if constexpr (SRC == BW_E4M3) v[i][c] = f[c];
             }
         }
-        float mul[C];
+        float mul[C], dm[C];
 #pragma unroll
         for (int c = 0; c < C; ++c) {
 #pragma unroll
             for (int off = 1; off < SG; off <<= 1) key[c] = max(key[c], __shfl_xor_sync(0xFFFFFFFFu, key[c], off));
             const unsigned sb = bw_scale_of(key[c], mul[c]);
-            if (qs == 0) st[T * K + k0 + u * C + c] = (unsigned char)sb;
+            dm[c] = bw_deq_mul(sb);
+            if (OUT == BW_COL_T && qs == 0) st[T * K + k0 + u * C + c] = (unsigned char)sb;
+        }
+        if constexpr (OUT == BW_COL_PREP) {
+            // row r of the tile -> C bf16 values of row prow0 + r of qt; rows past the group up to the next multiple
+            // of 64 are zero (their staged values are zero; a NaN column's too)
+            const int nout = (nrows + 63) & ~63;
+            unsigned short* qb = reinterpret_cast<unsigned short*>(qt);
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const int r = qs * R + i;
+                float g[C];
+                if constexpr (SRC == BW_E4M3) {
+#pragma unroll
+                    for (int c = 0; c < C; ++c) g[c] = v[i][c];
+                } else {
+                    vals(i, g);
+                }
+                unsigned w[C / 2];
+#pragma unroll
+                for (int c4 = 0; c4 < C; c4 += 4) {  // C = 4 (e4m3): one group of 4 columns
+                    float f[4], m4[4], d4[4];
+                    bool b4[4];
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int cc = min(c4 + c, C - 1);  // C = 2 (bf16): columns 0, 1 and two unused copies
+                        f[c] = g[cc];
+                        m4[c] = mul[cc];
+                        d4[c] = dm[cc];
+                        b4[c] = key[cc] >= BW_BAD;
+                    }
+                    const uint2 h = bw_deq4_bf16(f, m4, d4, b4);
+                    w[c4 / 2] = h.x;
+                    if (C == 4) w[C / 2 - 1] = h.y;
+                }
+                if (r < nout && prow0 + r < cols) {
+                    unsigned short* dst = qb + (prow0 + r) * K + k0 + u * C;
+                    if (r >= nrows) {
+#pragma unroll
+                        for (int j = 0; j < C / 2; ++j) w[j] = 0u;
+                    }
+                    if (C == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[C / 2 - 1]);
+                    else *reinterpret_cast<unsigned*>(dst) = w[0];
+                }
+            }
+            __syncthreads();  // stage b is refilled by the next iteration's issue
+            continue;
         }
         // pass 2: 16 rows at a time into 16 contiguous bytes of each of the C rows k of qt
 #pragma unroll

@@ -11,6 +11,7 @@ from .reference import (
     dequantize_weight_torch,
     padded_group_offsets,
     quantize_colwise_grouped_torch,
+    quantize_colwise_prepared_torch,
     quantize_rowwise_torch,
     quantize_weight_torch,
 )
@@ -21,6 +22,8 @@ _CUDA_NAMES = (
     "quantize_rowwise_into",
     "quantize_colwise_grouped",
     "quantize_colwise_grouped_into",
+    "quantize_colwise_prepared",
+    "quantize_colwise_prepared_into",
     "quantize_weight",
     "quantize_weight_into",
     "transpose_weight",
@@ -29,6 +32,10 @@ _CUDA_NAMES = (
     "swiglu_quantize_into",
     "swiglu_bwd_quantize",
     "swiglu_bwd_quantize_into",
+    "swiglu_colwise_prepared",
+    "swiglu_colwise_prepared_into",
+    "swiglu_bwd_quantize_prepared",
+    "swiglu_bwd_quantize_prepared_into",
     "fake_quantize_rowwise",
 )
 
@@ -50,6 +57,7 @@ __all__ = [
     "dequantize_weight_torch",
     "padded_group_offsets",
     "quantize_colwise_grouped_torch",
+    "quantize_colwise_prepared_torch",
     "quantize_rowwise_torch",
     "quantize_weight_torch",
 ]

@@ -7,8 +7,11 @@ group sizes stay on the device and the grids are sized from M and G alone.
 
 Entry points (``B = 128``):
   * :func:`quantize_rowwise`: x [M, K] -> 1x128 rows (the activations of fprop / dgrad).
-  * :func:`quantize_colwise_grouped`: expert-sorted rows, bf16 or 1x128 bytes (requantized) -> 128x1 blocks per
-    group, transposed and group padded (the wgrad operands).
+  * :func:`quantize_colwise_prepared`: expert-sorted rows, bf16 or 1x128 bytes (requantized) -> 128x1 blocks per
+    group written exactly dequantized in bf16, in the prepared layout of the bf16 wgrad kernel (the MLP's wgrad
+    operands; :func:`swiglu_colwise_prepared` / :func:`swiglu_bwd_quantize_prepared` for h and dA).
+  * :func:`quantize_colwise_grouped`: the same blocks as e4m3 bytes + scales, transposed and group padded (the
+    deleted FP8 wgrad's operand layout; no longer on the MLP's path).
   * :func:`quantize_weight`: w [G, N, K] -> 128x128 blocks, data and its byte transpose (fprop's and dgrad's B).
   * :func:`transpose_weight`: data [G, N, K] e4m3 -> its byte transpose (dgrad's B of a weight gathered as data +
     scales, no re-quantization).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from .. import _cuda
+from ..mxfp8.format import colwise_prep_rows
 from .reference import B, colwise_cols
 
 _SRC = "blockwise/quantize.cu"
@@ -34,6 +38,8 @@ _SRC = "blockwise/quantize.cu"
 _NT = _cuda.kernel_constant(_SRC, "BW_NT")
 _IN = {torch.float32: _cuda.kernel_constant(_SRC, "BW_F32"), torch.bfloat16: _cuda.kernel_constant(_SRC, "BW_BF16")}
 _E4M3 = _cuda.kernel_constant(_SRC, "BW_E4M3")
+_COL_T = _cuda.kernel_constant(_SRC, "BW_COL_T")  # column outputs: e4m3 transposed + scales
+_COL_PREP = _cuda.kernel_constant(_SRC, "BW_COL_PREP")  # column outputs: the prepared bf16 wgrad operand
 # bw_swiglu's launch configuration (threads, staged: the inputs land in shared memory by cp.async, so bytes in flight
 # cost no registers and more CTAs fit per SM), per direction: the fastest of the configurations timed on an H200
 # (benchmarks/results/bench_quant_blockwise.json; the register-staged and 512-thread builds lost and are gone from the
@@ -42,13 +48,12 @@ SWIGLU_CFG = {False: (256, 1), True: (256, 1)}
 NAMES = (
     "bw_quant_rowwise<0>",
     "bw_quant_rowwise<1>",
-    "bw_quant_colwise<1>",
-    "bw_quant_colwise<3>",
+    *(f"bw_quant_colwise<{src},{out}>" for src in (1, 3) for out in (1, 2)),
     "bw_quant_weight<0>",
     "bw_quant_weight<1>",
     "bw_transpose_weight",
-    *(f"bw_swiglu<0,{g},{SWIGLU_CFG[False][0]},{SWIGLU_CFG[False][1]}>" for g in (0, 1)),
-    f"bw_swiglu<1,1,{SWIGLU_CFG[True][0]},{SWIGLU_CFG[True][1]}>",
+    *(f"bw_swiglu<0,{g},{SWIGLU_CFG[False][0]},{SWIGLU_CFG[False][1]}>" for g in (0, 1, 2)),
+    *(f"bw_swiglu<1,{g},{SWIGLU_CFG[True][0]},{SWIGLU_CFG[True][1]}>" for g in (1, 2)),
 )
 ROWWISE_CHUNKS_PER_CTA = 4 * _NT  # bw_quant_rowwise: 4 chunks of 16 bytes per thread
 _COLWISE_CTAS_PER_SM = 2  # bw_quant_colwise: persistent, __launch_bounds__(256, 2)
@@ -218,7 +223,14 @@ def quantize_colwise_grouped_into(
     g = group_sizes.numel()
     cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
     _colwise_out(data_t, scale_t, "quantize_colwise_grouped", k, cols, m, g, src.device)
-    tiles = (_cdiv(m, B) + g) * (k // B)  # a bound on the (padded 128-column tile, K tile) pairs from M and G
+    _colwise_launch(src, xs, code, group_sizes, cols, data_t, scale_t, _COL_T)
+
+
+def _colwise_launch(src, xs, code: int, group_sizes, cols: int, out, scale_t, out_code: int) -> None:
+    """bw_quant_colwise<code, out_code> on checked arguments (cols: data_t's columns, or the prepared rows)."""
+    m, k = src.shape
+    g = group_sizes.numel()
+    tiles = (_cdiv(m, B) + g) * (k // B)  # a bound on the (128-row group tile, K tile) pairs from M and G
     if tiles == 0:
         return
     stages = 4 if code == _E4M3 else 3  # kernels: BwColCfg (S tiles in shared memory, S - 1 loading)
@@ -227,8 +239,8 @@ def quantize_colwise_grouped_into(
         raise ValueError(f"quantize_colwise_grouped: {g} groups need {smem} bytes of shared memory (max {_SMEM_MAX})")
     grid = min(tiles, _COLWISE_CTAS_PER_SM * _sm_count(src.device))
     p, i32, i64 = _cuda.ptr, _cuda.i32, _cuda.i64
-    args = (p(src), p(xs), i64(m), i32(k), p(group_sizes), i32(g), i64(cols), p(data_t), p(scale_t))
-    _launch(f"bw_quant_colwise<{code}>", grid, _NT, args, smem, src.device)
+    args = (p(src), p(xs), i64(m), i32(k), p(group_sizes), i32(g), i64(cols), p(out), p(scale_t))
+    _launch(f"bw_quant_colwise<{code},{out_code}>", grid, _NT, args, smem, src.device)
 
 
 def quantize_colwise_grouped(
@@ -245,6 +257,47 @@ def quantize_colwise_grouped(
     scale_t = torch.empty((cols // B, k), dtype=torch.uint8, device=src.device)
     quantize_colwise_grouped_into(x, group_sizes, data_t, scale_t)
     return data_t, scale_t
+
+
+def _prep_out(data_c, what: str, m: int, k: int, g: int, device: torch.device) -> int:
+    rows = colwise_prep_rows(m, g)
+    _check_out(data_c, f"{what}: data_c", (rows, k), torch.bfloat16, device)
+    return rows
+
+
+def quantize_colwise_prepared_into(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], group_sizes: torch.Tensor, data_c: torch.Tensor
+) -> None:
+    """128x1 blocks along each group's rows, written exactly dequantized in bf16: the operand the bf16 wgrad kernel
+    reads (``moe_ep.experts.sm90.gemm.grouped_wgrad_prepared_out``), in one pass.
+
+    x: [M, K] bf16 expert-sorted rows, or the pair (data [M, K] float8_e4m3fn, scale [M, K/128] u8) of their 1x128
+        quantization (dequantized exactly in the kernel, then requantized), as :func:`quantize_colwise_grouped_into`.
+    group_sizes: [G] int32 on x's device (not read on the host).
+    data_c: bf16 [64 (ceil(M/64) + G), K] (``moe_ep.mxfp8.format.colwise_prep_rows``). Written: each group's rows
+        (group g from row 64 sum_{h<g} ceil(n_h/64)) and the zero rows padding it to a multiple of 64, the bytes of
+        :func:`moe_ep.blockwise.reference.quantize_colwise_prepared_torch` there; the other rows are left as they were.
+    Grid: as :func:`quantize_colwise_grouped_into` (the same kernel, bf16 output stage: each thread stores 4 / 8
+    bytes of each of its rows).
+    """
+    src, xs, code = _colwise_src(x)
+    m, k = src.shape
+    group_sizes = _check_groups(group_sizes, src.device)
+    rows = _prep_out(data_c, "quantize_colwise_prepared", m, k, group_sizes.numel(), src.device)
+    _colwise_launch(src, xs, code, group_sizes, rows, data_c, data_c, _COL_PREP)
+
+
+def quantize_colwise_prepared(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], group_sizes: torch.Tensor
+) -> torch.Tensor:
+    """Allocating form of :func:`quantize_colwise_prepared_into` -> data_c bf16 [64 (ceil(M/64) + G), K] (rows past
+    the groups' padded rows uninitialized)."""
+    src, _, _ = _colwise_src(x)
+    m, k = src.shape
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    data_c = torch.empty((colwise_prep_rows(m, g), k), dtype=torch.bfloat16, device=src.device)
+    quantize_colwise_prepared_into(x, group_sizes, data_c)
+    return data_c
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -323,21 +376,25 @@ def _swiglu_a(a, what: str) -> tuple[int, int]:
     return m, f2 // 2
 
 
-def _swiglu_launch(bwd, a, dh, m, f, group_sizes, data, scale, data_t, scale_t) -> None:
+def _swiglu_launch(bwd, a, dh, m, f, group_sizes, data, scale, data_t, scale_t, col: int = _COL_T) -> None:
+    """bw_swiglu: col = _COL_T (data_t / scale_t: the transposed e4m3 output) or _COL_PREP (data_t: the prepared
+    bf16 [rows, KO]; the forward then writes no row-wise output: data / scale None)."""
     grouped = group_sizes is not None
     g = group_sizes.numel() if grouped else 0
     rows = _cdiv(m, B) + g + 1 if grouped else _cdiv(m, B)  # grouped: + the tiles of rows past sum(sizes)
+    if grouped and col == _COL_PREP and not bwd:
+        rows -= 1  # column-only: the groups' tiles alone
     grid = rows * (f // B)
     if grid == 0 or (m == 0 and not grouped):
         return
-    cols = data_t.shape[1] if grouped else 0
+    cols = (data_t.shape[1] if col == _COL_T else data_t.shape[0]) if grouped else 0
     p, i32, i64 = _cuda.ptr, _cuda.i32, _cuda.i64
     args = (
         p(a), p(dh), i64(m), i32(f), p(group_sizes), i32(g), i64(cols), p(data), p(scale), p(data_t), p(scale_t),
     )  # fmt: skip
     nt, staged = SWIGLU_CFG[bwd]
     smem = (3 if bwd else 2) * B * 256 if staged else 0  # kernels: BwSwCfg::SMEM (NS streams of 128 x 256 bytes)
-    _launch(f"bw_swiglu<{int(bwd)},{int(grouped)},{nt},{staged}>", grid, nt, args, smem, a.device)
+    _launch(f"bw_swiglu<{int(bwd)},{col if grouped else 0},{nt},{staged}>", grid, nt, args, smem, a.device)
 
 
 def swiglu_quantize_into(
@@ -441,6 +498,68 @@ def swiglu_bwd_quantize(
     scale_t = torch.empty((cols // B, 2 * f), dtype=torch.uint8, device=dev)
     swiglu_bwd_quantize_into(a, dh, group_sizes, data, scale, data_t, scale_t)
     return data, scale, data_t, scale_t
+
+
+def swiglu_colwise_prepared_into(a: torch.Tensor, group_sizes: torch.Tensor, data_c: torch.Tensor) -> None:
+    """h = silu(gate) * up (as :func:`swiglu_quantize_into` computes it) in 128x1 grouped blocks only, written exactly
+    dequantized in bf16: wgrad2's operand for the bf16 wgrad kernel. No row-wise byte is written (the backward
+    recomputes h for this operand alone; fprop2's 1x128 rows came from the forward).
+
+    a: [M, 2F] bf16 (gate | up), F % 128 == 0; group_sizes: [G] int32 on a's device; data_c: bf16
+    [64 (ceil(M/64) + G), F], contract of :func:`quantize_colwise_prepared_into`. Grid: (ceil(M/128) + G) x F/128
+    CTAs (the groups' 128-row tiles; the others exit at once).
+    """
+    m, f = _swiglu_a(a, "swiglu_colwise_prepared")
+    group_sizes = _check_groups(group_sizes, a.device)
+    _prep_out(data_c, "swiglu_colwise_prepared", m, f, group_sizes.numel(), a.device)
+    _swiglu_launch(False, a, None, m, f, group_sizes, None, None, data_c, None, _COL_PREP)
+
+
+def swiglu_colwise_prepared(a: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """a: [M, 2F] bf16, group_sizes: [G] int32 -> data_c bf16 [64 (ceil(M/64) + G), F] of h = swiglu(a)
+    (:func:`swiglu_colwise_prepared_into`; rows past the groups' padded rows uninitialized)."""
+    m, f = _swiglu_a(a, "swiglu_colwise_prepared")
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    data_c = torch.empty((colwise_prep_rows(m, g), f), dtype=torch.bfloat16, device=a.device)
+    swiglu_colwise_prepared_into(a, group_sizes, data_c)
+    return data_c
+
+
+def swiglu_bwd_quantize_prepared_into(
+    a: torch.Tensor,
+    dh: torch.Tensor,
+    group_sizes: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    data_c: torch.Tensor,
+) -> None:
+    """dA = swiglu_bwd(a, dh) as :func:`swiglu_bwd_quantize_into`, in 1x128 rows (data [M, 2F] float8_e4m3fn, scale
+    [M, 2F/128] u8: dgrad1's A, every row written) and in 128x1 grouped blocks written exactly dequantized in bf16
+    (data_c bf16 [64 (ceil(M/64) + G), 2F]: wgrad1's operand for the bf16 wgrad kernel, contract of
+    :func:`quantize_colwise_prepared_into`), in one pass. Grid: (ceil(M/128) + G + 1) x F/128 CTAs."""
+    m, f = _swiglu_a(a, "swiglu_bwd_quantize_prepared")
+    _check_in(dh, "swiglu_bwd_quantize_prepared: dh", 2, (torch.bfloat16,))
+    _check_out(dh, "dh", (m, f), torch.bfloat16, a.device)
+    group_sizes = _check_groups(group_sizes, a.device)
+    _check_out(data, "data", (m, 2 * f), torch.float8_e4m3fn, a.device)
+    _check_out(scale, "scale", (m, 2 * f // B), torch.uint8, a.device)
+    _prep_out(data_c, "swiglu_bwd_quantize_prepared", m, 2 * f, group_sizes.numel(), a.device)
+    _swiglu_launch(True, a, dh, m, f, group_sizes, data, scale, data_c, None, _COL_PREP)
+
+
+def swiglu_bwd_quantize_prepared(
+    a: torch.Tensor, dh: torch.Tensor, group_sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a: [M, 2F] bf16, dh: [M, F] bf16, group_sizes: [G] int32 -> (data [M, 2F] e4m3, scale [M, 2F/128] u8,
+    data_c bf16 [64 (ceil(M/64) + G), 2F]) of dA; see :func:`swiglu_bwd_quantize_prepared_into`."""
+    m, f = _swiglu_a(a, "swiglu_bwd_quantize_prepared")
+    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
+    dev = a.device
+    data = torch.empty((m, 2 * f), dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.empty((m, 2 * f // B), dtype=torch.uint8, device=dev)
+    data_c = torch.empty((colwise_prep_rows(m, g), 2 * f), dtype=torch.bfloat16, device=dev)
+    swiglu_bwd_quantize_prepared_into(a, dh, group_sizes, data, scale, data_c)
+    return data, scale, data_c
 
 
 def fake_quantize_rowwise(x: torch.Tensor) -> torch.Tensor:

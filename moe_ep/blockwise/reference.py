@@ -13,6 +13,12 @@ layouts (``B = 128``):
   (:func:`padded_group_offsets`), the columns ``P_g + n_g .. P_g + B ceil(n_g/B) - 1`` hold zero bytes, and
   ``Mp >= colwise_cols(M, G) = B (ceil(M/B) + G)`` bounds the padded width from M and G alone (no host read of
   the group sizes). Columns past ``P_G`` (and their scale rows) are not part of the contract.
+* **colwise, prepared bf16** (the wgrad operands as the bf16 wgrad kernel of the MXFP8 recipe reads them,
+  ``moe_ep.experts.sm90.gemm.grouped_wgrad_prepared_out``): the same 128x1 blocks per group, stored exactly
+  dequantized in bf16, rows in order (not transposed): ``[64 (ceil(M/64) + G), K]`` bf16 with group g at rows
+  ``64 sum_{h<g} ceil(n_h / 64)`` and zero rows up to its next multiple of 64 (the 64-row padding of the MXFP8
+  prepared operand, ``moe_ep.mxfp8.format.colwise_prep_rows``; independent of the 128-row blocks, which start at
+  each group's first row). :func:`quantize_colwise_prepared_torch`.
 * **weight** (128x128): ``w [G, N, K]`` -> ``data [G, N, K]`` (fprop's B, K-major), ``data_t [G, K, N]`` (the same
   bytes transposed: dgrad's B, N-major) and ``scale [G, N/B, K/B]`` u8 (dgrad reads ``scale.transpose(1, 2)``).
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..mxfp8.format import colwise_prep_rows
 from ..mxfp8.reference import dequantize_blocks_torch, quantize_blocks_torch
 
 B = 128
@@ -108,6 +115,37 @@ def dequantize_colwise_grouped_torch(data_t: torch.Tensor, scale_t: torch.Tensor
     offs = padded_group_offsets(sizes)
     full = dequantize_blocks_torch(data_t, scale_t.t(), (1, B))  # [K, Mp]
     return torch.cat([full[:, offs[g] : offs[g] + n] for g, n in enumerate(sizes)], dim=1).t()
+
+
+def quantize_colwise_prepared_torch(x: torch.Tensor, group_sizes) -> torch.Tensor:
+    """x: [M, K] float (expert-sorted rows), group_sizes: G ints summing to at most M -> bf16 [64 (ceil(M/64) + G), K]:
+    the values of :func:`quantize_colwise_grouped_torch` (128x1 blocks from each group's first row) dequantized in
+    fp32 (``dequantize_colwise_grouped_torch``) and rounded to bf16, group g at rows ``64 sum_{h<g} ceil(n_h/64)``;
+    every other row zero here (the kernels write the groups' rows and the zero rows padding each group to a multiple
+    of 64, nothing else).
+
+    bf16 holds every dequantized value exactly (an e4m3 value has 3 mantissa bits; times 2**E it stays in fp32's and
+    bf16's exponent range) except: values below 2**-133 (an e4m3 subnormal under a block exponent E <= -125: bf16's
+    subnormals stop there; rounded to nearest even, as the MXFP8 operand), and Inf where e4m3 * 2**E passes fp32's
+    largest value (a block whose amax rounds up to 2**128, e.g. the largest finite bf16/fp32: the fp32 reference is
+    Inf there too). A NaN/Inf block (scale byte 0xFF) gives bf16 NaN 0x7FC0 on the group's rows (set here explicitly:
+    torch's ``.to(torch.bfloat16)`` of a NaN is 0xFFFF on some CPU builds, 0x7FFF on CUDA; 0x7FC0 is also what the
+    MXFP8 prepared operand writes), zeros on the pad rows.
+
+    Example: sizes [130, 0, 5], K = 128 -> [64 (ceil(135/64) + 3), 128] = [384, 128]: group 0 = rows 0-129 (block 0:
+    rows 0-127, block 1: rows 128-129), rows 130-191 zero, group 2 = rows 192-196 (one block), rows 197-255 zero.
+    """
+    m, k = x.shape
+    sizes = _host_sizes(group_sizes)
+    vals = dequantize_colwise_grouped_torch(*quantize_colwise_grouped_torch(x, sizes), sizes)  # [sum(n), K] fp32
+    out = torch.zeros(colwise_prep_rows(m, len(sizes)), k, dtype=torch.bfloat16, device=x.device)
+    start = poff = 0
+    for n in sizes:
+        out[poff : poff + n] = vals[start : start + n].to(torch.bfloat16)
+        start += n
+        poff += 64 * _cdiv(n, 64)
+    out.view(torch.int16)[torch.isnan(out)] = 0x7FC0
+    return out
 
 
 def quantize_weight_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 #pragma once
 
 // FP8 (e4m3 x e4m3 -> fp32) wgmma pieces of the blockwise grouped GEMMs (kernels/experts/sm90/blockwise_gemm.cu:
-// fprop / dgrad, blockwise_wgrad.cu: wgrad): the m64n128k32 instruction with both operands in shared memory
+// fprop / dgrad; the recipe's wgrad runs on the bf16 kernel grouped_gemm_wgrad.cu): the m64n128k32 instruction with both operands in shared memory
 // (K-major, 128-byte swizzle: one 128-byte row = 128 e4m3 = exactly one scale block of K), the E8M0 scale decode,
 // and the register pinning around the per-block promotion. The TMA maps, the mbarrier ring, register reallocation
 // and the group scan are the MXFP8 kernels' (gemm_wgmma.cuh, gemm_common.cuh).

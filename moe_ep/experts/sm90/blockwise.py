@@ -1,5 +1,6 @@
 """The blockwise recipe's expert MLP on Hopper (:data:`moe_ep.recipe.BLOCKWISE`): the FP8 grouped GEMMs of
-:mod:`.blockwise_gemm` on the quantizers of :mod:`moe_ep.blockwise.cuda`, as an
+:mod:`.blockwise_gemm` (fprop, dgrad) and the MXFP8 recipe's bf16 wgrad kernel (:mod:`.gemm`
+``grouped_wgrad_prepared_out``) on the quantizers of :mod:`moe_ep.blockwise.cuda`, as an
 :class:`moe_ep.experts.base.ExpertGemms` (:data:`HOPPER_BLOCKWISE`).
 
   forward   a  = fprop(xq, W13)                               [M, 2F] bf16 (xq: the 1x128 dispatch payload)
@@ -7,12 +8,21 @@
             out = fprop(hq, W2)                               [M, H] bf16
   backward  dq = rowwise(dout), dc = colwise(dout)            dy: 1x128 rows for dgrad, 128x1 per group for wgrad
             dh = dgrad(dq, W2^T)                              [M, F] bf16 (the weight's transposed bytes)
-            hc = swiglu_quantize(a, colwise)                  h^T recomputed from a (not held from the forward)
+            hc = swiglu_colwise(a)                            h's 128x1 blocks recomputed from a (column-only)
             dW2 = wgrad(dc, hc)                               [E, H, F] in W's dtype
             aq, ac = swiglu_bwd_quantize(a, dh)               dA, both operands in one pass
             dx = dgrad(aq, W13^T)                             [M, H] bf16
-            xc = colwise(xq, xs)                              x^T from the saved 1x128 bytes (a second rounding)
+            xc = colwise(xq, xs)                              x's 128x1 blocks from the saved 1x128 bytes (a second
+                                                              rounding)
             dW13 = wgrad(ac, xc)                              [E, 2F, H] in W's dtype
+
+The wgrad operands (dc, hc, ac, xc) are the recipe's 128x1 blocks written exactly dequantized in bf16 (e4m3 times a
+power of two: exact in bf16 but below 2**-133), rows in order with 64-row group padding: the prepared layout of the
+MXFP8 recipe's wgrad, whose bf16 tensor-core kernel then computes exactly the recipe's products with fp32
+accumulation (results equal ``moe_ep.blockwise.reference.grouped_wgrad_torch`` up to fp32 summation order). Why not
+FP8 tensor cores: a 128x1 block's scale varies along the reduction (tokens), so an FP8 wgrad must promote every 128
+tokens, which held it near 330 TFLOP/s; the bf16 path runs at the MXFP8 wgrad's rate for 1 more byte per element
+written by each quantizer (docs/performance.md, benchmarks/results/bench_wgrad_blockwise.json).
 
 Weights: one 128x128 quantization per weight version serves fprop (``data``) and dgrad (``data_t``, the same bytes
 transposed, with the scales' transposed view): 2 bytes + 2/16384 per element held. Under FSDP2 with the blockwise
@@ -33,6 +43,7 @@ from ...recipe import BLOCKWISE
 from ..fsdp_blockwise import BlockwiseExpertWeight
 from ..fsdp_mxfp8 import MXFP8ExpertWeight
 from . import blockwise_gemm as gemm
+from .gemm import grouped_wgrad_prepared_out  # the MXFP8 recipe's bf16 wgrad kernel, on the prepared operands
 from .mlp import _wgrad_out  # the weight gradient's buffer, in the weight's dtype when the epilogue writes it
 
 
@@ -87,18 +98,18 @@ def expert_mlp_bw_bwd(saved, w13, w2, w13o: BlockwiseWeight, w2o: BlockwiseWeigh
         return res, torch.zeros_like(w13), torch.zeros_like(w2)
     dout = saved.pop("dout")
     dq, ds = bw.quantize_rowwise(dout)
-    dc = bw.quantize_colwise_grouped(dout, group_sizes)
+    dc = bw.quantize_colwise_prepared(dout, group_sizes)
     del dout
     profiling.mark("quant_dy")
     dh = gemm.grouped_mm_blockwise(dq, ds, w2o.data_t, w2o.scale.transpose(1, 2), group_sizes, zero_rest=True)
     del dq, ds
     profiling.mark("dgrad2")
     a = saved.pop("a")
-    hc = bw.swiglu_quantize(a, group_sizes, colwise=True)[2:]  # (its 1x128 rows are not read here)
-    dw2 = gemm.grouped_wgrad_blockwise_out(*dc, *hc, group_sizes, _wgrad_out(w2))
+    hc = bw.swiglu_colwise_prepared(a, group_sizes)  # h's column operand alone (fprop2's rows were the forward's)
+    dw2 = grouped_wgrad_prepared_out(dc, hc, group_sizes, _wgrad_out(w2), m)
     del dc, hc
     profiling.mark("wgrad2")
-    aq, as_, *ac = bw.swiglu_bwd_quantize(a, dh, group_sizes)
+    aq, as_, ac = bw.swiglu_bwd_quantize_prepared(a, dh, group_sizes)
     del a, dh
     profiling.mark("swiglu_bwd_quant")
     res = None
@@ -110,16 +121,16 @@ def expert_mlp_bw_bwd(saved, w13, w2, w13o: BlockwiseWeight, w2o: BlockwiseWeigh
         del dx
     else:
         del aq, as_
-    xc = bw.quantize_colwise_grouped((saved.pop("xq"), saved.pop("xs")), group_sizes)
+    xc = bw.quantize_colwise_prepared((saved.pop("xq"), saved.pop("xs")), group_sizes)
     profiling.mark("x_colwise")
-    dw13 = gemm.grouped_wgrad_blockwise_out(*ac, *xc, group_sizes, _wgrad_out(w13))
+    dw13 = grouped_wgrad_prepared_out(ac, xc, group_sizes, _wgrad_out(w13), m)
     profiling.mark("wgrad1")
     return res, dw13.to(w13.dtype), dw2.to(w2.dtype)
 
 
 class HopperBlockwise:
-    """:class:`moe_ep.experts.base.ExpertGemms` of the blockwise recipe on Hopper (FP8 tensor cores, one fp32
-    promotion per 128 of K)."""
+    """:class:`moe_ep.experts.base.ExpertGemms` of the blockwise recipe on Hopper (fprop / dgrad on FP8 tensor cores,
+    one fp32 promotion per 128 of K; wgrad on bf16 tensor cores over the exactly dequantized 128x1 operands)."""
 
     recipe = BLOCKWISE
 

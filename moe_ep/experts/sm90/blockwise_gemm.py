@@ -1,7 +1,9 @@
-"""Blockwise FP8 grouped GEMMs on Hopper (recipe row :data:`moe_ep.recipe.BLOCKWISE`): CuPy launchers for
-``kernels/experts/sm90/blockwise_gemm.cu`` (fprop / dgrad) and ``kernels/experts/sm90/blockwise_wgrad.cu`` (wgrad).
+"""Blockwise FP8 grouped GEMMs on Hopper (recipe row :data:`moe_ep.recipe.BLOCKWISE`): the CuPy launcher of
+``kernels/experts/sm90/blockwise_gemm.cu`` (fprop / dgrad). The recipe's wgrad runs on the MXFP8 recipe's bf16 wgrad
+kernel over exactly dequantized 128x1 operands (``moe_ep.experts.sm90.blockwise``; the FP8 k-grouped wgrad kernel
+lost to it and was deleted, git keeps it at bfa5169: benchmarks/results/bench_wgrad_blockwise.json).
 
-The specification is :mod:`moe_ep.blockwise.reference` (byte layouts; ``grouped_mm_torch``, ``grouped_wgrad_torch``):
+The specification is :mod:`moe_ep.blockwise.reference` (byte layouts; ``grouped_mm_torch``):
 the kernels multiply the e4m3 bytes exactly on the FP8 tensor cores, sum 128 of K there (fp32 accumulation with the
 tensor cores' limited alignment precision) and promote each 128-block's partial sum into an fp32 accumulator with
 the product of its two E8M0 scales, so they differ from the reference only in summation order and in that
@@ -16,12 +18,6 @@ fprop / dgrad  :func:`grouped_mm_blockwise_out`: out[rows of g] = deq(a)[rows of
     b_scale  u8 [G, N/B, K/B], any strides (fprop: ``scale``; dgrad: ``scale.transpose(1, 2)``)
     out      bf16 [M, N], contiguous; rows >= sum(sizes) untouched, or zero-filled with ``zero_rest``
     K % 128 == 0, N % 128 == 0.
-wgrad  :func:`grouped_wgrad_blockwise_out`: out[g] = sum over the group's 128-blocks of the token axis of
-    (A_blk @ B_blk^T) * sa[blk, n] * sb[blk, k]
-    a_t e4m3 [N, Mp], a_st u8 [Mp/B, N], b_t e4m3 [K, Mp], b_st u8 [Mp/B, K]: the colwise grouped transposed
-    layout (``quantize_colwise_grouped_torch``: group g at columns P_g .., P_g = B sum_{h<g} ceil(n_h/B), zero pad
-    columns; each CTA computes P_g from the device sizes); out fp32 or bf16 [G, N, K], every element written (zeros
-    for empty groups). N, K, Mp multiples of 128.
 
 E8M0 byte s scales by 2**(s-127) (s = 0: 2**-127), s = 255 marks a block that held NaN/Inf: its outputs are NaN.
 """
@@ -34,22 +30,16 @@ from ..._cuda import kernel_constant
 from ...blockwise.reference import B
 
 _GEMM_FILE = "experts/sm90/blockwise_gemm.cu"
-_WGRAD_FILE = "experts/sm90/blockwise_wgrad.cu"
 # the kernels' constants, read from their sources (never copied by hand)
 _THREADS = kernel_constant(_GEMM_FILE, "WS_THREADS")  # 2 consumer warpgroups + 1 producer warpgroup
-_BM, _BN = kernel_constant(_GEMM_FILE, "BW_BM"), kernel_constant(_GEMM_FILE, "BW_BN")  # output tile of both kernels
+_BM, _BN = kernel_constant(_GEMM_FILE, "BW_BM"), kernel_constant(_GEMM_FILE, "BW_BN")  # output tile
 _GEMM_SMEM_BYTES = kernel_constant(_GEMM_FILE, "BW_SMEM_BYTES")
-_WGRAD_SMEM_BYTES = kernel_constant(_WGRAD_FILE, "WB_SMEM_BYTES")
-_WGRAD_KERNELS = {torch.float32: "bw_gmm_wgrad_f32", torch.bfloat16: "bw_gmm_wgrad_bf16"}
 _I32_MAX = 2**31 - 1
 __all__ = [
     "fprop_tiles",
     "grouped_mm_blockwise",
     "grouped_mm_blockwise_out",
-    "grouped_wgrad_blockwise",
-    "grouped_wgrad_blockwise_out",
     "tile_schedule",
-    "wgrad_tiles",
 ]
 
 
@@ -67,11 +57,6 @@ def fprop_tiles(m: int, n: int, num_groups: int) -> int:
     groups are sum_g ceil(n_g/128) <= ceil(M/128) + G - 1 (each group wastes less than one tile); the rest zero-fill
     rows past sum(sizes) when ``zero_rest``. Example: M = 300, N = 256, G = 3 -> (3 + 3) * 2 = 12."""
     return (_cdiv(m, _BM) + num_groups) * (n // _BN) if num_groups else 0
-
-
-def wgrad_tiles(num_groups: int, n: int, k: int) -> int:
-    """Output tiles of the wgrad: G x N/128 x K/128 (an empty group's tiles store zeros)."""
-    return num_groups * (n // _BM) * (k // _BN)
 
 
 def _raster(t: int, m_tiles: int, n_tiles: int, band: int = 8) -> tuple[int, int]:
@@ -199,36 +184,6 @@ def _check_mm(a, a_scale, b, b_scale, group_sizes, out) -> tuple[int, int, int, 
     return m, n, k, g
 
 
-def _check_wgrad(a_t, a_st, b_t, b_st, group_sizes, out) -> tuple[int, int, int, int]:
-    for name, t, dts in (
-        ("a_t", a_t, (torch.float8_e4m3fn,)),
-        ("a_st", a_st, (torch.uint8,)),
-        ("b_t", b_t, (torch.float8_e4m3fn,)),
-        ("b_st", b_st, (torch.uint8,)),
-        ("group_sizes", group_sizes, (torch.int32,)),
-        ("out", out, tuple(_WGRAD_KERNELS)),
-    ):
-        _dtype(name, t, dts)
-    if a_t.dim() != 2 or b_t.dim() != 2 or a_t.shape[1] != b_t.shape[1]:
-        raise ValueError(f"expected a_t [N, Mp] and b_t [K, Mp], got {list(a_t.shape)} and {list(b_t.shape)}")
-    n, mp = a_t.shape
-    k = b_t.shape[0]
-    _mult("N", n)
-    _mult("K", k)
-    _mult("Mp (the padded token columns)", mp)
-    if group_sizes.dim() != 1:
-        raise ValueError(f"group_sizes must be 1-D [G], got {list(group_sizes.shape)}")
-    g = group_sizes.numel()
-    _shape("a_st", a_st, (mp // B, n))
-    _shape("b_st", b_st, (mp // B, k))
-    _shape("out", out, (g, n, k))
-    _devices(
-        (("a_t", a_t), ("a_st", a_st), ("b_t", b_t), ("b_st", b_st), ("group_sizes", group_sizes), ("out", out)),
-        ("a_t", "a_st", "b_t", "b_st", "group_sizes", "out"),
-    )
-    return n, k, mp, g
-
-
 # ----------------------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------------------
@@ -289,33 +244,3 @@ def grouped_mm_blockwise(
         raise ValueError("expected a [M, K] and b [G, N, K] tensors")
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     return grouped_mm_blockwise_out(a, a_scale, b, b_scale, group_sizes, out, zero_rest=zero_rest)
-
-
-def grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out):
-    """out[g] = deq(A_g) @ deq(B_g)^T over group g's padded token columns (formats: module docstring); out fp32 or
-    bf16 [G, N, K], every element written. Returns ``out``."""
-    n, k, mp, g = _check_wgrad(a_t, a_st, b_t, b_st, group_sizes, out)
-    tiles = wgrad_tiles(g, n, k)
-    if tiles == 0:
-        return out
-    from ... import _cuda  # noqa: PLC0415
-
-    grid = min(tiles, _cuda.num_sms(out.device))
-    maps = (
-        _tma_map_2d(a_t, n, mp, 128, 128, 1, True),
-        _tma_map_2d(b_t, k, mp, 128, 128, 1, True),
-        _tma_map_2d(a_st, mp // B, n, 1, 128),
-        _tma_map_2d(b_st, mp // B, k, 1, 128),
-    )
-    # M = Mp: an upper bound of the rows the groups cover (the kernel's group scan clamps to it)
-    args = _gm_args((a_t, a_st, b_t, b_st, group_sizes, out), g, mp, n, k, False) + maps
-    _run(_WGRAD_FILE, _WGRAD_KERNELS[out.dtype], grid, _WGRAD_SMEM_BYTES, args, out.device)
-    return out
-
-
-def grouped_wgrad_blockwise(a_t, a_st, b_t, b_st, group_sizes, out_dtype: torch.dtype = torch.float32):
-    """Allocating :func:`grouped_wgrad_blockwise_out`: -> ``out_dtype`` (fp32 or bf16) [G, N, K]."""
-    if out_dtype not in _WGRAD_KERNELS:
-        raise TypeError(f"wgrad out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
-    out = torch.empty(group_sizes.numel(), a_t.shape[0], b_t.shape[0], dtype=out_dtype, device=a_t.device)
-    return grouped_wgrad_blockwise_out(a_t, a_st, b_t, b_st, group_sizes, out)
