@@ -59,7 +59,14 @@ def case_fsdp(reshard: bool, mx: bool = False, recipe: str = "mxfp8") -> None:
             return
         want = averaged(mc.run_layer(ref, x, g, spec=True))
         recipe_err = averaged(mc.run_layer(base, x, g, spec=True))
-        mc.compare(mine, want, recipe_err, True, f"fsdp {recipe} reshard={reshard} mx={mx} v{version}")
+        # blockwise: the FP8 fprop accumulates inside each 128-long block on the tensor cores, the reference in fp32,
+        # so a can differ from the reference's in its last bf16 bit; with F = 128 the SwiGLU output h has ONE 1x128
+        # block per row, and where that moves the row's amax across a power of two the whole row is re-quantized at
+        # the other scale: up to the recipe's own error of that row in y and dW2 (which read h), not 1/10 of it.
+        # Measured on an H200: 0.41 x the recipe error at v1 (0.04 x at v0 and v2), the same on the bf16 and FP8
+        # gathers and without FSDP; MXFP8 is bitwise equal to its reference here.
+        share = 0.5 if recipe == "blockwise" else 0.1
+        mc.compare(mine, want, recipe_err, True, f"fsdp {recipe} reshard={reshard} mx={mx} v{version}", share)
         with torch.no_grad():
             for layer in (fast, ref, base):
                 for p in layer.experts.parameters():
