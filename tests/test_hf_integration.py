@@ -234,3 +234,34 @@ def test_readme_hf_swap_runs_as_written():
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})  # in this process: no second import of torch + transformers
     assert out.getvalue().strip() == "2 (8, 64, 64)"
+
+
+def test_logits_oracle_counts_routing_flips():
+    """tests/multigpu/hf_cuda.py's logits oracle on the CPU: our reference backend with bf16 experts against HF's fp32
+    DeepSeek-V3 (the setup of the GPU case). On these tokens one token's router scores are a near-tie that the bf16
+    roundings of layer 0 decide the other way in layer 1: the oracle must name exactly that token, and the gap over
+    the other tokens must be the bf16 roundings' (< 2^-6), while the gap over all tokens is not."""
+    import os  # noqa: PLC0415
+
+    env = dict(os.environ)
+    import tests.multigpu.hf_cuda as hc  # noqa: PLC0415  (its helpers module sets GPU-run environment variables)
+
+    os.environ.clear()
+    os.environ.update(env)
+
+    cfg = hf.tiny_config("deepseek_v3", dim=256, n_layers=2, n_heads=4, ffn_hidden=128, num_experts=8, top_k=2,
+                         vocab_size=256, seq_len=128)  # fmt: skip
+    torch.manual_seed(0)
+    ref_model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = copy.deepcopy(ref_model)
+    hf.swap_moe_blocks(model, mesh=None, recipe="bf16", backend="reference", max_tokens_per_rank=256)
+    for b in model.modules():
+        if isinstance(b, hf.HFMoEBlock):
+            b.moe.experts.to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    got, want, flipped = hc._routed_sets(model, ref_model, "deepseek_v3", ids)
+    v = want.shape[-1]
+    keep = ~flipped
+    assert int(flipped.sum()) == 1
+    assert hc._rel(got.reshape(-1, v)[keep], want.reshape(-1, v)[keep]) < 2**-6
+    assert hc._rel(got, want) > 2**-6
