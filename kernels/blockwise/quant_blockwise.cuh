@@ -136,13 +136,6 @@ __device__ __forceinline__ void bw_quant_vals(const float (&v)[V], float mul, bo
                                   mx_mul(v[4 * w + 3], mul));
 }
 
-// Byte mask of the rows r0 .. r0 + 3 of a 4-row word that are < nrows: a NaN block of the grouped column-wise layout
-// gets 0x7F bytes only on its group's rows (the pad columns of the reference stay zero).
-__device__ __forceinline__ unsigned bw_rows_mask(int r0, int nrows) {
-    const int nv = nrows - r0;
-    return nv >= 4 ? 0xFFFFFFFFu : (nv <= 0 ? 0u : (1u << (8 * nv)) - 1u);
-}
-
 // One 1x128 row block held by 128 / V consecutive lanes of a warp, V values each (V = 8: 16 lanes, e.g. a bf16
 // 16-byte chunk per lane; V = 4: the whole warp). Every lane of the warp must call it (the amax is reduced with
 // shuffles over the block's lanes; lanes / (128 / V) is the block). Returns the block's scale byte (in every lane)
