@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         cp_async_commit();
         cp_async_wait<0>();
     }
-    BwDomain dom;
+    SwdDomain dom;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) dom.add(src.chunk(0, i));
     const bool fast = dom.ok(!BWD);  // else (rare: some |g| > 69 or tiny, NaN/Inf) the IEEE division
