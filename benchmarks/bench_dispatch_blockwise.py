@@ -4,11 +4,12 @@ in ordinary memory, so the NVLink half is absent and what is timed is the quanti
     python benchmarks/bench_dispatch_blockwise.py --json out.json      (one GPU; T=8192 H=7168 E=64 top-8 default)
 
   dispatch  transport.dispatch_fwd_quantized (x [T, H] bf16 -> expert-sorted e4m3 rows + the recipe's scales):
-            mxfp8 and blockwise through the fused kernel (ep_dispatch_mx<1, 32> / <1, 128>), and blockwise_unfused,
-            the path it replaced (bf16 rows dispatched, then moe_ep.blockwise.cuda.quantize_rowwise on arrival)
+            mxfp8 and blockwise through the fused kernel (ep_dispatch_mx<1, 32> / <1, 128>)
   combine_bwd  transport.combine_bwd (dy [T, H] bf16 sent quantized, dequantized on arrival, dy * w and dw):
-            mxfp8, blockwise (ep_dispatch<1, 128> + ep_expand<MODE_BWD, 128, bf16>), and blockwise_unfused (dy
-            rounded by moe_ep.blockwise.cuda.fake_quantize_rowwise, then sent as bf16)
+            mxfp8, blockwise (ep_dispatch<1, 128> + ep_expand<MODE_BWD, 128, bf16>)
+benchmarks/results/bench_dispatch_blockwise.json (9e4045a) also holds blockwise_unfused, the paths the fused kernels
+replaced (bf16 rows dispatched, then quantize_rowwise on arrival; dy rounded by a 1x128 round trip, then sent as
+bf16), timed by this script until they were deleted (git keeps them).
 Before timing, the blockwise bytes are checked against moe_ep.blockwise.reference.quantize_rowwise_torch of the token
 rows and the dy path against the reference transport (torch.equal). Times: median of --iters CUDA-event timings
 of one call each, the CPU enqueuing ahead of the GPU (a GPU spin before the start event).
@@ -58,7 +59,6 @@ def main() -> int:
         print("bench_dispatch_blockwise: skipped (needs a CUDA GPU)")
         return 0
     from launch.provenance import code_version  # noqa: PLC0415
-    from moe_ep.blockwise import cuda as bw  # noqa: PLC0415
     from moe_ep.blockwise.reference import quantize_rowwise_torch  # noqa: PLC0415
     from moe_ep.recipe import BLOCKWISE  # noqa: PLC0415
     from moe_ep.transport import reference as ref  # noqa: PLC0415
@@ -90,13 +90,6 @@ def main() -> int:
     del dyr, rh, tok
     rt.check_errors()
 
-    def unfused_dispatch():
-        rows, wr = ct.dispatch_fwd(x, w, handle, None)
-        return (*bw.quantize_rowwise(rows), wr)
-
-    def unfused_combine_bwd():
-        return ct.combine_bwd(bw.fake_quantize_rowwise(dy), y, wy, handle, None)
-
     res = {
         "shape": dict(tokens=t, hidden=h, experts=e, top_k=k, ep=1, expanded_rows=n),
         "device": torch.cuda.get_device_name(dev),
@@ -106,12 +99,10 @@ def main() -> int:
         "dispatch_us": {
             "mxfp8": _time(lambda: ct.dispatch_fwd_quantized(x, w, handle, "mxfp8"), args.iters),
             "blockwise": _time(lambda: ct.dispatch_fwd_quantized(x, w, handle, "blockwise"), args.iters),
-            "blockwise_unfused": _time(unfused_dispatch, args.iters),
         },
         "combine_bwd_us": {
             "mxfp8": _time(lambda: ct.combine_bwd(dy, y, wy, handle, "mxfp8"), args.iters),
             "blockwise": _time(lambda: ct.combine_bwd(dy, y, wy, handle, "blockwise"), args.iters),
-            "blockwise_unfused": _time(unfused_combine_bwd, args.iters),
         },
         "iters": args.iters,
     }

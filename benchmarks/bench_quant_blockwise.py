@@ -1,25 +1,32 @@
-"""Benchmark of the blockwise FP8 quantizers (moe_ep.blockwise.cuda) at the layer's shapes, against a same-size copy.
+"""Benchmark of the blockwise FP8 quantizers the recipe runs (moe_ep.blockwise.cuda) at the layer's shapes, against a
+same-size copy.
 
     python benchmarks/bench_quant_blockwise.py [--json PATH] [--reps N] [--shapes dsv3,small]
 
 Shapes (one EP rank's expert MLP): dsv3 M = 32768 rows, H = 7168, F = 2048, 64 local experts; small M = 32768,
-H = 2048, F = 768, 32 experts; group sizes uniform (M / E rows each). Kernels:
-  rowwise_x          quantize_rowwise(x [M, H] bf16)                     (the dispatch's source-side quantization)
-  colwise_x_bf16     quantize_colwise_grouped(x [M, H] bf16)             (128x1 grouped, transposed)
-  colwise_x_requant  quantize_colwise_grouped((x e4m3, scale))           (x^T / dy^T from the dispatched bytes)
+H = 2048, F = 768, 32 experts; group sizes uniform (M / E rows each). Kernels (what
+moe_ep.experts.sm90.blockwise runs; "prepared": 128x1 blocks per group written exactly dequantized in bf16, the bf16
+wgrad kernel's operand layout):
+  rowwise_x             quantize_rowwise(x [M, H] bf16)                    (x / dy 1x128 rows)
+  colwise_prep_bf16     quantize_colwise_prepared(dy [M, H] bf16, sizes)   (wgrad2's dy operand)
+  colwise_prep_requant  quantize_colwise_prepared((x e4m3, scale), sizes)  (wgrad1's x, from the payload)
   weight_w13_bf16 / weight_w13_fp32 / weight_w2_fp32
-                     quantize_weight(w13 [E, 2F, H] / w2 [E, H, F])      (data, data_t and scales in one pass)
-  swiglu_fwd         swiglu_quantize(a [M, 2F])                          (h row-wise: inference / no wgrad)
-  swiglu_fwd_col     swiglu_quantize(a, sizes, colwise=True)             (h row-wise + colwise grouped)
-  swiglu_bwd         swiglu_bwd_quantize(a, dh, sizes)                   (dA row-wise + colwise grouped)
+                        quantize_weight(w13 [E, 2F, H] / w2 [E, H, F])     (data, data_t and scales in one pass)
+  swiglu_fwd            swiglu_quantize(a [M, 2F])                         (h row-wise: the forward)
+  swiglu_col_prep       swiglu_colwise_prepared(a, sizes)                  (h's column operand alone: wgrad2's)
+  swiglu_bwd_prep       swiglu_bwd_quantize_prepared(a, dh, sizes)         (dA row-wise + its column operand)
 
-The SwiGLU kernels run in their launch configuration (moe_ep.blockwise.cuda.SWIGLU_CFG: threads, inputs staged
-in registers or by cp.async in shared memory), named kernel[config]. Each kernel's bytes are checked against
-moe_ep.blockwise.reference first (on the GPU; the weights on 4 experts), then timed with CUDA events (median of
---reps, L2 flushed by a 256 MiB read before each rep, the CPU kept ahead by a spin kernel). Bytes moved = input bytes
-read + e4m3 data and scale bytes written. The same-size copy is a torch device-to-device copy of (bytes moved) / 2
-bytes (its read + write equals the kernel's traffic), timed the same way; pct_of_copy = kernel GB/s / copy GB/s.
+The SwiGLU kernels run in their launch configuration (moe_ep.blockwise.cuda.SWIGLU_CFG). Each kernel's bytes are
+checked against moe_ep.blockwise.reference first (on the GPU; the weights on 4 experts; the prepared operands on the
+groups' rows), then timed with CUDA events (median of --reps, L2 flushed by a 256 MiB read before each rep, the CPU
+kept ahead by a spin kernel). Bytes moved = input bytes read + bytes written (e4m3 data and scales; 2 per element of
+a prepared operand's rows). The same-size copy is a torch device-to-device copy of (bytes moved) / 2 bytes (its read
++ write equals the kernel's traffic), timed the same way; pct_of_copy = kernel GB/s / copy GB/s.
 Writes JSON {"meta": {...}, "results": [...]}.
+
+benchmarks/results/bench_quant_blockwise.json was measured at its commit (meta.commit), with the kernels of that
+time: its colwise_* and swiglu_fwd_col / swiglu_bwd rows are the e4m3 transposed column quantizers since deleted
+(git keeps them), not the prepared ones timed here.
 """
 
 from __future__ import annotations
@@ -77,9 +84,10 @@ def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _colwise_eq(got, want, sizes) -> bool:
-    pg = ref.padded_group_offsets(sizes)[-1]
-    return _eq(got[0][:, :pg], want[0][:, :pg]) and _eq(got[1][: pg // 128], want[1][: pg // 128])
+def _prep_eq(got: torch.Tensor, want: torch.Tensor, sizes) -> bool:
+    """A prepared operand on the rows the kernels write (each group's rows and the zero rows padding it to 64)."""
+    n = 64 * sum(-(-v // 64) for v in sizes)
+    return _eq(got[:n], want[:n])
 
 
 def cases(shape: str, dev) -> list[tuple]:
@@ -95,8 +103,7 @@ def cases(shape: str, dev) -> list[tuple]:
     w13 = torch.randn(e, 2 * f, h, generator=g, device=dev) * 0.02
     w2 = torch.randn(e, h, f, generator=g, device=dev) * 0.02
     w13b = w13.to(torch.bfloat16)
-    cols = ref.colwise_cols(m, e)
-    pg = ref.padded_group_offsets(sizes_l)[-1]
+    prows = 64 * sum(-(-v // 64) for v in sizes_l)  # rows of the prepared operands the kernels write
     wsub = 4  # experts checked against the reference (its fp32 intermediates of all 64 would be ~30 GB)
 
     def chk_weight(w):
@@ -104,21 +111,14 @@ def cases(shape: str, dev) -> list[tuple]:
         want = ref.quantize_weight_torch(w[:wsub])
         return all(_eq(a_[:wsub], b_) for a_, b_ in zip(got, want, strict=True))
 
-    def chk_fwd_col():
-        got = bw.swiglu_quantize(a, sizes, colwise=True)
-        hv = swiglu(a)
-        return _eq(got[0], ref.quantize_rowwise_torch(hv)[0]) and _colwise_eq(
-            got[2:], ref.quantize_colwise_grouped_torch(hv, sizes_l, cols), sizes_l
-        )
-
     def chk_bwd():
-        got = bw.swiglu_bwd_quantize(a, dh, sizes)
+        got = bw.swiglu_bwd_quantize_prepared(a, dh, sizes)
         da = swiglu_bwd(a, dh)
         want_r = ref.quantize_rowwise_torch(da)
         return (
             _eq(got[0], want_r[0])
             and _eq(got[1], want_r[1])
-            and _colwise_eq(got[2:], ref.quantize_colwise_grouped_torch(da, sizes_l, cols), sizes_l)
+            and _prep_eq(got[2], ref.quantize_colwise_prepared_torch(da, sizes_l), sizes_l)
         )
 
     sc = lambda n: n // 128  # scale bytes of n elements
@@ -130,22 +130,22 @@ def cases(shape: str, dev) -> list[tuple]:
             2 * m * h + m * h + sc(m * h),
         ),
         (
-            "colwise_x_bf16",
-            lambda: bw.quantize_colwise_grouped(x, sizes),
-            lambda: _colwise_eq(
-                bw.quantize_colwise_grouped(x, sizes), ref.quantize_colwise_grouped_torch(x, sizes_l), sizes_l
+            "colwise_prep_bf16",
+            lambda: bw.quantize_colwise_prepared(x, sizes),
+            lambda: _prep_eq(
+                bw.quantize_colwise_prepared(x, sizes), ref.quantize_colwise_prepared_torch(x, sizes_l), sizes_l
             ),
-            2 * m * h + h * pg + sc(h * pg),
+            2 * m * h + 2 * h * prows,
         ),
         (
-            "colwise_x_requant",
-            lambda: bw.quantize_colwise_grouped(xq, sizes),
-            lambda: _colwise_eq(
-                bw.quantize_colwise_grouped(xq, sizes),
-                ref.quantize_colwise_grouped_torch(ref.dequantize_rowwise_torch(*xq), sizes_l),
+            "colwise_prep_requant",
+            lambda: bw.quantize_colwise_prepared(xq, sizes),
+            lambda: _prep_eq(
+                bw.quantize_colwise_prepared(xq, sizes),
+                ref.quantize_colwise_prepared_torch(ref.dequantize_rowwise_torch(*xq), sizes_l),
                 sizes_l,
             ),
-            m * h + sc(m * h) + h * pg + sc(h * pg),
+            m * h + sc(m * h) + 2 * h * prows,
         ),
         ("weight_w13_bf16", lambda: bw.quantize_weight(w13b), lambda: chk_weight(w13b), 4 * w13.numel()),
         ("weight_w13_fp32", lambda: bw.quantize_weight(w13), lambda: chk_weight(w13), 6 * w13.numel()),
@@ -159,16 +159,18 @@ def cases(shape: str, dev) -> list[tuple]:
             4 * m * f + m * f + sc(m * f),
         ),
         (
-            "swiglu_fwd_col",
-            lambda: bw.swiglu_quantize(a, sizes, colwise=True),
-            chk_fwd_col,
-            4 * m * f + m * f + sc(m * f) + f * pg + sc(f * pg),
+            "swiglu_col_prep",
+            lambda: bw.swiglu_colwise_prepared(a, sizes),
+            lambda: _prep_eq(
+                bw.swiglu_colwise_prepared(a, sizes), ref.quantize_colwise_prepared_torch(swiglu(a), sizes_l), sizes_l
+            ),
+            4 * m * f + 2 * f * prows,
         ),
         (
-            "swiglu_bwd",
-            lambda: bw.swiglu_bwd_quantize(a, dh, sizes),
+            "swiglu_bwd_prep",
+            lambda: bw.swiglu_bwd_quantize_prepared(a, dh, sizes),
             chk_bwd,
-            6 * m * f + 2 * m * f + sc(2 * m * f) + 2 * f * pg + sc(2 * f * pg),
+            6 * m * f + 2 * m * f + sc(2 * m * f) + 2 * 2 * f * prows,
         ),
     ]
 

@@ -1,20 +1,22 @@
 """The blockwise recipe's expert wgrads on bf16 tensor cores over exactly dequantized 128x1 operands, and the
 backward's quantizers of their operands (one GPU, CUDA events, warm-up then the median; interleaved rounds).
 
-benchmarks/results/bench_wgrad_blockwise.json (bfa5169) also holds (a) fp8_wgrad_ms, the FP8 k-grouped blockwise
-wgrad kernel (kernels/experts/sm90/blockwise_wgrad.cu, launcher grouped_wgrad_blockwise_out) on the transposed e4m3
-operands + scales: this path beat it (GEMM + quantizers) at the layer shapes, and it was deleted (git keeps it).
+benchmarks/results/bench_wgrad_blockwise.json was measured at bfa5169, when this script also timed what has since
+been deleted (git keeps it there): fp8_wgrad_ms, the FP8 k-grouped blockwise wgrad kernel on e4m3 transposed
+operands + scales, and quant_old_ms, the e4m3 transposed column quantizers of those operands (quant_new_ms and
+new_total_ms there are quant_ms and total_ms here). The bf16 path beat the FP8 one (GEMM + quantizers) at the layer
+shapes, and the FP8 wgrad and its quantizers were deleted.
 
 Per case (shape, groups):
-  (b) bf16_wgrad_ms   the MXFP8 recipe's bf16 wgrad kernel (moe_ep.experts.sm90.gemm.grouped_wgrad_prepared_out) on
-                      the prepared bf16 operands (the same 128x1 blocks, exactly dequantized);
-  (c) quant_old_ms / quant_new_ms  the backward's quantizers of that wgrad's two operands, old (e4m3 transposed +
-                      scales) vs new (prepared bf16), as moe_ep.experts.sm90.blockwise.expert_mlp_bw_bwd calls them:
-                      wgrad1 (dW13 [G, 2F, H]): dA = swiglu_bwd_quantize(a, dh) (its 1x128 rows too: dgrad1 reads
-                      them) + x's colwise from the 1x128 payload (xq, xs); wgrad2 (dW2 [G, H, F]): dy's colwise +
-                      h's colwise recomputed from a (old: swiglu_quantize(colwise=True), rows included; new:
-                      column-only).
-Outputs fp32 [G, N, K] (the layer's dW buffer for fp32 master weights). Check: (b)'s largest group against an fp32
+  bf16_wgrad_ms   the MXFP8 recipe's bf16 wgrad kernel (moe_ep.experts.sm90.gemm.grouped_wgrad_prepared_out) on the
+                  prepared bf16 operands (the recipe's 128x1 blocks, exactly dequantized);
+  quant_ms        the backward's quantizers of that wgrad's two operands, as
+                  moe_ep.experts.sm90.blockwise.expert_mlp_bw_bwd calls them: wgrad1 (dW13 [G, 2F, H]):
+                  dA = swiglu_bwd_quantize_prepared(a, dh) (its 1x128 rows too: dgrad1 reads them) + x's column
+                  operand from the 1x128 payload (xq, xs); wgrad2 (dW2 [G, H, F]): dy's column operand + h's
+                  recomputed from a, column-only (swiglu_colwise_prepared);
+  total_ms        bf16_wgrad_ms + quant_ms.
+Outputs fp32 [G, N, K] (the layer's dW buffer for fp32 master weights). Check: the largest group against an fp32
 torch matmul of its prepared rows (summation order only: ~1e-6 expected; a layout bug gives O(1)).
 
 Shapes (M rows, G groups, N, K): the dsv3 layer (64 local experts, H 7168, F 2048, ~512 rows per expert):
@@ -59,30 +61,24 @@ def _sizes(kind: str, m: int, g: int, name: str) -> list[int]:
 
 
 def _quantizers(role, m, n, k, sz, gen):
-    """(old, new) closures of the backward's quantizers for this wgrad (new: the GEMM's operands)."""
+    """The backward's quantizers of this wgrad's two operands, as a closure returning them."""
     dev = "cuda"
     if role == "wgrad1":  # a: dA [M, 2F = N] from (a [M, 2F], dh [M, F]); b: x [M, K = H] from its 1x128 payload
         a = (torch.randn(m, n, generator=gen, device=dev) * 2).bfloat16()
         dh = torch.randn(m, n // 2, generator=gen, device=dev).bfloat16()
         xq, xs = bwq.quantize_rowwise(torch.randn(m, k, generator=gen, device=dev).bfloat16())
 
-        def old():
-            return bwq.swiglu_bwd_quantize(a, dh, sz)[2:], bwq.quantize_colwise_grouped((xq, xs), sz)
-
-        def new():
+        def quant():
             return bwq.swiglu_bwd_quantize_prepared(a, dh, sz)[2], bwq.quantize_colwise_prepared((xq, xs), sz)
 
     else:  # a: dy [M, N = H] bf16; b: h [M, K = F] recomputed from a [M, 2F]
         dy = torch.randn(m, n, generator=gen, device=dev).bfloat16()
         a = (torch.randn(m, 2 * k, generator=gen, device=dev) * 2).bfloat16()
 
-        def old():
-            return bwq.quantize_colwise_grouped(dy, sz), bwq.swiglu_quantize(a, sz, colwise=True)[2:]
-
-        def new():
+        def quant():
             return bwq.quantize_colwise_prepared(dy, sz), bwq.swiglu_colwise_prepared(a, sz)
 
-    return old, new
+    return quant
 
 
 def run_case(name, kind, args, details) -> dict:
@@ -90,13 +86,12 @@ def run_case(name, kind, args, details) -> dict:
     sizes = _sizes(kind, m, g, name)
     sz = torch.tensor(sizes, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q_old, q_new = _quantizers(role, m, n, k, sz, gen)
-    ap, bp = q_new()
+    quant = _quantizers(role, m, n, k, sz, gen)
+    ap, bp = quant()
     out = torch.empty(g, n, k, device="cuda")
     fns = {
         "bf16_wgrad": lambda: mx_gemm.grouped_wgrad_prepared_out(ap, bp, sz, out, m),
-        "quant_old": q_old,
-        "quant_new": q_new,
+        "quant": quant,
     }
     fns["bf16_wgrad"]()
     gi = max(range(g), key=lambda i: sizes[i])  # the largest group: its prepared rows start at 64 sum ceil(n/64)
@@ -116,13 +111,12 @@ def run_case(name, kind, args, details) -> dict:
         "K": k,
         "role": role,
         "bf16_wgrad_ms": ms.get("bf16_wgrad"),
-        "quant_old_ms": ms.get("quant_old"),
-        "quant_new_ms": ms.get("quant_new"),
+        "quant_ms": ms.get("quant"),
         "bf16_wgrad_tflops": flops / ms["bf16_wgrad"] / 1e9 if "bf16_wgrad" in ms else None,
         "rel_err_vs_fp32_matmul": rel,
     }
-    if row["bf16_wgrad_ms"] is not None and row["quant_new_ms"] is not None:
-        row["new_total_ms"] = row["bf16_wgrad_ms"] + row["quant_new_ms"]
+    if row["bf16_wgrad_ms"] is not None and row["quant_ms"] is not None:
+        row["total_ms"] = row["bf16_wgrad_ms"] + row["quant_ms"]
     details[f"{name}/{kind}"] = {"sizes": sizes, "errors": errors, "all_ms": times}
     print(f"[{name}/{kind}] " + json.dumps({kk: v for kk, v in row.items() if kk.endswith(("ms", "fp32_matmul"))}))
     return row
@@ -149,7 +143,7 @@ def main() -> None:
         "command": "python benchmarks/bench_wgrad_blockwise.py " + " ".join(sys.argv[1:]),
         "config": {"warmup": args.warmup, "reps": args.reps, "rounds": args.rounds},
         "shapes": {kk: SHAPES[kk] for kk in args.shapes.split(",") if kk},
-        "note": "ms: median of CUDA-event times (median over rounds); fp32 [G, N, K] outputs; quant_*: the backward's "
+        "note": "ms: median of CUDA-event times (median over rounds); fp32 [G, N, K] outputs; quant_ms: the backward's "
         "quantizers of the wgrad's two operands (module docstring)",
         "details": {},
     }
@@ -163,10 +157,10 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"\n{meta['device']}  {meta['commit']}")
-    head = ("bf16 wg", "q old", "q new", "new tot")
+    head = ("bf16 wg", "quant", "total")
     print(f"{'shape':<13} {'groups':<8} " + " ".join(f"{h:>8}" for h in head))
     for r in rows:
-        keys = ("bf16_wgrad_ms", "quant_old_ms", "quant_new_ms", "new_total_ms")
+        keys = ("bf16_wgrad_ms", "quant_ms", "total_ms")
         vals = (format(r[kk], "8.3f") if r.get(kk) is not None else f"{'-':>8}" for kk in keys)
         print(f"{r['shape']:<13} {r['groups']:<8} " + " ".join(vals))
 

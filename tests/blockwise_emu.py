@@ -114,11 +114,10 @@ extern "C" void emu_swiglu_vals(int bwd, const unsigned short* a, const unsigned
 # kernel family -> its argument list as C expressions of a[i] (the launchers' argument order)
 _ARGS = {
     "bw_quant_rowwise": "CU8(a[0]), a[1], U8(a[2]), U8(a[3])",
-    "bw_quant_colwise": "CU8(a[0]), CU8(a[1]), a[2], (int)a[3], CI32(a[4]), (int)a[5], a[6], U8(a[7]), U8(a[8])",
+    "bw_quant_colwise": "CU8(a[0]), CU8(a[1]), a[2], (int)a[3], CI32(a[4]), (int)a[5], a[6], U8(a[7])",
     "bw_quant_weight": "CU8(a[0]), (int)a[1], (int)a[2], U8(a[3]), U8(a[4]), U8(a[5])",
     "bw_transpose_weight": "CU8(a[0]), (int)a[1], (int)a[2], U8(a[3])",
-    "bw_swiglu": "CU8(a[0]), CU8(a[1]), a[2], (int)a[3], CI32(a[4]), (int)a[5], a[6], U8(a[7]), U8(a[8]), "
-    "U8(a[9]), U8(a[10])",
+    "bw_swiglu": "CU8(a[0]), CU8(a[1]), a[2], (int)a[3], CI32(a[4]), (int)a[5], a[6], U8(a[7]), U8(a[8]), U8(a[9])",
 }
 
 

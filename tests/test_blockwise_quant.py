@@ -21,10 +21,7 @@ import torch
 
 from moe_ep.blockwise import cuda as bw_cuda
 from moe_ep.blockwise.reference import (
-    colwise_cols,
     dequantize_rowwise_torch,
-    padded_group_offsets,
-    quantize_colwise_grouped_torch,
     quantize_colwise_prepared_torch,
     quantize_rowwise_torch,
     quantize_weight_torch,
@@ -118,15 +115,6 @@ def _sentinel(shape, dtype, dev) -> torch.Tensor:
     return t
 
 
-def check_colwise(got_t, got_st, want_t, want_st, sizes, what: str) -> None:
-    """Bytes equal on columns [0, P_G) and scale rows [0, P_G/128); the rest untouched (still SENT)."""
-    pg = padded_group_offsets(sizes)[-1]
-    assert_bytes(f"{what} data_t", got_t[:, :pg], want_t[:, :pg])
-    assert_bytes(f"{what} scale_t", got_st[: pg // 128], want_st[: pg // 128])
-    assert (_u8(got_t[:, pg:]) == SENT).all(), f"{what}: data_t written past P_G = {pg}"
-    assert (_u8(got_st[pg // 128 :]) == SENT).all(), f"{what}: scale_t written past row {pg // 128}"
-
-
 def check_prepared(got, want, sizes, what: str) -> None:
     """The prepared bf16 operand: bytes equal on each group's rows and the zero rows padding it to a multiple of 64;
     every other row untouched (still SENT)."""
@@ -185,54 +173,6 @@ def test_rowwise(dev, dtype):
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _colwise_run(dev, x, sizes, m, k, cols=None):
-    st = torch.tensor(sizes, dtype=torch.int32, device=dev)
-    cols = colwise_cols(m, len(sizes)) if cols is None else cols
-    data_t = _sentinel((k, cols), torch.float8_e4m3fn, dev)
-    scale_t = _sentinel((cols // 128, k), torch.uint8, dev)
-    bw_cuda.quantize_colwise_grouped_into(x, st, data_t, scale_t)
-    return data_t, scale_t, cols
-
-
-def test_colwise_bf16(dev):
-    k = 1024 if _big(dev) else 256
-    for i, (m, sizes) in enumerate(_sizes(dev)):
-        x = make_input(m, k, torch.bfloat16, seed=10 + i)
-        data_t, scale_t, cols = _colwise_run(dev, x.to(dev), sizes, m, k)
-        want_t, want_st = quantize_colwise_grouped_torch(x, sizes, cols)
-        check_colwise(data_t, scale_t, want_t, want_st, sizes, f"M={m} sizes={sizes}")
-
-
-def test_colwise_requantized(dev):
-    """From the 1x128 bytes of the dispatch (x^T, dy^T): dequantized exactly, then requantized; NaN scale bytes
-    (0xFF) and e4m3 NaN bytes included."""
-    k = 768 if _big(dev) else 256
-    for i, (m, sizes) in enumerate(_sizes(dev)):
-        x = make_input(m, k, torch.float32, seed=20 + i)
-        d, s = quantize_rowwise_torch(x)
-        if m > 3:
-            s[3, 0] = 0xFF  # a NaN block whose bytes are finite
-            d.view(torch.uint8)[m - 1, 5] = 0x7F  # an e4m3 NaN under a finite scale
-        got_t, got_st, cols = _colwise_run(dev, (d.to(dev), s.to(dev)), sizes, m, k)
-        want_t, want_st = quantize_colwise_grouped_torch(dequantize_rowwise_torch(d, s), sizes, cols)
-        check_colwise(got_t, got_st, want_t, want_st, sizes, f"M={m} sizes={sizes}")
-
-
-def test_colwise_wider_cols_and_alloc(dev):
-    """cols above the bound (a caller's preallocated buffer) and the allocating form (default cols)."""
-    m, sizes, k = (300, [100, 0, 150], 128)
-    x = make_input(m, k, torch.bfloat16, seed=30)
-    got_t, got_st, cols = _colwise_run(dev, x.to(dev), sizes, m, k, cols=colwise_cols(m, 3) + 256)
-    want = quantize_colwise_grouped_torch(x, sizes, cols)
-    check_colwise(got_t, got_st, *want, sizes, "wide")
-    d_t, s_t = bw_cuda.quantize_colwise_grouped(x.to(dev), torch.tensor(sizes, dtype=torch.int32, device=dev))
-    pg = padded_group_offsets(sizes)[-1]
-    want = quantize_colwise_grouped_torch(x, sizes)
-    assert d_t.shape == (k, colwise_cols(m, 3)) and s_t.shape == (colwise_cols(m, 3) // 128, k)
-    assert_bytes("alloc data_t", d_t[:, :pg], want[0][:, :pg])
-    assert_bytes("alloc scale_t", s_t[: pg // 128], want[1][: pg // 128])
-
-
 def _prep_run(dev, x, sizes, m, k):
     st = torch.tensor(sizes, dtype=torch.int32, device=dev)
     data_c = _sentinel((64 * ((m + 63) // 64 + len(sizes)), k), torch.bfloat16, dev)
@@ -277,7 +217,8 @@ def test_colwise_prepared_requantized(dev):
 
 def test_grouped_many_groups(dev, tmp_path_factory):
     """More groups than a CTA has threads (the device-side scan of the sizes takes two rounds): mostly empty groups,
-    1-row groups, one large group late; the colwise kernel and (GPU) the grouped SwiGLU forward's per-tile lookup."""
+    1-row groups, one large group late; the colwise kernel's group table and (GPU) the column-only SwiGLU forward's
+    per-tile lookup."""
     g = torch.Generator().manual_seed(7)
     sizes = [0] * 300
     for i in torch.randint(0, 300, (40,), generator=g).tolist():
@@ -285,21 +226,13 @@ def test_grouped_many_groups(dev, tmp_path_factory):
     sizes[290] = 200
     m, k = sum(sizes) + 9, 128
     x = make_input(m, k, torch.bfloat16, seed=80)
-    got_t, got_st, cols = _colwise_run(dev, x.to(dev), sizes, m, k)
-    check_colwise(got_t, got_st, *quantize_colwise_grouped_torch(x, sizes, cols), sizes, "300 groups")
     got = _prep_run(dev, x.to(dev), sizes, m, k)
     check_prepared(got, quantize_colwise_prepared_torch(x, sizes), sizes, "300 groups")
     if not _big(dev):  # the SwiGLU grid has a CTA per tile bound (303 here): too slow to emulate in CI
         return
     a = _swiglu_input(m, 128, seed=81)
     st = torch.tensor(sizes, dtype=torch.int32, device=dev)
-    got = bw_cuda.swiglu_quantize(a.to(dev), st, colwise=True)
     h = _swiglu_ref_vals(dev, tmp_path_factory, a)
-    pg = padded_group_offsets(sizes)[-1]
-    want_t, want_st = quantize_colwise_grouped_torch(h, sizes, got[2].shape[1])
-    assert_bytes("swiglu data", got[0], quantize_rowwise_torch(h)[0])
-    assert_bytes("swiglu data_t", got[2][:, :pg], want_t[:, :pg])
-    assert_bytes("swiglu scale_t", got[3][: pg // 128], want_st[: pg // 128])
     check_prepared(bw_cuda.swiglu_colwise_prepared(a.to(dev), st), quantize_colwise_prepared_torch(h, sizes),
                    sizes, "swiglu prepared")  # fmt: skip
 
@@ -361,50 +294,26 @@ def _swiglu_ref_vals(dev, tmp_path_factory, a, dh=None) -> torch.Tensor:
     return blockwise_emu.swiglu_vals(_emu_dir(tmp_path_factory), a, dh)
 
 
-@pytest.mark.parametrize("colwise", [False, True], ids=["rowwise", "grouped"])
-def test_swiglu_fwd(dev, colwise, tmp_path_factory):
-    """The forward kernel in its launch configuration (SWIGLU_CFG), with and without the grouped column output."""
+def test_swiglu_fwd(dev, tmp_path_factory):
+    """The forward kernel (h in 1x128 rows, every row written) in its launch configuration (SWIGLU_CFG)."""
     f = 512 if _big(dev) else 256
-    for i, (m, sizes) in enumerate(_sizes(dev, swiglu=True)):
+    for i, (m, _) in enumerate(_sizes(dev, swiglu=True)):
         a = _swiglu_input(m, f, seed=50 + i)
         h = _swiglu_ref_vals(dev, tmp_path_factory, a)
         want_d, want_s = quantize_rowwise_torch(h)
         data = _sentinel((m, f), torch.float8_e4m3fn, dev)
         scale = _sentinel((m, f // 128), torch.uint8, dev)
-        if not colwise:
-            bw_cuda.swiglu_quantize_into(a.to(dev), data, scale)
-        else:
-            cols = colwise_cols(m, len(sizes))
-            data_t = _sentinel((f, cols), torch.float8_e4m3fn, dev)
-            scale_t = _sentinel((cols // 128, f), torch.uint8, dev)
-            st = torch.tensor(sizes, dtype=torch.int32, device=dev)
-            bw_cuda.swiglu_quantize_into(a.to(dev), data, scale, st, data_t, scale_t)
-            want_t, want_st = quantize_colwise_grouped_torch(h, sizes, cols)
-            check_colwise(data_t, scale_t, want_t, want_st, sizes, f"M={m} sizes={sizes}")
-        assert_bytes(f"M={m} data", data, want_d)  # every row, also those past sum(sizes)
+        bw_cuda.swiglu_quantize_into(a.to(dev), data, scale)
+        assert_bytes(f"M={m} data", data, want_d)
         assert_bytes(f"M={m} scale", scale, want_s)
-
-
-def test_swiglu_bwd(dev, tmp_path_factory):
-    f = 512 if _big(dev) else 128
-    for i, (m, sizes) in enumerate(_sizes(dev, swiglu=True)):
-        a = _swiglu_input(m, f, seed=60 + i)
-        dh = _swiglu_input(m, f // 2, seed=70 + i)
-        da = _swiglu_ref_vals(dev, tmp_path_factory, a, dh)
-        st = torch.tensor(sizes, dtype=torch.int32, device=dev)
-        got = bw_cuda.swiglu_bwd_quantize(a.to(dev), dh.to(dev), st)
-        want_d, want_s = quantize_rowwise_torch(da)
-        assert_bytes(f"M={m} data", got[0], want_d)
-        assert_bytes(f"M={m} scale", got[1], want_s)
-        pg = padded_group_offsets(sizes)[-1]
-        want_t, want_st = quantize_colwise_grouped_torch(da, sizes, got[2].shape[1])
-        assert_bytes(f"M={m} data_t", got[2][:, :pg], want_t[:, :pg])
-        assert_bytes(f"M={m} scale_t", got[3][: pg // 128], want_st[: pg // 128])
+        d2, s2 = bw_cuda.swiglu_quantize(a.to(dev))  # the allocating form
+        assert_bytes(f"M={m} data (alloc)", d2, want_d)
+        assert_bytes(f"M={m} scale (alloc)", s2, want_s)
 
 
 def test_swiglu_prepared(dev, tmp_path_factory):
     """The prepared bf16 column operands of the SwiGLU kernels: h alone (forward, no row-wise byte written) and dA
-    with its 1x128 rows (backward)."""
+    with its 1x128 rows (backward: every row written, also those past sum(sizes)); and their allocating forms."""
     f = 256 if _big(dev) else 128
     for i, (m, sizes) in enumerate(_sizes(dev, swiglu=True)):
         a = _swiglu_input(m, f, seed=90 + i)
@@ -424,6 +333,14 @@ def test_swiglu_prepared(dev, tmp_path_factory):
         assert_bytes(f"bwd M={m} data", data, want_d)
         assert_bytes(f"bwd M={m} scale", scale, want_s)
         check_prepared(data_c, quantize_colwise_prepared_torch(da, sizes), sizes, f"bwd M={m} sizes={sizes}")
+        if i == 0:  # the allocating forms (rows past the groups' padded rows uninitialized)
+            n = 64 * sum((v + 63) // 64 for v in sizes)
+            got = bw_cuda.swiglu_colwise_prepared(a.to(dev), st)
+            assert_bytes("alloc fwd data_c", got[:n], quantize_colwise_prepared_torch(h, sizes)[:n])
+            got = bw_cuda.swiglu_bwd_quantize_prepared(a.to(dev), dh.to(dev), st)
+            assert_bytes("alloc bwd data", got[0], want_d)
+            assert_bytes("alloc bwd scale", got[1], want_s)
+            assert_bytes("alloc bwd data_c", got[2][:n], quantize_colwise_prepared_torch(da, sizes)[:n])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -445,25 +362,21 @@ def test_bad_input(monkeypatch):
             x, torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 3, dtype=torch.uint8)
         )
     with pytest.raises(TypeError, match="int32"):
-        bw_cuda.quantize_colwise_grouped(x, st.long())
-    with pytest.raises(ValueError, match="colwise_cols"):
-        bw_cuda.quantize_colwise_grouped(x, st, cols=128)
+        bw_cuda.quantize_colwise_prepared(x, st.long())
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        bw_cuda.quantize_colwise_grouped((x, torch.zeros(4, 2, dtype=torch.uint8)), st)
+        bw_cuda.quantize_colwise_prepared((x, torch.zeros(4, 2, dtype=torch.uint8)), st)
     with pytest.raises(ValueError, match="x scale"):
-        bw_cuda.quantize_colwise_grouped((x.to(torch.float8_e4m3fn), torch.zeros(4, 3, dtype=torch.uint8)), st)
+        bw_cuda.quantize_colwise_prepared((x.to(torch.float8_e4m3fn), torch.zeros(4, 3, dtype=torch.uint8)), st)
     with pytest.raises(ValueError, match="N = 96"):
         bw_cuda.quantize_weight(torch.zeros(2, 96, 128))
     with pytest.raises(ValueError, match="F % 128"):
         bw_cuda.swiglu_quantize(torch.zeros(4, 384, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="needs group_sizes"):
-        bw_cuda.swiglu_quantize(x, colwise=True)
     with pytest.raises(ValueError, match="data_c: expected shape"):
         bw_cuda.quantize_colwise_prepared_into(x, st, torch.empty(64, 256, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
         bw_cuda.swiglu_colwise_prepared_into(x, st, torch.empty(128, 128, dtype=torch.float32))
     with pytest.raises(ValueError, match="dh: expected shape"):
-        bw_cuda.swiglu_bwd_quantize(x, torch.zeros(4, 256, dtype=torch.bfloat16), st)
+        bw_cuda.swiglu_bwd_quantize_prepared(x, torch.zeros(4, 256, dtype=torch.bfloat16), st)
     monkeypatch.setattr(bw_cuda, "_on_gpu", lambda t: t.device.type == "cuda")
     with pytest.raises(ValueError, match="CUDA tensor"):
         bw_cuda.quantize_rowwise(x)

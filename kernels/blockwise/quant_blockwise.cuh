@@ -1,7 +1,8 @@
 // Device helpers of the blockwise FP8 quantizers (kernels/blockwise/quantize.cu; recipe row moe_ep.recipe.BLOCKWISE,
 // byte layouts moe_ep/blockwise/reference.py): the per-block math of one 1x128 row block (bw_quant_1x128, meant to be
 // included by the dispatch kernel as well), element loads and conversions, the SwiGLU forward / backward arithmetic
-// (bit for bit as torch on CUDA, the formulas of kernels/quant_elem.cuh and quant_swiglu.cuh) and the device-side
+// (bit for bit as torch on CUDA, the formulas of kernels/mxfp8/quant_elem.cuh; the branch-free division and its
+// domain are common/swiglu_div.cuh's, shared with kernels/mxfp8/quant_swiglu.cuh) and the device-side
 // group lookup of the grouped column-wise layout. Everything is prefixed bw_ so that this header can sit next to the
 // MXFP8 headers in one translation unit. The host fallbacks of the asm helpers exist for the CPU emulator
 // (tests/blockwise_emu.py), which compiles this file as C++.
@@ -13,6 +14,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "swiglu_div.cuh"
 
 #define BW_BLOCK 128         // values per scale along the quantized axis
 #define BW_BAD 0x7F800000u   // a key at or above this is NaN/Inf
@@ -136,13 +138,6 @@ __device__ __forceinline__ void bw_quant_vals(const float (&v)[V], float mul, bo
                                   mx_mul(v[4 * w + 3], mul));
 }
 
-// Byte mask of the rows r0 .. r0 + 3 of a 4-row word that are < nrows: a NaN block of the grouped column-wise layout
-// gets 0x7F bytes only on its group's rows (the pad columns of the reference stay zero).
-__device__ __forceinline__ unsigned bw_rows_mask(int r0, int nrows) {
-    const int nv = nrows - r0;
-    return nv >= 4 ? 0xFFFFFFFFu : (nv <= 0 ? 0u : (1u << (8 * nv)) - 1u);
-}
-
 // One 1x128 row block held by 128 / V consecutive lanes of a warp, V values each (V = 8: 16 lanes, e.g. a bf16
 // 16-byte chunk per lane; V = 4: the whole warp). Every lane of the warp must call it (the amax is reduced with
 // shuffles over the block's lanes; lanes / (128 / V) is the block). Returns the block's scale byte (in every lane)
@@ -169,29 +164,10 @@ __device__ __forceinline__ unsigned bw_quant_1x128(const float (&v)[V], unsigned
 //   sig = 1 / (1 + expf(-g)),  dg = (dh * u) * (sig * (1 + g * (1 - sig))),  du = dh * (g * sig)
 // ------------------------------------------------------------------------------------------------------------
 
-// x / d rounded as div.rn.f32 without its slow-path branch: kernels/quant_swiglu.cuh swd_div (the same
-// instructions), equal to div.rn for x = g or 1 and d = 1 + expf(-g) while BwDomain::ok holds (checked for every bf16
-// g by tests/test_quant_dual_cuda.py test_swiglu_branch_free_division_every_bf16). Why: each IEEE division is its
-// own branch region, which serialized the element chains. The host build divides exactly.
-__device__ __forceinline__ float bw_div_fast(float x, float d) {
-#if defined(__CUDA_ARCH__)
-    float r, t, q, rem, res;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-    asm("fma.rn.f32 %0, %1, %2, 0f3F800000;" : "=f"(t) : "f"(-d), "f"(r));
-    asm("fma.rn.f32 %0, %1, %2, %1;" : "=f"(r) : "f"(r), "f"(t));
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(r));
-    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(rem) : "f"(-d), "f"(q), "f"(x));
-    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(res) : "f"(r), "f"(rem), "f"(q));
-    return __float_as_uint(x) << 1 ? res : x;  // the correction turns -0 into +0; x / d keeps a zero's sign
-#else
-    return x / d;
-#endif
-}
-
-// FAST: the branch-free division (inside BwDomain only), else IEEE div.rn.
+// FAST: the branch-free division swd_div (swiglu_div.cuh; inside SwdDomain only), else IEEE div.rn.
 template <bool FAST>
 __device__ __forceinline__ float bw_div(float x, float d) {
-    return FAST ? bw_div_fast(x, d) : mx_div(x, d);
+    return FAST ? swd_div(x, d) : mx_div(x, d);
 }
 template <bool FAST>
 __device__ __forceinline__ float bw_swiglu(float g, float u) {
@@ -205,28 +181,6 @@ __device__ __forceinline__ float bw_swiglu_dg(float g, float u, float dh, float 
     return mx_mul(mx_mul(dh, u), mx_mul(sig, mx_add(1.0f, mx_mul(g, mx_add(1.0f, -sig)))));
 }
 __device__ __forceinline__ float bw_swiglu_du(float g, float dh, float sig) { return mx_mul(dh, mx_mul(g, sig)); }
-
-// Where bw_div_fast equals div.rn, over the bf16 gate words a thread reads (kernels/quant_swiglu.cuh SwdDomain):
-// |g| <= 69.0 (0x428A), and in the forward (which divides g itself) also g zero or |g| >= 2**-100 (0x0D80).
-struct BwDomain {
-    unsigned amax = 0u, cmin = 0xFFFFFFFFu;
-    __device__ __forceinline__ void add(unsigned w) {
-        const unsigned a = w & 0x7FFF7FFFu;
-        amax = __vmaxu2(amax, a);
-        cmin = __vminu2(cmin, ((a | 0x80008000u) - 0x00010001u) ^ 0x80008000u);
-    }
-    __device__ __forceinline__ void add(uint4 c) {
-        add(c.x);
-        add(c.y);
-        add(c.z);
-        add(c.w);
-    }
-    __device__ __forceinline__ bool ok(bool fwd) const {
-        const bool big = max(amax & 0xFFFFu, amax >> 16) > 0x428Au;
-        const bool tiny = min(cmin & 0xFFFFu, cmin >> 16) < 0x0D7Fu;
-        return !big && !(fwd && tiny);
-    }
-};
 
 // ------------------------------------------------------------------------------------------------------------
 // grouped column-wise layout: which rows a padded 128-column tile holds

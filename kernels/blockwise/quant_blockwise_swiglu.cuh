@@ -1,8 +1,9 @@
 // The fused SwiGLU quantizers of kernels/blockwise/quantize.cu (included at its end): h = silu(gate) * up (forward)
 // or dA = swiglu_bwd(a, dh) (backward) computed in fp32 registers, bit for bit as moe_ep.experts.reference on CUDA
 // (quant_blockwise.cuh), and quantized in the same pass into what the blockwise recipe reads:
-//   forward   h [M, F]:  1x128 row-wise (fprop2's A) and, GROUPED, 128x1 grouped column-wise (wgrad2's B);
-//   backward  dA [M, 2F]: 1x128 row-wise (dgrad1's A) and 128x1 grouped column-wise (wgrad1's A).
+//   forward   h [M, F]:  1x128 row-wise (fprop2's A), or (COL, the backward's recomputation) its 128x1 grouped blocks
+//                        alone, exactly dequantized in bf16 in the bf16 wgrad kernel's prepared layout (wgrad2's B);
+//   backward  dA [M, 2F]: 1x128 row-wise (dgrad1's A) and 128x1 grouped, prepared as above (wgrad1's A).
 // Nothing else is written (no bf16 copy of h or dA).
 //
 // One CTA per 128 x 128 tile of h (rows x h columns f0 .. f0 + 127; the backward's tile yields dA's gate tile at
@@ -10,9 +11,9 @@
 // columns (RPT = 8 with 256 threads, 4 with 512), loaded as 16-byte chunks of gate / up (/ dh) straight into
 // registers (a warp reads 256 contiguous bytes of each row). A 1x128 row block is 16 lanes of one warp (shuffles
 // ^1..^8); a 128x1 column block is 2 lanes of each warp (^16, then across warps through shared memory). Grouped
-// tiles follow the padded grouped layout (bw_tile_lookup): tile T is a group's 128-row block (writes padded columns
-// 128 T ..), and the spare tiles of the grid (sized ceil(M/128) + G + 1 from M and G only) cover the rows past
-// sum(sizes) row-wise, so the row-wise output is complete for all M rows.
+// tiles follow the grouped layout (bw_tile_lookup): tile T is a group's 128-row block (written from prepared row
+// prow0), and in the backward the spare tiles of the grid (sized ceil(M/128) + G + 1 from M and G only) cover the
+// rows past sum(sizes) row-wise, so the row-wise output is complete for all M rows.
 #pragma once
 
 // The 1x128 row-wise bytes of row r of the tile (8 values of the thread, output columns oc + 8 tc .. of an output
@@ -28,19 +29,16 @@ __device__ __forceinline__ void bw_swiglu_row(const float (&v)[8], int r, long l
     }
 }
 
-// The 1x128 row-wise (ROW) and (col) 128x1 column-wise bytes of a thread's RPT x 8 values v (rows tr RPT + i of
-// the tile, output columns oc + 8 tc + e of an output of KO columns). COLM = BW_COL_T: e4m3 cq [KO, cols] transposed
-// + scales cs [cols/128, KO]; s_tq (16 KB of shared memory no thread reads any more, or null): the column bytes are
-// transposed through it, so that each 128-byte row of cq is written by 8 lanes as whole 16-byte pieces, instead of
-// by 16 threads of 8 warps in 8- or 4-byte pieces (partial L2 sectors). COLM = BW_COL_PREP: the exactly dequantized
-// bf16 values into cq viewed as bf16 [cols, KO], tile row r at row prow0 + r (16 bytes of a row per thread: 16 lanes
-// write 256 contiguous bytes), rows past the group up to the next multiple of 64 zero; cs unused.
-template <int RPT, int NW, int COLM, bool ROW>
+// The 1x128 row-wise (ROW) and (col) 128x1 column-wise values of a thread's RPT x 8 values v (rows tr RPT + i of
+// the tile, output columns oc + 8 tc + e of an output of KO columns): the columns exactly dequantized in bf16 into
+// cq viewed as bf16 [cols, KO], tile row r at row prow0 + r (16 bytes of a row per thread: 16 lanes write 256
+// contiguous bytes), rows past the group up to the next multiple of 64 zero.
+template <int RPT, int NW, bool ROW>
 __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool col, long long row0, int nrows,
-                                               long long T, long long prow0, int KO, int oc, long long cols,
+                                               long long prow0, int KO, int oc, long long cols,
                                                unsigned char* __restrict__ rq, unsigned char* __restrict__ rs,
-                                               unsigned char* __restrict__ cq, unsigned char* __restrict__ cs,
-                                               unsigned (*s_ck)[BW_BLOCK], unsigned* s_cf, unsigned char* s_tq) {
+                                               unsigned char* __restrict__ cq, unsigned (*s_ck)[BW_BLOCK],
+                                               unsigned* s_cf) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tc = lane & 15, tr = 2 * warp + (lane >> 4);
     if constexpr (ROW) {
@@ -66,88 +64,34 @@ __device__ __forceinline__ void bw_swiglu_emit(const float (&v)[RPT][8], bool co
 #pragma unroll
         for (int w = 0; w < NW; ++w) k = max(k, s_ck[w][tid]);
         s_cf[tid] = k;
-        float m;
-        const unsigned sb = bw_scale_of(k, m);
-        if (COLM == BW_COL_T) cs[T * KO + oc + tid] = (unsigned char)sb;
     }
     __syncthreads();  // (s_ck / s_cf are rewritten only after the next emit's first barrier: no third one needed)
-    if constexpr (COLM == BW_COL_PREP) {
-        float mul[8], dm[8];
-        bool bad[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const unsigned k = s_cf[8 * tc + e];
-            dm[e] = bw_deq_mul(bw_scale_of(k, mul[e]));
-            bad[e] = k >= BW_BAD;
-        }
-        const int nout = (nrows + 63) & ~63;
-        unsigned short* qb = reinterpret_cast<unsigned short*>(cq);
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) {
-            const int r = tr * RPT + i;
-            unsigned w[4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float f[4] = {v[i][4 * h], v[i][4 * h + 1], v[i][4 * h + 2], v[i][4 * h + 3]};
-                const float m4[4] = {mul[4 * h], mul[4 * h + 1], mul[4 * h + 2], mul[4 * h + 3]};
-                const float d4[4] = {dm[4 * h], dm[4 * h + 1], dm[4 * h + 2], dm[4 * h + 3]};
-                const bool b4[4] = {bad[4 * h], bad[4 * h + 1], bad[4 * h + 2], bad[4 * h + 3]};
-                const uint2 o = bw_deq4_bf16(f, m4, d4, b4);
-                w[2 * h] = r < nrows ? o.x : 0u;  // past the group: zero rows (also under a NaN column)
-                w[2 * h + 1] = r < nrows ? o.y : 0u;
-            }
-            if (r < nout && prow0 + r < cols)
-                *reinterpret_cast<uint4*>(qb + (prow0 + r) * KO + oc + 8 * tc) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-        return;
-    }
+    float mul[8], dm[8];
+    bool bad[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         const unsigned k = s_cf[8 * tc + e];
-        float mul;
-        bw_scale_of(k, mul);
-        float f[RPT];
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) f[i] = v[i][e];
-        unsigned o[RPT / 4];
-        const bool bad = k >= BW_BAD;
-        bw_quant_vals<RPT>(f, mul, bad, o);
-        if (bad) {
-#pragma unroll
-            for (int w = 0; w < RPT / 4; ++w) o[w] &= bw_rows_mask(tr * RPT + 4 * w, nrows);
-        }
-        if (s_tq) {
-            // row c = 8 tc + e of the transposed tile, its RPT-byte unit tr stored at unit tr ^ tc (the 16 tc lanes
-            // of a warp write distinct banks)
-            unsigned char* d = s_tq + (8 * tc + e) * BW_BLOCK + (tr ^ tc) * RPT;
-            if (RPT == 8) *reinterpret_cast<uint2*>(d) = make_uint2(o[0], o[RPT / 4 - 1]);
-            else *reinterpret_cast<unsigned*>(d) = o[0];
-        } else {
-            unsigned char* dst = cq + (long long)(oc + 8 * tc + e) * cols + T * BW_BLOCK + tr * RPT;
-            if (RPT == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[RPT / 4 - 1]);
-            else *reinterpret_cast<unsigned*>(dst) = o[0];
-        }
+        dm[e] = bw_deq_mul(bw_scale_of(k, mul[e]));
+        bad[e] = k >= BW_BAD;
     }
-    if (!s_tq) return;
-    __syncthreads();
-    constexpr int UPP = 16 / RPT;  // units per 16-byte piece
+    const int nout = (nrows + 63) & ~63;
+    unsigned short* qb = reinterpret_cast<unsigned short*>(cq);
 #pragma unroll
-    for (int j = 0; j < BW_BLOCK * 8 / (NW * 32); ++j) {
-        const int q = j * NW * 32 + tid, c = q >> 3, piece = q & 7;
+    for (int i = 0; i < RPT; ++i) {
+        const int r = tr * RPT + i;
         unsigned w[4];
 #pragma unroll
-        for (int l = 0; l < UPP; ++l) {
-            const unsigned char* sp = s_tq + c * BW_BLOCK + ((piece * UPP + l) ^ (c >> 3)) * RPT;
-            if (RPT == 8) {
-                const uint2 t = *reinterpret_cast<const uint2*>(sp);
-                w[2 * l] = t.x;
-                w[2 * l + 1] = t.y;
-            } else {
-                w[l] = *reinterpret_cast<const unsigned*>(sp);
-            }
+        for (int h = 0; h < 2; ++h) {
+            const float f[4] = {v[i][4 * h], v[i][4 * h + 1], v[i][4 * h + 2], v[i][4 * h + 3]};
+            const float m4[4] = {mul[4 * h], mul[4 * h + 1], mul[4 * h + 2], mul[4 * h + 3]};
+            const float d4[4] = {dm[4 * h], dm[4 * h + 1], dm[4 * h + 2], dm[4 * h + 3]};
+            const bool b4[4] = {bad[4 * h], bad[4 * h + 1], bad[4 * h + 2], bad[4 * h + 3]};
+            const uint2 o = bw_deq4_bf16(f, m4, d4, b4);
+            w[2 * h] = r < nrows ? o.x : 0u;  // past the group: zero rows (also under a NaN column)
+            w[2 * h + 1] = r < nrows ? o.y : 0u;
         }
-        *reinterpret_cast<uint4*>(cq + (long long)(oc + c) * cols + T * BW_BLOCK + 16 * piece) =
-            make_uint4(w[0], w[1], w[2], w[3]);
+        if (r < nout && prow0 + r < cols)
+            *reinterpret_cast<uint4*>(qb + (prow0 + r) * KO + oc + 8 * tc) = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
@@ -237,16 +181,16 @@ struct BwSwCfg {
 };
 
 // a: [M, 2F] bf16 (gate | up), F % 128 == 0; dh (BWD): [M, F] bf16. Outputs (KO = F forward, 2F backward):
-// rq [M, KO] e4m3, rs [M, KO/128] u8 (not with GROUPED = BW_COL_PREP in the forward: h's column operand alone);
-// GROUPED = BW_COL_T: cq [KO, cols] e4m3, cs [cols/128, KO] u8 (grouped padded layout of gsizes [G] int32);
-// GROUPED = BW_COL_PREP: cq bf16 [cols, KO], cols = 64 (ceil(M/64) + G) (the prepared wgrad operand), cs unused.
-// Grid: (GROUPED ? ceil(M/128) + G + 1 : ceil(M/128)) * (F/128) (the column-only forward: ceil(M/128) + G), h
-// column tile fastest; NT threads (256 or 512); dynamic shared memory BwSwCfg::SMEM.
-template <int BWD, int GROUPED, int NT, int STAGED>
+// rq [M, KO] e4m3, rs [M, KO/128] u8 (not in the column-only forward, COL && !BWD); COL: cq bf16 [cols, KO],
+// cols = 64 (ceil(M/64) + G) (the prepared wgrad operand of the grouping gsizes [G] int32). The backward has COL = 1.
+// Grid: ceil(M/128) * (F/128) (COL = 0), (ceil(M/128) + G) * (F/128) (the column-only forward: the groups' tiles),
+// (ceil(M/128) + G + 1) * (F/128) (backward: + the rows past sum(sizes)); h column tile fastest; NT threads (256 or
+// 512); dynamic shared memory BwSwCfg::SMEM.
+template <int BWD, int COL, int NT, int STAGED>
 __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
     bw_swiglu(const unsigned char* __restrict__ a, const unsigned char* __restrict__ dh, long long M, int F,
               const int* __restrict__ gsizes, int G, long long cols, unsigned char* __restrict__ rq,
-              unsigned char* __restrict__ rs, unsigned char* __restrict__ cq, unsigned char* __restrict__ cs) {
+              unsigned char* __restrict__ rs, unsigned char* __restrict__ cq) {
     using Cfg = BwSwCfg<BWD, NT, STAGED>;
     constexpr int RPT = Cfg::RPT, NS = Cfg::NS;
     constexpr int NW = NT / 32;
@@ -257,16 +201,15 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
     __shared__ unsigned s_cf[BW_BLOCK];      // the tile's column keys
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tc = lane & 15, tr = 2 * warp + (lane >> 4);
-    constexpr bool ROW = !(GROUPED == BW_COL_PREP && !BWD);  // the column-only forward writes no row-wise byte
+    constexpr bool ROW = BWD || !COL;  // the column-only forward writes no row-wise byte
     const int ftiles = F / BW_BLOCK;
     const long long T = blockIdx.x / ftiles;
     const int ft = (int)(blockIdx.x % ftiles);
     long long row0, prow0 = 0;
     int nrows;
     bool col = false;
-    if (GROUPED) {
-        col = bw_tile_lookup<NT>(gsizes, G, M, T, row0, nrows, prow0) == 0 &&
-              (GROUPED == BW_COL_PREP || (T + 1) * BW_BLOCK <= cols);
+    if (COL) {
+        col = bw_tile_lookup<NT>(gsizes, G, M, T, row0, nrows, prow0) == 0;
     } else {
         row0 = T * BW_BLOCK;
         nrows = (int)max(0LL, min((long long)BW_BLOCK, M - row0));
@@ -298,16 +241,12 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         cp_async_commit();
         cp_async_wait<0>();
     }
-    // STAGED: the column bytes are transposed through a stream of the stage that is no longer read when they are
-    // written (forward: gate, after h; backward: up, after dg), behind bw_swiglu_emit's barriers
-    unsigned char* s_tq = STAGED && GROUPED == BW_COL_T ? smem + (BWD ? 1 : 0) * BW_BLOCK * 256 : nullptr;
-    constexpr int COLM = GROUPED ? GROUPED : BW_COL_T;  // (GROUPED = 0: no column output, col is false)
-    BwDomain dom;
+    SwdDomain dom;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) dom.add(src.chunk(0, i));
     const bool fast = dom.ok(!BWD);  // else (rare: some |g| > 69 or tiny, NaN/Inf) the IEEE division
 
-    if (!BWD && !GROUPED) {
+    if (!BWD && !COL) {
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
             float h[8];
@@ -319,15 +258,13 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         float h[RPT][8];
         if (fast) bw_swiglu_fwd_vals<true>(src, h);
         else bw_swiglu_fwd_vals<false>(src, h);
-        bw_swiglu_emit<RPT, NW, COLM, ROW>(h, col, row0, nrows, T, prow0, F, ft * BW_BLOCK, cols, rq, rs, cq, cs,
-                                           s_ck, s_cf, s_tq);
+        bw_swiglu_emit<RPT, NW, ROW>(h, col, row0, nrows, prow0, F, ft * BW_BLOCK, cols, rq, rs, cq, s_ck, s_cf);
     } else {
         constexpr bool KEEP = Cfg::KEEP;
         float d[RPT][8], silu[KEEP ? RPT : 1][8];
         if (fast) bw_swiglu_dg_vals<true, KEEP>(src, d, silu);
         else bw_swiglu_dg_vals<false, KEEP>(src, d, silu);
-        bw_swiglu_emit<RPT, NW, COLM, true>(d, col, row0, nrows, T, prow0, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq,
-                                            cs, s_ck, s_cf, s_tq);
+        bw_swiglu_emit<RPT, NW, true>(d, col, row0, nrows, prow0, 2 * F, ft * BW_BLOCK, cols, rq, rs, cq, s_ck, s_cf);
         if constexpr (KEEP) {
 #pragma unroll
             for (int i = 0; i < RPT; ++i) {
@@ -341,7 +278,7 @@ __global__ void __launch_bounds__(NT, (BwSwCfg<BWD, NT, STAGED>::MINB))
         } else {
             bw_swiglu_du_vals<false>(src, d);
         }
-        bw_swiglu_emit<RPT, NW, COLM, true>(d, col, row0, nrows, T, prow0, 2 * F, F + ft * BW_BLOCK, cols, rq, rs,
-                                            cq, cs, s_ck, s_cf, s_tq);
+        bw_swiglu_emit<RPT, NW, true>(d, col, row0, nrows, prow0, 2 * F, F + ft * BW_BLOCK, cols, rq, rs, cq, s_ck,
+                                      s_cf);
     }
 }

@@ -7,19 +7,20 @@
 //                           16-byte chunks (a block = 16 bf16 / 32 fp32 consecutive chunks = lanes of one warp), 4
 //                           chunks per thread in flight, 256 threads.
 //   bw_quant_colwise<SRC>   expert-sorted rows x [M, K] (bf16, or the 1x128 e4m3 bytes + scales of the dispatch,
-//                           dequantized exactly and requantized) -> data_t [K, cols], scale_t [cols/128, K]: 128x1
-//                           blocks along each group's rows, transposed and group padded. Persistent CTAs (2 per SM)
-//                           build the group table from the device sizes once (bw_group_table) and walk the (padded
-//                           128-column tile, 128-wide K tile) pairs with a cp.async pipeline S deep.
+//                           dequantized exactly and requantized) -> data_c bf16 [64 (ceil(M/64) + G), K]: 128x1
+//                           blocks along each group's rows written exactly dequantized, in the prepared layout of the
+//                           bf16 wgrad kernel (64-row group padding). Persistent CTAs (2 per SM) build the group
+//                           table from the device sizes once (bw_group_table) and walk the (128-row group tile,
+//                           128-wide K tile) pairs with a cp.async pipeline S deep.
 //   bw_quant_weight<IN>     w [G, N, K] (fp32 / bf16) -> data [G, N, K], data_t [G, K, N], scale [G, N/128, K/128]:
 //                           one CTA per 128x128 tile, grid (N/128 * K/128, G).
 //   bw_transpose_weight     data [G, N, K] e4m3 -> data_t [G, K, N]: the bytes transposed (no re-quantization; a
 //                           128x128 block is a block of the transpose), for a weight gathered as data + scale
 //                           (moe_ep/experts/fsdp_blockwise.py). One CTA per 128x128 tile, grid (N/128 * K/128, G).
-//   bw_swiglu<BWD, GROUPED, NT>  the SwiGLU forward h = silu(gate) * up [M, F] (BWD = 0) or backward
-//                           dA = swiglu_bwd(a, dh) [M, 2F] (BWD = 1) computed in registers and quantized 1x128
-//                           row-wise, and with GROUPED also 128x1 grouped column-wise (transposed, padded) in the
-//                           same pass. One CTA per 128 x 128 tile of h.
+//   bw_swiglu<BWD, COL, NT, STAGED>  the SwiGLU forward h = silu(gate) * up [M, F] (BWD = 0) or backward
+//                           dA = swiglu_bwd(a, dh) [M, 2F] (BWD = 1) computed in registers: the forward quantized
+//                           1x128 row-wise (COL = 0) or as the prepared 128x1 column operand alone (COL = 1), the
+//                           backward both in the same pass (COL = 1). One CTA per 128 x 128 tile of h.
 //
 // The tiled kernels stage a 128 x 128 tile in shared memory by cp.async (rows past the group / M zero-filled) in
 // 32-bit words, word w of row r at r W + (w ^ (r / R) (32 / S)): thread (u, q) = (word column, row segment of R
@@ -30,9 +31,6 @@
 #define BW_F32 0
 #define BW_BF16 1
 #define BW_E4M3 3  // 1x128-quantized rows: e4m3 data [M, K] + u8 scale [M, K/128] (requantized column-wise)
-// column-wise outputs (bw_quant_colwise's OUT, bw_swiglu's GROUPED)
-#define BW_COL_T 1     // e4m3 data_t [K, cols] + u8 scale_t [cols/128, K]: transposed, 128-column group padding
-#define BW_COL_PREP 2  // bf16 [64 (ceil(M/64) + G), K]: exactly dequantized, rows in order, 64-row group padding
 #define BW_NT 256
 
 #ifndef BW_DYN_SMEM  // the CPU emulator (tests/blockwise_emu.py) provides its own
@@ -93,7 +91,7 @@ __global__ void __launch_bounds__(BW_NT) bw_quant_rowwise(const unsigned char* _
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// 128x1 grouped column-wise, transposed and padded
+// 128x1 grouped column-wise: the prepared bf16 wgrad operand
 // ------------------------------------------------------------------------------------------------------------
 
 // cp.async of 4 bytes (zero-filled when !ok): the aligned word holding a 1x128 scale byte of the requantized input.
@@ -119,22 +117,17 @@ struct BwColCfg {
 };
 
 // x: [M, K] bf16 (SRC = BW_BF16) or e4m3 (BW_E4M3, with xs: [M, K/128] u8 its 1x128 scales, 16-byte aligned);
-// gsizes: [G] int32. OUT = BW_COL_T: qt: [K, cols] e4m3, st: [cols/128, K] u8. OUT = BW_COL_PREP: qt: bf16
-// [cols, K] with cols = 64 (ceil(M/64) + G) (the prepared wgrad operand; st unused). Persistent: grid = min(tiles,
-// 2 per SM) CTAs walk the (128-row tile T of a group, 128-wide K tile kt) pairs, kt fastest, up to the groups' last
-// tile (tstart[G]; the grid is sized from M and G alone, ceil(M/128) + G bounding the tiles), with S - 1 tiles in
-// flight by cp.async while one is quantized. BW_COL_T: tile (T, kt) writes padded columns 128 T .. 128 T + 127 of
-// rows kt*128 .. of qt (the group's rows, then zero columns up to the tile's end) and the 128 scale bytes
-// st[T, kt*128 ..]; nothing past the groups' tiles or past cols is written. BW_COL_PREP: tile (T, kt) writes
-// columns kt*128 .. of the rows prow0 .. prow0 + ceil(nrows/64) 64 - 1 of qt (the group's rows, then zero rows up to
-// the next multiple of 64; prow0: bw_table_tile), 4 (bf16) or 8 (e4m3) bytes of each row per thread; rows >= cols
-// are never written.
-template <int SRC, int OUT>
+// gsizes: [G] int32; qt: bf16 [cols, K] with cols = 64 (ceil(M/64) + G) (the prepared wgrad operand). Persistent:
+// grid = min(tiles, 2 per SM) CTAs walk the (128-row tile T of a group, 128-wide K tile kt) pairs, kt fastest, up to
+// the groups' last tile (tstart[G]; the grid is sized from M and G alone, ceil(M/128) + G bounding the tiles), with
+// S - 1 tiles in flight by cp.async while one is quantized. Tile (T, kt) writes columns kt*128 .. of the rows
+// prow0 .. prow0 + ceil(nrows/64) 64 - 1 of qt (the group's rows, then zero rows up to the next multiple of 64;
+// prow0: bw_table_tile), 4 (bf16) or 8 (e4m3) bytes of each row per thread; rows >= cols are never written.
+template <int SRC>
 __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char* __restrict__ x,
                                                              const unsigned char* __restrict__ xs, long long M, int K,
                                                              const int* __restrict__ gsizes, int G, long long cols,
-                                                             unsigned char* __restrict__ qt,
-                                                             unsigned char* __restrict__ st) {
+                                                             unsigned char* __restrict__ qt) {
     using Cf = BwColCfg<SRC>;
     constexpr int ES = Cf::ES, S = Cf::S;
     using L = BwTile<ES>;
@@ -149,8 +142,7 @@ __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char
     const int tid = threadIdx.x;
     const int ktiles = K / BW_BLOCK;
     bw_group_table<BW_NT>(gsizes, G, tstart, rstart, pstart);
-    // valid tiles: the groups' tiles (BW_COL_T: that fit in cols), times the K tiles
-    const long long nt = (OUT == BW_COL_T ? min((long long)tstart[G], cols / BW_BLOCK) : (long long)tstart[G]) * ktiles;
+    const long long nt = (long long)tstart[G] * ktiles;  // valid tiles: the groups' tiles times the K tiles
 
     auto coords = [&](long long t, long long& T, int& kt, long long& row0, int& nrows, long long& prow0) {
         T = t / ktiles;
@@ -209,7 +201,7 @@ __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char
         // lanes tid ^ 1 .. ^ (SG - 1)
         const int u = tid / SG, qs = tid % SG;
         // the column values (exact fp32): e4m3 words are widened once and kept in registers (R x C = 64 values);
-        // bf16 words are re-read in pass 2 (widening them is two integer operations)
+        // bf16 words are re-read in the output pass (widening them is two integer operations)
         float v[SRC == BW_E4M3 ? R : 1][C];
         auto vals = [&](int i, float (&f)[C]) {
             const int r = qs * R + i;
@@ -244,86 +236,46 @@ __global__ void __launch_bounds__(BW_NT, 2) bw_quant_colwise(const unsigned char
             for (int off = 1; off < SG; off <<= 1) key[c] = max(key[c], __shfl_xor_sync(0xFFFFFFFFu, key[c], off));
             const unsigned sb = bw_scale_of(key[c], mul[c]);
             dm[c] = bw_deq_mul(sb);
-            if (OUT == BW_COL_T && qs == 0) st[T * K + k0 + u * C + c] = (unsigned char)sb;
         }
-        if constexpr (OUT == BW_COL_PREP) {
-            // row r of the tile -> C bf16 values of row prow0 + r of qt; rows past the group up to the next multiple
-            // of 64 are zero (their staged values are zero; a NaN column's too)
-            const int nout = (nrows + 63) & ~63;
-            unsigned short* qb = reinterpret_cast<unsigned short*>(qt);
+        // row r of the tile -> C bf16 values of row prow0 + r of qt; rows past the group up to the next multiple
+        // of 64 are zero (their staged values are zero; a NaN column's too)
+        const int nout = (nrows + 63) & ~63;
+        unsigned short* qb = reinterpret_cast<unsigned short*>(qt);
 #pragma unroll
-            for (int i = 0; i < R; ++i) {
-                const int r = qs * R + i;
-                float g[C];
-                if constexpr (SRC == BW_E4M3) {
+        for (int i = 0; i < R; ++i) {
+            const int r = qs * R + i;
+            float g[C];
+            if constexpr (SRC == BW_E4M3) {
 #pragma unroll
-                    for (int c = 0; c < C; ++c) g[c] = v[i][c];
-                } else {
-                    vals(i, g);
-                }
-                unsigned w[C / 2];
-#pragma unroll
-                for (int c4 = 0; c4 < C; c4 += 4) {  // C = 4 (e4m3): one group of 4 columns
-                    float f[4], m4[4], d4[4];
-                    bool b4[4];
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int cc = min(c4 + c, C - 1);  // C = 2 (bf16): columns 0, 1 and two unused copies
-                        f[c] = g[cc];
-                        m4[c] = mul[cc];
-                        d4[c] = dm[cc];
-                        b4[c] = key[cc] >= BW_BAD;
-                    }
-                    const uint2 h = bw_deq4_bf16(f, m4, d4, b4);
-                    w[c4 / 2] = h.x;
-                    if (C == 4) w[C / 2 - 1] = h.y;
-                }
-                if (r < nout && prow0 + r < cols) {
-                    unsigned short* dst = qb + (prow0 + r) * K + k0 + u * C;
-                    if (r >= nrows) {
-#pragma unroll
-                        for (int j = 0; j < C / 2; ++j) w[j] = 0u;
-                    }
-                    if (C == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[C / 2 - 1]);
-                    else *reinterpret_cast<unsigned*>(dst) = w[0];
-                }
+                for (int c = 0; c < C; ++c) g[c] = v[i][c];
+            } else {
+                vals(i, g);
             }
-            __syncthreads();  // stage b is refilled by the next iteration's issue
-            continue;
-        }
-        // pass 2: 16 rows at a time into 16 contiguous bytes of each of the C rows k of qt
+            unsigned w[C / 2];
 #pragma unroll
-        for (int h = 0; h < R / 16; ++h) {
-            unsigned o[C][4];
+            for (int c4 = 0; c4 < C; c4 += 4) {  // C = 4 (e4m3): one group of 4 columns
+                float f[4], m4[4], d4[4];
+                bool b4[4];
 #pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                float f[C][4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float g[C];
-                    if constexpr (SRC == BW_E4M3) {
-#pragma unroll
-                        for (int c = 0; c < C; ++c) g[c] = v[16 * h + 4 * w + i][c];
-                    } else {
-                        vals(16 * h + 4 * w + i, g);
-                    }
-#pragma unroll
-                    for (int c = 0; c < C; ++c) f[c][i] = g[c];
+                for (int c = 0; c < 4; ++c) {
+                    const int cc = min(c4 + c, C - 1);  // C = 2 (bf16): columns 0, 1 and two unused copies
+                    f[c] = g[cc];
+                    m4[c] = mul[cc];
+                    d4[c] = dm[cc];
+                    b4[c] = key[cc] >= BW_BAD;
                 }
-#pragma unroll
-                for (int c = 0; c < C; ++c) {
-                    const bool bad = key[c] >= BW_BAD;
-                    unsigned ow[1];
-                    bw_quant_vals<4>(f[c], mul[c], bad, ow);
-                    // a NaN block's 0x7F bytes only on the group's rows: the pad columns stay zero
-                    o[c][w] = bad ? ow[0] & bw_rows_mask(qs * R + 16 * h + 4 * w, nrows) : ow[0];
-                }
+                const uint2 h = bw_deq4_bf16(f, m4, d4, b4);
+                w[c4 / 2] = h.x;
+                if (C == 4) w[C / 2 - 1] = h.y;
             }
+            if (r < nout && prow0 + r < cols) {
+                unsigned short* dst = qb + (prow0 + r) * K + k0 + u * C;
+                if (r >= nrows) {
 #pragma unroll
-            for (int c = 0; c < C; ++c) {
-                const int k = k0 + u * C + c;
-                *reinterpret_cast<uint4*>(qt + (long long)k * cols + T * BW_BLOCK + qs * R + 16 * h) =
-                    make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);
+                    for (int j = 0; j < C / 2; ++j) w[j] = 0u;
+                }
+                if (C == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[C / 2 - 1]);
+                else *reinterpret_cast<unsigned*>(dst) = w[0];
             }
         }
         __syncthreads();  // stage b is refilled by the next iteration's issue

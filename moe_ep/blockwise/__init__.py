@@ -1,7 +1,9 @@
 """The blockwise FP8 recipe (1x128 activations, 128x128 weights, 128x1 wgrad operands): its byte layouts
-(:mod:`.reference`, the specification) and their CUDA quantizers (:mod:`.cuda`, imported lazily: the names in
-``_CUDA_NAMES`` resolve on first use, so ``import moe_ep.blockwise`` needs no CuPy). Recipe row:
-:data:`moe_ep.recipe.BLOCKWISE`."""
+(:mod:`.reference`, the specification: the 128x1 blocks as e4m3 bytes + scales, transposed and group padded, and
+the prepared bf16 form the wgrad reads) and the CUDA quantizers the recipe runs (:mod:`.cuda`, imported lazily: the
+names in ``_CUDA_NAMES`` resolve on first use, so ``import moe_ep.blockwise`` needs no CuPy). The CUDA side writes
+the 128x1 blocks only in the prepared bf16 form (``quantize_colwise_prepared``, ``swiglu_colwise_prepared``,
+``swiglu_bwd_quantize_prepared``): the bf16 wgrad kernel's operand. Recipe row: :data:`moe_ep.recipe.BLOCKWISE`."""
 
 from .reference import (
     B,
@@ -20,8 +22,6 @@ from .reference import (
 _CUDA_NAMES = (
     "quantize_rowwise",
     "quantize_rowwise_into",
-    "quantize_colwise_grouped",
-    "quantize_colwise_grouped_into",
     "quantize_colwise_prepared",
     "quantize_colwise_prepared_into",
     "quantize_weight",
@@ -30,13 +30,10 @@ _CUDA_NAMES = (
     "transpose_weight_into",
     "swiglu_quantize",
     "swiglu_quantize_into",
-    "swiglu_bwd_quantize",
-    "swiglu_bwd_quantize_into",
     "swiglu_colwise_prepared",
     "swiglu_colwise_prepared_into",
     "swiglu_bwd_quantize_prepared",
     "swiglu_bwd_quantize_prepared_into",
-    "fake_quantize_rowwise",
 )
 
 

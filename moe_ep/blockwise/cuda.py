@@ -10,19 +10,16 @@ Entry points (``B = 128``):
   * :func:`quantize_colwise_prepared`: expert-sorted rows, bf16 or 1x128 bytes (requantized) -> 128x1 blocks per
     group written exactly dequantized in bf16, in the prepared layout of the bf16 wgrad kernel (the MLP's wgrad
     operands; :func:`swiglu_colwise_prepared` / :func:`swiglu_bwd_quantize_prepared` for h and dA).
-  * :func:`quantize_colwise_grouped`: the same blocks as e4m3 bytes + scales, transposed and group padded (the
-    deleted FP8 wgrad's operand layout; no longer on the MLP's path).
   * :func:`quantize_weight`: w [G, N, K] -> 128x128 blocks, data and its byte transpose (fprop's and dgrad's B).
   * :func:`transpose_weight`: data [G, N, K] e4m3 -> its byte transpose (dgrad's B of a weight gathered as data +
     scales, no re-quantization).
-  * :func:`swiglu_quantize` / :func:`swiglu_bwd_quantize`: the SwiGLU forward / backward fused with the
-    quantizations the recipe reads of h / dA.
+  * :func:`swiglu_quantize`: h = swiglu(a) fused with its 1x128 quantization (the forward: fprop2's A);
+    :func:`swiglu_colwise_prepared` / :func:`swiglu_bwd_quantize_prepared` (above): the backward's SwiGLU kernels.
 
-Colwise outputs (``data_t [K, cols]``, ``scale_t [cols/128, K]``): the kernels write the columns ``[0, P_G)`` (each
-group's rows and the zero columns padding its last block, which the GEMM reads) and scale rows ``[0, P_G/128)``;
-columns past ``P_G`` and their scale rows are left as they were (the allocating functions return them uninitialized).
-``cols`` must be a multiple of 128 and at least ``colwise_cols(M, G)``, so that any group sizes summing to at most M
-fit. Group sizes summing to more than M are a caller error: rows past M are treated as absent (never read).
+Prepared outputs (``data_c`` bf16 ``[64 (ceil(M/64) + G), K]``): the kernels write each group's rows and the zero
+rows padding it to a multiple of 64; the rows past the groups' padded rows are left as they were (the allocating
+functions return them uninitialized). Group sizes summing to more than M are a caller error: rows past M are treated
+as absent (never read).
 """
 
 from __future__ import annotations
@@ -31,15 +28,13 @@ import torch
 
 from .. import _cuda
 from ..mxfp8.format import colwise_prep_rows
-from .reference import B, colwise_cols
+from .reference import B
 
 _SRC = "blockwise/quantize.cu"
 # the kernels' constants, read from the source (never copied by hand)
 _NT = _cuda.kernel_constant(_SRC, "BW_NT")
 _IN = {torch.float32: _cuda.kernel_constant(_SRC, "BW_F32"), torch.bfloat16: _cuda.kernel_constant(_SRC, "BW_BF16")}
 _E4M3 = _cuda.kernel_constant(_SRC, "BW_E4M3")
-_COL_T = _cuda.kernel_constant(_SRC, "BW_COL_T")  # column outputs: e4m3 transposed + scales
-_COL_PREP = _cuda.kernel_constant(_SRC, "BW_COL_PREP")  # column outputs: the prepared bf16 wgrad operand
 # bw_swiglu's launch configuration (threads, staged: the inputs land in shared memory by cp.async, so bytes in flight
 # cost no registers and more CTAs fit per SM), per direction: the fastest of the configurations timed on an H200
 # (benchmarks/results/bench_quant_blockwise.json; the register-staged and 512-thread builds lost and are gone from the
@@ -48,12 +43,12 @@ SWIGLU_CFG = {False: (256, 1), True: (256, 1)}
 NAMES = (
     "bw_quant_rowwise<0>",
     "bw_quant_rowwise<1>",
-    *(f"bw_quant_colwise<{src},{out}>" for src in (1, 3) for out in (1, 2)),
+    *(f"bw_quant_colwise<{src}>" for src in (1, 3)),
     "bw_quant_weight<0>",
     "bw_quant_weight<1>",
     "bw_transpose_weight",
-    *(f"bw_swiglu<0,{g},{SWIGLU_CFG[False][0]},{SWIGLU_CFG[False][1]}>" for g in (0, 1, 2)),
-    *(f"bw_swiglu<1,{g},{SWIGLU_CFG[True][0]},{SWIGLU_CFG[True][1]}>" for g in (1, 2)),
+    *(f"bw_swiglu<0,{col},{SWIGLU_CFG[False][0]},{SWIGLU_CFG[False][1]}>" for col in (0, 1)),
+    f"bw_swiglu<1,1,{SWIGLU_CFG[True][0]},{SWIGLU_CFG[True][1]}>",
 )
 ROWWISE_CHUNKS_PER_CTA = 4 * _NT  # bw_quant_rowwise: 4 chunks of 16 bytes per thread
 _COLWISE_CTAS_PER_SM = 2  # bw_quant_colwise: persistent, __launch_bounds__(256, 2)
@@ -129,21 +124,6 @@ def _check_groups(group_sizes, device: torch.device) -> torch.Tensor:
     return group_sizes.contiguous()
 
 
-def _check_cols(what: str, cols: int, m: int, g: int) -> None:
-    if cols % B or cols < colwise_cols(m, g):
-        raise ValueError(
-            f"{what}: cols = {cols} must be a multiple of {B} and >= colwise_cols(M, G) = {colwise_cols(m, g)}"
-        )
-
-
-def _colwise_out(data_t, scale_t, what: str, k: int, cols: int, m: int, g: int, device: torch.device) -> None:
-    if not isinstance(data_t, torch.Tensor) or data_t.dim() != 2:
-        raise TypeError(f"{what}: data_t must be a 2-D tensor [K, cols]")
-    _check_cols(what, cols, m, g)
-    _check_out(data_t, "data_t", (k, cols), torch.float8_e4m3fn, device)
-    _check_out(scale_t, "scale_t", (cols // B, k), torch.uint8, device)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # 1x128 row-wise
 # ------------------------------------------------------------------------------------------------------------
@@ -176,7 +156,7 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 128x1 grouped column-wise (transposed, padded)
+# 128x1 grouped column-wise: the prepared bf16 wgrad operand
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -185,49 +165,21 @@ def _colwise_src(x) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             raise TypeError(
-                "quantize_colwise_grouped: a quantized input is a pair (data [M, K] e4m3, scale [M, K/128])"
+                "quantize_colwise_prepared: a quantized input is a pair (data [M, K] e4m3, scale [M, K/128])"
             )
         data, scale = x
-        _check_in(data, "quantize_colwise_grouped: x data", 2, (torch.float8_e4m3fn,))
+        _check_in(data, "quantize_colwise_prepared: x data", 2, (torch.float8_e4m3fn,))
         m, k = data.shape
-        _check_mult("quantize_colwise_grouped", "K", k)
+        _check_mult("quantize_colwise_prepared", "K", k)
         _check_out(scale, "x scale", (m, k // B), torch.uint8, data.device)
         return data, scale, _E4M3
-    _check_in(x, "quantize_colwise_grouped: x", 2, (torch.bfloat16,))
-    _check_mult("quantize_colwise_grouped", "K", x.shape[1])
+    _check_in(x, "quantize_colwise_prepared: x", 2, (torch.bfloat16,))
+    _check_mult("quantize_colwise_prepared", "K", x.shape[1])
     return x, None, _IN[torch.bfloat16]
 
 
-def quantize_colwise_grouped_into(
-    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    group_sizes: torch.Tensor,
-    data_t: torch.Tensor,
-    scale_t: torch.Tensor,
-) -> None:
-    """128x1 blocks along each group's rows, transposed and group padded (the wgrad operands).
-
-    x: [M, K] bf16 expert-sorted rows, or the pair (data [M, K] float8_e4m3fn, scale [M, K/128] u8) of their 1x128
-        quantization (the dispatched x or dy: dequantized exactly in the kernel, then requantized; the bytes of the
-        reference applied to ``dequantize_rowwise_torch(data, scale)``).
-    group_sizes: [G] int32 on x's device (rows of each group in order, summing to at most M; not read on the host).
-    data_t: [K, cols] float8_e4m3fn, scale_t: [cols/128, K] u8 with ``cols % 128 == 0`` and
-        ``cols >= colwise_cols(M, G)``. Written: columns [0, P_G) and scale rows [0, P_G/128), the bytes of
-        :func:`moe_ep.blockwise.reference.quantize_colwise_grouped_torch` there (group g at columns P_g .., its last
-        block's pad columns zero); the rest is left as it was.
-    Grid: persistent, min((ceil(M/128) + G) * K/128, 2 per SM) CTAs of 256 threads walking the (padded 128-column
-    tile, 128 K values) pairs; shared memory 3 x 32 KB (bf16) / 4 x 16 KB (e4m3) of tile stages + 16 (G + 1) bytes.
-    """
-    src, xs, code = _colwise_src(x)
-    m, k = src.shape
-    group_sizes = _check_groups(group_sizes, src.device)
-    g = group_sizes.numel()
-    cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
-    _colwise_out(data_t, scale_t, "quantize_colwise_grouped", k, cols, m, g, src.device)
-    _colwise_launch(src, xs, code, group_sizes, cols, data_t, scale_t, _COL_T)
-
-
-def _colwise_launch(src, xs, code: int, group_sizes, cols: int, out, scale_t, out_code: int) -> None:
-    """bw_quant_colwise<code, out_code> on checked arguments (cols: data_t's columns, or the prepared rows)."""
+def _colwise_launch(src, xs, code: int, group_sizes, rows: int, data_c) -> None:
+    """bw_quant_colwise<code> on checked arguments (rows: data_c's)."""
     m, k = src.shape
     g = group_sizes.numel()
     tiles = (_cdiv(m, B) + g) * (k // B)  # a bound on the (128-row group tile, K tile) pairs from M and G
@@ -236,27 +188,11 @@ def _colwise_launch(src, xs, code: int, group_sizes, cols: int, out, scale_t, ou
     stages = 4 if code == _E4M3 else 3  # kernels: BwColCfg (S tiles in shared memory, S - 1 loading)
     smem = stages * B * B * src.element_size() + (stages * B * 4 if code == _E4M3 else 0) + 16 * (g + 1)
     if smem > _SMEM_MAX:
-        raise ValueError(f"quantize_colwise_grouped: {g} groups need {smem} bytes of shared memory (max {_SMEM_MAX})")
+        raise ValueError(f"quantize_colwise_prepared: {g} groups need {smem} bytes of shared memory (max {_SMEM_MAX})")
     grid = min(tiles, _COLWISE_CTAS_PER_SM * _sm_count(src.device))
     p, i32, i64 = _cuda.ptr, _cuda.i32, _cuda.i64
-    args = (p(src), p(xs), i64(m), i32(k), p(group_sizes), i32(g), i64(cols), p(out), p(scale_t))
-    _launch(f"bw_quant_colwise<{code},{out_code}>", grid, _NT, args, smem, src.device)
-
-
-def quantize_colwise_grouped(
-    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], group_sizes: torch.Tensor, cols: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocating form of :func:`quantize_colwise_grouped_into` -> (data_t [K, cols] float8_e4m3fn,
-    scale_t [cols/128, K] u8), ``cols`` default ``colwise_cols(M, G)``; columns past P_G uninitialized."""
-    src, _, _ = _colwise_src(x)
-    m, k = src.shape
-    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
-    cols = colwise_cols(m, g) if cols is None else cols
-    _check_cols("quantize_colwise_grouped", cols, m, g)
-    data_t = torch.empty((k, cols), dtype=torch.float8_e4m3fn, device=src.device)
-    scale_t = torch.empty((cols // B, k), dtype=torch.uint8, device=src.device)
-    quantize_colwise_grouped_into(x, group_sizes, data_t, scale_t)
-    return data_t, scale_t
+    args = (p(src), p(xs), i64(m), i32(k), p(group_sizes), i32(g), i64(rows), p(data_c))
+    _launch(f"bw_quant_colwise<{code}>", grid, _NT, args, smem, src.device)
 
 
 def _prep_out(data_c, what: str, m: int, k: int, g: int, device: torch.device) -> int:
@@ -272,19 +208,21 @@ def quantize_colwise_prepared_into(
     reads (``moe_ep.experts.sm90.gemm.grouped_wgrad_prepared_out``), in one pass.
 
     x: [M, K] bf16 expert-sorted rows, or the pair (data [M, K] float8_e4m3fn, scale [M, K/128] u8) of their 1x128
-        quantization (dequantized exactly in the kernel, then requantized), as :func:`quantize_colwise_grouped_into`.
-    group_sizes: [G] int32 on x's device (not read on the host).
+        quantization (the dispatched x or dy: dequantized exactly in the kernel, then requantized; the bytes of the
+        reference applied to ``dequantize_rowwise_torch(data, scale)``).
+    group_sizes: [G] int32 on x's device (rows of each group in order, summing to at most M; not read on the host).
     data_c: bf16 [64 (ceil(M/64) + G), K] (``moe_ep.mxfp8.format.colwise_prep_rows``). Written: each group's rows
         (group g from row 64 sum_{h<g} ceil(n_h/64)) and the zero rows padding it to a multiple of 64, the bytes of
         :func:`moe_ep.blockwise.reference.quantize_colwise_prepared_torch` there; the other rows are left as they were.
-    Grid: as :func:`quantize_colwise_grouped_into` (the same kernel, bf16 output stage: each thread stores 4 / 8
-    bytes of each of its rows).
+    Grid: persistent, min((ceil(M/128) + G) * K/128, 2 per SM) CTAs of 256 threads walking the (128-row group tile,
+    128 K values) pairs; shared memory 3 x 32 KB (bf16) / 4 x 16 KB (e4m3) of tile stages + 16 (G + 1) bytes. Each
+    thread stores 4 (bf16 input) / 8 (e4m3 input) bytes of each of its rows.
     """
     src, xs, code = _colwise_src(x)
     m, k = src.shape
     group_sizes = _check_groups(group_sizes, src.device)
     rows = _prep_out(data_c, "quantize_colwise_prepared", m, k, group_sizes.numel(), src.device)
-    _colwise_launch(src, xs, code, group_sizes, rows, data_c, data_c, _COL_PREP)
+    _colwise_launch(src, xs, code, group_sizes, rows, data_c)
 
 
 def quantize_colwise_prepared(
@@ -376,128 +314,46 @@ def _swiglu_a(a, what: str) -> tuple[int, int]:
     return m, f2 // 2
 
 
-def _swiglu_launch(bwd, a, dh, m, f, group_sizes, data, scale, data_t, scale_t, col: int = _COL_T) -> None:
-    """bw_swiglu: col = _COL_T (data_t / scale_t: the transposed e4m3 output) or _COL_PREP (data_t: the prepared
-    bf16 [rows, KO]; the forward then writes no row-wise output: data / scale None)."""
-    grouped = group_sizes is not None
-    g = group_sizes.numel() if grouped else 0
-    rows = _cdiv(m, B) + g + 1 if grouped else _cdiv(m, B)  # grouped: + the tiles of rows past sum(sizes)
-    if grouped and col == _COL_PREP and not bwd:
-        rows -= 1  # column-only: the groups' tiles alone
+def _swiglu_launch(bwd: bool, a, dh, m: int, f: int, group_sizes, data, scale, data_c) -> None:
+    """bw_swiglu on checked arguments: the row-only forward (group_sizes None), the column-only forward (data / scale
+    None) or the backward (both)."""
+    col = group_sizes is not None
+    g = group_sizes.numel() if col else 0
+    # the groups' tiles (+ the tiles of the rows past sum(sizes): the backward's row-wise output covers all M rows)
+    rows = _cdiv(m, B) + g + int(bwd) if col else _cdiv(m, B)
     grid = rows * (f // B)
-    if grid == 0 or (m == 0 and not grouped):
+    if grid == 0 or (m == 0 and not col):
         return
-    cols = (data_t.shape[1] if col == _COL_T else data_t.shape[0]) if grouped else 0
+    cols = data_c.shape[0] if col else 0
     p, i32, i64 = _cuda.ptr, _cuda.i32, _cuda.i64
-    args = (
-        p(a), p(dh), i64(m), i32(f), p(group_sizes), i32(g), i64(cols), p(data), p(scale), p(data_t), p(scale_t),
-    )  # fmt: skip
+    args = (p(a), p(dh), i64(m), i32(f), p(group_sizes), i32(g), i64(cols), p(data), p(scale), p(data_c))
     nt, staged = SWIGLU_CFG[bwd]
     smem = (3 if bwd else 2) * B * 256 if staged else 0  # kernels: BwSwCfg::SMEM (NS streams of 128 x 256 bytes)
-    _launch(f"bw_swiglu<{int(bwd)},{col if grouped else 0},{nt},{staged}>", grid, nt, args, smem, a.device)
+    _launch(f"bw_swiglu<{int(bwd)},{int(col)},{nt},{staged}>", grid, nt, args, smem, a.device)
 
 
-def swiglu_quantize_into(
-    a: torch.Tensor,
-    data: torch.Tensor,
-    scale: torch.Tensor,
-    group_sizes: torch.Tensor | None = None,
-    data_t: torch.Tensor | None = None,
-    scale_t: torch.Tensor | None = None,
-) -> None:
+def swiglu_quantize_into(a: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
     """h = silu(gate) * up, computed in fp32 bit for bit as ``moe_ep.experts.reference.swiglu`` on CUDA, quantized in
     the same pass (h is never written in bf16).
 
     a: [M, 2F] bf16 (gate | up), F % 128 == 0.
     data: [M, F] float8_e4m3fn, scale: [M, F/128] u8: h in 1x128 rows (fprop2's A), every row written.
-    With group_sizes ([G] int32 on a's device), also data_t: [F, cols] float8_e4m3fn, scale_t: [cols/128, F] u8:
-    h in 128x1 grouped blocks, transposed and padded (wgrad2's B; layout and contract of
-    :func:`quantize_colwise_grouped_into`). Grid: (ceil(M/128) [+ G + 1 grouped]) x F/128 CTAs (threads and
-    staging: :data:`SWIGLU_CFG`).
+    Grid: ceil(M/128) x F/128 CTAs (threads and staging: :data:`SWIGLU_CFG`).
     """
     m, f = _swiglu_a(a, "swiglu_quantize")
     _check_out(data, "data", (m, f), torch.float8_e4m3fn, a.device)
     _check_out(scale, "scale", (m, f // B), torch.uint8, a.device)
-    if group_sizes is not None:
-        group_sizes = _check_groups(group_sizes, a.device)
-        cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
-        _colwise_out(data_t, scale_t, "swiglu_quantize", f, cols, m, group_sizes.numel(), a.device)
-    elif data_t is not None or scale_t is not None:
-        raise ValueError("swiglu_quantize: data_t / scale_t (the colwise output) need group_sizes")
-    _swiglu_launch(False, a, None, m, f, group_sizes, data, scale, data_t, scale_t)
+    _swiglu_launch(False, a, None, m, f, None, data, scale, None)
 
 
-def swiglu_quantize(
-    a: torch.Tensor, group_sizes: torch.Tensor | None = None, colwise: bool = False, cols: int | None = None
-) -> tuple[torch.Tensor, ...]:
-    """a: [M, 2F] bf16 -> (data [M, F] e4m3, scale [M, F/128] u8) of h = swiglu(a) in 1x128 rows; with
-    ``colwise=True`` (needs group_sizes) also (data_t [F, cols] e4m3, scale_t [cols/128, F] u8), ``cols`` default
-    ``colwise_cols(M, G)``. See :func:`swiglu_quantize_into`."""
+def swiglu_quantize(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a: [M, 2F] bf16 -> (data [M, F] e4m3, scale [M, F/128] u8) of h = swiglu(a) in 1x128 rows
+    (:func:`swiglu_quantize_into`)."""
     m, f = _swiglu_a(a, "swiglu_quantize")
-    if colwise and group_sizes is None:
-        raise ValueError("swiglu_quantize: colwise=True needs group_sizes")
-    dev = a.device
-    data = torch.empty((m, f), dtype=torch.float8_e4m3fn, device=dev)
-    scale = torch.empty((m, f // B), dtype=torch.uint8, device=dev)
-    if not colwise:
-        swiglu_quantize_into(a, data, scale)
-        return data, scale
-    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
-    cols = colwise_cols(m, g) if cols is None else cols
-    _check_cols("swiglu_quantize", cols, m, g)
-    data_t = torch.empty((f, cols), dtype=torch.float8_e4m3fn, device=dev)
-    scale_t = torch.empty((cols // B, f), dtype=torch.uint8, device=dev)
-    swiglu_quantize_into(a, data, scale, group_sizes, data_t, scale_t)
-    return data, scale, data_t, scale_t
-
-
-def swiglu_bwd_quantize_into(
-    a: torch.Tensor,
-    dh: torch.Tensor,
-    group_sizes: torch.Tensor,
-    data: torch.Tensor,
-    scale: torch.Tensor,
-    data_t: torch.Tensor,
-    scale_t: torch.Tensor,
-) -> None:
-    """dA = swiglu_bwd(a, dh), computed in fp32 bit for bit as ``moe_ep.experts.reference.swiglu_bwd`` on CUDA (dh
-    widened exactly), quantized both ways in one pass (one sigmoid per element, a, dh read once; no bf16 dA).
-
-    a: [M, 2F] bf16 (gate | up), F % 128 == 0; dh: [M, F] bf16 (the dgrad2 GEMM's output);
-    group_sizes: [G] int32 on a's device.
-    data: [M, 2F] float8_e4m3fn, scale: [M, 2F/128] u8: dA in 1x128 rows (dgrad1's A), every row written.
-    data_t: [2F, cols] float8_e4m3fn, scale_t: [cols/128, 2F] u8: dA in 128x1 grouped blocks, transposed and padded
-    (wgrad1's A; contract of :func:`quantize_colwise_grouped_into`).
-    Grid: (ceil(M/128) + G + 1) x F/128 CTAs, one 128 x 128 tile of h (dA's gate and up tiles) each (threads and
-    staging: :data:`SWIGLU_CFG`).
-    """
-    m, f = _swiglu_a(a, "swiglu_bwd_quantize")
-    _check_in(dh, "swiglu_bwd_quantize: dh", 2, (torch.bfloat16,))
-    _check_out(dh, "dh", (m, f), torch.bfloat16, a.device)
-    group_sizes = _check_groups(group_sizes, a.device)
-    _check_out(data, "data", (m, 2 * f), torch.float8_e4m3fn, a.device)
-    _check_out(scale, "scale", (m, 2 * f // B), torch.uint8, a.device)
-    cols = data_t.shape[1] if isinstance(data_t, torch.Tensor) and data_t.dim() == 2 else -1
-    _colwise_out(data_t, scale_t, "swiglu_bwd_quantize", 2 * f, cols, m, group_sizes.numel(), a.device)
-    _swiglu_launch(True, a, dh, m, f, group_sizes, data, scale, data_t, scale_t)
-
-
-def swiglu_bwd_quantize(
-    a: torch.Tensor, dh: torch.Tensor, group_sizes: torch.Tensor, cols: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """a: [M, 2F] bf16, dh: [M, F] bf16, group_sizes: [G] int32 -> (data [M, 2F] e4m3, scale [M, 2F/128] u8,
-    data_t [2F, cols] e4m3, scale_t [cols/128, 2F] u8) of dA; see :func:`swiglu_bwd_quantize_into`."""
-    m, f = _swiglu_a(a, "swiglu_bwd_quantize")
-    g = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else 0
-    cols = colwise_cols(m, g) if cols is None else cols
-    _check_cols("swiglu_bwd_quantize", cols, m, g)
-    dev = a.device
-    data = torch.empty((m, 2 * f), dtype=torch.float8_e4m3fn, device=dev)
-    scale = torch.empty((m, 2 * f // B), dtype=torch.uint8, device=dev)
-    data_t = torch.empty((2 * f, cols), dtype=torch.float8_e4m3fn, device=dev)
-    scale_t = torch.empty((cols // B, 2 * f), dtype=torch.uint8, device=dev)
-    swiglu_bwd_quantize_into(a, dh, group_sizes, data, scale, data_t, scale_t)
-    return data, scale, data_t, scale_t
+    data = torch.empty((m, f), dtype=torch.float8_e4m3fn, device=a.device)
+    scale = torch.empty((m, f // B), dtype=torch.uint8, device=a.device)
+    swiglu_quantize_into(a, data, scale)
+    return data, scale
 
 
 def swiglu_colwise_prepared_into(a: torch.Tensor, group_sizes: torch.Tensor, data_c: torch.Tensor) -> None:
@@ -512,7 +368,7 @@ def swiglu_colwise_prepared_into(a: torch.Tensor, group_sizes: torch.Tensor, dat
     m, f = _swiglu_a(a, "swiglu_colwise_prepared")
     group_sizes = _check_groups(group_sizes, a.device)
     _prep_out(data_c, "swiglu_colwise_prepared", m, f, group_sizes.numel(), a.device)
-    _swiglu_launch(False, a, None, m, f, group_sizes, None, None, data_c, None, _COL_PREP)
+    _swiglu_launch(False, a, None, m, f, group_sizes, None, None, data_c)
 
 
 def swiglu_colwise_prepared(a: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -533,10 +389,17 @@ def swiglu_bwd_quantize_prepared_into(
     scale: torch.Tensor,
     data_c: torch.Tensor,
 ) -> None:
-    """dA = swiglu_bwd(a, dh) as :func:`swiglu_bwd_quantize_into`, in 1x128 rows (data [M, 2F] float8_e4m3fn, scale
-    [M, 2F/128] u8: dgrad1's A, every row written) and in 128x1 grouped blocks written exactly dequantized in bf16
-    (data_c bf16 [64 (ceil(M/64) + G), 2F]: wgrad1's operand for the bf16 wgrad kernel, contract of
-    :func:`quantize_colwise_prepared_into`), in one pass. Grid: (ceil(M/128) + G + 1) x F/128 CTAs."""
+    """dA = swiglu_bwd(a, dh), computed in fp32 bit for bit as ``moe_ep.experts.reference.swiglu_bwd`` on CUDA (dh
+    widened exactly), quantized both ways in one pass (one sigmoid per element, a, dh read once; no bf16 dA).
+
+    a: [M, 2F] bf16 (gate | up), F % 128 == 0; dh: [M, F] bf16 (the dgrad2 GEMM's output);
+    group_sizes: [G] int32 on a's device.
+    data: [M, 2F] float8_e4m3fn, scale: [M, 2F/128] u8: dA in 1x128 rows (dgrad1's A), every row written.
+    data_c: bf16 [64 (ceil(M/64) + G), 2F]: dA in 128x1 grouped blocks written exactly dequantized (wgrad1's operand
+    for the bf16 wgrad kernel, contract of :func:`quantize_colwise_prepared_into`).
+    Grid: (ceil(M/128) + G + 1) x F/128 CTAs, one 128 x 128 tile of h (dA's gate and up tiles) each (threads and
+    staging: :data:`SWIGLU_CFG`).
+    """
     m, f = _swiglu_a(a, "swiglu_bwd_quantize_prepared")
     _check_in(dh, "swiglu_bwd_quantize_prepared: dh", 2, (torch.bfloat16,))
     _check_out(dh, "dh", (m, f), torch.bfloat16, a.device)
@@ -544,7 +407,7 @@ def swiglu_bwd_quantize_prepared_into(
     _check_out(data, "data", (m, 2 * f), torch.float8_e4m3fn, a.device)
     _check_out(scale, "scale", (m, 2 * f // B), torch.uint8, a.device)
     _prep_out(data_c, "swiglu_bwd_quantize_prepared", m, 2 * f, group_sizes.numel(), a.device)
-    _swiglu_launch(True, a, dh, m, f, group_sizes, data, scale, data_c, None, _COL_PREP)
+    _swiglu_launch(True, a, dh, m, f, group_sizes, data, scale, data_c)
 
 
 def swiglu_bwd_quantize_prepared(
@@ -560,13 +423,3 @@ def swiglu_bwd_quantize_prepared(
     data_c = torch.empty((colwise_prep_rows(m, g), 2 * f), dtype=torch.bfloat16, device=dev)
     swiglu_bwd_quantize_prepared_into(a, dh, group_sizes, data, scale, data_c)
     return data, scale, data_c
-
-
-def fake_quantize_rowwise(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 -> the 1x128 round trip in bf16 (exact: e4m3 times a power of two fits bf16 down to 2**-133): the
-    values a quantized payload delivers, for a transport that moves them unquantized."""
-    data, scale = quantize_rowwise(x)
-    s = scale.to(torch.int32)
-    mult = torch.where(s == 255, float("nan"), torch.exp2((s - 127).to(torch.float32)))
-    m, k = x.shape
-    return (data.to(torch.float32).view(m, k // B, B) * mult[..., None]).view(m, k).to(x.dtype)

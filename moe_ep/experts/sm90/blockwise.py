@@ -10,7 +10,7 @@
             dh = dgrad(dq, W2^T)                              [M, F] bf16 (the weight's transposed bytes)
             hc = swiglu_colwise(a)                            h's 128x1 blocks recomputed from a (column-only)
             dW2 = wgrad(dc, hc)                               [E, H, F] in W's dtype
-            aq, ac = swiglu_bwd_quantize(a, dh)               dA, both operands in one pass
+            aq, ac = swiglu_bwd_quantize_prepared(a, dh)      dA, both operands in one pass
             dx = dgrad(aq, W13^T)                             [M, H] bf16
             xc = colwise(xq, xs)                              x's 128x1 blocks from the saved 1x128 bytes (a second
                                                               rounding)
