@@ -29,18 +29,24 @@ from moe_ep.transport.nvshmem import runtime as nvs  # noqa: E402
 TIMEOUT_S = 2.0  # the runtime's timeout in the missing-peer case
 
 
+def _run_sync_free(layer, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """mc.run_layer after a warm-up (kernels compiled, buffers grown, weights cached), under sync-debug mode "error":
+    any host-device sync inside the forward + backward raises."""
+    mc.run_layer(layer, x, g)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return mc.run_layer(layer, x, g)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def case_sync_free(quantize: bool) -> None:
     """capacity_factor set, nvshmem: forward + backward with no host sync (after a warm-up that compiles kernels,
     grows buffers and fills the weight cache), and bitwise the same results as the eager run that follows."""
     fast, _, _ = mc.make_layers(None, seed=4, quantize=quantize, capacity_factor=0.75)
     x, g = mc.tokens([40, 17, 33, 8], fast.cfg.hidden, seed=4)
-    mc.run_layer(fast, x, g)  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        mine = mc.run_layer(fast, x, g)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    mine = _run_sync_free(fast, x, g)
     mc.same_results(mine, mc.run_layer(fast, x, g), "sync-free run vs the next eager run")
     nvs.get_runtime(fast.ep_group).check_errors()
 
@@ -52,13 +58,7 @@ def case_dropless_worst_case(quantize: bool) -> None:
     fast, _, _ = mc.make_layers(None, seed=6, quantize=quantize, dropless_sizing="worst_case")
     exact, _, _ = mc.make_layers(None, seed=6, quantize=quantize)
     x, g = mc.tokens([40, 17, 33, 8], fast.cfg.hidden, seed=6)
-    mc.run_layer(fast, x, g)  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        mine = mc.run_layer(fast, x, g)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    mine = _run_sync_free(fast, x, g)
     mc.same_results(mine, mc.run_layer(exact, x, g), "dropless worst-case sizing vs exact sizing")
     nvs.get_runtime(fast.ep_group).check_errors()
 
