@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .. import _cuda
+from ..mxfp8.checks import check_out as _check_out  # the same output contract as the MXFP8 launchers
 from ..mxfp8.format import colwise_prep_rows
 from .reference import B
 
@@ -91,19 +92,6 @@ def _check_in(x, what: str, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
         raise ValueError(f"{what}: must be a CUDA tensor, got device {x.device}")
     if not x.is_contiguous() or x.data_ptr() % 16:
         raise ValueError(f"{what}: must be contiguous and 16-byte aligned")
-
-
-def _check_out(t, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        raise ValueError(f"{name}: must be contiguous and 16-byte aligned")
 
 
 def _check_mult(what: str, name: str, v: int) -> None:

@@ -33,12 +33,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import MoEConfig
 from ..layer import MoE
+from ._weights import all_expert_weights, full
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
 
@@ -189,10 +189,6 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     return torch.stack(losses).sum() if losses else torch.zeros(())
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2-sharded DTensor: gather it
-
-
 @torch.no_grad()
 def unswap_moe_blocks(model: nn.Module) -> int:
     """The reverse of :func:`swap_moe_blocks` (e.g. before ``save_pretrained``): every :class:`HFMoEBlock` becomes a
@@ -203,13 +199,7 @@ def unswap_moe_blocks(model: nn.Module) -> int:
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, HFMoEBlock)]
     for name, block in targets:
         moe = block.moe
-        w13, w2 = _full(moe.experts.w13).detach(), _full(moe.experts.w2).detach()
-        if moe.ep_group is not None:
-            parts13 = [torch.empty_like(w13) for _ in range(moe.ep_size)]
-            parts2 = [torch.empty_like(w2) for _ in range(moe.ep_size)]
-            dist.all_gather(parts13, w13.contiguous(), group=moe.ep_group)
-            dist.all_gather(parts2, w2.contiguous(), group=moe.ep_group)
-            w13, w2 = torch.cat(parts13), torch.cat(parts2)
+        w13, w2 = all_expert_weights(moe)
         with torch.device(w13.device):
             hf_block = cls(config).to(w13.dtype)
         ex = hf_block.experts
@@ -221,12 +211,12 @@ def unswap_moe_blocks(model: nn.Module) -> int:
             gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
         ex.gate_up_proj.copy_(gu)
         ex.down_proj.copy_(dn)
-        gate = _full(moe.router.weight).detach()
+        gate = full(moe.router.weight).detach()
         hf_block.gate.weight.data = gate.clone()
         if moe.router.expert_bias is not None and hasattr(hf_block.gate, "e_score_correction_bias"):
             hf_block.gate.e_score_correction_bias.copy_(moe.router.expert_bias)
         if moe.shared_experts is not None:
-            s13, s2 = _full(moe.shared_experts.w13).detach(), _full(moe.shared_experts.w2).detach()
+            s13, s2 = full(moe.shared_experts.w13).detach(), full(moe.shared_experts.w2).detach()
             gp, up = s13.chunk(2, dim=0)
             hf_block.shared_experts.gate_proj.weight.copy_(gp)
             hf_block.shared_experts.up_proj.weight.copy_(up)

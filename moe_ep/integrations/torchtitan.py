@@ -23,22 +23,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import MoEConfig
 from ..layer import MoE
+from ._weights import all_expert_weights, full
 
 
 def _tt_moe_class() -> type[nn.Module]:
     from torchtitan.models.common.moe import MoE as TTMoE  # noqa: PLC0415
 
     return TTMoE
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def moe_config_from_torchtitan(m: nn.Module, **overrides: Any) -> MoEConfig:
@@ -80,16 +76,16 @@ class TorchtitanMoEBlock(nn.Module):
 def _load(moe: MoE, m: nn.Module) -> None:
     inner = m.routed_experts.inner_experts
     lo, hi = moe.first_expert, moe.first_expert + moe.num_local_experts
-    w1, w3, w2 = (_full(inner.w1_EFD), _full(inner.w3_EFD), _full(inner.w2_EDF))
+    w1, w3, w2 = (full(inner.w1_EFD), full(inner.w3_EFD), full(inner.w2_EDF))
     moe.experts.w13.copy_(torch.cat([w1[lo:hi], w3[lo:hi]], dim=1))
     moe.experts.w2.copy_(w2[lo:hi])
-    moe.router.weight.copy_(_full(m.router.gate.weight))
+    moe.router.weight.copy_(full(m.router.gate.weight))
     if m.expert_bias_E is not None:
         moe.router.expert_bias.copy_(m.expert_bias_E)
     if m.shared_experts is not None:
         s = m.shared_experts
-        moe.shared_experts.w13.copy_(torch.cat([_full(s.w1.weight), _full(s.w3.weight)], dim=0))
-        moe.shared_experts.w2.copy_(_full(s.w2.weight))
+        moe.shared_experts.w13.copy_(torch.cat([full(s.w1.weight), full(s.w3.weight)], dim=0))
+        moe.shared_experts.w2.copy_(full(s.w2.weight))
 
 
 def swap_moe_layers(model: nn.Module, mesh: DeviceMesh | None = None, **moe_config_overrides: Any) -> int:
@@ -116,27 +112,21 @@ def unswap_moe_layers(model: nn.Module) -> int:
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, TorchtitanMoEBlock)]
     for name, block in targets:
         moe = block.moe
-        w13, w2 = _full(moe.experts.w13).detach(), _full(moe.experts.w2).detach()
-        if moe.ep_group is not None:
-            parts13 = [torch.empty_like(w13) for _ in range(moe.ep_size)]
-            parts2 = [torch.empty_like(w2) for _ in range(moe.ep_size)]
-            dist.all_gather(parts13, w13.contiguous(), group=moe.ep_group)
-            dist.all_gather(parts2, w2.contiguous(), group=moe.ep_group)
-            w13, w2 = torch.cat(parts13), torch.cat(parts2)
+        w13, w2 = all_expert_weights(moe)
         m = block._template[0].to_empty(device=w13.device)
         m._init_self_buffers(buffer_device=w13.device)
         inner, f = m.routed_experts.inner_experts, moe.cfg.ffn_hidden
         inner.w1_EFD.copy_(w13[:, :f])
         inner.w3_EFD.copy_(w13[:, f:])
         inner.w2_EDF.copy_(w2)
-        m.router.gate.weight.copy_(_full(moe.router.weight))
+        m.router.gate.weight.copy_(full(moe.router.weight))
         if m.expert_bias_E is not None:
             m.expert_bias_E.copy_(moe.router.expert_bias)
         if moe.shared_experts is not None:
-            gate, up = _full(moe.shared_experts.w13).chunk(2, dim=0)
+            gate, up = full(moe.shared_experts.w13).chunk(2, dim=0)
             m.shared_experts.w1.weight.copy_(gate)
             m.shared_experts.w3.weight.copy_(up)
-            m.shared_experts.w2.weight.copy_(_full(moe.shared_experts.w2))
+            m.shared_experts.w2.weight.copy_(full(moe.shared_experts.w2))
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, m)
     return len(targets)
