@@ -5,8 +5,6 @@ plain gather (CPU, fp32 master weights: the FP8 gather quantizes exactly what th
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -25,6 +23,7 @@ from moe_ep.experts.reference import quantize_operand
 from moe_ep.mxfp8.reference import fake_quantize_blocks_torch
 from moe_ep.recipe import BLOCKWISE, MXFP8
 from tests._dist import run_distributed
+from tests._fsdp_steps import cuda_stand_in, train_steps
 
 U8 = torch.uint8
 
@@ -201,7 +200,7 @@ def _train(rank, world, ep, fp8: bool, reshard: bool, backend="reference", recip
     from launch.model import ModelConfig, MoETransformer  # noqa: PLC0415
     from moe_ep import init_ep  # noqa: PLC0415
     from moe_ep.layer import MoE  # noqa: PLC0415
-    from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noqa: PLC0415
+    from moe_ep.parallel import apply_fsdp, broadcast_params  # noqa: PLC0415
 
     mesh = init_ep(ep)
     cfg = ModelConfig(
@@ -213,24 +212,11 @@ def _train(rank, world, ep, fp8: bool, reshard: bool, backend="reference", recip
     assert all(m.cfg.recipe == recipe for m in model.modules() if isinstance(m, MoE))
     broadcast_params(model, mesh)
     apply_fsdp(model, mesh, reshard_after_forward=reshard, fp8_expert_gather=fp8, mxfp8_expert_gather=mx)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = []
-    for step in range(3):
-        tok = torch.randint(0, 256, (2 * world, 17), generator=torch.Generator().manual_seed(step))
-        tok = tok[2 * rank : 2 * rank + 2]
-        loss, aux = model(tok[:, :-1], tok[:, 1:])
-        (loss + aux).backward()
-        out.append((loss.item(), float(clip_grad_norm_(model, math.inf))))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    shards = [p._local_tensor for n, p in model.named_parameters() if ".experts." in f".{n}"]
-    return out, shards
+    return train_steps(model, rank, world)
 
 
 def _fsdp_training(rank: int, world: int) -> None:
     from moe_ep import layer_cuda  # noqa: PLC0415
-    from moe_ep.experts.reference import expert_mlp  # noqa: PLC0415
-    from moe_ep.transport import combine, dispatch  # noqa: PLC0415
 
     for ep, reshard in ((1, True), (2, True)):  # dp = 2 (two all-gather inputs), dp = 1 (the packed buffer)
         plain, _ = _train(rank, world, ep, False, reshard)
@@ -244,15 +230,8 @@ def _fsdp_training(rank: int, world: int) -> None:
     # kernels: it receives the gathered blockwise weights and computes with their stored quantizations.
     seen = []
 
-    def fake_cuda(x, topk_idx, topk_w, w13, w2, cache, cfg, group):
-        seen.append(type(w13) is BlockwiseExpertWeight and type(w2) is BlockwiseExpertWeight and cache is None)
-        r = cfg.recipe_row
-        rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, r)
-        out = expert_mlp(rows, w13, w2, handle.group_sizes_host, r)
-        return combine(out, w, handle, r), handle.num_dropped
-
     layer_cuda.resolve_backend = lambda cfg, x: "reference" if cfg.backend == "reference" else "cuda"
-    layer_cuda.routed_experts_cuda = fake_cuda
+    layer_cuda.routed_experts_cuda = cuda_stand_in(BlockwiseExpertWeight, seen)
     plain, _ = _train(rank, world, 1, False, False, "auto")  # the same stand-in with the plain gather
     fp8, _ = _train(rank, world, 1, True, False, "auto")  # (and no reshard after forward: one gather per step)
     assert seen == [False] * 3 + [True] * 3, seen  # 3 steps of the one layer

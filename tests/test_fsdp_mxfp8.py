@@ -4,8 +4,6 @@ plain gather (CPU, fp32 master weights: the MXFP8 gather quantizes exactly what 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from moe_ep.experts.fsdp_mxfp8 import (
 )
 from moe_ep.experts.sm90.operands import weight_operands
 from tests._dist import run_distributed
+from tests._fsdp_steps import cuda_stand_in, train_steps
 
 
 def _weight(g: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -129,7 +128,7 @@ def test_use_mxfp8_all_gather_checks() -> None:
 def _train(rank: int, world: int, ep: int, mx: bool, reshard: bool, backend: str, quantize: bool = True):
     from launch.model import ModelConfig, MoETransformer  # noqa: PLC0415
     from moe_ep import init_ep  # noqa: PLC0415
-    from moe_ep.parallel import apply_fsdp, broadcast_params, clip_grad_norm_  # noqa: PLC0415
+    from moe_ep.parallel import apply_fsdp, broadcast_params  # noqa: PLC0415
 
     mesh = init_ep(ep)
     cfg = ModelConfig(
@@ -140,24 +139,11 @@ def _train(rank: int, world: int, ep: int, mx: bool, reshard: bool, backend: str
     model = MoETransformer(cfg, mesh)
     broadcast_params(model, mesh)
     apply_fsdp(model, mesh, reshard_after_forward=reshard, mxfp8_expert_gather=mx)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = []
-    for step in range(3):
-        tok = torch.randint(0, 256, (2 * world, 17), generator=torch.Generator().manual_seed(step))
-        tok = tok[2 * rank : 2 * rank + 2]
-        loss, aux = model(tok[:, :-1], tok[:, 1:])
-        (loss + aux).backward()
-        out.append((loss.item(), float(clip_grad_norm_(model, math.inf))))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    shards = [p._local_tensor for n, p in model.named_parameters() if ".experts." in f".{n}"]
-    return out, shards
+    return train_steps(model, rank, world)
 
 
 def _fsdp_training(rank: int, world: int) -> None:
     from moe_ep import layer_cuda  # noqa: PLC0415
-    from moe_ep.experts.reference import expert_mlp  # noqa: PLC0415
-    from moe_ep.transport import combine, dispatch  # noqa: PLC0415
 
     for ep, reshard in ((1, True), (2, True), (1, False)):
         plain, _ = _train(rank, world, ep, False, reshard, "reference")
@@ -170,14 +156,8 @@ def _fsdp_training(rank: int, world: int) -> None:
     # kernels: it receives the gathered MXFP8 weights and computes with their stored quantizations.
     seen = []
 
-    def fake_cuda(x, topk_idx, topk_w, w13, w2, cache, cfg, group):
-        seen.append(type(w13) is MXFP8ExpertWeight and type(w2) is MXFP8ExpertWeight and cache is None)
-        rows, w, handle = dispatch(x, topk_idx, topk_w, cfg.num_experts, group, cfg.quantize)
-        out = expert_mlp(rows, w13, w2, handle.group_sizes_host, cfg.quantize)
-        return combine(out, w, handle, cfg.quantize), handle.num_dropped
-
     layer_cuda.resolve_backend = lambda cfg, x: "reference" if cfg.backend == "reference" else "cuda"
-    layer_cuda.routed_experts_cuda = fake_cuda
+    layer_cuda.routed_experts_cuda = cuda_stand_in(MXFP8ExpertWeight, seen)
     plain, _ = _train(rank, world, 1, False, True, "auto")  # the same stand-in with the plain gather (x in bf16)
     mx, _ = _train(rank, world, 1, True, True, "auto")
     assert seen == [False] * 6 + [True] * 6, seen  # 3 steps x 2 layers each
