@@ -23,10 +23,13 @@ INCLUDES = [
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 # the MXFP8 emulator's pieces that do not depend on the kernels: the C++ preamble (CUDA keywords, dim3, the fibers'
-# threadIdx), the intrinsics, and the cooperative-fiber runtime
+# threadIdx), the intrinsics, the cooperative-fiber runtime with __syncthreads and the warp shuffles, and run_grid
 _PREAMBLE = EMU_SHIM[: EMU_SHIM.index("alignas(128) static unsigned char g_smem")]
 _INTRINSICS = EMU_SHIM[EMU_SHIM.index("static inline float __uint_as_float") : EMU_SHIM.index("// Cooperative CUDA")]
-_FIBERS = EMU_SHIM[EMU_SHIM.index("// Cooperative CUDA threads") : EMU_SHIM.index("static EmuBarrier* g_cta;")]
+_RUNTIME = EMU_SHIM[EMU_SHIM.index("// Cooperative CUDA threads") : EMU_SHIM.index('#include "mxfp8/quantize.cu"')]
+_RUN_GRID = EMU_SHIM[
+    EMU_SHIM.index("template <class F> static void run_grid") : EMU_SHIM.index("typedef void (*QuantFn)")
+]
 
 SHIM = r"""
 PREAMBLE
@@ -36,39 +39,10 @@ alignas(128) static unsigned char g_smem[128 * 1024];  // >= every launch's dyna
 static bool g_bad_threads;
 #define BW_CHECK_THREADS(n) if (blockDim.x != (unsigned)(n)) g_bad_threads = true
 INTRINSICS
-FIBERS
-static EmuBarrier* g_cta;
-static EmuBarrier* g_warp[16];
-static uint64_t g_shfl[16][32];
-static inline void __syncthreads() { g_cta->arrive_and_wait(); }
-template <class T> static T shfl_impl(T v, int d, bool xr) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    uint64_t u = 0; memcpy(&u, &v, sizeof(T));
-    g_shfl[warp][lane] = u;
-    g_warp[warp]->arrive_and_wait();
-    const int src = xr ? (lane ^ d) : (lane - d);
-    T r = v;
-    if (src >= 0 && src < 32) memcpy(&r, &g_shfl[warp][src], sizeof(T));
-    g_warp[warp]->arrive_and_wait();
-    return r;
-}
-template <class T> static T __shfl_xor_sync(unsigned, T v, int o) { return shfl_impl(v, o, true); }
-template <class T> static T __shfl_up_sync(unsigned, T v, int o) { return shfl_impl(v, o, false); }
+RUNTIME
 #include "blockwise/quantize.cu"
 
-template <class F> static void run_grid(int gx, int gy, int threads, F f) {
-    gridDim.x = gx; gridDim.y = gy; blockDim.x = threads;
-    EmuBarrier cta(threads);
-    std::vector<EmuBarrier> w(threads / 32, EmuBarrier(32));
-    g_cta = &cta;
-    for (int i = 0; i < threads / 32; ++i) g_warp[i] = &w[i];
-    auto body = [&] {
-        for (int y = 0; y < gy; ++y)
-            for (int b = 0; b < gx; ++b) { blockIdx.x = b; blockIdx.y = y; f(); cta.arrive_and_wait(); }
-    };
-    emu_run_fibers(threads, [](void* p) { (*static_cast<decltype(body)*>(p))(); }, &body);
-}
-
+RUN_GRID
 #define CU8(v) ((const unsigned char*)(intptr_t)(v))
 #define U8(v) ((unsigned char*)(intptr_t)(v))
 #define CI32(v) ((const int*)(intptr_t)(v))
@@ -128,12 +102,13 @@ def build(workdir: Path):
     if CXX is None:
         return None
     cases = " ".join(
-        f"case {i}: run_grid(gx, gy, threads, [&] {{ {name}({_ARGS[name.split('<')[0]]}); }}); break;"
+        f"case {i}: run_grid(gx, [&] {{ {name}({_ARGS[name.split('<')[0]]}); }}, gy, threads); break;"
         for i, name in enumerate(bw_cuda.NAMES)
     )
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / "bw_emu.cpp"
-    shim = SHIM.replace("PREAMBLE", _PREAMBLE).replace("INTRINSICS", _INTRINSICS).replace("FIBERS", _FIBERS)
+    shim = SHIM.replace("PREAMBLE", _PREAMBLE).replace("INTRINSICS", _INTRINSICS).replace("RUNTIME", _RUNTIME)
+    shim = shim.replace("RUN_GRID", _RUN_GRID)
     src.write_text(shim.replace("KERNEL_CASES", cases))
     lib = workdir / "libbwemu.so"
     cmd = [CXX, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]

@@ -116,8 +116,8 @@ static void emu_run_fibers(int n, void (*entry)(void*), void* arg) {
     }
 }
 static EmuBarrier* g_cta;
-static EmuBarrier* g_warp[8];
-static uint64_t g_shfl[8][32];
+static EmuBarrier* g_warp[16];  // 16 warps: the 512-thread blockwise kernels too
+static uint64_t g_shfl[16][32];
 static inline void __syncthreads() { g_cta->arrive_and_wait(); }
 template <class T> static T shfl_impl(T v, int src_of_lane_delta, bool xr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
