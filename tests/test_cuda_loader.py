@@ -10,27 +10,35 @@ import pytest
 from moe_ep import _cuda
 
 
+class FakeModule:
+    """A compiled module's stand-in: get_function returns (kernel name, the options it was built with)."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def get_function(self, kernel):
+        return (kernel, self.opts)
+
+
+def _install(monkeypatch, get_module) -> None:
+    """_cuda compiles through ``get_module`` with an empty function cache and a CuPy without devices."""
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext()))
+    monkeypatch.setattr(_cuda, "get_module", get_module)
+    monkeypatch.setattr(_cuda, "cupy", lambda: fake_cupy)
+    monkeypatch.setattr(_cuda, "_functions", {})
+
+
 def test_function_cache_follows_nvrtc_options_env(monkeypatch):
     """Changing MOE_EP_NVRTC_OPTIONS between calls gives the other build; the same options give the cached function
     without compiling again."""
     compiled = []
-
-    class FakeModule:
-        def __init__(self, opts):
-            self.opts = opts
-
-        def get_function(self, kernel):
-            return (kernel, self.opts)
 
     def get_module(name, name_expressions=(), extra_options=(), arch=_cuda.DEFAULT_ARCH):
         opts = _cuda.compile_options(tuple(extra_options), arch)
         compiled.append(opts)
         return FakeModule(opts)
 
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext()))
-    monkeypatch.setattr(_cuda, "get_module", get_module)
-    monkeypatch.setattr(_cuda, "cupy", lambda: fake_cupy)
-    monkeypatch.setattr(_cuda, "_functions", {})
+    _install(monkeypatch, get_module)
     monkeypatch.setenv("MOE_EP_NVRTC_OPTIONS", "-DSOME_OPTION=1")
     a = _cuda.get_function("any.cu", "k", device=0)
     monkeypatch.setenv("MOE_EP_NVRTC_OPTIONS", "-DSOME_OPTION=8")
@@ -44,21 +52,11 @@ def test_arch_is_part_of_the_build(monkeypatch):
     """get_function(arch=) compiles for that architecture and caches the builds apart."""
     built = []
 
-    class FakeModule:
-        def __init__(self, opts):
-            self.opts = opts
-
-        def get_function(self, kernel):
-            return (kernel, self.opts)
-
     def get_module(name, name_expressions=(), extra_options=(), arch=_cuda.DEFAULT_ARCH):
         built.append(arch)
         return FakeModule(_cuda.compile_options(tuple(extra_options), arch))
 
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext()))
-    monkeypatch.setattr(_cuda, "get_module", get_module)
-    monkeypatch.setattr(_cuda, "cupy", lambda: fake_cupy)
-    monkeypatch.setattr(_cuda, "_functions", {})
+    _install(monkeypatch, get_module)
     monkeypatch.delenv("MOE_EP_NVRTC_OPTIONS", raising=False)
     a = _cuda.get_function("any.cu", "k", device=0)
     b = _cuda.get_function("any.cu", "k", device=0, arch="sm_100a")
