@@ -63,6 +63,23 @@ def case_dropless_worst_case(quantize: bool) -> None:
     nvs.get_runtime(fast.ep_group).check_errors()
 
 
+def _capture(step, xs: torch.Tensor, layer):
+    """step() (forward + backward on the static input xs) warmed up 3 times on a side stream, as torch.cuda.graph asks
+    for autograd, then captured with the gradients cleared -> (the graph, what the captured step returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    xs.grad = None
+    mc.zero_grads(layer)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def case_graph(quantize: bool, **kw) -> None:
     """capacity_factor set, nvshmem: forward + backward captured once, replayed on new inputs copied into the static
     input; every replay equals the eager run on the same input bitwise, with eager calls between replays.
@@ -81,17 +98,7 @@ def case_graph(quantize: bool, **kw) -> None:
         ((y.float() * g).sum() + aux).backward()
         return y, aux
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks for autograd
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    xs.grad = None
-    mc.zero_grads(fast)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_s, aux_s = step()
+    graph, (y_s, aux_s) = _capture(step, xs, fast)
     static = {"y": y_s, "aux": aux_s, "x.grad": xs.grad}
     static.update({f"{n}.grad": params[n].grad for n in mc.param_names(fast)})
     xs.grad = None  # eager runs allocate their own gradients; the graph keeps writing the static ones
@@ -123,17 +130,7 @@ def case_graph_weight_update() -> None:
         ((y.float() * g).sum() + aux).backward()
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    xs.grad = None
-    mc.zero_grads(fast)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_s = step()
+    graph, y_s = _capture(step, xs, fast)
     static_w = fast.experts.w13.grad
     xs.grad = None
     mc.zero_grads(fast)
