@@ -186,6 +186,51 @@ __device__ __forceinline__ float bw_swiglu_du(float g, float dh, float sig) { re
 // grouped column-wise layout: which rows a padded 128-column tile holds
 // ------------------------------------------------------------------------------------------------------------
 
+// One round of a block-wide inclusive scan of three per-thread values (NT threads, every thread calls it): (t, n, p)
+// -> their inclusive prefix sums over the threads (it, in, ip) and the round's totals (tot_*), by warp shuffles and
+// one shared-memory pass over the warp sums. The caller synchronizes the CTA before the next round (the warp sums
+// are rewritten). Used by the grouped-layout scans below (t: tiles, n: rows, p: 64-row blocks of each group).
+template <int NT>
+__device__ __forceinline__ void bw_block_scan3(long long t, long long n, long long p, long long& it, long long& in,
+                                           long long& ip, long long& tot_t, long long& tot_n, long long& tot_p) {
+    __shared__ long long s_wt[NT / 32], s_wn[NT / 32], s_wp[NT / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    it = t;
+    in = n;
+    ip = p;  // inclusive scans over the warp, then over the warps
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
+        const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
+        const long long yp = __shfl_up_sync(0xFFFFFFFFu, ip, o);
+        if (lane >= o) {
+            it += yt;
+            in += yn;
+            ip += yp;
+        }
+    }
+    if (lane == 31) {
+        s_wt[warp] = it;
+        s_wn[warp] = in;
+        s_wp[warp] = ip;
+    }
+    __syncthreads();
+    tot_t = 0;
+    tot_n = 0;
+    tot_p = 0;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) {
+        if (w < warp) {
+            it += s_wt[w];
+            in += s_wn[w];
+            ip += s_wp[w];
+        }
+        tot_t += s_wt[w];
+        tot_n += s_wn[w];
+        tot_p += s_wp[w];
+    }
+}
+
 // Tile T of the padded grouped layout (moe_ep.blockwise.reference: group g owns the tiles t_g .. t_g + ceil(n_g/128)
 // - 1, t_g = sum_{h<g} ceil(n_h/128), i.e. padded columns P_g = 128 t_g ..), found from the device-resident group
 // sizes by a block-wide scan (every thread of the CTA calls it; NT threads; negative sizes count as 0). Returns
@@ -200,8 +245,7 @@ template <int NT>
 __device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, int G, long long M, long long T,
                                               long long& row0, int& nrows, long long& prow0) {
     __shared__ long long s_res[3];
-    __shared__ long long s_wt[NT / 32], s_wn[NT / 32], s_wp[NT / 32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     if (tid == 0) s_res[0] = -1;
     __syncthreads();
     long long carry_t = 0, carry_n = 0, carry_p = 0;
@@ -209,36 +253,8 @@ __device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, in
         const int g = base + tid;
         const long long n = g < G ? (long long)max(gsizes[g], 0) : 0LL;
         const long long t = (n + BW_BLOCK - 1) / BW_BLOCK, p = (n + 63) / 64;
-        long long it = t, in = n, ip = p;  // inclusive scans over the warp, then over the warps
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
-            const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
-            const long long yp = __shfl_up_sync(0xFFFFFFFFu, ip, o);
-            if (lane >= o) {
-                it += yt;
-                in += yn;
-                ip += yp;
-            }
-        }
-        if (lane == 31) {
-            s_wt[warp] = it;
-            s_wn[warp] = in;
-            s_wp[warp] = ip;
-        }
-        __syncthreads();
-        long long tot_t = 0, tot_n = 0, tot_p = 0;
-#pragma unroll
-        for (int w = 0; w < NT / 32; ++w) {
-            if (w < warp) {
-                it += s_wt[w];
-                in += s_wn[w];
-                ip += s_wp[w];
-            }
-            tot_t += s_wt[w];
-            tot_n += s_wn[w];
-            tot_p += s_wp[w];
-        }
+        long long it, in, ip, tot_t, tot_n, tot_p;
+        bw_block_scan3<NT>(t, n, p, it, in, ip, tot_t, tot_n, tot_p);
         const long long t0 = carry_t + it - t;  // the group's first tile
         if (g < G && T >= t0 && T < t0 + t) {
             s_res[0] = carry_n + in - n + (T - t0) * BW_BLOCK;
@@ -248,7 +264,7 @@ __device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, in
         carry_t += tot_t;
         carry_n += tot_n;
         carry_p += tot_p;
-        __syncthreads();  // s_wt / s_wn / s_wp are rewritten by the next round; s_res is complete after the last one
+        __syncthreads();  // the scan's warp sums are rewritten by the next round; s_res is complete after the last one
     }
     long long r0 = s_res[0], nr = s_res[1];
     prow0 = s_res[2];
@@ -271,43 +287,14 @@ __device__ __forceinline__ int bw_tile_lookup(const int* __restrict__ gsizes, in
 template <int NT>
 __device__ __forceinline__ void bw_group_table(const int* __restrict__ gsizes, int G, int* tstart, long long* rstart,
                                                int* pstart) {
-    __shared__ long long s_wt[NT / 32], s_wn[NT / 32], s_wp[NT / 32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     long long carry_t = 0, carry_n = 0, carry_p = 0;
     for (int base = 0; base < G; base += NT) {
         const int g = base + tid;
         const long long n = g < G ? (long long)max(gsizes[g], 0) : 0LL;
         const long long t = (n + BW_BLOCK - 1) / BW_BLOCK, p = (n + 63) / 64;
-        long long it = t, in = n, ip = p;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const long long yt = __shfl_up_sync(0xFFFFFFFFu, it, o);
-            const long long yn = __shfl_up_sync(0xFFFFFFFFu, in, o);
-            const long long yp = __shfl_up_sync(0xFFFFFFFFu, ip, o);
-            if (lane >= o) {
-                it += yt;
-                in += yn;
-                ip += yp;
-            }
-        }
-        if (lane == 31) {
-            s_wt[warp] = it;
-            s_wn[warp] = in;
-            s_wp[warp] = ip;
-        }
-        __syncthreads();
-        long long tot_t = 0, tot_n = 0, tot_p = 0;
-#pragma unroll
-        for (int w = 0; w < NT / 32; ++w) {
-            if (w < warp) {
-                it += s_wt[w];
-                in += s_wn[w];
-                ip += s_wp[w];
-            }
-            tot_t += s_wt[w];
-            tot_n += s_wn[w];
-            tot_p += s_wp[w];
-        }
+        long long it, in, ip, tot_t, tot_n, tot_p;
+        bw_block_scan3<NT>(t, n, p, it, in, ip, tot_t, tot_n, tot_p);
         if (g < G) {
             tstart[g] = (int)(carry_t + it - t);
             rstart[g] = carry_n + in - n;
